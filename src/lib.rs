@@ -1,0 +1,4 @@
+//! rlaunch's worker-side runtime: the worker environment contract, the TCPStore protocol,
+//! process groups and collectives, and data-parallel training helpers.
+
+pub mod env;
