@@ -1,0 +1,946 @@
+//! The rendezvous round state machine: a pure function `apply(job, event, now) -> (job, decision)`.
+//!
+//! No I/O, no async, no clock reads: the caller passes `now` in milliseconds (wall-clock millis
+//! since the Unix epoch at the edges, so that several server replicas on one etcd agree; made-up
+//! numbers in tests). Every store (memory, etcd) and every edge (HTTP, in-process) runs this one
+//! machine, so the behaviour is defined here and only here.
+//!
+//! Life of a job: nodes join a *forming* round (`Waiting` below MIN, `LastCall` once MIN are in)
+//! → the round closes (`Running`) with contiguous, deterministic group ranks → a member's
+//! heartbeat lapses, a failure is reported, a member leaves, or a node waits to join below MAX
+//! → the round number goes up and a new round forms with the survivors → … until every member
+//! of a round reports success (`Finished`), the restart budget is spent or too few nodes come
+//! back within the join timeout (`Failed`).
+//!
+//! Round numbers go up when a round is *opened* (torn down for a new one), so a watcher of round
+//! N learns "stop your workers and rejoin" as soon as N+1 exists, not when N+1 closes.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// Milliseconds: the machine's clock unit (wall-clock millis since the Unix epoch at the edges).
+pub type Millis = u64;
+
+/// How a job's rendezvous behaves; fixed when the job is created by its first join.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobSettings {
+    /// Fewest nodes a round may close with (`--nnodes MIN:MAX`).
+    pub min_nodes: u32,
+    /// Most nodes a round may close with.
+    pub max_nodes: u32,
+    /// How long a forming round waits for MIN nodes before the job fails.
+    #[serde(rename = "join_timeout_ms", with = "duration_ms")]
+    pub join_timeout: Duration,
+    /// How long a round with at least MIN nodes waits for more (skipped at MAX, or when every
+    /// surviving member of the previous round is back).
+    #[serde(rename = "last_call_timeout_ms", with = "duration_ms")]
+    pub last_call_timeout: Duration,
+    /// How often agents send heartbeats.
+    #[serde(rename = "heartbeat_interval_ms", with = "duration_ms")]
+    pub heartbeat_interval: Duration,
+    /// A node not heard from for this long is lost (on etcd: the lease TTL, rounded up to seconds).
+    #[serde(rename = "node_ttl_ms", with = "duration_ms")]
+    pub node_ttl: Duration,
+    /// Global restart budget: how many reported failures the job survives.
+    pub max_restarts: u32,
+}
+
+impl Default for JobSettings {
+    /// Node loss detected in ≤ 2 s plus one tick: heartbeat 0.5 s, TTL 2 s.
+    fn default() -> Self {
+        Self {
+            min_nodes: 1,
+            max_nodes: 1,
+            join_timeout: Duration::from_secs(600),
+            last_call_timeout: Duration::from_secs(1),
+            heartbeat_interval: Duration::from_millis(500),
+            node_ttl: Duration::from_secs(2),
+            max_restarts: 0,
+        }
+    }
+}
+
+/// Settings that cannot work together, rejected before any job exists.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SettingsError {
+    #[error("min nodes must be at least 1 (got {min})")]
+    MinNodesZero { min: u32 },
+    #[error("min nodes ({min}) must not exceed max nodes ({max})")]
+    MinAboveMax { min: u32, max: u32 },
+    #[error("{name} must be greater than zero")]
+    Zero { name: &'static str },
+    #[error("timeouts must nest: {smaller} ({smaller_value:?}) must be less than {larger} ({larger_value:?})")]
+    NotNested {
+        smaller: &'static str,
+        smaller_value: Duration,
+        larger: &'static str,
+        larger_value: Duration,
+    },
+}
+
+/// Checks that each timeout in `chain` is strictly less than the next one. The launcher passes
+/// its whole chain (heartbeat interval < node TTL < collective timeout < stop grace < join
+/// timeout); [`JobSettings::validate`] checks the part the rendezvous knows about.
+pub fn check_nesting(chain: &[(&'static str, Duration)]) -> Result<(), SettingsError> {
+    for pair in chain.windows(2) {
+        let ((smaller, smaller_value), (larger, larger_value)) = (pair[0], pair[1]);
+        if smaller_value >= larger_value {
+            return Err(SettingsError::NotNested {
+                smaller,
+                smaller_value,
+                larger,
+                larger_value,
+            });
+        }
+    }
+    Ok(())
+}
+
+impl JobSettings {
+    /// Rejects settings that cannot work: MIN of 0, MIN > MAX, zero intervals, and timeouts that
+    /// do not nest (heartbeat interval < node TTL < join timeout, last call < join timeout).
+    pub fn validate(&self) -> Result<(), SettingsError> {
+        if self.min_nodes == 0 {
+            return Err(SettingsError::MinNodesZero { min: self.min_nodes });
+        }
+        if self.min_nodes > self.max_nodes {
+            return Err(SettingsError::MinAboveMax { min: self.min_nodes, max: self.max_nodes });
+        }
+        if self.heartbeat_interval.is_zero() {
+            return Err(SettingsError::Zero { name: "heartbeat interval" });
+        }
+        check_nesting(&[
+            ("heartbeat interval", self.heartbeat_interval),
+            ("node TTL", self.node_ttl),
+            ("join timeout", self.join_timeout),
+        ])?;
+        check_nesting(&[
+            ("last-call timeout", self.last_call_timeout),
+            ("join timeout", self.join_timeout),
+        ])
+    }
+
+    fn ms(d: Duration) -> Millis {
+        u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+    }
+}
+
+/// What an agent tells the rendezvous about its node when it joins.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeInfo {
+    /// Unique per agent process (e.g. `host-pid-random`): a restarted agent is a new node.
+    pub node_id: String,
+    /// Workers this node runs (`--nproc-per-node`).
+    pub local_world_size: u32,
+    /// `host:port` of the TCPStore this node's agent hosts; group rank 0's is the master store.
+    pub store_addr: String,
+}
+
+/// A node that joined and waits for the next round to close, in join order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Pending {
+    #[serde(flatten)]
+    pub node: NodeInfo,
+    pub joined_at: Millis,
+}
+
+/// A member of a closed round.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Member {
+    pub node_id: String,
+    pub group_rank: u32,
+    pub local_world_size: u32,
+    /// Global rank of this node's local rank 0: the sum of local world sizes before it.
+    pub rank_offset: u32,
+    pub store_addr: String,
+}
+
+/// Why a job failed, for callers that treat a join timeout differently.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailureKind {
+    JoinTimeout,
+    RestartBudget,
+}
+
+/// Where the job is in its life.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum Phase {
+    /// A round forms with fewer than MIN nodes; the job fails at `since + join_timeout`.
+    Waiting { since: Millis },
+    /// At least MIN nodes are in; the round closes at `deadline` (or at MAX).
+    LastCall { since: Millis, deadline: Millis },
+    /// The round closed; its members run workers.
+    Running { since: Millis },
+    /// Every member of the last round succeeded.
+    Finished { at: Millis },
+    /// The job is over without success.
+    Failed { at: Millis, kind: FailureKind, reason: String },
+}
+
+impl Phase {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Phase::Waiting { .. } => "waiting",
+            Phase::LastCall { .. } => "last_call",
+            Phase::Running { .. } => "running",
+            Phase::Finished { .. } => "finished",
+            Phase::Failed { .. } => "failed",
+        }
+    }
+
+    pub fn is_terminal(&self) -> bool {
+        matches!(self, Phase::Finished { .. } | Phase::Failed { .. })
+    }
+
+    fn is_forming(&self) -> bool {
+        matches!(self, Phase::Waiting { .. } | Phase::LastCall { .. })
+    }
+}
+
+/// The whole state of one job's rendezvous. Plain data: stores persist it as JSON.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Job {
+    pub settings: JobSettings,
+    pub phase: Phase,
+    /// The current round: running when `phase` is `Running`, forming before that.
+    pub round: u64,
+    /// Goes up on every change except heartbeats; long-polls wait for it to move.
+    pub version: u64,
+    /// Members of the last closed round in group-rank order (the running one when `Running`).
+    pub members: Vec<Member>,
+    /// Nodes waiting for the next round to close, in join order (standbys beyond MAX too).
+    pub pending: Vec<Pending>,
+    /// Surviving members of the previous round, in their old rank order, expected to rejoin the
+    /// forming round; when all are back the last call is skipped.
+    pub previous: Vec<String>,
+    /// Members of the running round that reported success.
+    pub succeeded: Vec<String>,
+    /// Last time each live node (member, pending or previous) was heard from.
+    pub last_seen: BTreeMap<String, Millis>,
+    /// Restarts spent from the global budget (failures only; node loss and scale-up are free).
+    pub restart_count: u32,
+    /// Root cause of the last reported failure, as the agent sent it.
+    pub last_root_cause: Option<serde_json::Value>,
+    /// Human reason of the last transition.
+    pub last_reason: String,
+    pub created_at: Millis,
+}
+
+/// The effect of one event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decision {
+    pub action: Action,
+    /// Why, in words (logged, shown in status).
+    pub reason: String,
+}
+
+/// Why a new round was opened.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RoundCause {
+    NodeLost { nodes: Vec<String> },
+    Failure { node_id: String },
+    ScaleUp { node_id: String },
+    MemberLeft { node_id: String },
+}
+
+/// What happened, for the edges (metrics, logs, wake-ups).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// Nothing changed (a stale or redundant event).
+    Nothing,
+    /// A heartbeat was recorded (no version bump: long-polls do not wake).
+    HeartbeatRecorded,
+    /// State changed without a round transition (a node joined a forming round, a success was
+    /// noted, a node left a forming round, a last call started).
+    Updated,
+    /// The running round was torn down and round `round` opened.
+    RoundOpened { round: u64, cause: RoundCause },
+    /// Round `round` closed with its members.
+    RoundClosed { round: u64 },
+    Finished,
+    Failed,
+    /// The event was refused; the job is untouched.
+    Rejected(Rejection),
+}
+
+/// Why an event was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Rejection {
+    #[error("invalid node: {message}")]
+    InvalidNode { message: String },
+    #[error("node `{node_id}` is unknown to this job (never joined, left, or declared lost): rejoin")]
+    UnknownNode { node_id: String },
+    #[error("node `{node_id}` is not a member of round {round}")]
+    NotMember { node_id: String, round: u64 },
+    #[error("the job has finished")]
+    JobFinished,
+    #[error("the job has failed: {reason}")]
+    JobFailed { kind: FailureKind, reason: String },
+}
+
+/// Something that happened to a job.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum Event {
+    Join(NodeInfo),
+    Heartbeat { node_id: String },
+    /// Time passed: check heartbeats, the last call and the join timeout.
+    Tick,
+    ReportFailure { node_id: String, round: u64, root_cause: serde_json::Value },
+    NodeSucceeded { node_id: String, round: u64 },
+    Leave { node_id: String },
+}
+
+/// What one member learns when its round closes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RoundInfo {
+    pub round: u64,
+    pub group_rank: u32,
+    pub group_world_size: u32,
+    pub members: Vec<Member>,
+    /// `host:port` of group rank 0's store.
+    pub master_store_addr: String,
+    pub restart_count: u32,
+    pub max_restarts: u32,
+    /// Sum of every member's local world size.
+    pub world_size: u32,
+    /// Global rank of this node's local rank 0.
+    pub rank_offset: u32,
+    pub local_world_size: u32,
+}
+
+/// One node as `status` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeStatus {
+    pub node_id: String,
+    pub group_rank: Option<u32>,
+    pub local_world_size: u32,
+    pub store_addr: String,
+    /// Milliseconds since last heard from; `None` when not tracked (lost, left, succeeded and gone).
+    pub last_heartbeat_ago_ms: Option<u64>,
+    pub succeeded: bool,
+}
+
+/// A job as `rlaunch status` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobStatus {
+    pub run_id: String,
+    pub state: String,
+    pub round: u64,
+    pub members: Vec<NodeStatus>,
+    pub pending: Vec<NodeStatus>,
+    pub world_size: u32,
+    pub restart_count: u32,
+    pub max_restarts: u32,
+    pub last_root_cause: Option<serde_json::Value>,
+    pub failure: Option<String>,
+    pub last_reason: String,
+    pub settings: JobSettings,
+}
+
+impl Job {
+    /// A job created by its first join; round 1 starts forming at `now`.
+    pub fn new(settings: JobSettings, now: Millis) -> Self {
+        Self {
+            settings,
+            phase: Phase::Waiting { since: now },
+            round: 1,
+            version: 0,
+            members: Vec::new(),
+            pending: Vec::new(),
+            previous: Vec::new(),
+            succeeded: Vec::new(),
+            last_seen: BTreeMap::new(),
+            restart_count: 0,
+            last_root_cause: None,
+            last_reason: "job created; round 1 forming".to_owned(),
+            created_at: now,
+        }
+    }
+
+    pub fn is_member(&self, node_id: &str) -> bool {
+        self.members.iter().any(|m| m.node_id == node_id)
+    }
+
+    fn is_pending(&self, node_id: &str) -> bool {
+        self.pending.iter().any(|p| p.node.node_id == node_id)
+    }
+
+    pub fn world_size(&self) -> u32 {
+        self.members.iter().map(|m| m.local_world_size).sum()
+    }
+
+    /// The round this node runs in, if the job is running a round that includes it.
+    pub fn round_info(&self, node_id: &str) -> Option<RoundInfo> {
+        if !matches!(self.phase, Phase::Running { .. }) {
+            return None;
+        }
+        let me = self.members.iter().find(|m| m.node_id == node_id)?;
+        Some(RoundInfo {
+            round: self.round,
+            group_rank: me.group_rank,
+            group_world_size: u32::try_from(self.members.len()).unwrap_or(u32::MAX),
+            members: self.members.clone(),
+            master_store_addr: self.members.first().map(|m| m.store_addr.clone()).unwrap_or_default(),
+            restart_count: self.restart_count,
+            max_restarts: self.settings.max_restarts,
+            world_size: self.world_size(),
+            rank_offset: me.rank_offset,
+            local_world_size: me.local_world_size,
+        })
+    }
+
+    /// The job as an operator sees it.
+    pub fn status(&self, run_id: &str, now: Millis) -> JobStatus {
+        let ago = |id: &str| self.last_seen.get(id).map(|t| now.saturating_sub(*t));
+        JobStatus {
+            run_id: run_id.to_owned(),
+            state: self.phase.name().to_owned(),
+            round: self.round,
+            members: self
+                .members
+                .iter()
+                .map(|m| NodeStatus {
+                    node_id: m.node_id.clone(),
+                    group_rank: Some(m.group_rank),
+                    local_world_size: m.local_world_size,
+                    store_addr: m.store_addr.clone(),
+                    last_heartbeat_ago_ms: ago(&m.node_id),
+                    succeeded: self.succeeded.contains(&m.node_id),
+                })
+                .collect(),
+            pending: self
+                .pending
+                .iter()
+                .map(|p| NodeStatus {
+                    node_id: p.node.node_id.clone(),
+                    group_rank: None,
+                    local_world_size: p.node.local_world_size,
+                    store_addr: p.node.store_addr.clone(),
+                    last_heartbeat_ago_ms: ago(&p.node.node_id),
+                    succeeded: false,
+                })
+                .collect(),
+            world_size: self.world_size(),
+            restart_count: self.restart_count,
+            max_restarts: self.settings.max_restarts,
+            last_root_cause: self.last_root_cause.clone(),
+            failure: match &self.phase {
+                Phase::Failed { reason, .. } => Some(reason.clone()),
+                _ => None,
+            },
+            last_reason: self.last_reason.clone(),
+            settings: self.settings.clone(),
+        }
+    }
+
+    fn rejection_if_terminal(&self) -> Option<Rejection> {
+        match &self.phase {
+            Phase::Finished { .. } => Some(Rejection::JobFinished),
+            Phase::Failed { kind, reason, .. } => {
+                Some(Rejection::JobFailed { kind: *kind, reason: reason.clone() })
+            }
+            _ => None,
+        }
+    }
+
+    fn lapsed(&self, node_id: &str, now: Millis) -> bool {
+        let ttl = JobSettings::ms(self.settings.node_ttl);
+        match self.last_seen.get(node_id) {
+            Some(seen) => now.saturating_sub(*seen) >= ttl,
+            None => true,
+        }
+    }
+
+    /// Forgets heartbeats of nodes the job no longer tracks.
+    fn prune_last_seen(&mut self) {
+        let keep: Vec<String> = self
+            .members
+            .iter()
+            .map(|m| m.node_id.clone())
+            .chain(self.pending.iter().map(|p| p.node.node_id.clone()))
+            .chain(self.previous.iter().cloned())
+            .collect();
+        self.last_seen.retain(|id, _| keep.contains(id));
+    }
+}
+
+/// Applies one event to a job at time `now`. Pure: the same inputs give the same outputs.
+/// A rejected event returns the job unchanged.
+pub fn apply(job: &Job, ev: Event, now: Millis) -> (Job, Decision) {
+    let mut next = job.clone();
+    let decision = match ev {
+        Event::Join(node) => join(&mut next, node, now),
+        Event::Heartbeat { node_id } => heartbeat(&mut next, &node_id, now),
+        Event::Tick => tick(&mut next, now),
+        Event::ReportFailure { node_id, round, root_cause } => {
+            report_failure(&mut next, &node_id, round, root_cause, now)
+        }
+        Event::NodeSucceeded { node_id, round } => node_succeeded(&mut next, &node_id, round, now),
+        Event::Leave { node_id } => leave(&mut next, &node_id, now),
+    };
+    match decision.action {
+        Action::Rejected(_) => return (job.clone(), decision),
+        Action::Nothing | Action::HeartbeatRecorded => {}
+        _ => {
+            next.version = job.version + 1;
+            next.last_reason = decision.reason.clone();
+        }
+    }
+    (next, decision)
+}
+
+fn decide(action: Action, reason: impl Into<String>) -> Decision {
+    Decision { action, reason: reason.into() }
+}
+
+fn reject(r: Rejection) -> Decision {
+    let reason = r.to_string();
+    decide(Action::Rejected(r), reason)
+}
+
+fn validate_node(node: &NodeInfo) -> Result<(), Rejection> {
+    let invalid = |message: &str| Err(Rejection::InvalidNode { message: message.to_owned() });
+    if node.node_id.is_empty() || node.node_id.len() > 256 {
+        return invalid("node_id must be 1 to 256 characters");
+    }
+    if node.node_id.chars().any(|c| c.is_control() || c == '/') {
+        return invalid("node_id must not contain '/' or control characters");
+    }
+    if node.local_world_size == 0 {
+        return invalid("local_world_size must be at least 1");
+    }
+    let port_ok = node
+        .store_addr
+        .rsplit_once(':')
+        .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+    if !port_ok {
+        return invalid("store_addr must be host:port");
+    }
+    Ok(())
+}
+
+fn join(job: &mut Job, node: NodeInfo, now: Millis) -> Decision {
+    if let Err(r) = validate_node(&node) {
+        return reject(r);
+    }
+    if let Some(r) = job.rejection_if_terminal() {
+        return reject(r);
+    }
+    let id = node.node_id.clone();
+    job.last_seen.insert(id.clone(), now);
+    if matches!(job.phase, Phase::Running { .. }) && job.is_member(&id) {
+        // Retried or failed-over join: idempotent.
+        return decide(Action::Nothing, format!("node {id} is already a member of running round {}", job.round));
+    }
+    let (newly, changed_info) = match job.pending.iter_mut().find(|p| p.node.node_id == id) {
+        Some(p) => {
+            let changed = p.node != node;
+            p.node = node;
+            if !changed && !job.phase.is_forming() {
+                return decide(Action::Nothing, format!("node {id} is already waiting"));
+            }
+            (false, changed)
+        }
+        None => {
+            job.pending.push(Pending { node, joined_at: now });
+            (true, false)
+        }
+    };
+    if matches!(job.phase, Phase::Running { .. }) {
+        let max = job.settings.max_nodes as usize;
+        if job.members.len() < max {
+            let reason = format!(
+                "node {id} waits to join running round {} with {} of at most {max} nodes: scale-up",
+                job.round,
+                job.members.len()
+            );
+            return open_round(job, now, RoundCause::ScaleUp { node_id: id }, &[], reason);
+        }
+        return decide(
+            Action::Updated,
+            format!("node {id} waits as a standby: round {} runs at MAX ({max}) nodes", job.round),
+        );
+    }
+    // A repeated join (long-poll retry) must not bump the version, or every waiter would wake
+    // every other waiter forever.
+    let base = if newly {
+        format!("node {id} joined forming round {}", job.round)
+    } else if changed_info {
+        format!("node {id} rejoined forming round {} with new details", job.round)
+    } else {
+        String::new()
+    };
+    evaluate_forming(job, now, base)
+}
+
+fn heartbeat(job: &mut Job, node_id: &str, now: Millis) -> Decision {
+    if let Some(r) = job.rejection_if_terminal() {
+        return reject(r);
+    }
+    match job.last_seen.get_mut(node_id) {
+        Some(seen) => {
+            *seen = (*seen).max(now);
+            decide(Action::HeartbeatRecorded, format!("heartbeat from {node_id}"))
+        }
+        None => reject(Rejection::UnknownNode { node_id: node_id.to_owned() }),
+    }
+}
+
+fn tick(job: &mut Job, now: Millis) -> Decision {
+    if job.phase.is_terminal() {
+        return decide(Action::Nothing, "job is over");
+    }
+    let before = (job.pending.len(), job.previous.len());
+    let lapsed_pending: Vec<String> = job
+        .pending
+        .iter()
+        .map(|p| p.node.node_id.clone())
+        .filter(|id| job.lapsed(id, now))
+        .collect();
+    job.pending.retain(|p| !lapsed_pending.contains(&p.node.node_id));
+    let mut dropped = lapsed_pending;
+    let lapsed_previous: Vec<String> =
+        job.previous.iter().filter(|id| job.lapsed(id, now)).cloned().collect();
+    job.previous.retain(|id| !lapsed_previous.contains(id));
+    dropped.extend(lapsed_previous);
+    let dropped_note = if dropped.is_empty() {
+        String::new()
+    } else {
+        format!("node(s) {} missed heartbeats for the TTL and were dropped; ", dropped.join(", "))
+    };
+
+    match job.phase {
+        Phase::Running { .. } => {
+            let lost: Vec<String> = job
+                .members
+                .iter()
+                .map(|m| m.node_id.clone())
+                .filter(|id| !job.succeeded.contains(id) && job.lapsed(id, now))
+                .collect();
+            if !lost.is_empty() {
+                let reason = format!(
+                    "{dropped_note}node(s) {} of round {} missed heartbeats for the TTL ({:?}): node loss",
+                    lost.join(", "),
+                    job.round,
+                    job.settings.node_ttl
+                );
+                return open_round(job, now, RoundCause::NodeLost { nodes: lost.clone() }, &lost, reason);
+            }
+            // Succeeded members may go quiet; forget them without disturbing the round.
+            let quiet: Vec<String> =
+                job.succeeded.iter().filter(|id| job.lapsed(id, now)).cloned().collect();
+            for id in &quiet {
+                job.last_seen.remove(id);
+            }
+            job.prune_last_seen();
+            if before != (job.pending.len(), job.previous.len()) {
+                decide(Action::Updated, dropped_note.trim_end_matches("; ").to_owned())
+            } else {
+                decide(Action::Nothing, "nothing due")
+            }
+        }
+        Phase::Waiting { .. } | Phase::LastCall { .. } => {
+            job.prune_last_seen();
+            let changed = before != (job.pending.len(), job.previous.len());
+            let d = evaluate_forming(job, now, dropped_note.trim_end_matches("; ").to_owned());
+            if d.action == Action::Nothing && changed {
+                decide(Action::Updated, d.reason)
+            } else {
+                d
+            }
+        }
+        Phase::Finished { .. } | Phase::Failed { .. } => decide(Action::Nothing, "job is over"),
+    }
+}
+
+fn report_failure(
+    job: &mut Job,
+    node_id: &str,
+    round: u64,
+    root_cause: serde_json::Value,
+    now: Millis,
+) -> Decision {
+    if job.phase.is_terminal() {
+        return decide(Action::Nothing, format!("failure report from {node_id} ignored: the job is over"));
+    }
+    if round != job.round || !matches!(job.phase, Phase::Running { .. }) {
+        return decide(
+            Action::Nothing,
+            format!(
+                "failure report from {node_id} for round {round} ignored: round {} is {} (a failure counts once per round)",
+                job.round,
+                job.phase.name()
+            ),
+        );
+    }
+    if !job.is_member(node_id) {
+        return reject(Rejection::NotMember { node_id: node_id.to_owned(), round });
+    }
+    let summary = summarize(&root_cause);
+    job.last_root_cause = Some(root_cause);
+    let budget = job.settings.max_restarts;
+    if job.restart_count < budget {
+        job.restart_count += 1;
+        let reason = format!(
+            "worker failure on node {node_id} in round {round}: restart {} of {budget}; root cause: {summary}",
+            job.restart_count
+        );
+        open_round(job, now, RoundCause::Failure { node_id: node_id.to_owned() }, &[], reason)
+    } else {
+        let reason = format!(
+            "restart budget exhausted ({budget} restarts used); last failure on node {node_id} in round {round}: {summary}"
+        );
+        job.phase = Phase::Failed { at: now, kind: FailureKind::RestartBudget, reason: reason.clone() };
+        decide(Action::Failed, reason)
+    }
+}
+
+fn summarize(v: &serde_json::Value) -> String {
+    let mut s = v.to_string();
+    if s.len() > 300 {
+        let mut cut = 300;
+        while !s.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        s.truncate(cut);
+        s.push('…');
+    }
+    s
+}
+
+fn node_succeeded(job: &mut Job, node_id: &str, round: u64, now: Millis) -> Decision {
+    if job.phase.is_terminal() {
+        return decide(Action::Nothing, format!("success of {node_id} noted after the job ended"));
+    }
+    if round != job.round || !matches!(job.phase, Phase::Running { .. }) {
+        return decide(
+            Action::Nothing,
+            format!("success report from {node_id} for round {round} ignored: round {} is {}", job.round, job.phase.name()),
+        );
+    }
+    if !job.is_member(node_id) {
+        return reject(Rejection::NotMember { node_id: node_id.to_owned(), round });
+    }
+    if job.succeeded.iter().any(|s| s == node_id) {
+        return decide(Action::Nothing, format!("success of {node_id} already noted"));
+    }
+    job.succeeded.push(node_id.to_owned());
+    if job.members.iter().all(|m| job.succeeded.contains(&m.node_id)) {
+        job.phase = Phase::Finished { at: now };
+        job.pending.clear();
+        return decide(
+            Action::Finished,
+            format!("every member of round {} succeeded: job finished", job.round),
+        );
+    }
+    decide(
+        Action::Updated,
+        format!(
+            "node {node_id} succeeded in round {round} ({} of {} members done); the others carry on",
+            job.succeeded.len(),
+            job.members.len()
+        ),
+    )
+}
+
+fn leave(job: &mut Job, node_id: &str, now: Millis) -> Decision {
+    if job.phase.is_terminal() {
+        job.last_seen.remove(node_id);
+        return decide(Action::Nothing, format!("node {node_id} left after the job ended"));
+    }
+    let was_pending = job.is_pending(node_id);
+    let was_previous = job.previous.iter().any(|p| p == node_id);
+    job.pending.retain(|p| p.node.node_id != node_id);
+    job.previous.retain(|p| p != node_id);
+    if matches!(job.phase, Phase::Running { .. }) && job.is_member(node_id) {
+        job.last_seen.remove(node_id);
+        if job.succeeded.iter().any(|s| s == node_id) {
+            return decide(Action::Updated, format!("node {node_id} left after succeeding"));
+        }
+        let reason = format!("node {node_id} left running round {}", job.round);
+        let gone = [node_id.to_owned()];
+        return open_round(job, now, RoundCause::MemberLeft { node_id: node_id.to_owned() }, &gone, reason);
+    }
+    if !was_pending && !was_previous && !job.last_seen.contains_key(node_id) {
+        return decide(Action::Nothing, format!("node {node_id} left but was not known"));
+    }
+    job.last_seen.remove(node_id);
+    let base = format!("node {node_id} left");
+    if job.phase.is_forming() {
+        let d = evaluate_forming(job, now, base);
+        if d.action == Action::Nothing {
+            return decide(Action::Updated, d.reason);
+        }
+        return d;
+    }
+    decide(Action::Updated, base)
+}
+
+/// Tears the running (or forming) round down and opens the next: `gone` nodes are not
+/// expected back; surviving members are, in their old rank order.
+fn open_round(job: &mut Job, now: Millis, cause: RoundCause, gone: &[String], reason: String) -> Decision {
+    job.round += 1;
+    let survivors: Vec<String> = job
+        .members
+        .iter()
+        .map(|m| m.node_id.clone())
+        .filter(|id| !gone.contains(id) && !job.lapsed(id, now))
+        .collect();
+    job.previous = survivors;
+    job.succeeded.clear();
+    for id in gone {
+        job.last_seen.remove(id);
+    }
+    job.phase = Phase::Waiting { since: now };
+    job.prune_last_seen();
+    let reason = format!("{reason}; round {} opened", job.round);
+    let d = evaluate_forming(job, now, reason.clone());
+    match d.action {
+        Action::RoundClosed { .. } | Action::Failed => d,
+        _ => decide(Action::RoundOpened { round: job.round, cause }, d.reason),
+    }
+}
+
+/// Decides whether a forming round closes now, enters or leaves its last call, or fails.
+fn evaluate_forming(job: &mut Job, now: Millis, base: String) -> Decision {
+    let with = |s: &str| if base.is_empty() { s.to_owned() } else { format!("{base}; {s}") };
+    let n = job.pending.len();
+    let min = job.settings.min_nodes as usize;
+    let max = job.settings.max_nodes as usize;
+    let previous_back = !job.previous.is_empty() && job.previous.iter().all(|id| job.is_pending(id));
+    let since = match job.phase {
+        Phase::Waiting { since } | Phase::LastCall { since, .. } => since,
+        _ => return decide(Action::Nothing, base),
+    };
+    if n >= max {
+        return close_round(job, now, with(&format!("MAX ({max}) nodes are in: last call skipped")));
+    }
+    if n >= min && previous_back {
+        return close_round(job, now, with("every surviving member of the previous round is back: last call skipped"));
+    }
+    if n >= min {
+        match job.phase {
+            Phase::LastCall { deadline, .. } if now >= deadline => {
+                close_round(job, now, with("last call over"))
+            }
+            Phase::LastCall { .. } => {
+                if base.is_empty() {
+                    decide(Action::Nothing, "last call runs")
+                } else {
+                    decide(Action::Updated, base)
+                }
+            }
+            _ => {
+                if job.settings.last_call_timeout.is_zero() {
+                    return close_round(job, now, with("MIN reached and the last call is zero"));
+                }
+                let deadline = now.saturating_add(JobSettings::ms(job.settings.last_call_timeout));
+                job.phase = Phase::LastCall { since, deadline };
+                decide(
+                    Action::Updated,
+                    with(&format!(
+                        "MIN ({min}) nodes are in: last call for {:?}",
+                        job.settings.last_call_timeout
+                    )),
+                )
+            }
+        }
+    } else {
+        if matches!(job.phase, Phase::LastCall { .. }) {
+            job.phase = Phase::Waiting { since };
+        }
+        let join_deadline = since.saturating_add(JobSettings::ms(job.settings.join_timeout));
+        if now >= join_deadline {
+            let reason = with(&format!(
+                "only {n} of at least {min} nodes joined round {} within the join timeout ({:?}): job failed",
+                job.round, job.settings.join_timeout
+            ));
+            job.pending.clear();
+            job.previous.clear();
+            job.prune_last_seen();
+            job.phase = Phase::Failed { at: now, kind: FailureKind::JoinTimeout, reason: reason.clone() };
+            return decide(Action::Failed, reason);
+        }
+        if base.is_empty() {
+            decide(Action::Nothing, format!("waiting for {} more node(s)", min - n))
+        } else {
+            decide(Action::Updated, with(&format!("waiting for {} more node(s)", min - n)))
+        }
+    }
+}
+
+/// Closes the forming round: previous members first in their old rank order, then the other
+/// joiners by join time; at most MAX; the rest stay pending.
+fn close_round(job: &mut Job, now: Millis, reason: String) -> Decision {
+    let max = job.settings.max_nodes as usize;
+    let mut order: Vec<Pending> = Vec::with_capacity(job.pending.len());
+    for id in &job.previous {
+        if let Some(p) = job.pending.iter().find(|p| &p.node.node_id == id) {
+            order.push(p.clone());
+        }
+    }
+    let mut rest: Vec<Pending> =
+        job.pending.iter().filter(|p| !job.previous.contains(&p.node.node_id)).cloned().collect();
+    rest.sort_by(|a, b| a.joined_at.cmp(&b.joined_at).then_with(|| a.node.node_id.cmp(&b.node.node_id)));
+    order.extend(rest);
+    let standby = if order.len() > max { order.split_off(max) } else { Vec::new() };
+    let mut offset = 0u32;
+    job.members = order
+        .into_iter()
+        .enumerate()
+        .map(|(rank, p)| {
+            let m = Member {
+                node_id: p.node.node_id,
+                group_rank: u32::try_from(rank).unwrap_or(u32::MAX),
+                local_world_size: p.node.local_world_size,
+                rank_offset: offset,
+                store_addr: p.node.store_addr,
+            };
+            offset = offset.saturating_add(m.local_world_size);
+            m
+        })
+        .collect();
+    job.pending = standby;
+    job.previous.clear();
+    job.succeeded.clear();
+    job.phase = Phase::Running { since: now };
+    job.prune_last_seen();
+    let reason = format!(
+        "{reason}; round {} closed with {} node(s), world size {}",
+        job.round,
+        job.members.len(),
+        job.world_size()
+    );
+    decide(Action::RoundClosed { round: job.round }, reason)
+}
+
+impl fmt::Display for Decision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.reason)
+    }
+}
+
+/// `Duration` as whole milliseconds in JSON.
+mod duration_ms {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        u64::deserialize(d).map(Duration::from_millis)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,549 @@
+//! The round machine driven with made-up times: no clock, no I/O.
+
+use std::time::Duration;
+
+use serde_json::json;
+
+use super::*;
+
+fn settings(min: u32, max: u32) -> JobSettings {
+    JobSettings {
+        min_nodes: min,
+        max_nodes: max,
+        join_timeout: Duration::from_secs(60),
+        last_call_timeout: Duration::from_secs(5),
+        heartbeat_interval: Duration::from_millis(500),
+        node_ttl: Duration::from_secs(2),
+        max_restarts: 2,
+    }
+}
+
+fn node(id: &str) -> NodeInfo {
+    NodeInfo { node_id: id.to_owned(), local_world_size: 2, store_addr: format!("{id}:29500") }
+}
+
+/// Applies an event, asserting that the version moves exactly when the decision says so.
+fn step(job: &Job, ev: Event, now: Millis) -> (Job, Decision) {
+    let (next, d) = apply(job, ev, now);
+    match d.action {
+        Action::Nothing | Action::HeartbeatRecorded | Action::Rejected(_) => {
+            assert_eq!(next.version, job.version, "{d:?}")
+        }
+        _ => assert_eq!(next.version, job.version + 1, "{d:?}"),
+    }
+    if matches!(d.action, Action::Rejected(_)) {
+        assert_eq!(&next, job, "a rejected event leaves the job untouched");
+    }
+    (next, d)
+}
+
+fn join(job: &Job, id: &str, now: Millis) -> (Job, Decision) {
+    step(job, Event::Join(node(id)), now)
+}
+
+fn hb(job: &Job, id: &str, now: Millis) -> Job {
+    let (j, d) = step(job, Event::Heartbeat { node_id: id.to_owned() }, now);
+    assert_eq!(d.action, Action::HeartbeatRecorded, "{d:?}");
+    j
+}
+
+fn tick(job: &Job, now: Millis) -> (Job, Decision) {
+    step(job, Event::Tick, now)
+}
+
+fn member_ids(job: &Job) -> Vec<&str> {
+    job.members.iter().map(|m| m.node_id.as_str()).collect()
+}
+
+/// A job running round 1 with `ids`, closed at MAX by the last join (at t = 100·(n−1));
+/// `s.max_nodes` is restored afterwards, so scale-up tests can use a larger MAX.
+fn running(ids: &[&str], s: JobSettings) -> Job {
+    let mut closing = s.clone();
+    closing.min_nodes = closing.min_nodes.min(ids.len() as u32);
+    closing.max_nodes = ids.len() as u32;
+    let mut job = Job::new(closing, 0);
+    for (i, id) in ids.iter().enumerate() {
+        job = join(&job, id, 100 * i as u64).0;
+    }
+    assert!(matches!(job.phase, Phase::Running { .. }), "{job:?}");
+    job.settings = s;
+    job
+}
+
+#[test]
+fn default_settings_are_valid_and_detect_node_loss_within_three_seconds() {
+    let s = JobSettings::default();
+    s.validate().unwrap();
+    assert!(s.node_ttl + s.heartbeat_interval <= Duration::from_secs(3));
+}
+
+#[test]
+fn rejects_timeouts_that_do_not_nest() {
+    let mut s = settings(1, 1);
+    s.node_ttl = Duration::from_millis(500);
+    let err = s.validate().unwrap_err();
+    assert!(matches!(err, SettingsError::NotNested { smaller: "heartbeat interval", larger: "node TTL", .. }));
+    assert!(err.to_string().contains("must be less than node TTL"), "{err}");
+
+    let mut s = settings(1, 1);
+    s.join_timeout = Duration::from_secs(1);
+    assert!(matches!(s.validate(), Err(SettingsError::NotNested { larger: "join timeout", .. })));
+
+    let mut s = settings(1, 1);
+    s.last_call_timeout = Duration::from_secs(61);
+    assert!(matches!(s.validate(), Err(SettingsError::NotNested { smaller: "last-call timeout", .. })));
+
+    assert!(matches!(settings(0, 1).validate(), Err(SettingsError::MinNodesZero { .. })));
+    assert!(matches!(settings(3, 2).validate(), Err(SettingsError::MinAboveMax { min: 3, max: 2 })));
+}
+
+#[test]
+fn check_nesting_names_the_offending_pair() {
+    let err = check_nesting(&[
+        ("node TTL", Duration::from_secs(2)),
+        ("collective timeout", Duration::from_secs(30)),
+        ("stop grace", Duration::from_secs(10)),
+    ])
+    .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "timeouts must nest: collective timeout (30s) must be less than stop grace (10s)"
+    );
+}
+
+#[test]
+fn single_node_job_closes_round_one_at_once() {
+    let job = Job::new(settings(1, 1), 0);
+    let (job, d) = join(&job, "a", 10);
+    assert_eq!(d.action, Action::RoundClosed { round: 1 });
+    let info = job.round_info("a").unwrap();
+    assert_eq!((info.round, info.group_rank, info.group_world_size), (1, 0, 1));
+    assert_eq!((info.world_size, info.rank_offset, info.local_world_size), (2, 0, 2));
+    assert_eq!(info.master_store_addr, "a:29500");
+}
+
+#[test]
+fn waits_for_min_nodes_before_closing() {
+    let job = Job::new(settings(2, 2), 0);
+    let (job, d) = join(&job, "a", 10);
+    assert_eq!(d.action, Action::Updated);
+    assert!(matches!(job.phase, Phase::Waiting { .. }));
+    assert!(job.round_info("a").is_none());
+    let (job, d) = join(&job, "b", 20);
+    assert_eq!(d.action, Action::RoundClosed { round: 1 });
+    assert_eq!(member_ids(&job), ["a", "b"]);
+}
+
+#[test]
+fn ranks_are_contiguous_with_prefix_sum_offsets() {
+    let mut job = Job::new(settings(3, 3), 0);
+    for (i, (id, lws)) in [("a", 4), ("b", 1), ("c", 3)].into_iter().enumerate() {
+        let n = NodeInfo { node_id: id.into(), local_world_size: lws, store_addr: format!("{id}:1") };
+        job = step(&job, Event::Join(n), i as u64).0;
+    }
+    let ranks: Vec<(u32, u32)> = job.members.iter().map(|m| (m.group_rank, m.rank_offset)).collect();
+    assert_eq!(ranks, [(0, 0), (1, 4), (2, 5)]);
+    assert_eq!(job.round_info("c").unwrap().world_size, 8);
+}
+
+#[test]
+fn last_call_waits_for_more_nodes_up_to_its_deadline() {
+    let job = Job::new(settings(2, 4), 0);
+    let (job, _) = join(&job, "a", 0);
+    let (job, d) = join(&job, "b", 100);
+    assert_eq!(d.action, Action::Updated);
+    assert_eq!(job.phase, Phase::LastCall { since: 0, deadline: 5100 });
+    let (job, _) = join(&job, "c", 2000);
+    let job = hb(&hb(&job, "a", 1900), "b", 1900);
+    let job = hb(&hb(&hb(&job, "a", 3800), "b", 3800), "c", 3800);
+    let (job, d) = tick(&job, 5099);
+    assert_eq!(d.action, Action::Nothing);
+    let (job, d) = tick(&job, 5100);
+    assert_eq!(d.action, Action::RoundClosed { round: 1 });
+    assert_eq!(member_ids(&job), ["a", "b", "c"]);
+    assert!(d.reason.contains("last call over"), "{}", d.reason);
+}
+
+#[test]
+fn last_call_is_skipped_when_max_nodes_are_in() {
+    let job = Job::new(settings(1, 2), 0);
+    let (job, _) = join(&job, "a", 0);
+    assert!(matches!(job.phase, Phase::LastCall { .. }));
+    let (job, d) = join(&job, "b", 50);
+    assert_eq!(d.action, Action::RoundClosed { round: 1 });
+    assert!(d.reason.contains("last call skipped"), "{}", d.reason);
+    assert_eq!(job.phase, Phase::Running { since: 50 });
+}
+
+#[test]
+fn zero_last_call_closes_as_soon_as_min_is_in() {
+    let mut s = settings(2, 4);
+    s.last_call_timeout = Duration::ZERO;
+    let (job, _) = join(&Job::new(s, 0), "a", 0);
+    let (_, d) = join(&job, "b", 1);
+    assert_eq!(d.action, Action::RoundClosed { round: 1 });
+}
+
+#[test]
+fn repeated_join_of_a_waiting_node_changes_nothing() {
+    let job = Job::new(settings(2, 2), 0);
+    let (job, _) = join(&job, "a", 0);
+    let (again, d) = join(&job, "a", 300);
+    assert_eq!(d.action, Action::Nothing);
+    assert_eq!(again.version, job.version);
+    assert_eq!(again.last_seen["a"], 300, "a join counts as a sign of life");
+}
+
+#[test]
+fn repeated_join_of_a_running_member_returns_the_same_round() {
+    let job = running(&["a", "b"], settings(2, 2));
+    let (again, d) = join(&job, "b", 2000);
+    assert_eq!(d.action, Action::Nothing);
+    assert_eq!(again.round_info("b"), job.round_info("b"));
+}
+
+#[test]
+fn join_with_bad_details_is_rejected_and_leaves_the_job_untouched() {
+    let job = Job::new(settings(2, 2), 0);
+    for bad in [
+        NodeInfo { node_id: String::new(), local_world_size: 1, store_addr: "h:1".into() },
+        NodeInfo { node_id: "a/b".into(), local_world_size: 1, store_addr: "h:1".into() },
+        NodeInfo { node_id: "a".into(), local_world_size: 0, store_addr: "h:1".into() },
+        NodeInfo { node_id: "a".into(), local_world_size: 1, store_addr: "nope".into() },
+    ] {
+        let (after, d) = step(&job, Event::Join(bad), 5);
+        assert!(matches!(d.action, Action::Rejected(Rejection::InvalidNode { .. })), "{d:?}");
+        assert_eq!(after, job);
+    }
+}
+
+#[test]
+fn heartbeat_from_an_unknown_node_is_rejected() {
+    let job = running(&["a"], settings(1, 1));
+    let (after, d) = step(&job, Event::Heartbeat { node_id: "zz".into() }, 10);
+    assert_eq!(d.action, Action::Rejected(Rejection::UnknownNode { node_id: "zz".into() }));
+    assert_eq!(after, job);
+}
+
+#[test]
+fn heartbeats_do_not_bump_the_version() {
+    let job = running(&["a"], settings(1, 1));
+    let after = hb(&job, "a", 1500);
+    assert_eq!(after.version, job.version);
+    assert_eq!(after.last_seen["a"], 1500);
+}
+
+#[test]
+fn node_loss_opens_a_new_round_with_the_survivors() {
+    let job = running(&["a", "b", "c"], settings(2, 3));
+    // a and c keep heartbeating, b goes silent after joining at t=100.
+    let job = hb(&hb(&job, "a", 1900), "c", 1900);
+    let (job, d) = tick(&job, 2099);
+    assert_eq!(d.action, Action::Nothing, "b's TTL has not run out yet");
+    let (job, d) = tick(&job, 2100);
+    assert_eq!(
+        d.action,
+        Action::RoundOpened { round: 2, cause: RoundCause::NodeLost { nodes: vec!["b".into()] } }
+    );
+    assert!(d.reason.contains("missed heartbeats"), "{}", d.reason);
+    assert_eq!(job.previous, ["a", "c"]);
+    assert!(!job.last_seen.contains_key("b"));
+    // The lost node learns it is unknown and must rejoin.
+    let (_, d) = step(&job, Event::Heartbeat { node_id: "b".into() }, 2200);
+    assert!(matches!(d.action, Action::Rejected(Rejection::UnknownNode { .. })));
+    // Survivors come back: the last call is skipped; ranks keep the old order.
+    let (job, _) = join(&job, "c", 2300);
+    let (job, d) = join(&job, "a", 2400);
+    assert_eq!(d.action, Action::RoundClosed { round: 2 });
+    assert_eq!(member_ids(&job), ["a", "c"]);
+    assert_eq!(job.round_info("c").unwrap().rank_offset, 2);
+    assert_eq!(job.restart_count, 0, "node loss does not spend the restart budget");
+}
+
+#[test]
+fn several_lost_nodes_are_noticed_in_one_tick() {
+    let job = running(&["a", "b", "c"], settings(1, 3));
+    let job = hb(&job, "a", 3000);
+    let (job, d) = tick(&job, 3000);
+    assert_eq!(
+        d.action,
+        Action::RoundOpened { round: 2, cause: RoundCause::NodeLost { nodes: vec!["b".into(), "c".into()] } }
+    );
+    let (job, d) = join(&job, "a", 3100);
+    assert_eq!(d.action, Action::RoundClosed { round: 2 });
+    assert_eq!(job.world_size(), 2);
+}
+
+#[test]
+fn fewer_than_min_survivors_wait_then_fail_at_the_join_timeout() {
+    let job = running(&["a", "b"], settings(2, 2));
+    let job = hb(&job, "a", 2000);
+    let (job, d) = tick(&job, 2150);
+    assert!(matches!(d.action, Action::RoundOpened { round: 2, .. }));
+    let (job, d) = join(&job, "a", 2200);
+    assert_eq!(d.action, Action::Updated);
+    assert!(matches!(job.phase, Phase::Waiting { since: 2150 }));
+    let mut job = job;
+    let mut t = 2200;
+    while t < 2150 + 60_000 - 500 {
+        t += 500;
+        job = hb(&job, "a", t);
+        let (j, d) = tick(&job, t);
+        assert_eq!(d.action, Action::Nothing, "at {t}: {d:?}");
+        job = j;
+    }
+    let (job, d) = tick(&job, 2150 + 60_000);
+    assert_eq!(d.action, Action::Failed);
+    let Phase::Failed { kind, reason, .. } = &job.phase else { panic!("{job:?}") };
+    assert_eq!(*kind, FailureKind::JoinTimeout);
+    assert!(reason.contains("only 1 of at least 2 nodes joined round 2 within the join timeout"), "{reason}");
+    let (_, d) = join(&job, "x", 70_000);
+    assert!(matches!(d.action, Action::Rejected(Rejection::JobFailed { kind: FailureKind::JoinTimeout, .. })));
+}
+
+#[test]
+fn a_joiner_rescues_a_round_below_min_before_the_timeout() {
+    let job = running(&["a", "b"], settings(2, 2));
+    let job = hb(&job, "a", 2000);
+    let (job, _) = tick(&job, 2150);
+    let (job, _) = join(&job, "a", 2200);
+    let (job, d) = join(&job, "n", 30_000);
+    assert_eq!(d.action, Action::RoundClosed { round: 2 });
+    assert_eq!(member_ids(&job), ["a", "n"], "the previous member keeps rank 0");
+}
+
+#[test]
+fn first_round_fails_when_min_never_joins() {
+    let job = Job::new(settings(2, 2), 0);
+    let (job, _) = join(&job, "a", 0);
+    let job = hb(&job, "a", 59_000);
+    let (job, d) = tick(&job, 60_000);
+    assert_eq!(d.action, Action::Failed);
+    assert!(job.phase.is_terminal());
+}
+
+#[test]
+fn failure_opens_a_new_round_and_spends_one_restart() {
+    let job = running(&["a", "b"], settings(2, 2));
+    let rc = json!({"rank": 3, "exit_code": 7});
+    let (job, d) = step(&job, Event::ReportFailure { node_id: "b".into(), round: 1, root_cause: rc.clone() }, 1500);
+    assert_eq!(d.action, Action::RoundOpened { round: 2, cause: RoundCause::Failure { node_id: "b".into() } });
+    assert!(d.reason.contains("restart 1 of 2"), "{}", d.reason);
+    assert_eq!(job.restart_count, 1);
+    assert_eq!(job.last_root_cause, Some(rc));
+    assert_eq!(job.previous, ["a", "b"]);
+}
+
+#[test]
+fn failure_reported_by_several_nodes_counts_once() {
+    let job = running(&["a", "b", "c"], settings(3, 3));
+    let fail = |id: &str| Event::ReportFailure { node_id: id.into(), round: 1, root_cause: json!({"node": id}) };
+    let (job, _) = step(&job, fail("a"), 1500);
+    let (job, d) = step(&job, fail("b"), 1501);
+    assert_eq!(d.action, Action::Nothing);
+    assert!(d.reason.contains("counts once per round"), "{}", d.reason);
+    let (job, _) = step(&job, fail("c"), 1502);
+    assert_eq!(job.restart_count, 1);
+    assert_eq!(job.last_root_cause, Some(json!({"node": "a"})), "the first root cause is kept");
+    // All three rejoin: round 2 closes without a last call, in the old order.
+    let (job, _) = join(&job, "c", 1600);
+    let (job, _) = join(&job, "a", 1601);
+    let (job, d) = join(&job, "b", 1602);
+    assert_eq!(d.action, Action::RoundClosed { round: 2 });
+    assert_eq!(member_ids(&job), ["a", "b", "c"]);
+    assert_eq!(job.round_info("a").unwrap().restart_count, 1);
+}
+
+#[test]
+fn spent_budget_fails_the_job_with_the_root_cause() {
+    let mut s = settings(1, 1);
+    s.max_restarts = 1;
+    let mut job = running(&["a"], s);
+    let (j, d) = step(&job, Event::ReportFailure { node_id: "a".into(), round: 1, root_cause: json!("oom") }, 2000);
+    assert!(matches!(d.action, Action::RoundOpened { round: 2, .. }));
+    job = join(&j, "a", 2001).0;
+    assert_eq!(job.round, 2);
+    let (job, d) = step(&job, Event::ReportFailure { node_id: "a".into(), round: 2, root_cause: json!("segfault") }, 3000);
+    assert_eq!(d.action, Action::Failed);
+    let Phase::Failed { kind, reason, .. } = &job.phase else { panic!("{job:?}") };
+    assert_eq!(*kind, FailureKind::RestartBudget);
+    assert!(reason.contains("restart budget exhausted (1 restarts used)") && reason.contains("segfault"), "{reason}");
+    assert_eq!(job.restart_count, 1);
+    let st = job.status("r", 3000);
+    assert_eq!(st.state, "failed");
+    assert_eq!(st.last_root_cause, Some(json!("segfault")));
+}
+
+#[test]
+fn zero_budget_fails_on_the_first_failure() {
+    let mut s = settings(1, 1);
+    s.max_restarts = 0;
+    let job = running(&["a"], s);
+    let (job, d) = step(&job, Event::ReportFailure { node_id: "a".into(), round: 1, root_cause: json!(1) }, 2000);
+    assert_eq!(d.action, Action::Failed);
+    assert!(job.phase.is_terminal());
+}
+
+#[test]
+fn failure_from_a_non_member_is_rejected() {
+    let job = running(&["a"], settings(1, 2));
+    let (after, d) = step(&job, Event::ReportFailure { node_id: "x".into(), round: 1, root_cause: json!(1) }, 2000);
+    assert!(matches!(d.action, Action::Rejected(Rejection::NotMember { .. })));
+    assert_eq!(after, job);
+}
+
+#[test]
+fn a_node_joining_a_running_job_below_max_triggers_scale_up() {
+    let job = running(&["a", "b"], settings(2, 3));
+    let (job, d) = join(&job, "n", 1500);
+    assert_eq!(d.action, Action::RoundOpened { round: 2, cause: RoundCause::ScaleUp { node_id: "n".into() } });
+    let job = hb(&job, "n", 1600);
+    let (job, _) = join(&job, "b", 1700);
+    let (job, d) = join(&job, "a", 1800);
+    assert_eq!(d.action, Action::RoundClosed { round: 2 });
+    assert_eq!(member_ids(&job), ["a", "b", "n"]);
+    assert_eq!(job.round_info("n").unwrap().rank_offset, 4);
+}
+
+#[test]
+fn a_node_joining_a_job_at_max_waits_as_a_standby() {
+    let job = running(&["a", "b"], settings(2, 2));
+    let (job, d) = join(&job, "s", 1500);
+    assert_eq!(d.action, Action::Updated);
+    assert_eq!(job.round, 1, "the running round is not disturbed");
+    assert_eq!(job.pending.len(), 1);
+    // b is lost: the standby takes its place in round 2.
+    let job = hb(&hb(&job, "a", 2000), "s", 2000);
+    let (job, d) = tick(&job, 2200);
+    assert!(matches!(d.action, Action::RoundOpened { round: 2, .. }));
+    let (job, d) = join(&job, "a", 2300);
+    assert_eq!(d.action, Action::RoundClosed { round: 2 });
+    assert_eq!(member_ids(&job), ["a", "s"]);
+}
+
+#[test]
+fn closing_at_max_puts_previous_members_first_and_keeps_extras_pending() {
+    let mut job = Job::new(settings(1, 2), 0);
+    job = join(&job, "x", 0).0; // last call
+    job = join(&job, "y", 1).0; // closes at MAX
+    job = join(&job, "z", 2).0; // standby
+    let (job, _) = step(&job, Event::ReportFailure { node_id: "x".into(), round: 1, root_cause: json!(1) }, 10);
+    let (job, _) = join(&job, "y", 11);
+    // z (standby, joined earlier) and y are in: MAX reached, x is left out.
+    assert_eq!(member_ids(&job), ["y", "z"]);
+    let (job, d) = join(&job, "x", 12);
+    assert_eq!(d.action, Action::Updated);
+    assert_eq!(job.pending[0].node.node_id, "x");
+}
+
+#[test]
+fn one_node_succeeding_does_not_tear_the_job_down() {
+    let job = running(&["a", "b"], settings(2, 2));
+    let (job, d) = step(&job, Event::NodeSucceeded { node_id: "a".into(), round: 1 }, 1500);
+    assert_eq!(d.action, Action::Updated);
+    assert!(matches!(job.phase, Phase::Running { .. }));
+    // a goes quiet after succeeding: that is not a node loss.
+    let job = hb(&job, "b", 4000);
+    let (job, d) = tick(&job, 4000);
+    assert_ne!(d.action, Action::RoundOpened { round: 2, cause: RoundCause::NodeLost { nodes: vec!["a".into()] } });
+    assert_eq!(job.round, 1);
+    let (job, d) = step(&job, Event::NodeSucceeded { node_id: "b".into(), round: 1 }, 4100);
+    assert_eq!(d.action, Action::Finished);
+    assert_eq!(job.phase, Phase::Finished { at: 4100 });
+    let (_, d) = join(&job, "c", 5000);
+    assert_eq!(d.action, Action::Rejected(Rejection::JobFinished));
+}
+
+#[test]
+fn stale_reports_from_an_old_round_are_ignored() {
+    let job = running(&["a", "b"], settings(2, 2));
+    let (job, _) = step(&job, Event::ReportFailure { node_id: "a".into(), round: 1, root_cause: json!(1) }, 1500);
+    let (after, d) = step(&job, Event::NodeSucceeded { node_id: "b".into(), round: 1 }, 1501);
+    assert_eq!(d.action, Action::Nothing);
+    assert_eq!(after, job);
+}
+
+#[test]
+fn a_member_leaving_a_running_round_opens_a_new_one() {
+    let job = running(&["a", "b", "c"], settings(1, 3));
+    let (job, d) = step(&job, Event::Leave { node_id: "b".into() }, 1500);
+    assert_eq!(d.action, Action::RoundOpened { round: 2, cause: RoundCause::MemberLeft { node_id: "b".into() } });
+    assert_eq!(job.previous, ["a", "c"]);
+    let (job, _) = join(&job, "a", 1600);
+    let (job, d) = join(&job, "c", 1601);
+    assert_eq!(d.action, Action::RoundClosed { round: 2 });
+    assert_eq!(member_ids(&job), ["a", "c"]);
+}
+
+#[test]
+fn leaving_a_forming_round_below_min_cancels_the_last_call() {
+    let job = Job::new(settings(2, 3), 0);
+    let (job, _) = join(&job, "a", 0);
+    let (job, _) = join(&job, "b", 1);
+    assert!(matches!(job.phase, Phase::LastCall { .. }));
+    let (job, d) = step(&job, Event::Leave { node_id: "b".into() }, 2);
+    assert_eq!(d.action, Action::Updated);
+    assert_eq!(job.phase, Phase::Waiting { since: 0 });
+}
+
+#[test]
+fn a_pending_node_that_goes_silent_is_dropped() {
+    let job = Job::new(settings(2, 2), 0);
+    let (job, _) = join(&job, "a", 0);
+    let (job, d) = tick(&job, 2000);
+    assert_eq!(d.action, Action::Updated);
+    assert!(job.pending.is_empty());
+    assert!(job.last_seen.is_empty());
+}
+
+#[test]
+fn a_lapsed_previous_member_no_longer_holds_the_round_back() {
+    let job = running(&["a", "b", "c"], settings(2, 3));
+    let (job, _) = step(&job, Event::ReportFailure { node_id: "a".into(), round: 1, root_cause: json!(1) }, 1500);
+    let job = hb(&hb(&job, "a", 3000), "b", 3000);
+    let (job, _) = join(&job, "a", 3000);
+    let (job, d) = join(&job, "b", 3000);
+    assert_eq!(d.action, Action::Updated, "c may still come back: last call");
+    assert!(matches!(job.phase, Phase::LastCall { .. }));
+    // c's heartbeat lapses: every *surviving* previous member is back, so the round closes.
+    let (job, d) = tick(&job, 3200);
+    assert_eq!(d.action, Action::RoundClosed { round: 2 }, "{}", d.reason);
+    assert_eq!(member_ids(&job), ["a", "b"]);
+}
+
+#[test]
+fn status_shows_round_ranks_heartbeats_and_restarts() {
+    let job = running(&["a", "b"], settings(2, 3));
+    let job = hb(&job, "a", 1200);
+    let st = job.status("job42", 1500);
+    assert_eq!(st.run_id, "job42");
+    assert_eq!(st.state, "running");
+    assert_eq!(st.round, 1);
+    assert_eq!(st.members[1].group_rank, Some(1));
+    assert_eq!(st.members[0].last_heartbeat_ago_ms, Some(300));
+    assert_eq!(st.world_size, 4);
+    assert_eq!(st.max_restarts, 2);
+}
+
+#[test]
+fn job_round_trips_through_json() {
+    let job = running(&["a", "b"], settings(2, 3));
+    let (job, _) = step(&job, Event::ReportFailure { node_id: "a".into(), round: 1, root_cause: json!({"x": [1, 2]}) }, 1500);
+    let text = serde_json::to_string(&job).unwrap();
+    assert!(text.contains("\"node_ttl_ms\":2000"), "{text}");
+    let back: Job = serde_json::from_str(&text).unwrap();
+    assert_eq!(back, job);
+}
+
+#[test]
+fn terminal_jobs_reject_heartbeats_and_ignore_ticks() {
+    let mut s = settings(1, 1);
+    s.max_restarts = 0;
+    let job = running(&["a"], s);
+    let (job, _) = step(&job, Event::ReportFailure { node_id: "a".into(), round: 1, root_cause: json!(1) }, 1500);
+    let (_, d) = step(&job, Event::Heartbeat { node_id: "a".into() }, 1600);
+    assert!(matches!(d.action, Action::Rejected(Rejection::JobFailed { .. })));
+    let (after, d) = tick(&job, 1_000_000);
+    assert_eq!(d.action, Action::Nothing);
+    assert_eq!(after, job);
+}
