@@ -1,2 +1,73 @@
-//! rlaunch's rendezvous: the pure round state machine, its stores, the HTTP service and client.
+//! rlaunch's rendezvous: the pure round state machine, its stores (memory, etcd v3), the HTTP
+//! service (`rlaunch-rendezvous`) and the client agents use.
+//!
+//! # Code map
+//!
+//! - [`round`]: `apply(&Job, Event, now_ms) -> (Job, Decision)`, pure. Settings
+//!   ([`JobSettings`], validated so timeouts nest), rounds, ranks, the global restart budget.
+//! - [`store`]: [`Store::Memory`] (this process) or [`Store::Etcd`] (state key updated by
+//!   transactions on its mod revision, one lease per node, a watch on the prefix).
+//! - [`service`]: [`Rendezvous`], the operations over a store: long-polls, the ticker that drives
+//!   timers, metrics. Shared by the HTTP API and the in-process / etcd-direct client.
+//! - [`api`]: axum routes (`router(state)`, `serve(listener, state, shutdown)`).
+//! - [`client`]: [`RendezvousClient`] over a [`Backend`].
+//!
+//! # The client API (what the agent uses)
+//!
+//! ```ignore
+//! pub enum Backend {
+//!     Http { endpoints: Vec<String>, token: Option<String> }, // fails over between endpoints
+//!     Etcd { endpoints: Vec<String> },                        // this process runs the machine on etcd
+//!     InProcess(Arc<Rendezvous>),                             // --standalone, agent-hosted server
+//! }
+//! impl RendezvousClient {
+//!     pub async fn connect(backend: Backend, run_id: &str, settings: JobSettings) -> Result<Self, RdzvError>;
+//!     // resolves when a round including this node closes; heartbeats for the node meanwhile;
+//!     // Err(JobFailed | JoinTimeout | JobFinished) when the job is over
+//!     pub async fn join(&self, node: NodeInfo /* node_id, local_world_size, store_addr */) -> Result<RoundInfo, RdzvError>;
+//!     pub async fn heartbeat(&self, node_id: &str) -> Result<(), RdzvError>; // every heartbeat interval, own task;
+//!                                                                            // Err(UnknownNode): declared lost, rejoin
+//!     pub async fn watch(&self, after_round: u64) -> Result<WatchEvent, RdzvError>; // NewRound(n) | Finished | Failed(reason) | NoChange (≤ 5 s)
+//!     pub async fn report_failure(&self, node_id: &str, round: u64, root_cause: serde_json::Value) -> Result<(), RdzvError>;
+//!     pub async fn report_success(&self, node_id: &str, round: u64) -> Result<(), RdzvError>;
+//!     pub async fn leave(&self, node_id: &str) -> Result<(), RdzvError>;
+//!     pub async fn status(&self) -> Result<JobStatus, RdzvError>;
+//! }
+//! pub struct RoundInfo { round, group_rank, group_world_size, members: Vec<Member>, master_store_addr,
+//!                        restart_count, max_restarts, world_size, rank_offset, local_world_size }
+//! ```
+//!
+//! The agent's loop: `join` → start workers with `RoundInfo` → in parallel `heartbeat` every
+//! interval and `watch(round)`; on `NewRound` stop workers and `join` again; on a worker failure
+//! `report_failure(round, root_cause)` then `join`; when all local workers succeed
+//! `report_success(round)` and keep watching until `Finished` (a `NewRound` after success means
+//! the others restarted: rejoin, workers resume from their checkpoint).
+//!
+//! # Rounds
+//!
+//! Round numbers go up when a round is torn down (node loss, failure, scale-up, a member leaving),
+//! so watchers of round N learn to stop as soon as N+1 exists; `join` returns round N+1 once it
+//! closes. Group ranks: surviving members of the previous round first, in their old order, then
+//! new nodes by join time; `rank_offset` is the prefix sum of local world sizes. The restart
+//! budget counts reported failures only, once per round, for the whole job.
+//!
+//! # Invariants
+//!
+//! - `round` has no I/O, no async and no clock reads; everything else calls it.
+//! - On etcd there is no truth in memory: any replica (or agent) can serve any job.
+//! - A rejected event never changes stored state.
+
+pub mod api;
+pub mod client;
+pub mod error;
 pub mod round;
+pub mod service;
+pub mod store;
+
+pub use client::{Backend, RendezvousClient};
+pub use error::RdzvError;
+pub use round::{
+    apply, check_nesting, Job, JobSettings, JobStatus, Member, NodeInfo, RoundInfo, SettingsError,
+};
+pub use service::{JoinAnswer, Rendezvous, WatchEvent};
+pub use store::Store;

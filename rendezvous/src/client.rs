@@ -1,0 +1,360 @@
+//! The client agents use, whatever runs the rendezvous: a server over HTTP (several endpoints,
+//! failing over), etcd directly (this process runs the machine), or a [`Rendezvous`] in this
+//! process (`--standalone`, agent-hosted server).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use reqwest::Method;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use tokio::task::JoinHandle;
+use tracing::{debug, warn};
+
+use crate::api::{ErrorBody, FailureRequest, JoinRequest, NodeRequest, SuccessRequest, WatchRequest};
+use crate::error::RdzvError;
+use crate::round::{JobSettings, JobStatus, NodeInfo, RoundInfo};
+use crate::service::{JoinAnswer, Rendezvous, WatchEvent};
+use crate::store::etcd::EtcdStore;
+use crate::store::Store;
+
+/// How long one join or watch long-poll waits server-side before answering "wait"/"no change".
+pub const POLL_WAIT: Duration = Duration::from_secs(5);
+/// Extra time a long-poll request gets on top of its wait before the client gives up on it.
+const POLL_SLACK: Duration = Duration::from_secs(5);
+/// Bound on short requests other than heartbeats.
+const SHORT_TIMEOUT: Duration = Duration::from_secs(5);
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Where the rendezvous runs.
+#[derive(Clone)]
+pub enum Backend {
+    /// `rlaunch-rendezvous` servers (`host:port` or `http://host:port`); tried in order, the
+    /// one that last answered first.
+    Http { endpoints: Vec<String>, token: Option<String> },
+    /// etcd v3 endpoints (`host:2379` or `http://host:2379`): this process runs the machine.
+    Etcd { endpoints: Vec<String> },
+    /// A rendezvous in this process (shared with a server this process may also host).
+    InProcess(Arc<Rendezvous>),
+}
+
+/// One job's rendezvous, seen from an agent. Cheap to clone.
+#[derive(Clone)]
+pub struct RendezvousClient {
+    run_id: Arc<str>,
+    settings: JobSettings,
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    transport: Transport,
+    /// etcd only: the lease keep-alive task of each node this process joined.
+    keepers: Mutex<HashMap<String, JoinHandle<()>>>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        for (_, task) in self.keepers.lock().unwrap_or_else(|p| p.into_inner()).drain() {
+            task.abort();
+        }
+    }
+}
+
+enum Transport {
+    Http(HttpTransport),
+    Local { rdzv: Arc<Rendezvous>, etcd: bool },
+}
+
+struct HttpTransport {
+    http: reqwest::Client,
+    endpoints: Vec<String>,
+    token: Option<String>,
+    current: AtomicUsize,
+}
+
+fn normalize(endpoint: &str) -> String {
+    let e = endpoint.trim().trim_end_matches('/');
+    if e.starts_with("http://") || e.starts_with("https://") {
+        e.to_owned()
+    } else {
+        format!("http://{e}")
+    }
+}
+
+impl HttpTransport {
+    async fn call<T: DeserializeOwned>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<serde_json::Value>,
+        timeout: Duration,
+    ) -> Result<T, RdzvError> {
+        let n = self.endpoints.len();
+        let start = self.current.load(Ordering::Relaxed) % n;
+        let mut last: Option<reqwest::Error> = None;
+        let mut tried = Vec::new();
+        for i in 0..n {
+            let idx = (start + i) % n;
+            let endpoint = &self.endpoints[idx];
+            tried.push(endpoint.clone());
+            let mut req = self.http.request(method.clone(), format!("{endpoint}{path}")).timeout(timeout);
+            if let Some(token) = &self.token {
+                req = req.bearer_auth(token);
+            }
+            if let Some(body) = &body {
+                req = req.json(body);
+            }
+            let resp = match req.send().await {
+                Ok(resp) => resp,
+                Err(error) => {
+                    debug!(endpoint = %endpoint, error = %error, "rendezvous endpoint did not answer; failing over");
+                    last = Some(error);
+                    continue;
+                }
+            };
+            let status = resp.status();
+            if status.is_server_error() {
+                warn!(endpoint = %endpoint, status = status.as_u16(), "rendezvous endpoint failed; failing over");
+                continue;
+            }
+            self.current.store(idx, Ordering::Relaxed);
+            if status.is_success() {
+                return resp.json::<T>().await.map_err(|e| RdzvError::Server {
+                    endpoint: endpoint.clone(),
+                    status: status.as_u16(),
+                    message: format!("unreadable answer: {e}"),
+                });
+            }
+            let body: Option<ErrorBody> = resp.json().await.ok();
+            return Err(error_from(endpoint, status.as_u16(), body));
+        }
+        Err(RdzvError::Unavailable { tried: tried.join(", "), source: last })
+    }
+}
+
+/// Rebuilds the library error a server's 4xx answer stands for.
+fn error_from(endpoint: &str, status: u16, body: Option<ErrorBody>) -> RdzvError {
+    let Some(ErrorBody { error, message }) = body else {
+        return RdzvError::Server { endpoint: endpoint.to_owned(), status, message: "no error body".to_owned() };
+    };
+    match error.as_str() {
+        "unauthorized" => RdzvError::Unauthorized,
+        "unknown_job" => RdzvError::UnknownJob { run_id: message },
+        "unknown_node" => RdzvError::UnknownNode { node_id: message },
+        "job_finished" => RdzvError::JobFinished,
+        "job_failed" => RdzvError::JobFailed { reason: message },
+        "join_timeout" => RdzvError::JoinTimeout { reason: message },
+        "settings_mismatch" => RdzvError::SettingsMismatch { run_id: String::new(), message },
+        "bad_request" | "invalid_settings" | "payload_too_large" | "unsupported_media_type" => {
+            RdzvError::BadRequest { message }
+        }
+        _ => RdzvError::Server { endpoint: endpoint.to_owned(), status, message },
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct Empty {}
+
+fn json(body: &impl Serialize) -> serde_json::Value {
+    serde_json::to_value(body).expect("request bodies are plain data that always serialize")
+}
+
+impl RendezvousClient {
+    /// Validates `settings` and connects to the backend (for HTTP nothing is sent yet).
+    pub async fn connect(backend: Backend, run_id: &str, settings: JobSettings) -> Result<Self, RdzvError> {
+        crate::service::validate_run_id(run_id)?;
+        settings.validate()?;
+        let transport = match backend {
+            Backend::Http { endpoints, token } => {
+                if endpoints.is_empty() {
+                    return Err(RdzvError::BadRequest { message: "no rendezvous endpoint given".to_owned() });
+                }
+                let http = reqwest::Client::builder()
+                    .no_proxy()
+                    .connect_timeout(CONNECT_TIMEOUT)
+                    .tcp_nodelay(true)
+                    .build()
+                    .map_err(|e| RdzvError::Unavailable { tried: "building the HTTP client".to_owned(), source: Some(e) })?;
+                Transport::Http(HttpTransport {
+                    http,
+                    endpoints: endpoints.iter().map(|e| normalize(e)).collect(),
+                    token,
+                    current: AtomicUsize::new(0),
+                })
+            }
+            Backend::Etcd { endpoints } => {
+                let endpoints: Vec<String> = endpoints.iter().map(|e| normalize(e)).collect();
+                let store = EtcdStore::connect(&endpoints).await?;
+                Transport::Local { rdzv: Rendezvous::new(Store::Etcd(store)), etcd: true }
+            }
+            Backend::InProcess(rdzv) => Transport::Local { rdzv, etcd: false },
+        };
+        Ok(Self {
+            run_id: Arc::from(run_id),
+            settings,
+            inner: Arc::new(Inner { transport, keepers: Mutex::new(HashMap::new()) }),
+        })
+    }
+
+    pub fn run_id(&self) -> &str {
+        &self.run_id
+    }
+
+    pub fn settings(&self) -> &JobSettings {
+        &self.settings
+    }
+
+    fn path(&self, op: &str) -> String {
+        format!("/v1/jobs/{}/{op}", self.run_id)
+    }
+
+    /// One join call: a round, or "wait" after at most `wait`.
+    pub async fn join_once(&self, node: &NodeInfo, wait: Duration) -> Result<JoinAnswer, RdzvError> {
+        match &self.inner.transport {
+            Transport::Http(h) => {
+                let body = JoinRequest {
+                    settings: self.settings.clone(),
+                    node: node.clone(),
+                    wait_ms: Some(wait.as_millis() as u64),
+                };
+                h.call(Method::POST, &self.path("join"), Some(json(&body)), wait + POLL_SLACK).await
+            }
+            Transport::Local { rdzv, etcd } => {
+                let answer = rdzv.join(&self.run_id, &self.settings, node.clone(), wait).await?;
+                if *etcd {
+                    self.ensure_keeper(&node.node_id);
+                }
+                Ok(answer)
+            }
+        }
+    }
+
+    /// Joins and resolves when a round including this node closes; heartbeats for the node
+    /// while it waits. Errors: `JobFailed`, `JoinTimeout`, `JobFinished`, or the backend's.
+    pub async fn join(&self, node: NodeInfo) -> Result<RoundInfo, RdzvError> {
+        let node_id = node.node_id.clone();
+        let beat = async {
+            let mut every = tokio::time::interval(self.settings.heartbeat_interval);
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            every.tick().await;
+            loop {
+                every.tick().await;
+                if let Err(error) = self.heartbeat(&node_id).await {
+                    debug!(node_id = %node_id, error = %error, "heartbeat while joining failed");
+                }
+            }
+        };
+        let join = async {
+            loop {
+                match self.join_once(&node, POLL_WAIT).await? {
+                    JoinAnswer::Round(info) => return Ok(info),
+                    JoinAnswer::Wait { round, state } => {
+                        debug!(node_id = %node.node_id, round, state = %state, "still waiting for a round");
+                    }
+                }
+            }
+        };
+        tokio::select! {
+            r = join => r,
+            () = beat => unreachable!("the heartbeat loop never ends"),
+        }
+    }
+
+    /// Tells the rendezvous this node is alive; call every heartbeat interval on its own task.
+    /// `UnknownNode` means the node was declared lost: stop workers and rejoin.
+    pub async fn heartbeat(&self, node_id: &str) -> Result<(), RdzvError> {
+        match &self.inner.transport {
+            Transport::Http(h) => {
+                let timeout = (self.settings.node_ttl / 3).max(Duration::from_millis(250));
+                let body = NodeRequest { node_id: node_id.to_owned() };
+                h.call::<Empty>(Method::POST, &self.path("heartbeat"), Some(json(&body)), timeout).await.map(|_| ())
+            }
+            Transport::Local { rdzv, .. } => rdzv.heartbeat(&self.run_id, node_id).await,
+        }
+    }
+
+    /// Waits (bounded) for the job to leave round `after_round`.
+    pub async fn watch(&self, after_round: u64) -> Result<WatchEvent, RdzvError> {
+        match &self.inner.transport {
+            Transport::Http(h) => {
+                let body = WatchRequest { after_round, wait_ms: Some(POLL_WAIT.as_millis() as u64) };
+                h.call(Method::POST, &self.path("watch"), Some(json(&body)), POLL_WAIT + POLL_SLACK).await
+            }
+            Transport::Local { rdzv, .. } => rdzv.watch(&self.run_id, after_round, POLL_WAIT).await,
+        }
+    }
+
+    /// Reports a worker failure in `round`; counted once per round in the global budget.
+    pub async fn report_failure(&self, node_id: &str, round: u64, root_cause: serde_json::Value) -> Result<(), RdzvError> {
+        match &self.inner.transport {
+            Transport::Http(h) => {
+                let body = FailureRequest { node_id: node_id.to_owned(), round, root_cause };
+                h.call::<Empty>(Method::POST, &self.path("failure"), Some(json(&body)), SHORT_TIMEOUT).await.map(|_| ())
+            }
+            Transport::Local { rdzv, .. } => rdzv.report_failure(&self.run_id, node_id, round, root_cause).await,
+        }
+    }
+
+    /// Reports that this node's workers all succeeded in `round`.
+    pub async fn report_success(&self, node_id: &str, round: u64) -> Result<(), RdzvError> {
+        match &self.inner.transport {
+            Transport::Http(h) => {
+                let body = SuccessRequest { node_id: node_id.to_owned(), round };
+                h.call::<Empty>(Method::POST, &self.path("success"), Some(json(&body)), SHORT_TIMEOUT).await.map(|_| ())
+            }
+            Transport::Local { rdzv, .. } => rdzv.report_success(&self.run_id, node_id, round).await,
+        }
+    }
+
+    /// Leaves the job (a running member leaving opens a new round for the others).
+    pub async fn leave(&self, node_id: &str) -> Result<(), RdzvError> {
+        if let Some(task) = self.inner.keepers.lock().unwrap_or_else(|p| p.into_inner()).remove(node_id) {
+            task.abort();
+        }
+        match &self.inner.transport {
+            Transport::Http(h) => {
+                let body = NodeRequest { node_id: node_id.to_owned() };
+                h.call::<Empty>(Method::POST, &self.path("leave"), Some(json(&body)), SHORT_TIMEOUT).await.map(|_| ())
+            }
+            Transport::Local { rdzv, .. } => rdzv.leave(&self.run_id, node_id).await,
+        }
+    }
+
+    pub async fn status(&self) -> Result<JobStatus, RdzvError> {
+        match &self.inner.transport {
+            Transport::Http(h) => {
+                h.call(Method::GET, &format!("/v1/jobs/{}", self.run_id), None, SHORT_TIMEOUT).await
+            }
+            Transport::Local { rdzv, .. } => rdzv.status(&self.run_id).await,
+        }
+    }
+
+    /// etcd only: keeps the node's lease alive every TTL/3 on a task of its own, so a busy
+    /// agent never lets it lapse.
+    fn ensure_keeper(&self, node_id: &str) {
+        let mut keepers = self.inner.keepers.lock().unwrap_or_else(|p| p.into_inner());
+        if keepers.get(node_id).is_some_and(|t| !t.is_finished()) {
+            return;
+        }
+        let Transport::Local { rdzv, .. } = &self.inner.transport else { return };
+        let (rdzv, run_id, node) = (Arc::downgrade(rdzv), self.run_id.clone(), node_id.to_owned());
+        let period = self.settings.node_ttl / 3;
+        let task = tokio::spawn(async move {
+            let mut every = tokio::time::interval(period);
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                every.tick().await;
+                let Some(rdzv) = rdzv.upgrade() else { return };
+                match rdzv.heartbeat(&run_id, &node).await {
+                    Ok(()) => {}
+                    // Lease gone: the node was declared lost; its next join registers anew.
+                    Err(RdzvError::UnknownNode { .. }) => return,
+                    Err(error) => warn!(node_id = %node, error = %error, "lease keep-alive failed"),
+                }
+            }
+        });
+        keepers.insert(node_id.to_owned(), task);
+    }
+}

@@ -1,0 +1,98 @@
+//! The one error type of the rendezvous library, shared by the service, its stores and the client.
+
+use crate::round::{FailureKind, Rejection, SettingsError};
+
+/// Everything that can go wrong talking to (or running) a rendezvous.
+#[derive(Debug, thiserror::Error)]
+pub enum RdzvError {
+    #[error("invalid rendezvous settings")]
+    InvalidSettings(#[from] SettingsError),
+    #[error("bad request: {message}")]
+    BadRequest { message: String },
+    #[error("missing or wrong bearer token")]
+    Unauthorized,
+    #[error("unknown job `{run_id}`")]
+    UnknownJob { run_id: String },
+    #[error("node `{node_id}` is unknown to the job (never joined, left, or declared lost): rejoin")]
+    UnknownNode { node_id: String },
+    #[error("node `{node_id}` is not a member of round {round}")]
+    NotMember { node_id: String, round: u64 },
+    #[error("job `{run_id}` exists with other settings: {message}")]
+    SettingsMismatch { run_id: String, message: String },
+    #[error("the job has finished")]
+    JobFinished,
+    #[error("the job has failed: {reason}")]
+    JobFailed { reason: String },
+    #[error("rendezvous join timed out: {reason}")]
+    JoinTimeout { reason: String },
+    #[error("rendezvous server {endpoint} answered {status}: {message}")]
+    Server { endpoint: String, status: u16, message: String },
+    #[error("no rendezvous endpoint answered (tried {tried})")]
+    Unavailable {
+        tried: String,
+        #[source]
+        source: Option<reqwest::Error>,
+    },
+    #[error("etcd request failed during {op}")]
+    Etcd {
+        op: &'static str,
+        #[source]
+        source: etcd_client::Error,
+    },
+    #[error("stored state of job `{run_id}` is unreadable")]
+    Corrupt {
+        run_id: String,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("job `{run_id}`: gave up after {attempts} conflicting concurrent updates")]
+    Contention { run_id: String, attempts: u32 },
+}
+
+impl RdzvError {
+    /// Short machine-readable code, used in HTTP error bodies and mapped back by the client.
+    pub fn code(&self) -> &'static str {
+        match self {
+            RdzvError::InvalidSettings(_) => "invalid_settings",
+            RdzvError::BadRequest { .. } => "bad_request",
+            RdzvError::Unauthorized => "unauthorized",
+            RdzvError::UnknownJob { .. } => "unknown_job",
+            RdzvError::UnknownNode { .. } => "unknown_node",
+            RdzvError::NotMember { .. } => "not_member",
+            RdzvError::SettingsMismatch { .. } => "settings_mismatch",
+            RdzvError::JobFinished => "job_finished",
+            RdzvError::JobFailed { .. } => "job_failed",
+            RdzvError::JoinTimeout { .. } => "join_timeout",
+            RdzvError::Server { .. } | RdzvError::Unavailable { .. } => "unavailable",
+            RdzvError::Etcd { .. } | RdzvError::Corrupt { .. } | RdzvError::Contention { .. } => {
+                "internal"
+            }
+        }
+    }
+
+    /// Whether the error is the caller's fault (4xx) rather than the service's (5xx).
+    pub fn is_client_error(&self) -> bool {
+        self.code() != "internal" && self.code() != "unavailable"
+    }
+
+    pub(crate) fn etcd(op: &'static str) -> impl FnOnce(etcd_client::Error) -> RdzvError {
+        move |source| RdzvError::Etcd { op, source }
+    }
+}
+
+impl From<Rejection> for RdzvError {
+    fn from(r: Rejection) -> Self {
+        match r {
+            Rejection::InvalidNode { message } => RdzvError::BadRequest { message },
+            Rejection::UnknownNode { node_id } => RdzvError::UnknownNode { node_id },
+            Rejection::NotMember { node_id, round } => RdzvError::NotMember { node_id, round },
+            Rejection::JobFinished => RdzvError::JobFinished,
+            Rejection::JobFailed { kind: FailureKind::JoinTimeout, reason } => {
+                RdzvError::JoinTimeout { reason }
+            }
+            Rejection::JobFailed { kind: FailureKind::RestartBudget, reason } => {
+                RdzvError::JobFailed { reason }
+            }
+        }
+    }
+}

@@ -1,0 +1,99 @@
+//! `rlaunch-rendezvous`: the rendezvous service binary (flags → store → axum server).
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::{Parser, ValueEnum};
+use rlaunch_rendezvous::api::{self, AppState};
+use rlaunch_rendezvous::store::etcd::EtcdStore;
+use rlaunch_rendezvous::{Rendezvous, Store};
+use tracing::info;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum StoreKind {
+    /// Everything in this process (one replica).
+    Memory,
+    /// etcd v3: any number of replicas serve the same jobs.
+    Etcd,
+}
+
+/// The rlaunch rendezvous service: agents join rounds, heartbeat and watch for restarts here.
+#[derive(Debug, Parser)]
+#[command(name = "rlaunch-rendezvous", version)]
+struct Args {
+    /// Address to listen on.
+    #[arg(long, env = "RLAUNCH_RDZV_LISTEN", default_value = "0.0.0.0:29400")]
+    listen: SocketAddr,
+    /// Where job state lives.
+    #[arg(long, env = "RLAUNCH_RDZV_STORE", value_enum, default_value_t = StoreKind::Memory)]
+    store: StoreKind,
+    /// etcd endpoints, comma-separated (with `--store etcd`).
+    #[arg(long, env = "RLAUNCH_RDZV_ETCD_ENDPOINTS", value_delimiter = ',', default_value = "http://127.0.0.1:2379")]
+    etcd_endpoints: Vec<String>,
+    /// Bearer token every `/v1` request must carry (none: open).
+    #[arg(long, env = "RLAUNCH_RDZV_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// Largest request body, in bytes.
+    #[arg(long, env = "RLAUNCH_RDZV_BODY_LIMIT", default_value_t = api::DEFAULT_BODY_LIMIT)]
+    body_limit: usize,
+    /// After a shutdown signal, how long requests in flight (long-polls) may take to finish.
+    #[arg(long, env = "RLAUNCH_RDZV_SHUTDOWN_GRACE_MS", default_value_t = 3000)]
+    shutdown_grace_ms: u64,
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        // Without signal handlers the process still stops on the default action.
+        std::future::pending::<()>().await;
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => info!(signal = "SIGTERM", "shutting down"),
+        _ = int.recv() => info!(signal = "SIGINT", "shutting down"),
+    }
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+
+    let store = match args.store {
+        StoreKind::Memory => Store::memory(),
+        StoreKind::Etcd => Store::Etcd(
+            EtcdStore::connect(&args.etcd_endpoints)
+                .await
+                .with_context(|| format!("connecting to etcd at {}", args.etcd_endpoints.join(",")))?,
+        ),
+    };
+    let rdzv = Rendezvous::new(store);
+    let mut state = AppState::new(rdzv, args.token.clone());
+    state.body_limit = args.body_limit;
+
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("binding {}", args.listen))?;
+    let local = listener.local_addr().context("reading the bound address")?;
+    info!(listen = %local, store = ?args.store, auth = args.token.is_some(), "rlaunch-rendezvous serving");
+
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(api::serve(listener, state, async move {
+        let _ = stop_rx.await;
+    }));
+    shutdown_signal().await;
+    let _ = stop_tx.send(());
+    let grace = Duration::from_millis(args.shutdown_grace_ms);
+    match tokio::time::timeout(grace, server).await {
+        Ok(joined) => joined.context("server task panicked")?.context("serving HTTP")?,
+        Err(_) => info!(grace_ms = args.shutdown_grace_ms, "requests still in flight after the grace; exiting"),
+    }
+    Ok(())
+}

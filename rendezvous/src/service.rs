@@ -1,0 +1,337 @@
+//! The rendezvous service: the operations agents need (join, heartbeat, watch, report, leave,
+//! status) on top of a [`Store`], with long-polls, a ticker that drives timers, logs and metrics.
+//!
+//! The HTTP API, the in-process client (`--standalone`, agent-hosted) and the etcd-direct client
+//! all call this one type, so they behave alike.
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tracing::{debug, info, warn};
+
+use crate::error::RdzvError;
+use crate::round::{Action, Decision, Event, Job, JobSettings, JobStatus, Millis, NodeInfo, Phase, RoundCause, RoundInfo};
+use crate::store::Store;
+
+/// The longest a long-poll may be asked to wait.
+pub const MAX_WAIT: Duration = Duration::from_secs(60);
+
+/// Wall-clock milliseconds: the clock every replica and agent shares.
+pub fn now_ms() -> Millis {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as Millis).unwrap_or(0)
+}
+
+/// Answer to one join call.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "status", rename_all = "snake_case")]
+pub enum JoinAnswer {
+    /// A round including this node closed.
+    Round(RoundInfo),
+    /// Still forming (or running without this node): join again.
+    Wait { round: u64, state: String },
+}
+
+/// Answer to one watch call.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "event", content = "data", rename_all = "snake_case")]
+pub enum WatchEvent {
+    /// The round number moved on: stop workers and rejoin.
+    NewRound(u64),
+    Finished,
+    Failed(String),
+    /// Nothing changed within the wait.
+    NoChange,
+}
+
+/// Run ids name etcd keys and URL segments: keep them tame.
+pub fn validate_run_id(run_id: &str) -> Result<(), RdzvError> {
+    let ok = !run_id.is_empty()
+        && run_id.len() <= 128
+        && run_id.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+    if ok {
+        Ok(())
+    } else {
+        Err(RdzvError::BadRequest {
+            message: format!("run id `{run_id}` must be 1 to 128 characters of [A-Za-z0-9._-]"),
+        })
+    }
+}
+
+#[derive(Default)]
+struct Metrics {
+    requests: AtomicU64,
+    rejected: AtomicU64,
+    rounds_closed: AtomicU64,
+    rounds_node_lost: AtomicU64,
+    rounds_failure: AtomicU64,
+    rounds_scale_up: AtomicU64,
+    rounds_member_left: AtomicU64,
+    jobs_finished: AtomicU64,
+    jobs_failed: AtomicU64,
+}
+
+/// The rendezvous over one store. Create with [`Rendezvous::new`]; a ticker task runs while it
+/// lives.
+pub struct Rendezvous {
+    store: Store,
+    metrics: Metrics,
+    ticker: std::sync::Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Drop for Rendezvous {
+    fn drop(&mut self) {
+        if let Some(t) = self.ticker.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            t.abort();
+        }
+    }
+}
+
+impl Rendezvous {
+    /// Wraps `store` and starts the ticker (needs a tokio runtime).
+    pub fn new(store: Store) -> Arc<Self> {
+        let me = Arc::new(Self { store, metrics: Metrics::default(), ticker: std::sync::Mutex::new(None) });
+        let handle = tokio::spawn(ticker(Arc::downgrade(&me)));
+        *me.ticker.lock().unwrap_or_else(|p| p.into_inner()) = Some(handle);
+        me
+    }
+
+    /// A rendezvous whose state lives in this process.
+    pub fn in_memory() -> Arc<Self> {
+        Self::new(Store::memory())
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    fn observe(&self, run_id: &str, d: &Decision) {
+        let m = &self.metrics;
+        match &d.action {
+            Action::Nothing | Action::HeartbeatRecorded => {
+                debug!(run_id, reason = %d.reason, "no transition");
+            }
+            Action::Updated => info!(run_id, reason = %d.reason, "rendezvous updated"),
+            Action::RoundClosed { round } => {
+                m.rounds_closed.fetch_add(1, Ordering::Relaxed);
+                info!(run_id, round, reason = %d.reason, "round closed");
+            }
+            Action::RoundOpened { round, cause } => {
+                let counter = match cause {
+                    RoundCause::NodeLost { .. } => &m.rounds_node_lost,
+                    RoundCause::Failure { .. } => &m.rounds_failure,
+                    RoundCause::ScaleUp { .. } => &m.rounds_scale_up,
+                    RoundCause::MemberLeft { .. } => &m.rounds_member_left,
+                };
+                counter.fetch_add(1, Ordering::Relaxed);
+                warn!(run_id, round, reason = %d.reason, "new round opened");
+            }
+            Action::Finished => {
+                m.jobs_finished.fetch_add(1, Ordering::Relaxed);
+                info!(run_id, reason = %d.reason, "job finished");
+            }
+            Action::Failed => {
+                m.jobs_failed.fetch_add(1, Ordering::Relaxed);
+                warn!(run_id, reason = %d.reason, "job failed");
+            }
+            Action::Rejected(_) => {
+                m.rejected.fetch_add(1, Ordering::Relaxed);
+                debug!(run_id, reason = %d.reason, "event rejected");
+            }
+        }
+    }
+
+    async fn apply(&self, run_id: &str, create: Option<&JobSettings>, ev: Event) -> Result<Job, RdzvError> {
+        self.metrics.requests.fetch_add(1, Ordering::Relaxed);
+        validate_run_id(run_id)?;
+        let (job, d) = self.store.apply(run_id, create, ev, now_ms()).await?;
+        self.observe(run_id, &d);
+        if let Action::Rejected(r) = d.action {
+            return Err(r.into());
+        }
+        Ok(job)
+    }
+
+    fn terminal_error(job: &Job) -> Option<RdzvError> {
+        match &job.phase {
+            Phase::Finished { .. } => Some(RdzvError::JobFinished),
+            Phase::Failed { kind, reason, .. } => Some(
+                crate::round::Rejection::JobFailed { kind: *kind, reason: reason.clone() }.into(),
+            ),
+            _ => None,
+        }
+    }
+
+    /// Joins (or re-joins) `node` to job `run_id`, creating the job with `settings` if needed,
+    /// and waits up to `wait` for a round including it to close.
+    pub async fn join(
+        &self,
+        run_id: &str,
+        settings: &JobSettings,
+        node: NodeInfo,
+        wait: Duration,
+    ) -> Result<JoinAnswer, RdzvError> {
+        validate_run_id(run_id)?;
+        settings.validate()?;
+        let deadline = Instant::now() + wait.min(MAX_WAIT);
+        self.store.register_node(run_id, &node.node_id, settings.node_ttl).await?;
+        loop {
+            // Re-applying the join is idempotent, and re-adds a node dropped meanwhile.
+            let job = self.apply(run_id, Some(settings), Event::Join(node.clone())).await?;
+            if let Some(info) = job.round_info(&node.node_id) {
+                return Ok(JoinAnswer::Round(info));
+            }
+            if let Some(e) = Self::terminal_error(&job) {
+                return Err(e);
+            }
+            if Instant::now() >= deadline {
+                return Ok(JoinAnswer::Wait { round: job.round, state: job.phase.name().to_owned() });
+            }
+            self.store.wait_change(run_id, job.version, deadline).await?;
+        }
+    }
+
+    pub async fn heartbeat(&self, run_id: &str, node_id: &str) -> Result<(), RdzvError> {
+        self.metrics.requests.fetch_add(1, Ordering::Relaxed);
+        validate_run_id(run_id)?;
+        let d = self.store.heartbeat(run_id, node_id, now_ms()).await?;
+        self.observe(run_id, &d);
+        match d.action {
+            Action::Rejected(r) => Err(r.into()),
+            _ => Ok(()),
+        }
+    }
+
+    /// Waits up to `wait` for job `run_id` to leave round `after_round` or end.
+    pub async fn watch(&self, run_id: &str, after_round: u64, wait: Duration) -> Result<WatchEvent, RdzvError> {
+        self.metrics.requests.fetch_add(1, Ordering::Relaxed);
+        validate_run_id(run_id)?;
+        let deadline = Instant::now() + wait.min(MAX_WAIT);
+        loop {
+            let job = self
+                .store
+                .load(run_id, now_ms())
+                .await?
+                .ok_or_else(|| RdzvError::UnknownJob { run_id: run_id.to_owned() })?;
+            match &job.phase {
+                Phase::Finished { .. } => return Ok(WatchEvent::Finished),
+                Phase::Failed { reason, .. } => return Ok(WatchEvent::Failed(reason.clone())),
+                _ if job.round != after_round => return Ok(WatchEvent::NewRound(job.round)),
+                _ => {}
+            }
+            if Instant::now() >= deadline {
+                return Ok(WatchEvent::NoChange);
+            }
+            self.store.wait_change(run_id, job.version, deadline).await?;
+        }
+    }
+
+    pub async fn report_failure(
+        &self,
+        run_id: &str,
+        node_id: &str,
+        round: u64,
+        root_cause: serde_json::Value,
+    ) -> Result<(), RdzvError> {
+        let ev = Event::ReportFailure { node_id: node_id.to_owned(), round, root_cause };
+        self.apply(run_id, None, ev).await.map(|_| ())
+    }
+
+    pub async fn report_success(&self, run_id: &str, node_id: &str, round: u64) -> Result<(), RdzvError> {
+        let ev = Event::NodeSucceeded { node_id: node_id.to_owned(), round };
+        self.apply(run_id, None, ev).await.map(|_| ())
+    }
+
+    pub async fn leave(&self, run_id: &str, node_id: &str) -> Result<(), RdzvError> {
+        self.apply(run_id, None, Event::Leave { node_id: node_id.to_owned() }).await?;
+        self.store.forget_node(run_id, node_id).await
+    }
+
+    pub async fn status(&self, run_id: &str) -> Result<JobStatus, RdzvError> {
+        validate_run_id(run_id)?;
+        let now = now_ms();
+        let job = self
+            .store
+            .load(run_id, now)
+            .await?
+            .ok_or_else(|| RdzvError::UnknownJob { run_id: run_id.to_owned() })?;
+        Ok(job.status(run_id, now))
+    }
+
+    /// Every job's status.
+    pub async fn list(&self) -> Result<Vec<JobStatus>, RdzvError> {
+        let now = now_ms();
+        Ok(self.store.jobs(now).await?.iter().map(|(id, job)| job.status(id, now)).collect())
+    }
+
+    /// Applies `Tick` to every job once (the ticker does this periodically).
+    pub async fn tick(&self) {
+        for (run_id, d) in self.store.tick_all(now_ms()).await {
+            self.observe(&run_id, &d);
+        }
+    }
+
+    /// Prometheus text exposition.
+    pub async fn metrics_text(&self) -> String {
+        let m = &self.metrics;
+        let mut out = String::new();
+        let mut counter = |name: &str, help: &str, labels: &str, v: &AtomicU64, header: bool| {
+            if header {
+                let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+            }
+            let _ = writeln!(out, "{name}{labels} {}", v.load(Ordering::Relaxed));
+        };
+        counter("rlaunch_rdzv_requests_total", "Rendezvous operations served by this process.", "", &m.requests, true);
+        counter("rlaunch_rdzv_rejected_total", "Events refused (bad or stale input).", "", &m.rejected, true);
+        counter("rlaunch_rdzv_rounds_closed_total", "Rounds closed by this process.", "", &m.rounds_closed, true);
+        let opened = "rlaunch_rdzv_rounds_opened_total";
+        let help = "Running rounds torn down for a new one, by cause.";
+        counter(opened, help, "{cause=\"node_lost\"}", &m.rounds_node_lost, true);
+        counter(opened, help, "{cause=\"failure\"}", &m.rounds_failure, false);
+        counter(opened, help, "{cause=\"scale_up\"}", &m.rounds_scale_up, false);
+        counter(opened, help, "{cause=\"member_left\"}", &m.rounds_member_left, false);
+        counter("rlaunch_rdzv_jobs_finished_total", "Jobs finished.", "", &m.jobs_finished, true);
+        counter("rlaunch_rdzv_jobs_failed_total", "Jobs failed.", "", &m.jobs_failed, true);
+        let _ = writeln!(out, "# HELP rlaunch_rdzv_jobs Jobs in the store, by state.\n# TYPE rlaunch_rdzv_jobs gauge");
+        match self.store.jobs(now_ms()).await {
+            Ok(jobs) => {
+                for state in ["waiting", "last_call", "running", "finished", "failed"] {
+                    let n = jobs.iter().filter(|(_, j)| j.phase.name() == state).count();
+                    let _ = writeln!(out, "rlaunch_rdzv_jobs{{state=\"{state}\"}} {n}");
+                }
+            }
+            Err(error) => warn!(error = %error, "metrics could not list jobs"),
+        }
+        let _ = writeln!(out, "# HELP rlaunch_rdzv_store_info Which store backs this process.\n# TYPE rlaunch_rdzv_store_info gauge");
+        let _ = writeln!(out, "rlaunch_rdzv_store_info{{store=\"{}\"}} 1", self.store.name());
+        out
+    }
+}
+
+/// Drives timers (heartbeat lapses, last calls, join timeouts) while the rendezvous lives.
+async fn ticker(me: Weak<Rendezvous>) {
+    let (period, expired) = match me.upgrade() {
+        Some(r) => (
+            r.store.tick_period(),
+            match &r.store {
+                Store::Etcd(e) => Some(e.expired()),
+                Store::Memory(_) => None,
+            },
+        ),
+        None => return,
+    };
+    loop {
+        match &expired {
+            Some(n) => {
+                let _ = tokio::time::timeout(period, n.notified()).await;
+            }
+            None => tokio::time::sleep(period).await,
+        }
+        let Some(r) = me.upgrade() else { return };
+        r.tick().await;
+    }
+}

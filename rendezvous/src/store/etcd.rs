@@ -1,0 +1,360 @@
+//! The etcd v3 store: no truth in memory, so any number of server replicas (or agents running
+//! the machine themselves) can serve the same jobs.
+//!
+//! Layout under `/rlaunch/jobs/{run_id}/`:
+//! - `state`: the [`Job`] as JSON, without heartbeat times; every update is a transaction that
+//!   compares the key's mod revision (or its absence) before the put, retried on conflict;
+//! - `alive/{node_id}`: one key per node attached to that node's lease (TTL = node TTL rounded up
+//!   to whole seconds). Its presence is the node's liveness: when the machine runs, every node
+//!   with a key counts as just heard from and every other node as lapsed, so a lease expiring is
+//!   a node loss.
+//!
+//! One background task per store watches the whole prefix: a `state` change wakes long-polls, an
+//! `alive` key deleted (lease expiry, revoke) nudges the ticker so loss is acted on at once.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, PutOptions, Txn, TxnOp,
+    WatchOptions,
+};
+use tokio::sync::{watch, Notify};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tracing::{debug, warn};
+
+use crate::error::RdzvError;
+use crate::round::{self, Action, Decision, Event, Job, JobSettings, Millis};
+
+const PREFIX: &str = "/rlaunch/jobs/";
+/// Bound on every single etcd request (streams excepted), so a dead member never hangs a caller.
+const OP_TIMEOUT: Duration = Duration::from_secs(3);
+const MAX_ATTEMPTS: u32 = 64;
+
+/// A handle on jobs kept in etcd; cheap to clone.
+#[derive(Clone)]
+pub struct EtcdStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    client: Client,
+    /// Bumped on every change under the prefix (and after a watch reconnect).
+    changes: watch::Sender<u64>,
+    /// Signalled when an `alive` key disappears.
+    expired: Arc<Notify>,
+    watcher: JoinHandle<()>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.watcher.abort();
+    }
+}
+
+/// What one read of a job's prefix holds.
+struct Snapshot {
+    job: Option<Job>,
+    mod_revision: i64,
+    alive: Vec<String>,
+}
+
+fn state_key(run_id: &str) -> String {
+    format!("{PREFIX}{run_id}/state")
+}
+
+fn alive_prefix(run_id: &str) -> String {
+    format!("{PREFIX}{run_id}/alive/")
+}
+
+fn alive_key(run_id: &str, node_id: &str) -> String {
+    format!("{PREFIX}{run_id}/alive/{node_id}")
+}
+
+/// The job as stored: heartbeat times are derived from leases, never persisted.
+fn stored(job: &Job) -> Job {
+    let mut j = job.clone();
+    j.last_seen.clear();
+    j
+}
+
+async fn bounded<T>(
+    op: &'static str,
+    fut: impl std::future::Future<Output = Result<T, etcd_client::Error>>,
+) -> Result<T, RdzvError> {
+    match tokio::time::timeout(OP_TIMEOUT, fut).await {
+        Ok(r) => r.map_err(RdzvError::etcd(op)),
+        Err(_) => Err(RdzvError::Etcd {
+            op,
+            source: etcd_client::Error::InvalidArgs(format!("no answer within {OP_TIMEOUT:?}")),
+        }),
+    }
+}
+
+impl EtcdStore {
+    /// Connects to etcd (any of `endpoints`, e.g. `http://127.0.0.1:2379`) and starts watching.
+    pub async fn connect(endpoints: &[String]) -> Result<Self, RdzvError> {
+        let options = ConnectOptions::new()
+            .with_connect_timeout(Duration::from_secs(2))
+            .with_keep_alive(Duration::from_secs(1), Duration::from_secs(2))
+            .with_keep_alive_while_idle(true);
+        let client = bounded("connect", Client::connect(endpoints, Some(options))).await?;
+        let (changes, _) = watch::channel(0u64);
+        let expired = Arc::new(Notify::new());
+        let watcher = tokio::spawn(watch_loop(client.clone(), changes.clone(), expired.clone()));
+        Ok(Self { inner: Arc::new(Inner { client, changes, expired, watcher }) })
+    }
+
+    fn client(&self) -> Client {
+        self.inner.client.clone()
+    }
+
+    pub(crate) fn expired(&self) -> Arc<Notify> {
+        self.inner.expired.clone()
+    }
+
+    async fn read(&self, run_id: &str) -> Result<Snapshot, RdzvError> {
+        let prefix = format!("{PREFIX}{run_id}/");
+        let resp = bounded("get job", self.client().get(prefix, Some(GetOptions::new().with_prefix()))).await?;
+        let (skey, aprefix) = (state_key(run_id), alive_prefix(run_id));
+        let mut snap = Snapshot { job: None, mod_revision: 0, alive: Vec::new() };
+        for kv in resp.kvs() {
+            let key = String::from_utf8_lossy(kv.key());
+            if key == skey {
+                let job = serde_json::from_slice(kv.value())
+                    .map_err(|source| RdzvError::Corrupt { run_id: run_id.to_owned(), source })?;
+                snap.job = Some(job);
+                snap.mod_revision = kv.mod_revision();
+            } else if let Some(node) = key.strip_prefix(&aprefix) {
+                snap.alive.push(node.to_owned());
+            }
+        }
+        Ok(snap)
+    }
+
+    fn with_liveness(mut job: Job, alive: &[String], now: Millis) -> Job {
+        job.last_seen = alive.iter().map(|id| (id.clone(), now)).collect();
+        job
+    }
+
+    pub async fn apply(
+        &self,
+        run_id: &str,
+        create: Option<&JobSettings>,
+        ev: Event,
+        now: Millis,
+    ) -> Result<(Job, Decision), RdzvError> {
+        let key = state_key(run_id);
+        for attempt in 1..=MAX_ATTEMPTS {
+            let snap = self.read(run_id).await?;
+            let created = snap.job.is_none();
+            let job = super::existing_or_new(run_id, snap.job, create, now)?;
+            let job = Self::with_liveness(job, &snap.alive, now);
+            let (next, decision) = round::apply(&job, ev.clone(), now);
+            if matches!(decision.action, Action::Rejected(_)) {
+                return Ok((job, decision));
+            }
+            let to_store = stored(&next);
+            if !created && stored(&job) == to_store {
+                return Ok((next, decision));
+            }
+            let value = serde_json::to_vec(&to_store)
+                .map_err(|source| RdzvError::Corrupt { run_id: run_id.to_owned(), source })?;
+            let cmp = if created {
+                Compare::version(key.clone(), CompareOp::Equal, 0)
+            } else {
+                Compare::mod_revision(key.clone(), CompareOp::Equal, snap.mod_revision)
+            };
+            let txn = Txn::new().when([cmp]).and_then([TxnOp::put(key.clone(), value, None)]);
+            let resp = bounded("transaction", self.client().txn(txn)).await?;
+            if resp.succeeded() {
+                return Ok((next, decision));
+            }
+            debug!(run_id, attempt, "lost a concurrent update of the job; retrying");
+        }
+        Err(RdzvError::Contention { run_id: run_id.to_owned(), attempts: MAX_ATTEMPTS })
+    }
+
+    pub async fn load(&self, run_id: &str, now: Millis) -> Result<Option<Job>, RdzvError> {
+        let snap = self.read(run_id).await?;
+        Ok(snap.job.map(|j| Self::with_liveness(j, &snap.alive, now)))
+    }
+
+    pub async fn jobs(&self, now: Millis) -> Result<Vec<(String, Job)>, RdzvError> {
+        let resp = bounded("list jobs", self.client().get(PREFIX, Some(GetOptions::new().with_prefix()))).await?;
+        let mut states: BTreeMap<String, Job> = BTreeMap::new();
+        let mut alive: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for kv in resp.kvs() {
+            let key = String::from_utf8_lossy(kv.key());
+            let Some(rest) = key.strip_prefix(PREFIX) else { continue };
+            let Some((run_id, tail)) = rest.split_once('/') else { continue };
+            if tail == "state" {
+                match serde_json::from_slice::<Job>(kv.value()) {
+                    Ok(job) => {
+                        states.insert(run_id.to_owned(), job);
+                    }
+                    Err(error) => warn!(run_id, %error, "skipping unreadable job state"),
+                }
+            } else if let Some(node) = tail.strip_prefix("alive/") {
+                alive.entry(run_id.to_owned()).or_default().push(node.to_owned());
+            }
+        }
+        Ok(states
+            .into_iter()
+            .map(|(id, job)| {
+                let nodes = alive.remove(&id).unwrap_or_default();
+                (id, Self::with_liveness(job, &nodes, now))
+            })
+            .collect())
+    }
+
+    pub async fn tick_all(&self, now: Millis) -> Vec<(String, Decision)> {
+        let jobs = match self.jobs(now).await {
+            Ok(jobs) => jobs,
+            Err(error) => {
+                warn!(error = %error, "etcd ticker could not list jobs");
+                return Vec::new();
+            }
+        };
+        let mut out = Vec::new();
+        for (run_id, job) in jobs {
+            if job.phase.is_terminal() {
+                continue;
+            }
+            let (next, _) = round::apply(&job, Event::Tick, now);
+            if stored(&next) == stored(&job) {
+                continue;
+            }
+            match self.apply(&run_id, None, Event::Tick, now).await {
+                Ok((_, d)) if d.action != Action::Nothing => out.push((run_id, d)),
+                Ok(_) => {}
+                Err(error) => warn!(run_id, error = %error, "etcd ticker could not update job"),
+            }
+        }
+        out
+    }
+
+    pub async fn wait_change(&self, run_id: &str, version: u64, deadline: Instant) -> Result<(), RdzvError> {
+        let mut rx = self.inner.changes.subscribe();
+        loop {
+            let snap = self.read(run_id).await?;
+            match snap.job {
+                None => return Err(RdzvError::UnknownJob { run_id: run_id.to_owned() }),
+                Some(job) if job.version != version => return Ok(()),
+                Some(_) => {}
+            }
+            if Instant::now() >= deadline {
+                return Ok(());
+            }
+            // Re-read at least every second even if the watch stream is down.
+            let wake = deadline.min(Instant::now() + Duration::from_secs(1));
+            let _ = tokio::time::timeout_at(wake, rx.changed()).await;
+        }
+    }
+
+    /// Keeps node `node_id`'s lease alive once. Unknown node: no key, or the lease is gone.
+    pub async fn keep_alive(&self, run_id: &str, node_id: &str) -> Result<Decision, RdzvError> {
+        let unknown = || RdzvError::UnknownNode { node_id: node_id.to_owned() };
+        let resp = bounded("get alive key", self.client().get(alive_key(run_id, node_id), None)).await?;
+        let lease = resp.kvs().first().map(|kv| kv.lease()).filter(|l| *l != 0).ok_or_else(unknown)?;
+        if self.keep_lease_alive(lease).await? {
+            Ok(Decision { action: Action::HeartbeatRecorded, reason: format!("lease of {node_id} kept alive") })
+        } else {
+            Err(unknown())
+        }
+    }
+
+    /// One keep-alive round trip; false when the lease no longer exists.
+    async fn keep_lease_alive(&self, lease: i64) -> Result<bool, RdzvError> {
+        let mut client = self.client();
+        let fut = async move {
+            let (mut keeper, mut stream) = client.lease_keep_alive(lease).await?;
+            keeper.keep_alive().await?;
+            Ok::<_, etcd_client::Error>(stream.message().await?.map(|r| r.ttl() > 0).unwrap_or(false))
+        };
+        bounded("lease keep-alive", fut).await
+    }
+
+    /// Makes sure node `node_id` has a live lease and key; returns the lease id.
+    pub async fn register_node(&self, run_id: &str, node_id: &str, ttl: Duration) -> Result<i64, RdzvError> {
+        let key = alive_key(run_id, node_id);
+        let resp = bounded("get alive key", self.client().get(key.clone(), None)).await?;
+        if let Some(lease) = resp.kvs().first().map(|kv| kv.lease()).filter(|l| *l != 0) {
+            if self.keep_lease_alive(lease).await? {
+                return Ok(lease);
+            }
+        }
+        let ttl_s = i64::try_from(ttl.as_millis().div_ceil(1000)).unwrap_or(i64::MAX).max(1);
+        let lease = bounded("lease grant", self.client().lease_grant(ttl_s, None)).await?.id();
+        let opts = PutOptions::new().with_lease(lease);
+        bounded("put alive key", self.client().put(key, node_id, Some(opts))).await?;
+        debug!(run_id, node_id, lease, ttl_s, "node lease granted");
+        Ok(lease)
+    }
+
+    /// Revokes the node's lease (its key goes with it).
+    pub async fn forget_node(&self, run_id: &str, node_id: &str) -> Result<(), RdzvError> {
+        let resp = bounded("get alive key", self.client().get(alive_key(run_id, node_id), None)).await?;
+        if let Some(lease) = resp.kvs().first().map(|kv| kv.lease()).filter(|l| *l != 0) {
+            if let Err(error) = bounded("lease revoke", self.client().lease_revoke(lease)).await {
+                debug!(run_id, node_id, error = %error, "lease revoke failed (probably already gone)");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Watches the whole prefix for as long as the store lives; reconnects after errors.
+async fn watch_loop(mut client: Client, changes: watch::Sender<u64>, expired: Arc<Notify>) {
+    let mut next_revision: i64 = 0;
+    loop {
+        let mut opts = WatchOptions::new().with_prefix();
+        if next_revision > 0 {
+            opts = opts.with_start_revision(next_revision);
+        }
+        let mut stream = match client.watch(PREFIX, Some(opts)).await {
+            Ok(stream) => stream,
+            Err(error) => {
+                debug!(error = %error, "etcd watch failed to start; retrying");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                continue;
+            }
+        };
+        // Whatever happened while the watch was down, waiters must re-read.
+        changes.send_modify(|v| *v += 1);
+        loop {
+            match stream.message().await {
+                Ok(Some(resp)) => {
+                    if resp.canceled() {
+                        // Compacted past our revision: start again from now.
+                        next_revision = 0;
+                        break;
+                    }
+                    if let Some(h) = resp.header() {
+                        next_revision = next_revision.max(h.revision() + 1);
+                    }
+                    let mut any = false;
+                    for ev in resp.events() {
+                        let Some(kv) = ev.kv() else { continue };
+                        next_revision = next_revision.max(kv.mod_revision() + 1);
+                        any = true;
+                        if ev.event_type() == EventType::Delete && kv.key().windows(7).any(|w| w == b"/alive/") {
+                            expired.notify_one();
+                        }
+                    }
+                    if any {
+                        changes.send_modify(|v| *v += 1);
+                    }
+                }
+                Ok(None) => break,
+                Err(error) => {
+                    debug!(error = %error, "etcd watch stream broke; reconnecting");
+                    break;
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

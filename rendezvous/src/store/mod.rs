@@ -1,0 +1,138 @@
+//! Where job state lives: in this process (`memory`) or in etcd v3 (`etcd`), behind one enum.
+//!
+//! Both run the same pure machine ([`crate::round::apply`]); they differ in how an update is made
+//! atomic (a mutex, or an etcd transaction on the state key's mod revision), how waiters learn of
+//! changes (a `tokio::sync::watch` per job, or an etcd watch) and how liveness is measured
+//! (heartbeat times in the job, or one etcd lease per node whose key's presence means "alive").
+
+pub mod etcd;
+pub mod memory;
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::error::RdzvError;
+use crate::round::{Decision, Event, Job, JobSettings, Millis};
+
+/// The state backend of a [`crate::service::Rendezvous`].
+#[derive(Clone)]
+pub enum Store {
+    Memory(memory::MemoryStore),
+    Etcd(etcd::EtcdStore),
+}
+
+/// Checks that a join's settings match the job's, or creates the job when there is none.
+pub(crate) fn existing_or_new(
+    run_id: &str,
+    existing: Option<Job>,
+    create: Option<&JobSettings>,
+    now: Millis,
+) -> Result<Job, RdzvError> {
+    match (existing, create) {
+        (Some(job), Some(settings)) if &job.settings != settings => Err(RdzvError::SettingsMismatch {
+            run_id: run_id.to_owned(),
+            message: format!(
+                "the job was created with {}, this node asks for {}",
+                serde_json::to_string(&job.settings).unwrap_or_default(),
+                serde_json::to_string(settings).unwrap_or_default()
+            ),
+        }),
+        (Some(job), _) => Ok(job),
+        (None, Some(settings)) => Ok(Job::new(settings.clone(), now)),
+        (None, None) => Err(RdzvError::UnknownJob { run_id: run_id.to_owned() }),
+    }
+}
+
+impl Store {
+    pub fn memory() -> Self {
+        Store::Memory(memory::MemoryStore::default())
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Store::Memory(_) => "memory",
+            Store::Etcd(_) => "etcd",
+        }
+    }
+
+    /// Applies `ev` to job `run_id` atomically, creating the job from `create` when it does not
+    /// exist (joins only). A rejected event leaves the stored job untouched.
+    pub async fn apply(
+        &self,
+        run_id: &str,
+        create: Option<&JobSettings>,
+        ev: Event,
+        now: Millis,
+    ) -> Result<(Job, Decision), RdzvError> {
+        match self {
+            Store::Memory(m) => m.apply(run_id, create, ev, now),
+            Store::Etcd(e) => e.apply(run_id, create, ev, now).await,
+        }
+    }
+
+    pub async fn load(&self, run_id: &str, now: Millis) -> Result<Option<Job>, RdzvError> {
+        match self {
+            Store::Memory(m) => Ok(m.load(run_id)),
+            Store::Etcd(e) => e.load(run_id, now).await,
+        }
+    }
+
+    /// Returns once job `run_id`'s version may differ from `version`, or at `deadline`.
+    pub async fn wait_change(&self, run_id: &str, version: u64, deadline: Instant) -> Result<(), RdzvError> {
+        match self {
+            Store::Memory(m) => m.wait_change(run_id, version, deadline).await,
+            Store::Etcd(e) => e.wait_change(run_id, version, deadline).await,
+        }
+    }
+
+    /// Applies `Tick` to every live job; returns the decisions that changed something.
+    pub async fn tick_all(&self, now: Millis) -> Vec<(String, Decision)> {
+        match self {
+            Store::Memory(m) => m.tick_all(now),
+            Store::Etcd(e) => e.tick_all(now).await,
+        }
+    }
+
+    /// Every job, for status gauges.
+    pub async fn jobs(&self, now: Millis) -> Result<Vec<(String, Job)>, RdzvError> {
+        match self {
+            Store::Memory(m) => Ok(m.jobs()),
+            Store::Etcd(e) => e.jobs(now).await,
+        }
+    }
+
+    /// Records a sign of life: a heartbeat in memory, a lease keep-alive on etcd.
+    pub async fn heartbeat(&self, run_id: &str, node_id: &str, now: Millis) -> Result<Decision, RdzvError> {
+        match self {
+            Store::Memory(m) => {
+                m.apply(run_id, None, Event::Heartbeat { node_id: node_id.to_owned() }, now).map(|(_, d)| d)
+            }
+            Store::Etcd(e) => e.keep_alive(run_id, node_id).await,
+        }
+    }
+
+    /// Makes sure a node about to join counts as alive (etcd: its lease and key exist).
+    pub async fn register_node(&self, run_id: &str, node_id: &str, ttl: Duration) -> Result<(), RdzvError> {
+        match self {
+            Store::Memory(_) => Ok(()),
+            Store::Etcd(e) => e.register_node(run_id, node_id, ttl).await.map(|_| ()),
+        }
+    }
+
+    /// Drops a departed node's liveness record (etcd: revokes its lease).
+    pub async fn forget_node(&self, run_id: &str, node_id: &str) -> Result<(), RdzvError> {
+        match self {
+            Store::Memory(_) => Ok(()),
+            Store::Etcd(e) => e.forget_node(run_id, node_id).await,
+        }
+    }
+
+    /// How often the ticker should run for this store.
+    pub fn tick_period(&self) -> Duration {
+        match self {
+            Store::Memory(_) => Duration::from_millis(100),
+            Store::Etcd(_) => Duration::from_millis(250),
+        }
+    }
+}
