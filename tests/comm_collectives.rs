@@ -1,0 +1,274 @@
+//! Collectives across real processes (one per rank, bootstrapped through a file store):
+//! results against a straightforward reference, mismatches, and dead or hung peers.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{fresh_seed, self_args, self_exe, spawn, wait, wait_for, Mix, WORKER};
+use rlaunch::comm::{ProcessGroup, ReduceOp};
+
+const SCENARIO: &str = "RLAUNCH_TEST_SCENARIO";
+const SEED: &str = "RLAUNCH_TEST_DATA_SEED";
+
+fn gen(seed: u64, case: usize, rank: usize, n: usize) -> Vec<f32> {
+    let mut m = Mix(seed ^ (case as u64) << 32 ^ (rank as u64) << 16);
+    (0..n).map(|_| m.f32()).collect()
+}
+
+fn close(got: &[f32], want: &[f32], scale: &[f32], what: &str) -> Result<(), String> {
+    if got.len() != want.len() {
+        return Err(format!("{what}: length {} != {}", got.len(), want.len()));
+    }
+    for i in 0..got.len() {
+        let tol = 1e-5 * scale[i] + 1e-6;
+        if (got[i] - want[i]).abs() > tol || got[i].is_nan() {
+            return Err(format!("{what}: element {i}: got {} want {}", got[i], want[i]));
+        }
+    }
+    Ok(())
+}
+
+fn reference_worker(pg: &mut ProcessGroup, seed: u64) -> Result<(), String> {
+    let w = pg.world_size();
+    let me = pg.rank();
+    let big: usize = std::env::var("RLAUNCH_TEST_BIG").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+    let mut sizes = vec![1usize, 2, 7, 1000, 16 * 1024 + 5, 300_001, 1_048_577];
+    if big > 0 {
+        sizes.push(big);
+    }
+    for (case, &n) in sizes.iter().enumerate() {
+        let all: Vec<Vec<f32>> = (0..w).map(|r| gen(seed, case, r, n)).collect();
+        let scale: Vec<f32> = (0..n).map(|i| all.iter().map(|v| v[i].abs()).sum()).collect();
+        let ops: &[ReduceOp] = if n > 1_100_000 { &[ReduceOp::Sum] } else { &[ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Min, ReduceOp::Max] };
+        for &op in ops {
+            let want: Vec<f32> = (0..n)
+                .map(|i| {
+                    let xs = all.iter().map(|v| v[i]);
+                    match op {
+                        ReduceOp::Sum => xs.sum(),
+                        ReduceOp::Avg => xs.sum::<f32>() / w as f32,
+                        ReduceOp::Min => xs.fold(f32::INFINITY, f32::min),
+                        ReduceOp::Max => xs.fold(f32::NEG_INFINITY, f32::max),
+                    }
+                })
+                .collect();
+            let mut buf = all[me].clone();
+            pg.all_reduce(&mut buf, op).map_err(|e| e.to_string())?;
+            close(&buf, &want, &scale, &format!("all_reduce {op:?} n={n}"))?;
+        }
+        if n > 1_100_000 {
+            continue;
+        }
+        // i64 sum is exact.
+        let ints: Vec<Vec<i64>> = all.iter().map(|v| v.iter().map(|x| (x * 1e6) as i64).collect()).collect();
+        let mut ib = ints[me].clone();
+        pg.all_reduce(&mut ib, ReduceOp::Sum).map_err(|e| e.to_string())?;
+        for i in 0..n {
+            let want: i64 = ints.iter().map(|v| v[i]).sum();
+            if ib[i] != want {
+                return Err(format!("i64 all_reduce n={n} element {i}: {} != {want}", ib[i]));
+            }
+        }
+        // f64 max.
+        let mut fb: Vec<f64> = all[me].iter().map(|&x| x as f64).collect();
+        pg.all_reduce(&mut fb, ReduceOp::Max).map_err(|e| e.to_string())?;
+        for i in 0..n {
+            let want = all.iter().map(|v| v[i] as f64).fold(f64::NEG_INFINITY, f64::max);
+            if fb[i] != want {
+                return Err(format!("f64 max n={n} element {i}"));
+            }
+        }
+        // broadcast from a rotating root.
+        let root = case % w;
+        let mut b = all[me].clone();
+        pg.broadcast(&mut b, root).map_err(|e| e.to_string())?;
+        if b != all[root] {
+            return Err(format!("broadcast n={n} root {root} differs"));
+        }
+        // all_gather.
+        let mut out = vec![0f32; n * w];
+        pg.all_gather(&all[me], &mut out).map_err(|e| e.to_string())?;
+        if out != all.concat() {
+            return Err(format!("all_gather n={n} differs"));
+        }
+        // reduce_scatter: block `me` of the element-wise sum of every rank's (w*n) input.
+        let inputs: Vec<Vec<f32>> = (0..w).map(|r| gen(seed, case + 1000, r, n * w)).collect();
+        let mut rs = vec![0f32; n];
+        pg.reduce_scatter(&inputs[me], &mut rs, ReduceOp::Sum).map_err(|e| e.to_string())?;
+        let want: Vec<f32> = (0..n).map(|i| inputs.iter().map(|v| v[me * n + i]).sum()).collect();
+        let sc: Vec<f32> = (0..n).map(|i| inputs.iter().map(|v| v[me * n + i].abs()).sum()).collect();
+        close(&rs, &want, &sc, &format!("reduce_scatter n={n}"))?;
+        pg.barrier().map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+/// The worker side: runs the scenario named in the environment (no-op in a normal test run).
+#[test]
+fn worker_entry() {
+    if std::env::var(WORKER).is_err() {
+        return;
+    }
+    let scenario = std::env::var(SCENARIO).expect("scenario set by the parent");
+    let mut pg = match rlaunch::worker::init_from_env() {
+        Ok(pg) => pg,
+        Err(e) => {
+            eprintln!("init failed: {e:?}");
+            std::process::exit(2);
+        }
+    };
+    eprintln!("rank {} backend {}", pg.rank(), pg.backend_name());
+    let me = pg.rank();
+    let w = pg.world_size();
+    let res: Result<(), String> = match scenario.as_str() {
+        "reference" => {
+            let seed = std::env::var(SEED).ok().and_then(|v| v.parse().ok()).expect("seed");
+            reference_worker(&mut pg, seed)
+        }
+        "mismatch" => {
+            let mut buf = vec![1f32; if me == 0 { 100 } else { 200 }];
+            pg.all_reduce(&mut buf, ReduceOp::Sum).map_err(|e| e.to_string())
+        }
+        "dtype_mismatch" => {
+            if me == 0 {
+                let mut b = vec![1f64; 64];
+                pg.all_reduce(&mut b, ReduceOp::Sum).map_err(|e| e.to_string())
+            } else {
+                let mut b = vec![1f32; 64];
+                pg.all_reduce(&mut b, ReduceOp::Sum).map_err(|e| e.to_string())
+            }
+        }
+        "die" | "hang" => {
+            let mut buf = vec![1f32; 1 << 16];
+            pg.all_reduce(&mut buf, ReduceOp::Sum).map_err(|e| e.to_string()).and_then(|_| {
+                if me == w - 1 {
+                    if scenario == "die" {
+                        // SAFETY: not needed: abort is safe; the peer vanishes without cleanup.
+                        std::process::abort();
+                    }
+                    std::thread::sleep(Duration::from_secs(600));
+                }
+                let t = Instant::now();
+                let r = pg.all_reduce(&mut buf, ReduceOp::Sum).map_err(|e| e.to_string());
+                eprintln!("second all_reduce returned after {:?}", t.elapsed());
+                r
+            })
+        }
+        other => Err(format!("unknown scenario {other}")),
+    };
+    match res {
+        Ok(()) => {
+            eprintln!("rank {me} OK");
+            std::process::exit(0)
+        }
+        Err(e) => {
+            eprintln!("rank {me} ERROR: {e}");
+            std::process::exit(1)
+        }
+    }
+}
+
+fn run(hosts: &[usize], scenario: &str, extra: &[(&str, String)], timeout: Duration) -> common::Finished {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut env: Vec<(String, String)> = vec![(WORKER.into(), "1".into()), (SCENARIO.into(), scenario.into())];
+    env.extend(extra.iter().map(|(k, v)| (k.to_string(), v.clone())));
+    let s = spawn(&self_exe(), &self_args("worker_entry"), hosts, dir.path(), &env);
+    wait(s, timeout)
+}
+
+fn assert_reference(hosts: &[usize], backend: &str, big: usize) {
+    let seed = fresh_seed();
+    let f = run(
+        hosts,
+        "reference",
+        &[(SEED, seed.to_string()), ("RLAUNCH_BACKEND", backend.into()), ("RLAUNCH_TEST_BIG", big.to_string())],
+        Duration::from_secs(240),
+    );
+    assert!(f.all_ok(), "backend {backend} hosts {hosts:?} seed {seed}:\n{}", f.dump());
+    for l in &f.logs {
+        assert!(l.contains(&format!("backend {}", backend_name(backend))), "{l}");
+    }
+}
+
+fn backend_name(b: &str) -> &str {
+    if b == "hier" { "hierarchical" } else { b }
+}
+
+#[test]
+fn shm_collectives_match_reference_for_world_sizes_1_to_4() {
+    for w in 1..=4 {
+        assert_reference(&vec![0; w], "shm", if w == 2 { 6 << 20 } else { 0 });
+    }
+}
+
+#[test]
+fn tcp_ring_collectives_match_reference_for_world_sizes_2_to_4() {
+    for w in 2..=4 {
+        assert_reference(&vec![0; w], "tcp", if w == 3 { 6 << 20 } else { 0 });
+    }
+}
+
+#[test]
+fn hierarchical_collectives_match_reference_on_two_hosts_of_two_ranks() {
+    assert_reference(&[0, 0, 1, 1], "hier", 0);
+    assert_reference(&[0, 0, 0, 1], "hier", 0);
+}
+
+fn assert_all_fail_mentioning(f: &common::Finished, needle: &str) {
+    assert!(f.codes.iter().all(|c| *c == Some(1)), "every rank must fail cleanly:\n{}", f.dump());
+    assert!(f.logs.iter().any(|l| l.contains(needle)), "no rank reported {needle:?}:\n{}", f.dump());
+}
+
+#[test]
+fn mismatched_sizes_are_reported_on_shm_and_tcp() {
+    for backend in ["shm", "tcp"] {
+        let f = run(&[0, 0, 0], "mismatch", &[("RLAUNCH_BACKEND", backend.into()), ("RLAUNCH_COLLECTIVE_TIMEOUT", "3".into())], Duration::from_secs(20));
+        assert_all_fail_mentioning(&f, "collective mismatch");
+        assert!(f.logs.iter().any(|l| l.contains("all_reduce of 100 f32")), "{}", f.dump());
+    }
+}
+
+#[test]
+fn mismatched_dtypes_are_reported() {
+    let f = run(&[0, 0], "dtype_mismatch", &[("RLAUNCH_COLLECTIVE_TIMEOUT", "3".into())], Duration::from_secs(20));
+    assert_all_fail_mentioning(&f, "f64");
+}
+
+fn assert_peer_failure_detected(backend: &str, scenario: &str, timeout_s: u64) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let env: Vec<(String, String)> = vec![
+        (WORKER.into(), "1".into()),
+        (SCENARIO.into(), scenario.into()),
+        ("RLAUNCH_BACKEND".into(), backend.into()),
+        ("RLAUNCH_COLLECTIVE_TIMEOUT".into(), timeout_s.to_string()),
+    ];
+    let t = Instant::now();
+    let s = spawn(&self_exe(), &self_args("worker_entry"), &[0, 0, 0], dir.path(), &env);
+    let f = wait_for(s, &[0, 1], Duration::from_secs(timeout_s + 30));
+    let took = t.elapsed();
+    for r in 0..2 {
+        assert_eq!(f.codes[r], Some(1), "survivor {r} must fail, not hang:\n{}", f.dump());
+        let err = f.logs[r].lines().find(|l| l.contains("ERROR")).unwrap_or_default();
+        assert!((0..3).any(|q| q != r && err.contains(&format!("rank {q} "))), "error must name a peer:\n{}", f.dump());
+    }
+    let errs: Vec<&str> = f.logs.iter().flat_map(|l| l.lines().filter(|l| l.contains("ERROR"))).collect();
+    assert!(errs.iter().any(|l| l.contains("rank 2 ")), "the failed rank is named:\n{}", f.dump());
+    assert!(took < Duration::from_secs(timeout_s + 15), "took {took:?}");
+}
+
+#[test]
+fn peer_killed_in_collective_fails_survivors_quickly_on_shm() {
+    assert_peer_failure_detected("shm", "die", 30);
+}
+
+#[test]
+fn peer_killed_in_collective_fails_survivors_on_tcp() {
+    assert_peer_failure_detected("tcp", "die", 30);
+}
+
+#[test]
+fn hung_peer_times_out_naming_it_on_shm_and_tcp() {
+    assert_peer_failure_detected("shm", "hang", 2);
+    assert_peer_failure_detected("tcp", "hang", 2);
+}
