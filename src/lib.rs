@@ -2,3 +2,5 @@
 //! process groups and collectives, and data-parallel training helpers.
 
 pub mod env;
+pub mod comm;
+pub mod worker;
