@@ -1,0 +1,464 @@
+//! The HTTP API through `router(..).oneshot(..)` and through a real bound server with the client.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{header, Request, StatusCode};
+use rlaunch_rendezvous::api::{self, AppState};
+use rlaunch_rendezvous::round::{Job, JobSettings, NodeInfo};
+use rlaunch_rendezvous::{Backend, RdzvError, Rendezvous, RendezvousClient, WatchEvent};
+use serde_json::{json, Value};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tower::ServiceExt;
+
+/// Every await in these tests is bounded by this.
+const DEADLINE: Duration = Duration::from_secs(20);
+
+async fn within<T>(what: &str, fut: impl Future<Output = T>) -> T {
+    match tokio::time::timeout(DEADLINE, fut).await {
+        Ok(v) => v,
+        Err(_) => panic!("{what} did not finish within {DEADLINE:?}"),
+    }
+}
+
+/// Slow timers: nothing lapses while a test inspects state.
+fn calm(min: u32, max: u32) -> JobSettings {
+    JobSettings {
+        min_nodes: min,
+        max_nodes: max,
+        join_timeout: Duration::from_secs(120),
+        last_call_timeout: Duration::from_secs(60),
+        heartbeat_interval: Duration::from_secs(10),
+        node_ttl: Duration::from_secs(60),
+        max_restarts: 1,
+    }
+}
+
+/// Fast timers: node loss in half a second.
+fn fast(min: u32, max: u32) -> JobSettings {
+    JobSettings {
+        min_nodes: min,
+        max_nodes: max,
+        join_timeout: Duration::from_secs(10),
+        last_call_timeout: Duration::from_millis(300),
+        heartbeat_interval: Duration::from_millis(100),
+        node_ttl: Duration::from_millis(500),
+        max_restarts: 1,
+    }
+}
+
+fn node(id: &str) -> NodeInfo {
+    NodeInfo { node_id: id.to_owned(), local_world_size: 2, store_addr: format!("127.0.0.1:{}", 29500 + id.len()) }
+}
+
+async fn send(app: &axum::Router, req: Request<Body>) -> (StatusCode, Value) {
+    let resp = within("request", app.clone().oneshot(req)).await.expect("router is infallible");
+    let status = resp.status();
+    let bytes = within("body", axum::body::to_bytes(resp.into_body(), 1 << 20)).await.expect("body reads");
+    let v = serde_json::from_slice(&bytes).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into()));
+    (status, v)
+}
+
+fn post(path: &str, body: impl Into<Body>) -> Request<Body> {
+    Request::post(path).header(header::CONTENT_TYPE, "application/json").body(body.into()).expect("valid request")
+}
+
+fn post_json(path: &str, v: &Value) -> Request<Body> {
+    post(path, v.to_string())
+}
+
+async fn job(rdzv: &Rendezvous, run_id: &str) -> Option<Job> {
+    rdzv.store().load(run_id, 0).await.expect("memory store loads")
+}
+
+/// A job with node `a` waiting (min 2), for tests that check state stays untouched.
+async fn app_with_waiting_job(token: Option<&str>) -> (axum::Router, Arc<Rendezvous>) {
+    let rdzv = Rendezvous::in_memory();
+    let app = api::router(AppState::new(rdzv.clone(), token.map(str::to_owned)));
+    let mut req = post_json(
+        "/v1/jobs/j1/join",
+        &json!({"settings": calm(2, 2), "node": node("a"), "wait_ms": 0}),
+    );
+    if let Some(t) = token {
+        req.headers_mut().insert(header::AUTHORIZATION, format!("Bearer {t}").parse().expect("header value"));
+    }
+    let (status, body) = send(&app, req).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["status"], "wait");
+    (app, rdzv)
+}
+
+struct Server {
+    addr: SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<std::io::Result<()>>,
+}
+
+impl Server {
+    async fn start(rdzv: Arc<Rendezvous>, token: Option<&str>) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind loopback");
+        let addr = listener.local_addr().expect("bound address");
+        let (tx, rx) = oneshot::channel::<()>();
+        let state = AppState::new(rdzv, token.map(str::to_owned));
+        let task = tokio::spawn(api::serve(listener, state, async move {
+            let _ = rx.await;
+        }));
+        Server { addr, stop: Some(tx), task }
+    }
+
+    fn endpoint(&self) -> String {
+        self.addr.to_string()
+    }
+
+    async fn stop(mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        within("server shutdown", &mut self.task).await.expect("server task").expect("serve ok");
+    }
+}
+
+async fn http_client(endpoints: Vec<String>, run_id: &str, s: JobSettings) -> RendezvousClient {
+    RendezvousClient::connect(Backend::Http { endpoints, token: None }, run_id, s).await.expect("client connects")
+}
+
+#[tokio::test]
+async fn healthz_and_metrics_answer_without_a_token() {
+    let rdzv = Rendezvous::in_memory();
+    let app = api::router(AppState::new(rdzv, Some("s3cret".into())));
+    let (status, body) = send(&app, Request::get("/healthz").body(Body::empty()).expect("req")).await;
+    assert_eq!((status, body), (StatusCode::OK, Value::String("ok\n".into())));
+    let (status, body) = send(&app, Request::get("/metrics").body(Body::empty()).expect("req")).await;
+    assert_eq!(status, StatusCode::OK);
+    let text = body.as_str().expect("metrics are text");
+    assert!(text.contains("# TYPE rlaunch_rdzv_rounds_closed_total counter"), "{text}");
+    assert!(text.contains("rlaunch_rdzv_jobs{state=\"running\"} 0"), "{text}");
+}
+
+#[tokio::test]
+async fn join_over_oneshot_closes_a_single_node_round() {
+    let rdzv = Rendezvous::in_memory();
+    let app = api::router(AppState::new(rdzv, None));
+    let (status, body) =
+        send(&app, post_json("/v1/jobs/solo/join", &json!({"settings": calm(1, 1), "node": node("a")}))).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["status"], "round");
+    assert_eq!(body["round"], 1);
+    assert_eq!(body["group_rank"], 0);
+    assert_eq!(body["world_size"], 2);
+    assert_eq!(body["master_store_addr"], "127.0.0.1:29501");
+    let (status, body) = send(&app, Request::get("/v1/jobs/solo").body(Body::empty()).expect("req")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(body["state"], "running");
+    assert_eq!(body["members"][0]["node_id"], "a");
+}
+
+#[tokio::test]
+async fn malformed_json_is_400_and_leaves_the_job_untouched() {
+    let (app, rdzv) = app_with_waiting_job(None).await;
+    let before = job(&rdzv, "j1").await;
+    for (path, body) in [
+        ("/v1/jobs/j1/join", "{not json"),
+        ("/v1/jobs/j1/heartbeat", "[]"),
+        ("/v1/jobs/j1/failure", r#"{"node_id": "a"}"#),
+        ("/v1/jobs/j1/leave", r#"{"node_id": 5}"#),
+        ("/v1/jobs/j1/watch", ""),
+    ] {
+        let (status, v) = send(&app, post(path, body)).await;
+        assert!(status.is_client_error(), "{path} {body}: {status} {v}");
+        assert!(v["error"].is_string() && v["message"].is_string(), "{v}");
+    }
+    let (status, v) = send(&app, post_json("/v1/jobs/j1/join", &json!({"settings": calm(1,1), "node": {"node_id": "", "local_world_size": 1, "store_addr": "h:1"}}))).await;
+    assert_eq!(status, StatusCode::CONFLICT, "different settings: {v}");
+    let (status, v) = send(&app, post_json("/v1/jobs/j1/join", &json!({"settings": calm(2,2), "node": {"node_id": "", "local_world_size": 1, "store_addr": "h:1"}}))).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+    assert!(v["message"].as_str().is_some_and(|m| m.contains("node_id")), "{v}");
+    assert_eq!(job(&rdzv, "j1").await, before);
+}
+
+#[tokio::test]
+async fn wrong_content_type_is_a_4xx() {
+    let (app, _) = app_with_waiting_job(None).await;
+    let req = Request::post("/v1/jobs/j1/heartbeat").body(Body::from(r#"{"node_id":"a"}"#)).expect("req");
+    let (status, v) = send(&app, req).await;
+    assert_eq!(status, StatusCode::UNSUPPORTED_MEDIA_TYPE, "{v}");
+}
+
+#[tokio::test]
+async fn invalid_settings_are_400_with_a_clear_message() {
+    let rdzv = Rendezvous::in_memory();
+    let app = api::router(AppState::new(rdzv.clone(), None));
+    let mut s = calm(1, 1);
+    s.node_ttl = Duration::from_secs(1);
+    let (status, v) = send(&app, post_json("/v1/jobs/x/join", &json!({"settings": s, "node": node("a")}))).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+    assert!(v["message"].as_str().is_some_and(|m| m.contains("heartbeat interval") && m.contains("node TTL")), "{v}");
+    assert!(job(&rdzv, "x").await.is_none(), "no job is created by a rejected join");
+}
+
+#[tokio::test]
+async fn unknown_job_is_404() {
+    let rdzv = Rendezvous::in_memory();
+    let app = api::router(AppState::new(rdzv, None));
+    let (status, v) = send(&app, Request::get("/v1/jobs/nope").body(Body::empty()).expect("req")).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_eq!(v["error"], "unknown_job");
+    for op in ["heartbeat", "leave"] {
+        let (status, _) = send(&app, post_json(&format!("/v1/jobs/nope/{op}"), &json!({"node_id": "a"}))).await;
+        assert_eq!(status, StatusCode::NOT_FOUND, "{op}");
+    }
+    let (status, _) = send(&app, post_json("/v1/jobs/nope/watch", &json!({"after_round": 0, "wait_ms": 0}))).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let (status, v) = send(&app, post_json("/v1/jobs/bad%2Fid/watch", &json!({"after_round": 0}))).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+}
+
+#[tokio::test]
+async fn unknown_node_heartbeat_is_404_and_leaves_the_job_untouched() {
+    let (app, rdzv) = app_with_waiting_job(None).await;
+    let before = job(&rdzv, "j1").await;
+    let (status, v) = send(&app, post_json("/v1/jobs/j1/heartbeat", &json!({"node_id": "ghost"}))).await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{v}");
+    assert_eq!(v["error"], "unknown_node");
+    assert_eq!(job(&rdzv, "j1").await, before);
+}
+
+#[tokio::test]
+async fn oversized_body_is_413_and_leaves_the_job_untouched() {
+    let (app, rdzv) = app_with_waiting_job(None).await;
+    let before = job(&rdzv, "j1").await;
+    let huge = "x".repeat(api::DEFAULT_BODY_LIMIT + 1);
+    let body = json!({"node_id": "a", "round": 1, "root_cause": huge});
+    let (status, v) = send(&app, post_json("/v1/jobs/j1/failure", &body)).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE, "{v}");
+    assert_eq!(v["error"], "payload_too_large");
+    assert_eq!(job(&rdzv, "j1").await, before);
+}
+
+#[tokio::test]
+async fn wrong_or_missing_token_is_401_and_leaves_the_job_untouched() {
+    let (app, rdzv) = app_with_waiting_job(Some("s3cret")).await;
+    let before = job(&rdzv, "j1").await;
+    for auth in [None, Some("Bearer wrong"), Some("Basic s3cret"), Some("Bearer s3cret2")] {
+        let mut req = post_json("/v1/jobs/j1/leave", &json!({"node_id": "a"}));
+        if let Some(a) = auth {
+            req.headers_mut().insert(header::AUTHORIZATION, a.parse().expect("header value"));
+        }
+        let (status, v) = send(&app, req).await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED, "{auth:?}: {v}");
+        assert_eq!(v["error"], "unauthorized");
+    }
+    assert_eq!(job(&rdzv, "j1").await, before);
+    let mut req = Request::get("/v1/jobs/j1").body(Body::empty()).expect("req");
+    req.headers_mut().insert(header::AUTHORIZATION, "Bearer s3cret".parse().expect("header value"));
+    let (status, _) = send(&app, req).await;
+    assert_eq!(status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn unknown_route_is_a_json_404() {
+    let app = api::router(AppState::new(Rendezvous::in_memory(), None));
+    let (status, v) = send(&app, Request::get("/v2/whatever").body(Body::empty()).expect("req")).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_eq!(v["error"], "not_found");
+}
+
+#[tokio::test]
+async fn two_nodes_join_a_real_server_and_get_contiguous_ranks() {
+    let server = Server::start(Rendezvous::in_memory(), None).await;
+    let a = http_client(vec![server.endpoint()], "job2", fast(2, 2)).await;
+    let b = http_client(vec![server.endpoint()], "job2", fast(2, 2)).await;
+    let (ra, rb) = within("two joins", async { tokio::join!(a.join(node("a")), b.join(node("bb")) ) }).await;
+    let (ra, rb) = (ra.expect("a joins"), rb.expect("b joins"));
+    assert_eq!(ra.round, 1);
+    assert_eq!(ra.group_world_size, 2);
+    assert_eq!(ra.world_size, 4);
+    let mut ranks = [(ra.group_rank, ra.rank_offset), (rb.group_rank, rb.rank_offset)];
+    ranks.sort();
+    assert_eq!(ranks, [(0, 0), (1, 2)]);
+    assert_eq!(ra.master_store_addr, rb.master_store_addr);
+    assert_eq!(ra.members, rb.members);
+    let st = within("status", a.status()).await.expect("status");
+    assert_eq!(st.state, "running");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn failure_report_restarts_every_node_once_over_http() {
+    let server = Server::start(Rendezvous::in_memory(), None).await;
+    let a = http_client(vec![server.endpoint()], "jf", fast(2, 2)).await;
+    let b = http_client(vec![server.endpoint()], "jf", fast(2, 2)).await;
+    let (ra, _) = within("joins", async { tokio::join!(a.join(node("a")), b.join(node("bb"))) }).await;
+    let round = ra.expect("a joins").round;
+    a.report_failure("a", round, json!({"exit_code": 3})).await.expect("report");
+    b.report_failure("bb", round, json!({"exit_code": 9})).await.expect("second report is accepted");
+    assert_eq!(within("watch", b.watch(round)).await.expect("watch"), WatchEvent::NewRound(round + 1));
+    let (ra, rb) = within("rejoin", async { tokio::join!(a.join(node("a")), b.join(node("bb"))) }).await;
+    let (ra, rb) = (ra.expect("a rejoins"), rb.expect("b rejoins"));
+    assert_eq!((ra.round, ra.restart_count, rb.restart_count), (round + 1, 1, 1));
+    let st = a.status().await.expect("status");
+    assert_eq!(st.last_root_cause, Some(json!({"exit_code": 3})));
+    // Budget is 1: the next failure fails the job for everyone.
+    a.report_failure("a", ra.round, json!("again")).await.expect("report");
+    match within("watch", b.watch(ra.round)).await.expect("watch") {
+        WatchEvent::Failed(reason) => assert!(reason.contains("restart budget exhausted"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+    match within("join after failure", b.join(node("bb"))).await {
+        Err(RdzvError::JobFailed { reason }) => assert!(reason.contains("again"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn node_loss_is_seen_by_the_survivor_within_the_ttl() {
+    let server = Server::start(Rendezvous::in_memory(), None).await;
+    let s = fast(1, 2);
+    let a = http_client(vec![server.endpoint()], "jl", s.clone()).await;
+    let b = http_client(vec![server.endpoint()], "jl", s.clone()).await;
+    let (ra, _) = within("joins", async { tokio::join!(a.join(node("a")), b.join(node("bb"))) }).await;
+    let ra = ra.expect("a joins");
+    // a keeps heartbeating; b goes silent (killed, or its link cut).
+    let beats = {
+        let a = a.clone();
+        tokio::spawn(async move {
+            loop {
+                let _ = a.heartbeat("a").await;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+    let started = tokio::time::Instant::now();
+    let ev = within("watch", async {
+        loop {
+            match a.watch(ra.round).await.expect("watch") {
+                WatchEvent::NoChange => continue,
+                ev => return ev,
+            }
+        }
+    })
+    .await;
+    let took = started.elapsed();
+    assert_eq!(ev, WatchEvent::NewRound(ra.round + 1));
+    assert!(took < s.node_ttl + Duration::from_millis(700), "loss noticed after {took:?}");
+    let again = within("rejoin", a.join(node("a"))).await.expect("survivor rejoins");
+    assert_eq!((again.group_world_size, again.group_rank), (1, 0));
+    assert_eq!(again.restart_count, 0);
+    match within("heartbeat of the lost node", b.heartbeat("bb")).await {
+        Err(RdzvError::UnknownNode { .. }) => {}
+        other => panic!("{other:?}"),
+    }
+    beats.abort();
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_node_joining_a_running_job_scales_it_up() {
+    let server = Server::start(Rendezvous::in_memory(), None).await;
+    let s = fast(1, 3);
+    let a = http_client(vec![server.endpoint()], "ju", s.clone()).await;
+    let r1 = within("a joins", a.join(node("a"))).await.expect("a joins");
+    assert_eq!(r1.group_world_size, 1);
+    let c = http_client(vec![server.endpoint()], "ju", s).await;
+    let joiner = tokio::spawn(async move { c.join(node("ccc")).await });
+    assert_eq!(within("watch", a.watch(r1.round)).await.expect("watch"), WatchEvent::NewRound(r1.round + 1));
+    let r2 = within("a rejoins", a.join(node("a"))).await.expect("a rejoins");
+    let rc = within("c joins", joiner).await.expect("task").expect("c joins");
+    assert_eq!((r2.round, r2.group_world_size, r2.group_rank), (2, 2, 0));
+    assert_eq!((rc.group_rank, rc.rank_offset), (1, 2));
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn one_node_succeeding_leaves_the_others_running_until_all_succeed() {
+    let server = Server::start(Rendezvous::in_memory(), None).await;
+    let a = http_client(vec![server.endpoint()], "js", fast(2, 2)).await;
+    let b = http_client(vec![server.endpoint()], "js", fast(2, 2)).await;
+    let (ra, _) = within("joins", async { tokio::join!(a.join(node("a")), b.join(node("bb"))) }).await;
+    let round = ra.expect("a").round;
+    a.report_success("a", round).await.expect("success");
+    // a's agent goes away; b keeps running and heartbeating.
+    for _ in 0..8 {
+        b.heartbeat("bb").await.expect("b stays a member");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(b.status().await.expect("status").state, "running");
+    b.report_success("bb", round).await.expect("success");
+    assert_eq!(within("watch", a.watch(round)).await.expect("watch"), WatchEvent::Finished);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn too_few_nodes_fail_with_a_join_timeout() {
+    let server = Server::start(Rendezvous::in_memory(), None).await;
+    let mut s = fast(2, 2);
+    s.join_timeout = Duration::from_millis(1500);
+    let a = http_client(vec![server.endpoint()], "jt", s).await;
+    match within("join", a.join(node("a"))).await {
+        Err(RdzvError::JoinTimeout { reason }) => {
+            assert!(reason.contains("only 1 of at least 2 nodes"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn client_fails_over_to_the_next_endpoint() {
+    // Nothing listens on the first endpoint.
+    let dead = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let dead_addr = dead.local_addr().expect("addr").to_string();
+    drop(dead);
+    let rdzv = Rendezvous::in_memory();
+    let s1 = Server::start(rdzv.clone(), None).await;
+    let s2 = Server::start(rdzv, None).await;
+    let a = http_client(vec![dead_addr, s1.endpoint(), s2.endpoint()], "jo", fast(1, 1)).await;
+    let r = within("join", a.join(node("a"))).await.expect("join through the live endpoint");
+    s1.stop().await;
+    a.heartbeat("a").await.expect("heartbeat fails over to s2");
+    assert_eq!(within("watch", a.watch(r.round + 5)).await.expect("watch"), WatchEvent::NewRound(r.round));
+    s2.stop().await;
+}
+
+#[tokio::test]
+async fn token_is_sent_by_the_client() {
+    let server = Server::start(Rendezvous::in_memory(), Some("tok")).await;
+    let good = RendezvousClient::connect(
+        Backend::Http { endpoints: vec![server.endpoint()], token: Some("tok".into()) },
+        "jk",
+        fast(1, 1),
+    )
+    .await
+    .expect("connect");
+    within("join", good.join(node("a"))).await.expect("join with the token");
+    let bad = http_client(vec![server.endpoint()], "jk", fast(1, 1)).await;
+    assert!(matches!(within("status", bad.status()).await, Err(RdzvError::Unauthorized)));
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn in_process_backend_runs_a_standalone_job() {
+    let rdzv = Rendezvous::in_memory();
+    let c = RendezvousClient::connect(Backend::InProcess(rdzv), "standalone", fast(1, 1)).await.expect("connect");
+    let r = within("join", c.join(node("local"))).await.expect("join");
+    assert_eq!((r.round, r.group_rank, r.world_size), (1, 0, 2));
+    c.report_success("local", r.round).await.expect("success");
+    assert_eq!(within("watch", c.watch(r.round)).await.expect("watch"), WatchEvent::Finished);
+    assert!(matches!(c.join(node("local")).await, Err(RdzvError::JobFinished)));
+}
+
+#[tokio::test]
+async fn connect_rejects_timeouts_that_do_not_nest() {
+    let mut s = fast(1, 1);
+    s.heartbeat_interval = Duration::from_secs(1);
+    let err = RendezvousClient::connect(Backend::InProcess(Rendezvous::in_memory()), "x", s)
+        .await
+        .err()
+        .expect("rejected");
+    assert!(matches!(err, RdzvError::InvalidSettings(_)), "{err}");
+}
