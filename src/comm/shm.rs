@@ -23,13 +23,15 @@ use super::elem::{as_bytes, Element, ReduceOp};
 use super::{CommError, Deadline, Desc, PgOptions, Rendezvous};
 
 /// Default staging buffer per rank and per step (two per rank).
-pub const DEFAULT_CHUNK_BYTES: usize = 1 << 20;
+pub const DEFAULT_CHUNK_BYTES: usize = 256 << 10;
 /// All-reduces up to this size are reduced by every rank in one step.
 const SMALL_BYTES: usize = 64 << 10;
 const MAGIC: u64 = 0x726c_6175_6e63_6801; // "rlaunch" + version 1
 const HEADER_BYTES: usize = 4096;
 const CTRL_BYTES: usize = 128;
 const ALIGN_ELEMS_BYTES: usize = 64;
+/// Buffers from this size on receive results through non-temporal stores.
+const STREAM_BYTES: usize = 8 << 20;
 
 #[repr(C)]
 struct Header {
@@ -388,6 +390,8 @@ impl ShmGroup {
         let align = (ALIGN_ELEMS_BYTES / std::mem::size_of::<T>()).max(1);
         let n = self.n;
         let mut first = true;
+        // Results of a buffer larger than the caches go straight to memory (no read for ownership).
+        let streaming = bytes >= STREAM_BYTES;
         for c0 in (0..buf.len()).step_by(per) {
             let c1 = (c0 + per).min(buf.len());
             let l = c1 - c0;
@@ -421,15 +425,12 @@ impl ShmGroup {
             }
             self.arrive(kb);
             if want {
-                let (buf_ptr, out) = (buf[c0 + lo..c0 + hi].as_mut_ptr(), self.peer::<T>(self.me, pb, lo, hi - lo));
-                // SAFETY: `out` is this rank's staging buffer and `buf_ptr` the user's slice:
-                // distinct memory, both `hi - lo` elements long.
-                unsafe { std::ptr::copy_nonoverlapping(out.as_ptr(), buf_ptr, hi - lo) };
+                copy_out(&mut buf[c0 + lo..c0 + hi], self.peer::<T>(self.me, pb, lo, hi - lo), streaming);
                 for q in 0..n {
                     if q != self.me {
                         self.wait_peer(q, kb, &dl)?;
                         let (qlo, qhi) = (bound(q), bound(q + 1));
-                        buf[c0 + qlo..c0 + qhi].copy_from_slice(self.peer::<T>(q, pb, qlo, qhi - qlo));
+                        copy_out(&mut buf[c0 + qlo..c0 + qhi], self.peer::<T>(q, pb, qlo, qhi - qlo), streaming);
                     }
                 }
             }
@@ -540,6 +541,34 @@ impl Drop for ShmGroup {
         // SAFETY: unmapping the mapping this value owns; no references into it outlive `self`.
         unsafe { libc::munmap(self.base.cast(), self.len) };
     }
+}
+
+/// `dst = src`; with `streaming`, through non-temporal stores that bypass the caches.
+fn copy_out<T: Element>(dst: &mut [T], src: &[T], streaming: bool) {
+    #[cfg(target_arch = "x86_64")]
+    if streaming {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+        let (d, s) = (super::elem::as_bytes_mut(dst), as_bytes(src));
+        let head = d.as_ptr().align_offset(16).min(d.len());
+        d[..head].copy_from_slice(&s[..head]);
+        let body = (d.len() - head) / 16 * 16;
+        let mut i = head;
+        while i < head + body {
+            // SAFETY: SSE2 is baseline on x86_64; `d[i..i + 16]` is in bounds and 16-byte
+            // aligned (head skipped to alignment), `s[i..i + 16]` is in bounds (unaligned load).
+            unsafe {
+                let v = _mm_loadu_si128(s.as_ptr().add(i).cast::<__m128i>());
+                _mm_stream_si128(d.as_mut_ptr().add(i).cast::<__m128i>(), v);
+            }
+            i += 16;
+        }
+        // SAFETY: a store fence orders the streaming stores before later normal stores.
+        unsafe { _mm_sfence() };
+        d[i..].copy_from_slice(&s[i..]);
+        return;
+    }
+    let _ = streaming;
+    dst.copy_from_slice(src);
 }
 
 fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
