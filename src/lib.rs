@@ -4,3 +4,8 @@
 pub mod env;
 pub mod comm;
 pub mod worker;
+pub mod checkpoint;
+pub mod ddp;
+pub mod model;
+pub mod sampler;
+pub mod store;

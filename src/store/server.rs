@@ -1,0 +1,562 @@
+//! The TCPStore-compatible server: one tokio task per connection over a shared `StoreState`.
+//!
+//! Each connection has a reader task that decodes frames (under `Limits` and a stall deadline)
+//! and a serving task that applies them and writes replies in order, interleaving the
+//! `STOP_WAITING` of waits released by other clients. A connection that misbehaves is closed
+//! with a `warn!`; nothing it stored is dropped, and its pending waits are removed.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::io;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::io::{AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::{JoinHandle, JoinSet};
+use tracing::{debug, error, warn};
+
+use super::protocol::{
+    put_bytes, FrameReader, Limits, ProtocolError, Request, CHECK_NOT_READY, CHECK_READY,
+    VALIDATION_MAGIC, WAIT_CANCELED, WAIT_STOP_WAITING,
+};
+use super::state::{ConnId, StateError, StoreState, WaitOutcome, WaiterId, Wake};
+
+/// Tunables of a store server. `Default` suits production; tests shorten the deadlines.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Request size limits.
+    pub limits: Limits,
+    /// Once a frame has started, or a reply is being written, each read or write must make
+    /// progress within this time, else the connection is closed (default 30 s).
+    pub stall_timeout: Duration,
+    /// Most waits one connection may have pending at once (torch clients have at most one).
+    pub max_pending_waits: usize,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            limits: Limits::default(),
+            stall_timeout: Duration::from_secs(30),
+            max_pending_waits: 1024,
+        }
+    }
+}
+
+/// A key-value store speaking PyTorch's `TCPStore` protocol.
+pub struct StoreServer {
+    _private: (),
+}
+
+/// A running server started by [`StoreServer::start`]. Dropping it stops the server.
+pub struct StoreHandle {
+    local_addr: SocketAddr,
+    shared: Arc<Shared>,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<io::Result<()>>>,
+}
+
+impl StoreHandle {
+    /// The address the server listens on (with the port the OS picked).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Number of keys stored (queues excluded), read in-process.
+    pub fn num_keys(&self) -> i64 {
+        self.shared.lock().state.num_keys()
+    }
+
+    /// Number of waits (and barriers) clients have pending.
+    pub fn pending_waits(&self) -> usize {
+        self.shared.lock().state.pending_waits()
+    }
+
+    /// Number of client connections open.
+    pub fn connections(&self) -> usize {
+        self.shared.lock().wakers.len()
+    }
+
+    /// Stops accepting, closes every connection and waits for the server task to end.
+    pub async fn shutdown(mut self) -> io::Result<()> {
+        drop(self.stop.take());
+        match self.task.take() {
+            Some(task) => task.await.map_err(io::Error::other)?,
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for StoreHandle {
+    fn drop(&mut self) {
+        // Dropping the sender resolves the server's shutdown future.
+        drop(self.stop.take());
+    }
+}
+
+impl StoreServer {
+    /// Serves on an already-bound listener until `shutdown` resolves.
+    pub async fn serve(
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> io::Result<()> {
+        Self::serve_with_config(listener, ServerConfig::default(), shutdown).await
+    }
+
+    /// Binds `addr` (port 0 = OS picks), spawns serving on the current tokio runtime, returns a
+    /// handle.
+    pub async fn start(addr: SocketAddr) -> io::Result<StoreHandle> {
+        Self::start_with_config(addr, ServerConfig::default()).await
+    }
+
+    /// [`StoreServer::start`] with explicit tunables.
+    pub async fn start_with_config(
+        addr: SocketAddr,
+        config: ServerConfig,
+    ) -> io::Result<StoreHandle> {
+        let listener = TcpListener::bind(addr).await?;
+        let local_addr = listener.local_addr()?;
+        let (stop, stopped) = oneshot::channel::<()>();
+        let shared = Arc::new(Shared::default());
+        let task = tokio::spawn(serve_shared(listener, config, shared.clone(), async move {
+            let _ = stopped.await;
+        }));
+        Ok(StoreHandle {
+            local_addr,
+            shared,
+            stop: Some(stop),
+            task: Some(task),
+        })
+    }
+
+    /// [`StoreServer::serve`] with explicit tunables.
+    pub async fn serve_with_config(
+        listener: TcpListener,
+        config: ServerConfig,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> io::Result<()> {
+        serve_shared(listener, config, Arc::new(Shared::default()), shutdown).await
+    }
+}
+
+async fn serve_shared(
+    listener: TcpListener,
+    config: ServerConfig,
+    shared: Arc<Shared>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> io::Result<()> {
+    let config = Arc::new(config);
+    let mut conns = JoinSet::new();
+    let mut next_conn: ConnId = 0;
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    let conn = next_conn;
+                    next_conn += 1;
+                    if let Err(err) = stream.set_nodelay(true) {
+                        debug!(%peer, error = %err, "store: cannot set TCP_NODELAY");
+                    }
+                    conns.spawn(serve_connection(shared.clone(), config.clone(), stream, peer, conn));
+                }
+                Err(err) => {
+                    // Out of descriptors or an aborted handshake: keep serving the others.
+                    warn!(error = %err, "store: accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+            Some(joined) = conns.join_next(), if !conns.is_empty() => {
+                if let Err(err) = joined {
+                    if err.is_panic() {
+                        error!(error = %err, "store: connection task panicked");
+                    }
+                }
+            }
+        }
+    }
+    conns.shutdown().await;
+    Ok(())
+}
+
+#[derive(Default)]
+struct Shared {
+    inner: Mutex<Inner>,
+}
+
+#[derive(Default)]
+struct Inner {
+    state: StoreState,
+    /// Where to deliver the wakes of each live connection.
+    wakers: HashMap<ConnId, mpsc::UnboundedSender<WaiterId>>,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic while holding the lock cannot leave `StoreState` half-updated in a way that
+        // loses values (each operation is a few map updates), so keep serving.
+        self.inner
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+impl Inner {
+    fn deliver(&self, wakes: Vec<Wake>) {
+        for wake in wakes {
+            if let Some(tx) = self.wakers.get(&wake.conn) {
+                // The receiver lives as long as the connection is registered here.
+                let _ = tx.send(wake.waiter);
+            }
+        }
+    }
+}
+
+/// Unregisters a connection and drops its waits however its task ends (even by abort).
+struct ConnGuard {
+    shared: Arc<Shared>,
+    conn: ConnId,
+}
+
+impl Drop for ConnGuard {
+    fn drop(&mut self) {
+        let mut inner = self.shared.lock();
+        inner.wakers.remove(&self.conn);
+        inner.state.cancel_waits(self.conn);
+    }
+}
+
+struct AbortOnDrop<T>(JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Why a connection ended.
+#[derive(Debug, thiserror::Error)]
+enum Close {
+    #[error("client closed the connection")]
+    Eof,
+    #[error("bad request")]
+    Protocol(#[source] ProtocolError),
+    #[error("first request was {query}, not validate")]
+    NotValidated { query: &'static str },
+    #[error("wrong validation magic {magic:#x}")]
+    BadMagic { magic: u32 },
+    #[error("request cannot be applied")]
+    State(#[source] StateError),
+    #[error("more than {limit} waits pending on one connection")]
+    TooManyWaits { limit: usize },
+    #[error("writing a reply failed")]
+    Write(#[source] io::Error),
+    #[error("client read no reply bytes for {0:?}")]
+    WriteStalled(Duration),
+}
+
+async fn serve_connection(
+    shared: Arc<Shared>,
+    config: Arc<ServerConfig>,
+    stream: TcpStream,
+    peer: SocketAddr,
+    conn: ConnId,
+) {
+    let (read_half, write_half) = stream.into_split();
+    let (wake_tx, wake_rx) = mpsc::unbounded_channel();
+    shared.lock().wakers.insert(conn, wake_tx);
+    let _guard = ConnGuard {
+        shared: shared.clone(),
+        conn,
+    };
+
+    // Capacity 1: at most one decoded request waits while the previous reply is written, so a
+    // client that never reads replies is throttled by TCP, not buffered here.
+    let (req_tx, req_rx) = mpsc::channel(1);
+    let limits = config.limits;
+    let stall = config.stall_timeout;
+    let _reader = AbortOnDrop(tokio::spawn(async move {
+        let mut frames = FrameReader::new(
+            BufReader::with_capacity(64 * 1024, read_half),
+            limits,
+            Some(stall),
+        );
+        loop {
+            let next = frames.next_request().await;
+            let last = !matches!(next, Ok(Some(_)));
+            if req_tx.send(next).await.is_err() || last {
+                return;
+            }
+        }
+    }));
+
+    let mut session = Session {
+        shared,
+        config,
+        conn,
+        out: write_half,
+        wake_rx,
+        pending: 0,
+        validated: false,
+    };
+    match session.run(req_rx).await {
+        Close::Eof => debug!(%peer, conn, "store: client disconnected"),
+        close => {
+            let source = std::error::Error::source(&close).map(|s| s.to_string());
+            warn!(%peer, conn, reason = %close, source, "store: closing connection");
+        }
+    }
+}
+
+struct Session<W> {
+    shared: Arc<Shared>,
+    config: Arc<ServerConfig>,
+    conn: ConnId,
+    out: W,
+    wake_rx: mpsc::UnboundedReceiver<WaiterId>,
+    pending: usize,
+    validated: bool,
+}
+
+/// A reply being assembled: small fields are copied, big values are written from the store's
+/// shared buffer without a copy.
+#[derive(Default)]
+struct Reply {
+    parts: Vec<Part>,
+}
+
+enum Part {
+    Bytes(Vec<u8>),
+    Shared(Arc<Vec<u8>>),
+}
+
+const INLINE_VALUE: usize = 16 * 1024;
+
+impl Reply {
+    fn tail(&mut self) -> &mut Vec<u8> {
+        if !matches!(self.parts.last(), Some(Part::Bytes(_))) {
+            self.parts.push(Part::Bytes(Vec::new()));
+        }
+        match self.parts.last_mut() {
+            Some(Part::Bytes(buf)) => buf,
+            _ => unreachable!("a Bytes part was just pushed"),
+        }
+    }
+    fn u8(mut self, v: u8) -> Self {
+        self.tail().push(v);
+        self
+    }
+    fn u32(mut self, v: u32) -> Self {
+        self.tail().extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    fn i64(mut self, v: i64) -> Self {
+        self.tail().extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    fn bytes(mut self, v: &[u8]) -> Self {
+        put_bytes(self.tail(), v);
+        self
+    }
+    fn value(mut self, v: Arc<Vec<u8>>) -> Self {
+        if v.len() <= INLINE_VALUE {
+            return self.bytes(&v);
+        }
+        self.tail()
+            .extend_from_slice(&(v.len() as u64).to_le_bytes());
+        self.parts.push(Part::Shared(v));
+        self
+    }
+}
+
+impl<W: AsyncWrite + Unpin> Session<W> {
+    async fn run(
+        &mut self,
+        mut requests: mpsc::Receiver<Result<Option<Request>, ProtocolError>>,
+    ) -> Close {
+        loop {
+            let result = tokio::select! {
+                biased;
+                Some(_) = self.wake_rx.recv() => {
+                    self.pending = self.pending.saturating_sub(1);
+                    self.send(Reply::default().u8(WAIT_STOP_WAITING)).await
+                }
+                next = requests.recv() => match next {
+                    None | Some(Ok(None)) => return Close::Eof,
+                    Some(Err(err)) => return Close::Protocol(err),
+                    Some(Ok(Some(request))) => self.handle(request).await,
+                },
+            };
+            if let Err(close) = result {
+                return close;
+            }
+        }
+    }
+
+    async fn send(&mut self, reply: Reply) -> Result<(), Close> {
+        let stall = self.config.stall_timeout;
+        for part in &reply.parts {
+            let bytes: &[u8] = match part {
+                Part::Bytes(b) => b,
+                Part::Shared(b) => b,
+            };
+            for chunk in bytes.chunks(64 * 1024) {
+                tokio::time::timeout(stall, self.out.write_all(chunk))
+                    .await
+                    .map_err(|_| Close::WriteStalled(stall))?
+                    .map_err(Close::Write)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn register_wait(&mut self, outcome: WaitOutcome) -> Result<Option<Reply>, Close> {
+        match outcome {
+            WaitOutcome::Ready => Ok(Some(Reply::default().u8(WAIT_STOP_WAITING))),
+            WaitOutcome::Registered(_) => {
+                self.pending += 1;
+                if self.pending > self.config.max_pending_waits {
+                    return Err(Close::TooManyWaits {
+                        limit: self.config.max_pending_waits,
+                    });
+                }
+                Ok(None)
+            }
+        }
+    }
+
+    async fn handle(&mut self, request: Request) -> Result<(), Close> {
+        if !self.validated {
+            return match request {
+                Request::Validate { magic } if magic == VALIDATION_MAGIC => {
+                    self.validated = true;
+                    Ok(())
+                }
+                Request::Validate { magic } => Err(Close::BadMagic { magic }),
+                other => Err(Close::NotValidated {
+                    query: other.name(),
+                }),
+            };
+        }
+        let conn = self.conn;
+        let shared = self.shared.clone();
+        let reply = {
+            let mut inner = shared.lock();
+            match request {
+                Request::Validate { magic } => {
+                    if magic != VALIDATION_MAGIC {
+                        return Err(Close::BadMagic { magic });
+                    }
+                    None
+                }
+                Request::Ping { nonce } => Some(Reply::default().u32(nonce)),
+                Request::Set { key, value } => {
+                    let wakes = inner.state.set(key, value);
+                    inner.deliver(wakes);
+                    None
+                }
+                Request::CompareSet {
+                    key,
+                    expected,
+                    desired,
+                } => {
+                    let (current, wakes) = inner.state.compare_set(key, expected, desired);
+                    inner.deliver(wakes);
+                    Some(Reply::default().value(current))
+                }
+                Request::Get { key } => {
+                    Some(Reply::default().value(inner.state.get(&key).unwrap_or_default()))
+                }
+                Request::Add { key, delta } => {
+                    let (sum, wakes) = inner.state.add(key, delta).map_err(Close::State)?;
+                    inner.deliver(wakes);
+                    Some(Reply::default().i64(sum))
+                }
+                Request::Check { keys } => Some(Reply::default().u8(if inner.state.check(&keys) {
+                    CHECK_READY
+                } else {
+                    CHECK_NOT_READY
+                })),
+                Request::Wait { keys } => {
+                    let outcome = inner.state.wait(conn, keys);
+                    drop(inner);
+                    self.register_wait(outcome)?
+                }
+                Request::NumKeys => Some(Reply::default().i64(inner.state.num_keys())),
+                Request::DeleteKey { key } => {
+                    Some(Reply::default().i64(i64::from(inner.state.delete_key(&key))))
+                }
+                Request::Append { key, value } => {
+                    let wakes = inner.state.append(key, &value);
+                    inner.deliver(wakes);
+                    None
+                }
+                Request::MultiGet { keys } => Some(
+                    inner
+                        .state
+                        .multi_get(&keys)
+                        .into_iter()
+                        .fold(Reply::default(), Reply::value),
+                ),
+                Request::MultiSet { kvs } => {
+                    let wakes = inner.state.multi_set(kvs);
+                    inner.deliver(wakes);
+                    None
+                }
+                Request::CancelWait => {
+                    let removed = inner.state.cancel_waits(conn);
+                    drop(inner);
+                    // Waits released before the cancel already have their wake queued (wakes
+                    // are sent under the lock): answer them first, as torch's client expects.
+                    let released = self.pending.saturating_sub(removed);
+                    self.pending = 0;
+                    let mut reply = Reply::default();
+                    for _ in 0..released {
+                        if self.wake_rx.try_recv().is_ok() {
+                            reply = reply.u8(WAIT_STOP_WAITING);
+                        }
+                    }
+                    Some(reply.u8(WAIT_CANCELED))
+                }
+                Request::QueuePush { key, value } => {
+                    let wakes = inner.state.queue_push(key, value);
+                    inner.deliver(wakes);
+                    None
+                }
+                Request::QueuePop { key } => {
+                    let (len, value) = inner.state.queue_pop(&key);
+                    let reply = Reply::default().i64(len);
+                    Some(match value {
+                        Some(v) => reply.value(Arc::new(v)),
+                        None => reply,
+                    })
+                }
+                Request::QueueLen { key } => {
+                    Some(Reply::default().i64(inner.state.queue_len(&key)))
+                }
+                Request::ListKeys => {
+                    let keys = inner.state.list_keys();
+                    let reply = Reply::default().i64(keys.len() as i64);
+                    Some(keys.iter().fold(reply, |r, k| r.bytes(k)))
+                }
+                Request::Barrier { key, world_size } => {
+                    let (outcome, wakes) = inner
+                        .state
+                        .barrier(conn, key, world_size)
+                        .map_err(Close::State)?;
+                    inner.deliver(wakes);
+                    drop(inner);
+                    self.register_wait(outcome)?
+                }
+            }
+        };
+        match reply {
+            Some(reply) => self.send(reply).await,
+            None => Ok(()),
+        }
+    }
+}

@@ -1,0 +1,579 @@
+//! Client↔server tests over loopback: every query, waits woken across clients, and a server
+//! that survives garbage, absurd lengths, half frames, stalls and vanished clients.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::{Arc, Barrier};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use super::protocol::{query, Request, VALIDATION_MAGIC};
+use super::*;
+
+const DEADLINE: Duration = Duration::from_secs(10);
+
+struct TestServer {
+    handle: Option<StoreHandle>,
+    addr: String,
+    rt: tokio::runtime::Runtime,
+}
+
+impl TestServer {
+    fn start() -> Self {
+        Self::start_with(ServerConfig::default())
+    }
+
+    fn start_with(config: ServerConfig) -> Self {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("tokio runtime builds");
+        let any: SocketAddr = "127.0.0.1:0".parse().expect("valid address");
+        let handle = rt
+            .block_on(StoreServer::start_with_config(any, config))
+            .expect("server binds loopback");
+        let addr = handle.local_addr().to_string();
+        TestServer {
+            handle: Some(handle),
+            addr,
+            rt,
+        }
+    }
+
+    fn handle(&self) -> &StoreHandle {
+        self.handle.as_ref().expect("server is running")
+    }
+
+    fn client(&self) -> StoreClient {
+        StoreClient::connect(&self.addr, DEADLINE).expect("client connects")
+    }
+
+    /// A raw socket that has passed validation.
+    fn raw(&self) -> TcpStream {
+        let mut s = TcpStream::connect(&self.addr).expect("raw connect");
+        s.set_read_timeout(Some(DEADLINE)).expect("read timeout");
+        let mut frame = Vec::new();
+        Request::Validate {
+            magic: VALIDATION_MAGIC,
+        }
+        .encode(&mut frame);
+        s.write_all(&frame).expect("validate");
+        s
+    }
+
+    /// Polls an in-process condition until it holds or the deadline passes.
+    fn eventually(&self, what: &str, mut cond: impl FnMut(&StoreHandle) -> bool) {
+        let start = Instant::now();
+        while !cond(self.handle()) {
+            assert!(start.elapsed() < DEADLINE, "timed out waiting until {what}");
+            thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        if let Some(handle) = self.handle.take() {
+            let _ = self
+                .rt
+                .block_on(async { tokio::time::timeout(DEADLINE, handle.shutdown()).await });
+        }
+    }
+}
+
+fn encode(request: Request) -> Vec<u8> {
+    let mut frame = Vec::new();
+    request.encode(&mut frame);
+    frame
+}
+
+/// Asserts the server closed `s` (EOF or reset) within the deadline.
+fn assert_closed_by_server(s: &mut TcpStream) {
+    let mut buf = [0u8; 64];
+    let start = Instant::now();
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return,
+            Err(e)
+                if e.kind() == std::io::ErrorKind::WouldBlock
+                    || e.kind() == std::io::ErrorKind::TimedOut =>
+            {
+                panic!("server did not close the connection within {DEADLINE:?}")
+            }
+            Err(e) => panic!("unexpected error {e}"),
+            Ok(_) => assert!(start.elapsed() < DEADLINE, "server kept talking"),
+        }
+    }
+}
+
+fn spawn_with_deadline<T: Send + 'static>(
+    f: impl FnOnce() -> T + Send + 'static,
+) -> thread::JoinHandle<T> {
+    thread::spawn(f)
+}
+
+fn join<T>(h: thread::JoinHandle<T>) -> T {
+    let start = Instant::now();
+    while !h.is_finished() {
+        assert!(
+            start.elapsed() < DEADLINE,
+            "thread did not finish within {DEADLINE:?}"
+        );
+        thread::sleep(Duration::from_millis(2));
+    }
+    h.join().expect("thread did not panic")
+}
+
+#[test]
+fn store_every_query_round_trips_between_client_and_server() {
+    let server = TestServer::start();
+    let mut c = server.client();
+    c.ping().expect("ping");
+    c.set("k", b"v1").expect("set");
+    assert_eq!(c.get("k").expect("get"), b"v1");
+    assert_eq!(c.add("n", 5).expect("add"), 5);
+    assert_eq!(c.add("n", -2).expect("add"), 3);
+    assert_eq!(c.get("n").expect("get counter"), b"3");
+    assert_eq!(c.compare_set("k", b"v1", b"v2").expect("cas hit"), b"v2");
+    assert_eq!(c.compare_set("k", b"zz", b"v3").expect("cas miss"), b"v2");
+    assert_eq!(
+        c.compare_set("fresh", b"", b"new").expect("cas create"),
+        b"new"
+    );
+    assert_eq!(
+        c.compare_set("absent", b"x", b"y").expect("cas absent"),
+        b"x"
+    );
+    assert!(c.check(&["k", "n"]).expect("check"));
+    assert!(!c.check(&["k", "absent"]).expect("check"));
+    c.wait(&["k", "n"], Duration::from_millis(100))
+        .expect("wait on present keys");
+    assert_eq!(c.num_keys().expect("num_keys"), 3);
+    assert!(c.delete_key("fresh").expect("delete"));
+    assert!(!c.delete_key("fresh").expect("delete again"));
+    c.append("k", b"++").expect("append");
+    c.append("new", b"a").expect("append creates");
+    assert_eq!(c.get("k").expect("get"), b"v2++");
+    c.multi_set(&[("a", b"1".as_slice()), ("b", b"".as_slice())])
+        .expect("multi_set");
+    assert_eq!(
+        c.multi_get(&["b", "a", "k"]).expect("multi_get"),
+        vec![b"".to_vec(), b"1".to_vec(), b"v2++".to_vec()]
+    );
+    let mut keys = c.list_keys().expect("list_keys");
+    keys.sort();
+    assert_eq!(keys, vec!["a", "b", "k", "n", "new"]);
+    c.queue_push("q", b"x").expect("push");
+    c.queue_push("q", b"y").expect("push");
+    assert_eq!(c.queue_len("q").expect("len"), 2);
+    assert_eq!(c.queue_pop("q", true).expect("pop"), Some(b"x".to_vec()));
+    assert_eq!(c.queue_pop("q", false).expect("pop"), Some(b"y".to_vec()));
+    assert_eq!(c.queue_pop("q", false).expect("pop empty"), None);
+    c.barrier("bar", 1, Duration::from_secs(1))
+        .expect("barrier of one");
+    assert_eq!(server.handle().num_keys(), 6);
+}
+
+#[test]
+fn store_large_value_round_trips_intact() {
+    let server = TestServer::start();
+    let mut c = server.client();
+    let value: Vec<u8> = (0..8 * 1024 * 1024u32).map(|i| (i % 251) as u8).collect();
+    c.set("big", &value).expect("set 8 MiB");
+    assert!(c.get("big").expect("get 8 MiB") == value);
+    c.append("big", b"tail").expect("append");
+    assert_eq!(
+        c.multi_get(&["big"]).expect("multi_get")[0].len(),
+        value.len() + 4
+    );
+}
+
+#[test]
+fn store_get_waits_for_a_key_set_later_by_another_client() {
+    let server = TestServer::start();
+    let mut reader = server.client();
+    let mut writer = server.client();
+    let getter = spawn_with_deadline(move || reader.get("late").expect("get waits"));
+    thread::sleep(Duration::from_millis(100));
+    assert!(!getter.is_finished(), "get returned before the key existed");
+    writer.set("late", b"here").expect("set");
+    assert_eq!(join(getter), b"here");
+}
+
+#[test]
+fn store_concurrent_waits_are_woken_by_sets_and_adds_from_other_clients() {
+    let server = TestServer::start();
+    let n = 16;
+    let ready = Arc::new(Barrier::new(n + 1));
+    let waiters: Vec<_> = (0..n)
+        .map(|i| {
+            let mut c = server.client();
+            let ready = ready.clone();
+            spawn_with_deadline(move || {
+                ready.wait();
+                let keys = if i % 2 == 0 {
+                    vec!["go", "counter"]
+                } else {
+                    vec!["go"]
+                };
+                let start = Instant::now();
+                c.wait(&keys, DEADLINE).expect("woken before the deadline");
+                start.elapsed()
+            })
+        })
+        .collect();
+    ready.wait();
+    server.eventually("all waits are registered", |h| h.pending_waits() == n);
+    let mut setter = server.client();
+    setter.set("go", b"1").expect("set");
+    server.eventually("odd waiters are released by the set", |h| {
+        h.pending_waits() == n / 2
+    });
+    setter.add("counter", 1).expect("add");
+    for w in waiters {
+        join(w);
+    }
+    assert_eq!(server.handle().pending_waits(), 0);
+}
+
+#[test]
+fn store_wait_times_out_with_timeout_error_and_connection_stays_usable() {
+    let server = TestServer::start();
+    let mut c = server.client();
+    let start = Instant::now();
+    let err = c
+        .wait(&["never"], Duration::from_millis(150))
+        .expect_err("times out");
+    let took = start.elapsed();
+    assert!(err.is_timeout(), "{err}");
+    assert!(
+        took >= Duration::from_millis(150) && took < Duration::from_secs(3),
+        "{took:?}"
+    );
+    assert_eq!(
+        server.handle().pending_waits(),
+        0,
+        "cancel-wait removed the waiter"
+    );
+    c.set("after", b"ok").expect("set after timeout");
+    assert_eq!(c.get("after").expect("get after timeout"), b"ok");
+}
+
+#[test]
+fn store_get_times_out_on_missing_key_with_client_timeout() {
+    let server = TestServer::start();
+    let mut c = StoreClient::connect(&server.addr, Duration::from_millis(200)).expect("connect");
+    let err = c.get("missing").expect_err("times out");
+    assert!(
+        matches!(&err, StoreError::Timeout { op: "get", key, .. } if key == "missing"),
+        "{err}"
+    );
+}
+
+#[test]
+fn store_cancel_after_release_answers_stop_waiting_then_wait_canceled() {
+    let server = TestServer::start();
+    let mut raw = server.raw();
+    raw.write_all(&encode(Request::Wait {
+        keys: vec![b"/race".to_vec()],
+    }))
+    .expect("wait");
+    server.eventually("wait registered", |h| h.pending_waits() == 1);
+    server.client().set("race", b"1").expect("set");
+    server.eventually("wait released", |h| h.pending_waits() == 0);
+    raw.write_all(&encode(Request::CancelWait)).expect("cancel");
+    let mut reply = [0u8; 2];
+    raw.read_exact(&mut reply).expect("two status bytes");
+    assert_eq!(reply, [0, 1], "STOP_WAITING then WAIT_CANCELED");
+}
+
+#[test]
+fn store_barrier_releases_all_participants_together() {
+    let server = TestServer::start();
+    let n = 4;
+    let parties: Vec<_> = (0..n)
+        .map(|_| {
+            let mut c = server.client();
+            spawn_with_deadline(move || c.barrier("step", n as i64, DEADLINE).expect("barrier"))
+        })
+        .collect();
+    for p in parties {
+        join(p);
+    }
+    let err = server
+        .client()
+        .barrier("lonely", 2, Duration::from_millis(100))
+        .expect_err("alone");
+    assert!(err.is_timeout(), "{err}");
+}
+
+#[test]
+fn store_blocking_queue_pop_is_fed_by_a_push_from_another_client() {
+    let server = TestServer::start();
+    let mut popper = server.client();
+    let pop = spawn_with_deadline(move || popper.queue_pop("jobs", true).expect("pop"));
+    server.eventually("pop is waiting", |h| h.pending_waits() == 1);
+    server.client().queue_push("jobs", b"job-1").expect("push");
+    assert_eq!(join(pop), Some(b"job-1".to_vec()));
+}
+
+#[test]
+fn store_many_clients_adding_concurrently_lose_no_increment() {
+    let server = TestServer::start();
+    let workers: Vec<_> = (0..8)
+        .map(|_| {
+            let mut c = server.client();
+            spawn_with_deadline(move || {
+                for _ in 0..200 {
+                    c.add("total", 1).expect("add");
+                }
+            })
+        })
+        .collect();
+    for w in workers {
+        join(w);
+    }
+    assert_eq!(server.client().add("total", 0).expect("read"), 1600);
+}
+
+#[test]
+fn store_connect_retries_until_the_server_appears() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let connecting = {
+        let addr = addr.clone();
+        spawn_with_deadline(move || StoreClient::connect(&addr, Duration::from_secs(5)))
+    };
+    thread::sleep(Duration::from_millis(300));
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let handle = rt
+        .block_on(StoreServer::start(addr.parse().expect("addr")))
+        .expect("bind the same port");
+    let mut client = join(connecting).expect("connected after retrying");
+    client.set("x", b"y").expect("usable");
+    rt.block_on(handle.shutdown()).expect("clean shutdown");
+}
+
+#[test]
+fn store_connect_gives_up_with_connect_error_after_timeout() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port();
+    let start = Instant::now();
+    let err = StoreClient::connect(&format!("127.0.0.1:{port}"), Duration::from_millis(300))
+        .err()
+        .expect("nothing listens");
+    assert!(matches!(err, StoreError::Connect { .. }), "{err}");
+    assert!(start.elapsed() < Duration::from_secs(3));
+}
+
+#[test]
+fn store_prefix_store_namespaces_keys_like_torch() {
+    let server = TestServer::start();
+    let mut p = PrefixStore::new("default_pg", server.client());
+    p.set("rank0", b"addr").expect("set");
+    assert_eq!(
+        server
+            .client()
+            .get("default_pg/rank0")
+            .expect("visible unprefixed"),
+        b"addr"
+    );
+    assert_eq!(p.add("ctr", 2).expect("add"), 2);
+    assert!(p.check(&["rank0", "ctr"]).expect("check"));
+}
+
+// ---- bad input ----------------------------------------------------------------------------
+
+/// Sets a value through a well-behaved client, runs `abuse` on a raw socket, then checks the
+/// server still serves a fresh client and the value survived.
+fn survives(abuse: impl FnOnce(&TestServer)) {
+    let server = TestServer::start_with(ServerConfig {
+        stall_timeout: Duration::from_millis(300),
+        ..ServerConfig::default()
+    });
+    let mut good = server.client();
+    good.set("precious", b"keep me").expect("set");
+    abuse(&server);
+    assert_eq!(
+        good.get("precious").expect("old client still served"),
+        b"keep me"
+    );
+    let mut fresh = server.client();
+    assert_eq!(
+        fresh.get("precious").expect("new client served"),
+        b"keep me"
+    );
+    fresh.set("after", b"1").expect("writes still work");
+}
+
+#[test]
+fn store_garbage_after_validation_closes_only_that_connection() {
+    survives(|server| {
+        let mut raw = server.raw();
+        raw.write_all(&[0xff, 0x13, 0x37, 0x00]).expect("garbage");
+        assert_closed_by_server(&mut raw);
+    });
+}
+
+#[test]
+fn store_unknown_query_type_closes_the_connection() {
+    survives(|server| {
+        let mut raw = server.raw();
+        raw.write_all(&[19]).expect("query 19 does not exist");
+        assert_closed_by_server(&mut raw);
+    });
+}
+
+#[test]
+fn store_client_that_skips_validation_is_refused() {
+    survives(|server| {
+        let mut raw = TcpStream::connect(&server.addr).expect("connect");
+        raw.set_read_timeout(Some(DEADLINE)).expect("timeout");
+        raw.write_all(&encode(Request::Get {
+            key: b"/precious".to_vec(),
+        }))
+        .expect("get");
+        assert_closed_by_server(&mut raw);
+    });
+}
+
+#[test]
+fn store_wrong_magic_number_is_refused() {
+    survives(|server| {
+        let mut raw = TcpStream::connect(&server.addr).expect("connect");
+        raw.set_read_timeout(Some(DEADLINE)).expect("timeout");
+        raw.write_all(&encode(Request::Validate { magic: 0xdead_beef }))
+            .expect("bad magic");
+        assert_closed_by_server(&mut raw);
+    });
+}
+
+#[test]
+fn store_absurd_key_and_value_lengths_are_refused_without_allocating() {
+    survives(|server| {
+        for frame in [
+            [&[query::GET][..], &u64::MAX.to_le_bytes()].concat(),
+            [
+                &[query::SET][..],
+                &2u64.to_le_bytes(),
+                b"/k",
+                &(1u64 << 62).to_le_bytes(),
+            ]
+            .concat(),
+            [&[query::WAIT][..], &(1u64 << 50).to_le_bytes()].concat(),
+            [&[query::MULTI_SET][..], &u64::MAX.to_le_bytes()].concat(),
+        ] {
+            let mut raw = server.raw();
+            raw.write_all(&frame).expect("absurd length");
+            assert_closed_by_server(&mut raw);
+        }
+    });
+}
+
+#[test]
+fn store_half_frame_then_close_applies_nothing() {
+    survives(|server| {
+        let mut raw = server.raw();
+        let frame = encode(Request::Set {
+            key: b"/half".to_vec(),
+            value: vec![7; 1000],
+        });
+        raw.write_all(&frame[..frame.len() / 2])
+            .expect("half a frame");
+        drop(raw);
+        let mut c = server.client();
+        thread::sleep(Duration::from_millis(50));
+        assert!(
+            !c.check(&["half"]).expect("check"),
+            "a half frame must not be applied"
+        );
+    });
+}
+
+#[test]
+fn store_client_stalling_mid_frame_is_disconnected_after_the_stall_timeout() {
+    survives(|server| {
+        let mut raw = server.raw();
+        let frame = encode(Request::Set {
+            key: b"/stall".to_vec(),
+            value: vec![1; 100],
+        });
+        raw.write_all(&frame[..20]).expect("part of a frame");
+        let start = Instant::now();
+        assert_closed_by_server(&mut raw);
+        let took = start.elapsed();
+        assert!(
+            took >= Duration::from_millis(250) && took < Duration::from_secs(5),
+            "{took:?}"
+        );
+    });
+}
+
+#[test]
+fn store_idle_client_between_frames_is_not_disconnected() {
+    let server = TestServer::start_with(ServerConfig {
+        stall_timeout: Duration::from_millis(100),
+        ..ServerConfig::default()
+    });
+    let mut c = server.client();
+    thread::sleep(Duration::from_millis(400));
+    c.set("still", b"here").expect("idle connection still open");
+    c.wait(&["never"], Duration::from_millis(300))
+        .expect_err("a long wait is not a stall");
+    c.ping().expect("still usable");
+}
+
+#[test]
+fn store_waiters_of_a_vanished_client_are_cleaned_up() {
+    survives(|server| {
+        let mut raw = server.raw();
+        raw.write_all(&encode(Request::Wait {
+            keys: vec![b"/ghost".to_vec()],
+        }))
+        .expect("wait");
+        raw.write_all(&encode(Request::Barrier {
+            key: b"/gb".to_vec(),
+            world_size: 9,
+        }))
+        .expect("barrier");
+        server.eventually("both waits registered", |h| h.pending_waits() == 2);
+        drop(raw);
+        server.eventually("waits of the vanished client removed", |h| {
+            h.pending_waits() == 0
+        });
+        server.eventually("connection unregistered", |h| h.connections() == 1);
+        server
+            .client()
+            .set("ghost", b"nobody listens")
+            .expect("set wakes nobody");
+    });
+}
+
+#[test]
+fn store_add_to_non_integer_closes_the_connection_and_keeps_the_value() {
+    survives(|server| {
+        let mut c = server.client();
+        let err = c.add("precious", 1).expect_err("not an integer");
+        assert!(matches!(err, StoreError::Io { .. }), "{err}");
+        assert!(matches!(c.ping(), Err(StoreError::Broken { .. })));
+    });
+}
+
+#[test]
+fn store_too_large_key_is_rejected_by_the_client_before_sending() {
+    let server = TestServer::start();
+    let mut c = server.client();
+    let key = "k".repeat(64 * 1024);
+    assert!(matches!(
+        c.set(&key, b"v"),
+        Err(StoreError::TooLarge { what: "key", .. })
+    ));
+    c.ping().expect("connection untouched");
+}
