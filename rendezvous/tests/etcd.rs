@@ -1,0 +1,329 @@
+//! The etcd store against a real etcd (Debian's `etcd-server`) started here on loopback, and the
+//! `rlaunch-rendezvous` binary: replicas on one etcd, lease expiry as node loss, shutdown.
+//!
+//! A missing `etcd` binary fails these tests loudly (run `scripts/install-deps.sh`).
+
+use std::future::Future;
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use rlaunch_rendezvous::round::{JobSettings, NodeInfo};
+use rlaunch_rendezvous::{Backend, RdzvError, RendezvousClient, WatchEvent};
+use serde_json::json;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+const DEADLINE: Duration = Duration::from_secs(30);
+
+async fn within<T>(what: &str, fut: impl Future<Output = T>) -> T {
+    match tokio::time::timeout(DEADLINE, fut).await {
+        Ok(v) => v,
+        Err(_) => panic!("{what} did not finish within {DEADLINE:?}"),
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free loopback port").port()
+}
+
+/// A single-member etcd on loopback with a temporary data dir; killed when dropped.
+struct Etcd {
+    child: Child,
+    endpoint: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Etcd {
+    async fn start() -> Etcd {
+        let bin = which("etcd").unwrap_or_else(|| {
+            panic!("`etcd` is not on PATH: install Debian's etcd-server (scripts/install-deps.sh); these tests need a real etcd")
+        });
+        let dir = tempfile::tempdir().expect("temp dir");
+        let (client, peer) = (free_port(), free_port());
+        let endpoint = format!("http://127.0.0.1:{client}");
+        let peer_url = format!("http://127.0.0.1:{peer}");
+        let log = std::fs::File::create(dir.path().join("etcd.log")).expect("etcd log file");
+        let child = Command::new(bin)
+            .args(["--name", "t", "--data-dir"])
+            .arg(dir.path().join("data"))
+            .args(["--listen-client-urls", &endpoint, "--advertise-client-urls", &endpoint])
+            .args(["--listen-peer-urls", &peer_url, "--initial-advertise-peer-urls", &peer_url])
+            .args(["--initial-cluster", &format!("t={peer_url}")])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("etcd starts");
+        let etcd = Etcd { child, endpoint, _dir: dir };
+        let ready = async {
+            loop {
+                if let Ok(mut c) = etcd_client::Client::connect([etcd.endpoint.as_str()], None).await {
+                    if c.status().await.is_ok() {
+                        return;
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        };
+        if tokio::time::timeout(Duration::from_secs(15), ready).await.is_err() {
+            let log = std::fs::read_to_string(etcd._dir.path().join("etcd.log")).unwrap_or_default();
+            panic!("etcd did not become ready; its log:\n{log}");
+        }
+        etcd
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn which(name: &str) -> Option<std::path::PathBuf> {
+    std::env::var_os("PATH")?
+        .to_str()?
+        .split(':')
+        .map(|d| std::path::Path::new(d).join(name))
+        .find(|p| p.is_file())
+}
+
+/// An `rlaunch-rendezvous` process on etcd; killed (SIGKILL) when dropped.
+struct Replica {
+    child: Child,
+    endpoint: String,
+}
+
+impl Replica {
+    async fn start(etcd: &Etcd) -> Replica {
+        let port = free_port();
+        let child = Command::new(env!("CARGO_BIN_EXE_rlaunch-rendezvous"))
+            .args(["--listen", &format!("127.0.0.1:{port}"), "--store", "etcd"])
+            .args(["--etcd-endpoints", &etcd.endpoint])
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("rlaunch-rendezvous starts");
+        let endpoint = format!("127.0.0.1:{port}");
+        let http = reqwest::Client::builder().no_proxy().build().expect("http client");
+        let url = format!("http://{endpoint}/healthz");
+        let ready = async {
+            loop {
+                if http.get(&url).send().await.is_ok_and(|r| r.status().is_success()) {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(15), ready).await.expect("replica answers /healthz");
+        Replica { child, endpoint }
+    }
+
+    fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Replica {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn settings(min: u32, max: u32) -> JobSettings {
+    JobSettings {
+        min_nodes: min,
+        max_nodes: max,
+        join_timeout: Duration::from_secs(30),
+        last_call_timeout: Duration::from_millis(500),
+        heartbeat_interval: Duration::from_millis(300),
+        node_ttl: Duration::from_secs(2),
+        max_restarts: 3,
+    }
+}
+
+fn node(id: &str) -> NodeInfo {
+    NodeInfo { node_id: id.to_owned(), local_world_size: 1, store_addr: format!("127.0.0.1:{}", 30000 + id.len()) }
+}
+
+/// What an agent does between rounds: heartbeat every interval.
+fn beat(c: &RendezvousClient, id: &str) -> JoinHandle<()> {
+    let (c, id) = (c.clone(), id.to_owned());
+    tokio::spawn(async move {
+        loop {
+            let _ = c.heartbeat(&id).await;
+            tokio::time::sleep(c.settings().heartbeat_interval).await;
+        }
+    })
+}
+
+/// Watches until something other than `NoChange` happens.
+async fn next_event(c: &RendezvousClient, round: u64) -> WatchEvent {
+    within("watch", async {
+        loop {
+            match c.watch(round).await {
+                Ok(WatchEvent::NoChange) => {}
+                Ok(ev) => return ev,
+                Err(e) => panic!("watch failed: {e}"),
+            }
+        }
+    })
+    .await
+}
+
+async fn etcd_client(etcd: &Etcd, run_id: &str, s: JobSettings) -> RendezvousClient {
+    RendezvousClient::connect(Backend::Etcd { endpoints: vec![etcd.endpoint.clone()] }, run_id, s)
+        .await
+        .expect("client connects to etcd")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_lease_expiry_is_seen_as_node_loss() {
+    let etcd = Etcd::start().await;
+    let a = etcd_client(&etcd, "lease", settings(1, 2)).await;
+    let b = etcd_client(&etcd, "lease", settings(1, 2)).await;
+    let (ra, rb) = within("joins", async { tokio::join!(a.join(node("a")), b.join(node("bb"))) }).await;
+    let (ra, rb) = (ra.expect("a joins"), rb.expect("b joins"));
+    assert_eq!((ra.round, ra.group_world_size), (1, 2));
+    assert_eq!(ra.members, rb.members);
+    let beats = beat(&a, "a");
+    // b's process dies: its client, its keep-alive task and its copy of the machine go with it.
+    drop(b);
+    let lost_at = Instant::now();
+    assert_eq!(next_event(&a, ra.round).await, WatchEvent::NewRound(ra.round + 1));
+    let took = lost_at.elapsed();
+    // TTL 2 s (etcd checks expiry every 0.5 s) plus a tick.
+    assert!(took < Duration::from_millis(3500), "node loss noticed after {took:?}");
+    let again = within("rejoin", a.join(node("a"))).await.expect("survivor rejoins");
+    assert_eq!((again.round, again.group_world_size, again.restart_count), (2, 1, 0));
+    let st = a.status().await.expect("status");
+    assert_eq!(st.members.len(), 1);
+    beats.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_backend_counts_a_failure_once_and_finishes_when_all_succeed() {
+    let etcd = Etcd::start().await;
+    let a = etcd_client(&etcd, "fail", settings(2, 2)).await;
+    let b = etcd_client(&etcd, "fail", settings(2, 2)).await;
+    let (ra, _) = within("joins", async { tokio::join!(a.join(node("a")), b.join(node("bb"))) }).await;
+    let r = ra.expect("a joins").round;
+    let (fa, fb) = tokio::join!(
+        a.report_failure("a", r, json!({"exit_code": 1})),
+        b.report_failure("bb", r, json!({"exit_code": 2}))
+    );
+    fa.expect("report a");
+    fb.expect("report b");
+    assert_eq!(next_event(&b, r).await, WatchEvent::NewRound(r + 1));
+    let (ra, rb) = within("rejoins", async { tokio::join!(a.join(node("a")), b.join(node("bb"))) }).await;
+    let (ra, rb) = (ra.expect("a"), rb.expect("b"));
+    assert_eq!((ra.round, ra.restart_count, rb.restart_count), (r + 1, 1, 1));
+    assert_ne!(ra.group_rank, rb.group_rank);
+    a.report_success("a", ra.round).await.expect("success a");
+    assert_eq!(b.status().await.expect("status").state, "running");
+    b.report_success("bb", rb.round).await.expect("success b");
+    assert_eq!(next_event(&a, ra.round).await, WatchEvent::Finished);
+    assert!(matches!(a.join(node("a")).await, Err(RdzvError::JobFinished)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_server_replicas_on_one_etcd_serve_the_same_job_and_survive_a_kill() {
+    let etcd = Etcd::start().await;
+    let r1 = Replica::start(&etcd).await;
+    let r2 = Replica::start(&etcd).await;
+    let http = |endpoints: Vec<String>| async move {
+        RendezvousClient::connect(Backend::Http { endpoints, token: None }, "repl", settings(2, 2))
+            .await
+            .expect("client")
+    };
+    // a talks to r1 first, b to r2 first: the job is shared through etcd.
+    let a = http(vec![r1.endpoint.clone(), r2.endpoint.clone()]).await;
+    let b = http(vec![r2.endpoint.clone(), r1.endpoint.clone()]).await;
+    let (ra, rb) = within("joins", async { tokio::join!(a.join(node("a")), b.join(node("bb"))) }).await;
+    let (ra, rb) = (ra.expect("a joins via r1"), rb.expect("b joins via r2"));
+    assert_eq!(ra.members, rb.members);
+    let (ba, bb) = (beat(&a, "a"), beat(&b, "bb"));
+
+    r1.kill();
+    // For longer than the TTL, nobody is declared lost: a's heartbeats fail over to r2.
+    let quiet_until = Instant::now() + Duration::from_secs(4);
+    while Instant::now() < quiet_until {
+        match within("watch", a.watch(ra.round)).await.expect("watch through r2") {
+            WatchEvent::NoChange => {}
+            other => panic!("the job was disturbed by losing a replica: {other:?}"),
+        }
+    }
+    let st = b.status().await.expect("status via r2");
+    assert_eq!((st.state.as_str(), st.round, st.members.len()), ("running", ra.round, 2));
+
+    // The job still restarts through the surviving replica.
+    a.report_failure("a", ra.round, json!({"exit_code": 7})).await.expect("report via r2");
+    assert_eq!(next_event(&b, ra.round).await, WatchEvent::NewRound(ra.round + 1));
+    let (ra2, rb2) = within("rejoins", async { tokio::join!(a.join(node("a")), b.join(node("bb"))) }).await;
+    assert_eq!(ra2.expect("a rejoins").round, ra.round + 1);
+    assert_eq!(rb2.expect("b rejoins").restart_count, 1);
+
+    // A fresh replica sees the same job: the state was never in a replica's memory.
+    let r3 = Replica::start(&etcd).await;
+    let c = http(vec![r3.endpoint.clone()]).await;
+    let st = c.status().await.expect("status via r3");
+    assert_eq!((st.round, st.restart_count), (ra.round + 1, 1));
+    assert_eq!(st.last_root_cause, Some(json!({"exit_code": 7})));
+    ba.abort();
+    bb.abort();
+    drop((r2, r3));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_lost_behind_a_replica_is_detected_by_its_lease() {
+    let etcd = Etcd::start().await;
+    let r1 = Replica::start(&etcd).await;
+    let http = |endpoints: Vec<String>| async move {
+        RendezvousClient::connect(Backend::Http { endpoints, token: None }, "hlease", settings(1, 2))
+            .await
+            .expect("client")
+    };
+    let a = http(vec![r1.endpoint.clone()]).await;
+    let b = http(vec![r1.endpoint.clone()]).await;
+    let (ra, _) = within("joins", async { tokio::join!(a.join(node("a")), b.join(node("bb"))) }).await;
+    let ra = ra.expect("a joins");
+    let beats = beat(&a, "a");
+    let silent_since = Instant::now();
+    assert_eq!(next_event(&a, ra.round).await, WatchEvent::NewRound(ra.round + 1));
+    let took = silent_since.elapsed();
+    assert!(took < Duration::from_millis(3500), "node loss noticed after {took:?}");
+    beats.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rendezvous_binary_stops_gracefully_on_sigterm() {
+    let port = free_port();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_rlaunch-rendezvous"))
+        .env("RLAUNCH_RDZV_LISTEN", format!("127.0.0.1:{port}"))
+        .env("RUST_LOG", "warn")
+        .spawn()
+        .expect("starts");
+    let http = reqwest::Client::builder().no_proxy().build().expect("http client");
+    let url = format!("http://127.0.0.1:{port}/healthz");
+    within("healthz", async {
+        while !http.get(&url).send().await.is_ok_and(|r| r.status().is_success()) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    let pid = i32::try_from(child.id()).expect("pid fits");
+    // SAFETY: sending a signal to a child we spawned and have not reaped.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    let status = within("exit", async {
+        loop {
+            if let Some(status) = child.try_wait().expect("try_wait") {
+                return status;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(status.success(), "{status:?}");
+}
