@@ -8,4 +8,8 @@ pub mod checkpoint;
 pub mod ddp;
 pub mod model;
 pub mod sampler;
+pub mod checkpoint;
+pub mod ddp;
+pub mod model;
+pub mod sampler;
 pub mod store;
