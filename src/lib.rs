@@ -8,8 +8,4 @@ pub mod checkpoint;
 pub mod ddp;
 pub mod model;
 pub mod sampler;
-pub mod checkpoint;
-pub mod ddp;
-pub mod model;
-pub mod sampler;
 pub mod store;

@@ -89,9 +89,8 @@ pub fn connect_store(
     connect_tcp_store(&addr, timeout)
 }
 
-fn connect_tcp_store(addr: &str, _timeout: Duration) -> Result<Box<dyn Rendezvous>, InitError> {
-    Err(InitError::Store {
-        addr: addr.to_string(),
-        reason: "the TCPStore client is not available in this build; set RLAUNCH_FILE_STORE".into(),
-    })
+fn connect_tcp_store(addr: &str, timeout: Duration) -> Result<Box<dyn Rendezvous>, InitError> {
+    let client = crate::store::StoreClient::connect(addr, timeout)
+        .map_err(|e| InitError::Store { addr: addr.to_string(), reason: e.to_string() })?;
+    Ok(Box::new(client))
 }
