@@ -13,6 +13,7 @@
 //! `alive` key deleted (lease expiry, revoke) nudges the ticker so loss is acted on at once.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -29,8 +30,9 @@ use crate::error::RdzvError;
 use crate::round::{self, Action, Decision, Event, Job, JobSettings, Millis};
 
 const PREFIX: &str = "/rlaunch/jobs/";
-/// Bound on every single etcd request (streams excepted), so a dead member never hangs a caller.
-const OP_TIMEOUT: Duration = Duration::from_secs(3);
+/// Bound on every single etcd request (streams excepted), so a dead or partitioned member never
+/// hangs a caller for long: after it, the request goes to the next member.
+const OP_TIMEOUT: Duration = Duration::from_millis(1500);
 const MAX_ATTEMPTS: u32 = 64;
 
 /// A handle on jobs kept in etcd; cheap to clone.
@@ -40,7 +42,11 @@ pub struct EtcdStore {
 }
 
 struct Inner {
-    client: Client,
+    /// One client per endpoint: etcd-client's balanced channel keeps routing to a dead member,
+    /// so failover between members is done here.
+    clients: Vec<Client>,
+    /// The client that answered last; tried first.
+    current: AtomicUsize,
     /// Bumped on every change under the prefix (and after a watch reconnect).
     changes: watch::Sender<u64>,
     /// Signalled when an `alive` key disappears.
@@ -80,35 +86,85 @@ fn stored(job: &Job) -> Job {
     j
 }
 
-async fn bounded<T>(
-    op: &'static str,
-    fut: impl std::future::Future<Output = Result<T, etcd_client::Error>>,
-) -> Result<T, RdzvError> {
-    match tokio::time::timeout(OP_TIMEOUT, fut).await {
-        Ok(r) => r.map_err(RdzvError::etcd(op)),
-        Err(_) => Err(RdzvError::Etcd {
-            op,
-            source: etcd_client::Error::InvalidArgs(format!("no answer within {OP_TIMEOUT:?}")),
-        }),
+/// Whether another member might answer where this one failed.
+fn is_unavailable(e: &etcd_client::Error) -> bool {
+    match e {
+        etcd_client::Error::TransportError(_) | etcd_client::Error::IoError(_) => true,
+        // Cancelled, Unknown, DeadlineExceeded, Unavailable (no leader, leader changed, down).
+        etcd_client::Error::GRpcStatus(s) => matches!(i32::from(s.code()), 1 | 2 | 4 | 14),
+        _ => false,
+    }
+}
+
+fn timed_out(op: &'static str) -> RdzvError {
+    RdzvError::Etcd {
+        op,
+        source: etcd_client::Error::InvalidArgs(format!("no answer within {OP_TIMEOUT:?}")),
     }
 }
 
 impl EtcdStore {
-    /// Connects to etcd (any of `endpoints`, e.g. `http://127.0.0.1:2379`) and starts watching.
+    /// Connects to etcd (`endpoints` like `http://127.0.0.1:2379`: members of one cluster) and
+    /// starts watching. Connections are lazy: a member down at start is tolerated.
     pub async fn connect(endpoints: &[String]) -> Result<Self, RdzvError> {
         let options = ConnectOptions::new()
-            .with_connect_timeout(Duration::from_secs(2))
+            .with_connect_timeout(Duration::from_secs(1))
             .with_keep_alive(Duration::from_secs(1), Duration::from_secs(2))
-            .with_keep_alive_while_idle(true);
-        let client = bounded("connect", Client::connect(endpoints, Some(options))).await?;
+            .with_keep_alive_while_idle(true)
+            // A member cut off from the quorum refuses requests (and cancels watches) instead of
+            // serving stale data, so the request moves on to a member that has a leader.
+            .with_require_leader(true);
+        let mut clients = Vec::new();
+        for e in endpoints {
+            let fut = Client::connect([e.as_str()], Some(options.clone()));
+            match tokio::time::timeout(OP_TIMEOUT, fut).await {
+                Ok(r) => clients.push(r.map_err(RdzvError::etcd("connect"))?),
+                Err(_) => return Err(timed_out("connect")),
+            }
+        }
+        if clients.is_empty() {
+            return Err(RdzvError::BadRequest { message: "no etcd endpoint given".to_owned() });
+        }
         let (changes, _) = watch::channel(0u64);
         let expired = Arc::new(Notify::new());
-        let watcher = tokio::spawn(watch_loop(client.clone(), changes.clone(), expired.clone()));
-        Ok(Self { inner: Arc::new(Inner { client, changes, expired, watcher }) })
+        let watcher = tokio::spawn(watch_loop(clients.clone(), changes.clone(), expired.clone()));
+        let inner = Inner { clients, current: AtomicUsize::new(0), changes, expired, watcher };
+        let store = Self { inner: Arc::new(inner) };
+        // Fail fast when no member answers at all.
+        store.run("status", |mut c| async move { c.status().await }).await?;
+        Ok(store)
     }
 
-    fn client(&self) -> Client {
-        self.inner.client.clone()
+    /// Runs one request, on the member that answered last first, then on the others when a
+    /// member is down, partitioned or without a leader. Retrying is safe: every write is a
+    /// compare-and-put, and the machine treats a repeated event as a no-op.
+    async fn run<T, F, Fut>(&self, op: &'static str, f: F) -> Result<T, RdzvError>
+    where
+        F: Fn(Client) -> Fut,
+        Fut: std::future::Future<Output = Result<T, etcd_client::Error>>,
+    {
+        let n = self.inner.clients.len();
+        let start = self.inner.current.load(Ordering::Relaxed);
+        let mut last = timed_out(op);
+        for i in 0..n {
+            let idx = (start + i) % n;
+            match tokio::time::timeout(OP_TIMEOUT, f(self.inner.clients[idx].clone())).await {
+                Ok(Ok(v)) => {
+                    self.inner.current.store(idx, Ordering::Relaxed);
+                    return Ok(v);
+                }
+                Ok(Err(e)) if !is_unavailable(&e) => return Err(RdzvError::Etcd { op, source: e }),
+                Ok(Err(e)) => {
+                    debug!(op, member = idx, error = %e, "etcd member unavailable; trying the next");
+                    last = RdzvError::Etcd { op, source: e };
+                }
+                Err(_) => {
+                    debug!(op, member = idx, "etcd member did not answer in time; trying the next");
+                    last = timed_out(op);
+                }
+            }
+        }
+        Err(last)
     }
 
     pub(crate) fn expired(&self) -> Arc<Notify> {
@@ -117,7 +173,12 @@ impl EtcdStore {
 
     async fn read(&self, run_id: &str) -> Result<Snapshot, RdzvError> {
         let prefix = format!("{PREFIX}{run_id}/");
-        let resp = bounded("get job", self.client().get(prefix, Some(GetOptions::new().with_prefix()))).await?;
+        let resp = self
+            .run("get job", |mut c| {
+                let prefix = prefix.clone();
+                async move { c.get(prefix, Some(GetOptions::new().with_prefix())).await }
+            })
+            .await?;
         let (skey, aprefix) = (state_key(run_id), alive_prefix(run_id));
         let mut snap = Snapshot { job: None, mod_revision: 0, alive: Vec::new() };
         for kv in resp.kvs() {
@@ -168,7 +229,12 @@ impl EtcdStore {
                 Compare::mod_revision(key.clone(), CompareOp::Equal, snap.mod_revision)
             };
             let txn = Txn::new().when([cmp]).and_then([TxnOp::put(key.clone(), value, None)]);
-            let resp = bounded("transaction", self.client().txn(txn)).await?;
+            let resp = self
+                .run("transaction", |mut c| {
+                    let txn = txn.clone();
+                    async move { c.txn(txn).await }
+                })
+                .await?;
             if resp.succeeded() {
                 return Ok((next, decision));
             }
@@ -183,7 +249,9 @@ impl EtcdStore {
     }
 
     pub async fn jobs(&self, now: Millis) -> Result<Vec<(String, Job)>, RdzvError> {
-        let resp = bounded("list jobs", self.client().get(PREFIX, Some(GetOptions::new().with_prefix()))).await?;
+        let resp = self
+            .run("list jobs", |mut c| async move { c.get(PREFIX, Some(GetOptions::new().with_prefix())).await })
+            .await?;
         let mut states: BTreeMap<String, Job> = BTreeMap::new();
         let mut alive: BTreeMap<String, Vec<String>> = BTreeMap::new();
         for kv in resp.kvs() {
@@ -257,7 +325,7 @@ impl EtcdStore {
     /// Keeps node `node_id`'s lease alive once. Unknown node: no key, or the lease is gone.
     pub async fn keep_alive(&self, run_id: &str, node_id: &str) -> Result<Decision, RdzvError> {
         let unknown = || RdzvError::UnknownNode { node_id: node_id.to_owned() };
-        let resp = bounded("get alive key", self.client().get(alive_key(run_id, node_id), None)).await?;
+        let resp = self.get_alive(run_id, node_id).await?;
         let lease = resp.kvs().first().map(|kv| kv.lease()).filter(|l| *l != 0).ok_or_else(unknown)?;
         if self.keep_lease_alive(lease).await? {
             Ok(Decision { action: Action::HeartbeatRecorded, reason: format!("lease of {node_id} kept alive") })
@@ -268,37 +336,48 @@ impl EtcdStore {
 
     /// One keep-alive round trip; false when the lease no longer exists.
     async fn keep_lease_alive(&self, lease: i64) -> Result<bool, RdzvError> {
-        let mut client = self.client();
-        let fut = async move {
-            let (mut keeper, mut stream) = client.lease_keep_alive(lease).await?;
+        self.run("lease keep-alive", |mut c| async move {
+            let (mut keeper, mut stream) = c.lease_keep_alive(lease).await?;
             keeper.keep_alive().await?;
-            Ok::<_, etcd_client::Error>(stream.message().await?.map(|r| r.ttl() > 0).unwrap_or(false))
-        };
-        bounded("lease keep-alive", fut).await
+            Ok(stream.message().await?.map(|r| r.ttl() > 0).unwrap_or(false))
+        })
+        .await
     }
 
     /// Makes sure node `node_id` has a live lease and key; returns the lease id.
     pub async fn register_node(&self, run_id: &str, node_id: &str, ttl: Duration) -> Result<i64, RdzvError> {
         let key = alive_key(run_id, node_id);
-        let resp = bounded("get alive key", self.client().get(key.clone(), None)).await?;
+        let resp = self.get_alive(run_id, node_id).await?;
         if let Some(lease) = resp.kvs().first().map(|kv| kv.lease()).filter(|l| *l != 0) {
             if self.keep_lease_alive(lease).await? {
                 return Ok(lease);
             }
         }
         let ttl_s = i64::try_from(ttl.as_millis().div_ceil(1000)).unwrap_or(i64::MAX).max(1);
-        let lease = bounded("lease grant", self.client().lease_grant(ttl_s, None)).await?.id();
-        let opts = PutOptions::new().with_lease(lease);
-        bounded("put alive key", self.client().put(key, node_id, Some(opts))).await?;
+        let lease = self.run("lease grant", |mut c| async move { c.lease_grant(ttl_s, None).await }).await?.id();
+        self.run("put alive key", |mut c| {
+            let (key, node) = (key.clone(), node_id.to_owned());
+            async move { c.put(key, node, Some(PutOptions::new().with_lease(lease))).await }
+        })
+        .await?;
         debug!(run_id, node_id, lease, ttl_s, "node lease granted");
         Ok(lease)
     }
 
+    async fn get_alive(&self, run_id: &str, node_id: &str) -> Result<etcd_client::GetResponse, RdzvError> {
+        let key = alive_key(run_id, node_id);
+        self.run("get alive key", |mut c| {
+            let key = key.clone();
+            async move { c.get(key, None).await }
+        })
+        .await
+    }
+
     /// Revokes the node's lease (its key goes with it).
     pub async fn forget_node(&self, run_id: &str, node_id: &str) -> Result<(), RdzvError> {
-        let resp = bounded("get alive key", self.client().get(alive_key(run_id, node_id), None)).await?;
+        let resp = self.get_alive(run_id, node_id).await?;
         if let Some(lease) = resp.kvs().first().map(|kv| kv.lease()).filter(|l| *l != 0) {
-            if let Err(error) = bounded("lease revoke", self.client().lease_revoke(lease)).await {
+            if let Err(error) = self.run("lease revoke", |mut c| async move { c.lease_revoke(lease).await }).await {
                 debug!(run_id, node_id, error = %error, "lease revoke failed (probably already gone)");
             }
         }
@@ -307,9 +386,13 @@ impl EtcdStore {
 }
 
 /// Watches the whole prefix for as long as the store lives; reconnects after errors.
-async fn watch_loop(mut client: Client, changes: watch::Sender<u64>, expired: Arc<Notify>) {
+async fn watch_loop(clients: Vec<Client>, changes: watch::Sender<u64>, expired: Arc<Notify>) {
     let mut next_revision: i64 = 0;
+    let mut member = 0usize;
     loop {
+        // After any failure, the next attempt goes to the next member.
+        member = (member + 1) % clients.len();
+        let mut client = clients[member].clone();
         let mut opts = WatchOptions::new().with_prefix();
         if next_revision > 0 {
             opts = opts.with_start_revision(next_revision);
