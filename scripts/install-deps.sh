@@ -7,6 +7,8 @@ cd "$(dirname "$0")/.."
 
 need_apt=()
 command -v protoc >/dev/null || need_apt+=(protobuf-compiler)
+# protoc's well-known types (google/protobuf/*.proto), which etcd-client's protos import
+[ -f /usr/include/google/protobuf/descriptor.proto ] || need_apt+=(libprotobuf-dev)
 command -v etcd >/dev/null || need_apt+=(etcd-server)
 command -v ip >/dev/null || need_apt+=(iproute2)
 command -v python3 >/dev/null || need_apt+=(python3 python3-venv)

@@ -23,6 +23,9 @@ pub const USE_AGENT_STORE: &str = "TORCHELASTIC_USE_AGENT_STORE";
 pub const ERROR_FILE: &str = "TORCHELASTIC_ERROR_FILE";
 pub const NCCL_ASYNC_ERROR_HANDLING: &str = "TORCH_NCCL_ASYNC_ERROR_HANDLING";
 pub const OMP_NUM_THREADS: &str = "OMP_NUM_THREADS";
+pub const SIGNALS_TO_HANDLE: &str = "TORCHELASTIC_SIGNALS_TO_HANDLE";
+/// The signals the agent stops the job on, as torchrun advertises them to workers.
+pub const DEFAULT_SIGNALS_TO_HANDLE: &str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT";
 
 /// What one worker is told about its place in the job.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -87,6 +90,9 @@ impl WorkerEnv {
         }
         if !agent_env.contains_key(OMP_NUM_THREADS) && self.local_world_size > 1 {
             vars.push((OMP_NUM_THREADS, "1".to_string()));
+        }
+        if !agent_env.contains_key(SIGNALS_TO_HANDLE) {
+            vars.push((SIGNALS_TO_HANDLE, DEFAULT_SIGNALS_TO_HANDLE.to_string()));
         }
         vars
     }

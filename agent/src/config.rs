@@ -1,0 +1,116 @@
+//! The agent's typed configuration: what the launcher parsed and validated, nothing left as text.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::output::StdSet;
+
+/// A setting given for all local ranks at once (`3`) or rank by rank (`0:1,1:2`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PerRank<T> {
+    All(T),
+    Ranks(BTreeMap<u32, T>),
+}
+
+impl<T: Copy + Default> PerRank<T> {
+    /// The value for `local_rank`; ranks not named get the default (torchrun's behaviour).
+    pub fn get(&self, local_rank: u32) -> T {
+        match self {
+            PerRank::All(v) => *v,
+            PerRank::Ranks(m) => m.get(&local_rank).copied().unwrap_or_default(),
+        }
+    }
+}
+
+impl<T: Default> Default for PerRank<T> {
+    fn default() -> Self {
+        PerRank::All(T::default())
+    }
+}
+
+/// How this agent finds the other nodes of the job.
+#[derive(Debug, Clone)]
+pub enum RendezvousConfig {
+    /// One node, no service: the agent is the whole job.
+    Standalone,
+    /// Fixed membership (`--rdzv-backend static`): node `node_rank` of `nnodes`; group rank 0
+    /// hosts the workers' store on `master_addr:master_port` (0: the OS picks, single node only).
+    Static { node_rank: u32, nnodes: u32, master_addr: String, master_port: u16 },
+    /// A rendezvous service or etcd decides membership, rounds and restarts.
+    Dynamic(DynamicRendezvous),
+}
+
+/// Settings of an elastic rendezvous (`--rdzv-backend rlaunch|c10d|etcd`).
+#[derive(Debug, Clone)]
+pub struct DynamicRendezvous {
+    pub backend: DynamicBackend,
+    pub endpoints: Vec<String>,
+    pub token: Option<String>,
+    pub min_nodes: u32,
+    pub max_nodes: u32,
+    pub join_timeout: Duration,
+    pub last_call_timeout: Duration,
+    pub heartbeat_interval: Duration,
+    pub node_ttl: Duration,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DynamicBackend {
+    /// An `rlaunch-rendezvous` server (hosted by this agent when the endpoint is local and
+    /// nothing answers).
+    Server,
+    /// Agents run the round state machine directly on etcd v3.
+    Etcd,
+}
+
+/// Everything the agent needs to run one node of a job.
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    /// The worker's argv: the program and its arguments (already wrapped in `python3 -u` where
+    /// the launcher decided so).
+    pub program: Vec<OsString>,
+    pub nproc_per_node: u32,
+    pub role: String,
+    pub run_id: String,
+    pub max_restarts: u32,
+    /// How often the supervision loop ticks (worker exits themselves are noticed at once).
+    pub monitor_interval: Duration,
+    /// SIGTERM to SIGKILL when stopping workers.
+    pub stop_grace: Duration,
+    pub log_dir: Option<PathBuf>,
+    pub redirects: PerRank<StdSet>,
+    pub tee: PerRank<StdSet>,
+    pub local_ranks_filter: Option<BTreeSet<u32>>,
+    pub log_line_prefix_template: String,
+    /// The address other nodes reach this one at (`--local-addr`).
+    pub local_addr: Option<String>,
+    pub rendezvous: RendezvousConfig,
+}
+
+impl AgentConfig {
+    /// A single-node configuration with torchrun's defaults, for tests and embedding.
+    pub fn standalone(program: Vec<OsString>, nproc_per_node: u32) -> AgentConfig {
+        AgentConfig {
+            program,
+            nproc_per_node,
+            role: "default".into(),
+            run_id: "none".into(),
+            max_restarts: 0,
+            monitor_interval: Duration::from_millis(100),
+            stop_grace: Duration::from_secs(5),
+            log_dir: None,
+            redirects: PerRank::default(),
+            tee: PerRank::default(),
+            local_ranks_filter: None,
+            log_line_prefix_template: DEFAULT_PREFIX_TEMPLATE.into(),
+            local_addr: None,
+            rendezvous: RendezvousConfig::Standalone,
+        }
+    }
+}
+
+/// `[default0]:` — torchrun's role-and-rank prefix, with the global rank so that prefixes stay
+/// unique across nodes (on one node the global and local ranks coincide).
+pub const DEFAULT_PREFIX_TEMPLATE: &str = "[${role_name}${rank}]:";

@@ -1,0 +1,338 @@
+//! rlaunch's per-node elastic agent: takes part in the rendezvous, hosts the workers' store on
+//! group rank 0, starts one worker per local rank with torchrun's environment, supervises them,
+//! restarts the group within the restart budget, relays signals, and reports the root cause of
+//! a failure.
+//!
+//! `run(config)` returns a [`RunOutcome`]; [`RunOutcome::exit_code`] is the one place that maps
+//! outcomes to the launcher's exit code.
+
+pub mod config;
+pub mod output;
+pub mod process;
+pub mod report;
+pub mod workers;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use tokio::signal::unix::{signal, Signal, SignalKind};
+use tracing::{error, info, info_span, warn, Instrument};
+
+use rlaunch::env::WorkerEnv;
+use rlaunch::store::{StoreHandle, StoreServer};
+
+pub use config::{AgentConfig, DynamicBackend, DynamicRendezvous, PerRank, RendezvousConfig};
+use output::{render_prefix, Console, StdSet};
+pub use report::{Exit, RootCause};
+use workers::{worker_dir, GroupOutcome, WorkerGroup, WorkerSpec};
+
+/// Why the agent itself (not a worker) could not go on.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error("failed to spawn local rank {local_rank} (`{program}`)")]
+    Spawn { local_rank: u32, program: String, #[source] source: std::io::Error },
+    #[error("cannot create log directory {path}")]
+    LogDir { path: PathBuf, #[source] source: std::io::Error },
+    #[error("cannot serve the workers' store on {addr}")]
+    Store { addr: String, #[source] source: std::io::Error },
+    #[error("cannot install signal handlers")]
+    Signals(#[source] std::io::Error),
+    #[error("rendezvous failed: {0}")]
+    Rendezvous(String),
+}
+
+/// How a job ended on this node.
+#[derive(Debug)]
+pub enum RunOutcome {
+    Succeeded { restarts: u32 },
+    /// Workers failed and the restart budget is spent.
+    Failed { root_cause: Box<RootCause>, restarts: u32 },
+    /// The agent was told to stop (SIGTERM, SIGINT, SIGHUP, SIGQUIT).
+    Interrupted { signal: i32 },
+}
+
+impl RunOutcome {
+    /// The launcher's exit code: 0, the failing worker's own code (128+signal if it was killed
+    /// by one), or 128+signal when the agent itself was stopped by a signal.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            RunOutcome::Succeeded { .. } => 0,
+            RunOutcome::Failed { root_cause, .. } => match root_cause.exit.shell_code() {
+                0 => 1,
+                c => c,
+            },
+            RunOutcome::Interrupted { signal } => 128 + signal,
+        }
+    }
+}
+
+struct Signals {
+    term: Signal,
+    int: Signal,
+    hup: Signal,
+    quit: Signal,
+    usr1: Signal,
+    usr2: Signal,
+}
+
+enum SignalEvent {
+    Stop(i32),
+    Relay(i32),
+}
+
+impl Signals {
+    fn install() -> std::io::Result<Signals> {
+        Ok(Signals {
+            term: signal(SignalKind::terminate())?,
+            int: signal(SignalKind::interrupt())?,
+            hup: signal(SignalKind::hangup())?,
+            quit: signal(SignalKind::quit())?,
+            usr1: signal(SignalKind::user_defined1())?,
+            usr2: signal(SignalKind::user_defined2())?,
+        })
+    }
+
+    async fn next(&mut self) -> SignalEvent {
+        tokio::select! {
+            _ = self.term.recv() => SignalEvent::Stop(libc::SIGTERM),
+            _ = self.int.recv() => SignalEvent::Stop(libc::SIGINT),
+            _ = self.hup.recv() => SignalEvent::Stop(libc::SIGHUP),
+            _ = self.quit.recv() => SignalEvent::Stop(libc::SIGQUIT),
+            _ = self.usr1.recv() => SignalEvent::Relay(libc::SIGUSR1),
+            _ = self.usr2.recv() => SignalEvent::Relay(libc::SIGUSR2),
+        }
+    }
+}
+
+/// This node's place in the current round of the job.
+#[derive(Debug, Clone)]
+struct Placement {
+    group_rank: u32,
+    group_world_size: u32,
+    /// Global rank of this node's local rank 0 (prefix sum of earlier nodes' workers).
+    rank_offset: u32,
+    world_size: u32,
+    master_addr: String,
+    master_port: u16,
+    use_agent_store: bool,
+}
+
+/// The name this host goes by, for reports.
+pub fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "localhost".into())
+}
+
+/// Runs this node's part of the job to the end.
+pub async fn run(config: AgentConfig) -> Result<RunOutcome, AgentError> {
+    let span = info_span!("run", run_id = %config.run_id);
+    run_inner(config).instrument(span).await
+}
+
+async fn run_inner(config: AgentConfig) -> Result<RunOutcome, AgentError> {
+    let host = hostname();
+    let agent_env: BTreeMap<String, String> = std::env::vars().collect();
+    let mut signals = Signals::install().map_err(AgentError::Signals)?;
+    let console = Console::start();
+    let (log_root, temp_logs) = log_root(&config)?;
+
+    // The workers' store: hosted by group rank 0's agent for the whole job, across restarts.
+    let (placement, _store) = match &config.rendezvous {
+        RendezvousConfig::Standalone => {
+            let store = start_store("127.0.0.1:0").await?;
+            let port = store.local_addr().port();
+            (single_node(&config, "127.0.0.1".into(), port), Some(store))
+        }
+        RendezvousConfig::Static { node_rank, nnodes, master_addr, master_port } => {
+            let store = if *node_rank == 0 {
+                let bind = if *nnodes == 1 { format!("{master_addr}:{master_port}") } else { format!("0.0.0.0:{master_port}") };
+                Some(start_store(&bind).await?)
+            } else {
+                None
+            };
+            let port = store.as_ref().map(|s| s.local_addr().port()).unwrap_or(*master_port);
+            let placement = Placement {
+                group_rank: *node_rank,
+                group_world_size: *nnodes,
+                rank_offset: node_rank * config.nproc_per_node,
+                world_size: nnodes * config.nproc_per_node,
+                master_addr: master_addr.clone(),
+                master_port: port,
+                use_agent_store: true,
+            };
+            (placement, store)
+        }
+        RendezvousConfig::Dynamic(_) => {
+            return Err(AgentError::Rendezvous(
+                "elastic multi-node rendezvous is not available in this build; use --standalone or --rdzv-backend static".into(),
+            ))
+        }
+    };
+    info!(
+        nproc_per_node = config.nproc_per_node,
+        world_size = placement.world_size,
+        master = %format!("{}:{}", placement.master_addr, placement.master_port),
+        logs = %log_root.display(),
+        "starting workers"
+    );
+
+    let mut restart_count = 0u32;
+    let outcome = loop {
+        let specs = worker_specs(&config, &placement, restart_count, &log_root, &host);
+        let mut group = WorkerGroup::start(&config.program, specs, &agent_env, &console, &host)?;
+        let mut tick = tokio::time::interval(config.monitor_interval);
+        let result = loop {
+            tokio::select! {
+                outcome = group.wait() => break Ok(outcome),
+                ev = signals.next() => match ev {
+                    SignalEvent::Relay(sig) => {
+                        info!(signal = %process::signal_name(sig), "relaying signal to workers");
+                        group.signal_all(sig);
+                    }
+                    SignalEvent::Stop(sig) => break Err(sig),
+                },
+                _ = tick.tick() => {}
+            }
+        };
+        match result {
+            Err(sig) => {
+                warn!(signal = %process::signal_name(sig), "stopping workers");
+                group.stop(config.stop_grace).await;
+                break RunOutcome::Interrupted { signal: sig };
+            }
+            Ok(GroupOutcome::Succeeded) => {
+                group.reap_stragglers().await;
+                info!(restarts = restart_count, "all workers succeeded");
+                break RunOutcome::Succeeded { restarts: restart_count };
+            }
+            Ok(GroupOutcome::Failed(root_cause)) => {
+                group.stop(config.stop_grace).await;
+                console.flush();
+                if restart_count < config.max_restarts {
+                    restart_count += 1;
+                    warn!(
+                        rank = root_cause.rank,
+                        exit = %root_cause.exit.describe(),
+                        restart = restart_count,
+                        max_restarts = config.max_restarts,
+                        "worker group failed; restarting"
+                    );
+                    continue;
+                }
+                error!(restarts = restart_count, "worker group failed and the restart budget is spent");
+                break RunOutcome::Failed { root_cause, restarts: restart_count };
+            }
+        }
+    };
+    console.flush();
+    if let RunOutcome::Failed { root_cause, .. } = &outcome {
+        eprint!("{}", root_cause.render());
+        write_agent_error_file(&log_root, root_cause, &agent_env);
+    }
+    if temp_logs && matches!(outcome, RunOutcome::Succeeded { .. }) {
+        let _ = std::fs::remove_dir_all(&log_root);
+    }
+    Ok(outcome)
+}
+
+async fn start_store(bind: &str) -> Result<StoreHandle, AgentError> {
+    let addr: SocketAddr = tokio::net::lookup_host(bind)
+        .await
+        .ok()
+        .and_then(|mut it| it.next())
+        .ok_or_else(|| AgentError::Store { addr: bind.into(), source: std::io::Error::other("cannot resolve address") })?;
+    StoreServer::start(addr).await.map_err(|source| AgentError::Store { addr: bind.into(), source })
+}
+
+fn single_node(config: &AgentConfig, master_addr: String, master_port: u16) -> Placement {
+    Placement {
+        group_rank: 0,
+        group_world_size: 1,
+        rank_offset: 0,
+        world_size: config.nproc_per_node,
+        master_addr,
+        master_port,
+        use_agent_store: true,
+    }
+}
+
+/// `--log-dir/{run_id}_{pid}`, or a temporary directory removed after a successful run.
+fn log_root(config: &AgentConfig) -> Result<(PathBuf, bool), AgentError> {
+    let name = format!("{}_{}", sanitize(&config.run_id), std::process::id());
+    let (root, temp) = match &config.log_dir {
+        Some(d) => (d.join(name), false),
+        None => (std::env::temp_dir().join(format!("rlaunch_{name}")), true),
+    };
+    std::fs::create_dir_all(&root).map_err(|source| AgentError::LogDir { path: root.clone(), source })?;
+    Ok((root, temp))
+}
+
+fn sanitize(s: &str) -> String {
+    s.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect()
+}
+
+fn worker_specs(config: &AgentConfig, p: &Placement, restart_count: u32, log_root: &std::path::Path, host: &str) -> Vec<WorkerSpec> {
+    (0..config.nproc_per_node)
+        .map(|local_rank| {
+            let rank = p.rank_offset + local_rank;
+            let dir = worker_dir(log_root, restart_count, local_rank);
+            let redirect = config.redirects.get(local_rank);
+            let tee = config.tee.get(local_rank);
+            let shown = config.local_ranks_filter.as_ref().is_none_or(|f| f.contains(&local_rank));
+            // torchrun: a redirected stream goes to its file only, a teed one to both; with a
+            // log directory every stream is also kept in a file.
+            let files = if config.log_dir.is_some() {
+                StdSet::ALL
+            } else {
+                StdSet { stdout: redirect.stdout || tee.stdout, stderr: redirect.stderr || tee.stderr }
+            };
+            let console = StdSet {
+                stdout: shown && (!redirect.stdout || tee.stdout),
+                stderr: shown && (!redirect.stderr || tee.stderr),
+            };
+            WorkerSpec {
+                env: WorkerEnv {
+                    rank,
+                    local_rank,
+                    group_rank: p.group_rank,
+                    role_rank: rank,
+                    role_name: config.role.clone(),
+                    local_world_size: config.nproc_per_node,
+                    world_size: p.world_size,
+                    group_world_size: p.group_world_size,
+                    role_world_size: p.world_size,
+                    master_addr: p.master_addr.clone(),
+                    master_port: p.master_port,
+                    restart_count,
+                    max_restarts: config.max_restarts,
+                    run_id: config.run_id.clone(),
+                    use_agent_store: p.use_agent_store,
+                    error_file: Some(dir.join("error.json").to_string_lossy().into_owned()),
+                },
+                prefix: render_prefix(&config.log_line_prefix_template, &config.role, rank, local_rank, host),
+                dir,
+                files,
+                console,
+            }
+        })
+        .collect()
+}
+
+/// The agent's own error file: `{log_root}/error.json`, and `$TORCHELASTIC_ERROR_FILE` when the
+/// agent was given one (as torchrun's `@record`-decorated main writes it).
+fn write_agent_error_file(log_root: &std::path::Path, root_cause: &RootCause, agent_env: &BTreeMap<String, String>) {
+    let json = root_cause.to_error_file_json();
+    let mut targets = vec![log_root.join("error.json")];
+    if let Some(f) = agent_env.get(rlaunch::env::ERROR_FILE) {
+        targets.push(PathBuf::from(f));
+    }
+    for t in targets {
+        if let Err(e) = report::write_json_atomically(&t, &json) {
+            warn!(path = %t.display(), error = %e, "cannot write the agent's error file");
+        }
+    }
+}

@@ -1,0 +1,264 @@
+//! One attempt's worker group: spawning the workers of this node, noticing their exits the
+//! moment they happen, and stopping them (SIGTERM to each process group, grace, SIGKILL).
+
+use std::collections::{BTreeMap, VecDeque};
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::process::Command;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tracing::{debug, warn};
+
+use rlaunch::env::WorkerEnv;
+
+use crate::output::{pump, Console, Sink, StdSet, Stream};
+use crate::process::{group_alive, signal_group, spawn_worker};
+use crate::report::{now_unix, read_error_file, Exit, RootCause};
+use crate::AgentError;
+
+/// What the agent needs to start one worker.
+#[derive(Debug, Clone)]
+pub struct WorkerSpec {
+    pub env: WorkerEnv,
+    /// Where the worker's stdout/stderr logs and error file go for this attempt.
+    pub dir: PathBuf,
+    /// Streams written to files.
+    pub files: StdSet,
+    /// Streams shown on the agent's console.
+    pub console: StdSet,
+    pub prefix: String,
+}
+
+struct Running {
+    spec: WorkerSpec,
+    pid: u32,
+    exit: Option<Exit>,
+    stderr_tail: Arc<Mutex<VecDeque<String>>>,
+    pumps: Vec<JoinHandle<()>>,
+}
+
+/// The result of waiting on a group.
+#[derive(Debug)]
+pub enum GroupOutcome {
+    Succeeded,
+    Failed(Box<RootCause>),
+}
+
+pub struct WorkerGroup {
+    workers: Vec<Running>,
+    exits: mpsc::UnboundedReceiver<(usize, Exit, u64)>,
+    waiters: Vec<JoinHandle<()>>,
+    host: String,
+}
+
+impl WorkerGroup {
+    /// Starts every worker. If one cannot be started, those already started are killed.
+    pub fn start(
+        program: &[OsString],
+        specs: Vec<WorkerSpec>,
+        agent_env: &BTreeMap<String, String>,
+        console: &Console,
+        host: &str,
+    ) -> Result<WorkerGroup, AgentError> {
+        let (tx, exits) = mpsc::unbounded_channel();
+        let mut group = WorkerGroup { workers: Vec::new(), exits, waiters: Vec::new(), host: host.to_string() };
+        for (index, spec) in specs.into_iter().enumerate() {
+            if let Err(e) = group.spawn_one(index, program, spec, agent_env, console, tx.clone()) {
+                group.kill_now();
+                return Err(e);
+            }
+        }
+        Ok(group)
+    }
+
+    fn spawn_one(
+        &mut self,
+        index: usize,
+        program: &[OsString],
+        spec: WorkerSpec,
+        agent_env: &BTreeMap<String, String>,
+        console: &Console,
+        tx: mpsc::UnboundedSender<(usize, Exit, u64)>,
+    ) -> Result<(), AgentError> {
+        let local_rank = spec.env.local_rank;
+        std::fs::create_dir_all(&spec.dir)
+            .map_err(|source| AgentError::LogDir { path: spec.dir.clone(), source })?;
+        let (exe, args) = program.split_first().expect("the launcher never passes an empty program");
+        let mut cmd = Command::new(exe);
+        cmd.args(args);
+        for (k, v) in spec.env.to_vars(agent_env) {
+            cmd.env(k, v);
+        }
+        let mut child = spawn_worker(cmd).map_err(|source| AgentError::Spawn {
+            local_rank,
+            program: exe.to_string_lossy().into_owned(),
+            source,
+        })?;
+        let pid = child.id().expect("a child just spawned has not been reaped");
+        let stderr_tail = Arc::new(Mutex::new(VecDeque::new()));
+        let mut pumps = Vec::new();
+        let streams: [(Stream, Option<Box<dyn tokio::io::AsyncRead + Unpin + Send>>); 2] = [
+            (Stream::Stdout, child.stdout.take().map(|s| Box::new(s) as _)),
+            (Stream::Stderr, child.stderr.take().map(|s| Box::new(s) as _)),
+        ];
+        for (stream, reader) in streams {
+            let Some(reader) = reader else { continue };
+            let name = if stream == Stream::Stdout { "stdout.log" } else { "stderr.log" };
+            let sink = Sink {
+                stream,
+                console: spec.console.has(stream).then(|| (console.clone(), spec.prefix.clone().into_bytes())),
+                file: spec.files.has(stream).then(|| spec.dir.join(name)),
+                tail: (stream == Stream::Stderr).then(|| stderr_tail.clone()),
+            };
+            pumps.push(tokio::spawn(async move {
+                if let Err(e) = pump(reader, sink).await {
+                    warn!(local_rank, error = %e, "lost worker output");
+                }
+            }));
+        }
+        self.waiters.push(tokio::spawn(async move {
+            let exit = match child.wait().await {
+                Ok(status) => Exit::from_status(status),
+                Err(e) => {
+                    warn!(local_rank, error = %e, "could not wait for worker");
+                    Exit::Code(1)
+                }
+            };
+            let _ = tx.send((index, exit, now_unix()));
+        }));
+        debug!(local_rank, rank = spec.env.rank, pid, "worker started");
+        self.workers.push(Running { spec, pid, exit: None, stderr_tail, pumps });
+        Ok(())
+    }
+
+    pub fn pids(&self) -> Vec<u32> {
+        self.workers.iter().map(|w| w.pid).collect()
+    }
+
+    /// Waits until every worker succeeded or one failed. Cancel-safe: exits already seen are
+    /// remembered, so this can sit in a `select!` with signals and rendezvous events.
+    pub async fn wait(&mut self) -> GroupOutcome {
+        loop {
+            if self.workers.iter().all(|w| w.exit == Some(Exit::Code(0))) {
+                return GroupOutcome::Succeeded;
+            }
+            let Some((index, exit, seen_at)) = self.exits.recv().await else {
+                // Every waiter task is gone without reporting: cannot happen while we hold the
+                // receiver and each waiter sends once; treat as a failure of the group.
+                return GroupOutcome::Failed(Box::new(self.root_cause(0, Exit::Code(1), now_unix()).await));
+            };
+            self.workers[index].exit = Some(exit);
+            let w = &self.workers[index];
+            if exit.success() {
+                debug!(local_rank = w.spec.env.local_rank, "worker finished");
+                continue;
+            }
+            warn!(local_rank = w.spec.env.local_rank, rank = w.spec.env.rank, exit = %exit.describe(), "worker failed");
+            return GroupOutcome::Failed(Box::new(self.root_cause(index, exit, seen_at).await));
+        }
+    }
+
+    async fn root_cause(&mut self, index: usize, exit: Exit, seen_at: u64) -> RootCause {
+        let w = &mut self.workers[index];
+        // Let the output pumps drain what the worker wrote before it died, so the stderr tail
+        // is complete; a grandchild still holding the pipe must not hold up the report.
+        for p in w.pumps.drain(..) {
+            let _ = tokio::time::timeout(Duration::from_millis(500), p).await;
+        }
+        let error_file = w.spec.env.error_file.as_ref().map(PathBuf::from);
+        let data = error_file.as_deref().and_then(read_error_file);
+        let tail: Vec<String> = w.stderr_tail.lock().expect("tail lock is never poisoned").iter().cloned().collect();
+        RootCause {
+            rank: w.spec.env.rank,
+            local_rank: w.spec.env.local_rank,
+            role: w.spec.env.role_name.clone(),
+            host: self.host.clone(),
+            pid: w.pid,
+            exit,
+            timestamp: data.as_ref().and_then(|d| d.timestamp).unwrap_or(seen_at),
+            restart_count: w.spec.env.restart_count,
+            message: data
+                .as_ref()
+                .map(|d| d.message.clone())
+                .unwrap_or_else(|| format!("worker exited with {} (no error file written)", exit.describe())),
+            traceback: data.as_ref().and_then(|d| d.traceback.clone()),
+            error_file: if data.is_some() { error_file } else { None },
+            stderr_tail: if data.is_some() { Vec::new() } else { tail },
+        }
+    }
+
+    /// Relays `signal` to every worker's process group.
+    pub fn signal_all(&self, signal: i32) {
+        for w in self.workers.iter().filter(|w| w.exit.is_none()) {
+            if let Err(e) = signal_group(w.pid, signal) {
+                warn!(pid = w.pid, signal, error = %e, "could not signal worker");
+            }
+        }
+    }
+
+    fn kill_now(&self) {
+        for w in &self.workers {
+            let _ = signal_group(w.pid, libc::SIGKILL);
+        }
+    }
+
+    /// Stops every worker: SIGTERM to each process group, up to `grace` for them to exit, then
+    /// SIGKILL. Returns once every worker is reaped and no process of their groups is left.
+    pub async fn stop(&mut self, grace: Duration) {
+        self.signal_all(libc::SIGTERM);
+        let deadline = tokio::time::Instant::now() + grace;
+        while self.workers.iter().any(|w| w.exit.is_none()) {
+            match tokio::time::timeout_at(deadline, self.exits.recv()).await {
+                Ok(Some((i, exit, _))) => self.workers[i].exit = Some(exit),
+                Ok(None) => break,
+                Err(_) => {
+                    warn!(grace_ms = grace.as_millis() as u64, "workers ignored SIGTERM; sending SIGKILL");
+                    self.kill_now();
+                    while self.workers.iter().any(|w| w.exit.is_none()) {
+                        match tokio::time::timeout(Duration::from_secs(10), self.exits.recv()).await {
+                            Ok(Some((i, exit, _))) => self.workers[i].exit = Some(exit),
+                            _ => break,
+                        }
+                    }
+                    break;
+                }
+            }
+        }
+        self.reap_stragglers().await;
+    }
+
+    /// Kills what is left in the workers' process groups (their own children) and waits for
+    /// the output pumps, so nothing of this attempt outlives it.
+    pub async fn reap_stragglers(&mut self) {
+        for w in &self.workers {
+            if group_alive(w.pid) {
+                let _ = signal_group(w.pid, libc::SIGKILL);
+            }
+        }
+        for w in self.workers.iter_mut() {
+            for p in w.pumps.drain(..) {
+                let _ = tokio::time::timeout(Duration::from_secs(2), p).await;
+            }
+        }
+    }
+}
+
+impl Drop for WorkerGroup {
+    fn drop(&mut self) {
+        // An agent unwinding (error, cancellation) must not leave workers behind.
+        for w in self.workers.iter().filter(|w| w.exit.is_none()) {
+            let _ = signal_group(w.pid, libc::SIGKILL);
+        }
+        for t in &self.waiters {
+            t.abort();
+        }
+    }
+}
+
+/// `{root}/attempt_{n}/{local_rank}`: where one worker of one attempt keeps its files.
+pub fn worker_dir(root: &Path, attempt: u32, local_rank: u32) -> PathBuf {
+    root.join(format!("attempt_{attempt}")).join(local_rank.to_string())
+}

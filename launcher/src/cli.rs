@@ -1,0 +1,466 @@
+//! The command line: torchrun's flags, spellings (`--a-b` and `--a_b`), defaults and `PET_*`
+//! environment fallbacks, parsed once into the agent's typed configuration.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+
+use rlaunch_agent::config::DEFAULT_PREFIX_TEMPLATE;
+use rlaunch_agent::output::StdSet;
+use rlaunch_agent::{AgentConfig, DynamicBackend, DynamicRendezvous, PerRank, RendezvousConfig};
+
+/// Elastic launcher for distributed training: one worker per local rank with torchrun's
+/// environment, supervised, restarted on failure.
+#[derive(Debug, Parser)]
+#[command(name = "rlaunch", version, about, after_help = EXIT_CODES)]
+pub struct Args {
+    /// Number of nodes, or a range MIN:MAX for an elastic job.
+    #[arg(long, env = "PET_NNODES", default_value = "1:1")]
+    pub nnodes: String,
+
+    /// Workers per node: a number, `cpu` (one per core), `gpu` (one per GPU) or `auto`.
+    #[arg(long = "nproc-per-node", alias = "nproc_per_node", env = "PET_NPROC_PER_NODE", default_value = "1")]
+    pub nproc_per_node: String,
+
+    /// One node, no services: an embedded rendezvous on this host and a random run id.
+    #[arg(long, env = "PET_STANDALONE")]
+    pub standalone: bool,
+
+    /// Rendezvous backend: static, rlaunch (alias c10d), or etcd (v3).
+    #[arg(long = "rdzv-backend", alias = "rdzv_backend", env = "PET_RDZV_BACKEND", default_value = "static")]
+    pub rdzv_backend: String,
+
+    /// Rendezvous endpoint(s), `host:port[,host:port…]`.
+    #[arg(long = "rdzv-endpoint", alias = "rdzv_endpoint", env = "PET_RDZV_ENDPOINT", default_value = "")]
+    pub rdzv_endpoint: String,
+
+    /// The job's id; every node of one job uses the same.
+    #[arg(long = "rdzv-id", alias = "rdzv_id", env = "PET_RDZV_ID", default_value = "none")]
+    pub rdzv_id: String,
+
+    /// Rendezvous settings `key=value,…` (join_timeout, last_call_timeout, heartbeat_interval,
+    /// node_ttl in seconds; token).
+    #[arg(long = "rdzv-conf", alias = "rdzv_conf", env = "PET_RDZV_CONF", default_value = "")]
+    pub rdzv_conf: String,
+
+    /// Restarts of the worker group allowed before the job fails.
+    #[arg(long = "max-restarts", alias = "max_restarts", env = "PET_MAX_RESTARTS", default_value_t = 0)]
+    pub max_restarts: u32,
+
+    /// Seconds between supervision ticks (worker exits are noticed at once regardless).
+    #[arg(long = "monitor-interval", alias = "monitor_interval", env = "PET_MONITOR_INTERVAL", default_value = "0.1")]
+    pub monitor_interval: String,
+
+    /// Seconds from SIGTERM to SIGKILL when stopping workers.
+    #[arg(long = "shutdown-timeout", alias = "shutdown_timeout", env = "PET_SHUTDOWN_TIMEOUT", default_value = "10")]
+    pub shutdown_timeout: String,
+
+    /// Accepted for torchrun compatibility; workers are always started as new processes.
+    #[arg(long = "start-method", alias = "start_method", env = "PET_START_METHOD", default_value = "spawn", hide = true)]
+    pub start_method: String,
+
+    /// The workers' role name.
+    #[arg(long, env = "PET_ROLE", default_value = "default")]
+    pub role: String,
+
+    /// Run the program as a Python module (`python3 -u -m`).
+    #[arg(short = 'm', long, env = "PET_MODULE")]
+    pub module: bool,
+
+    /// Run the program directly, not under python3, even if it ends in `.py`.
+    #[arg(long = "no-python", alias = "no_python", env = "PET_NO_PYTHON")]
+    pub no_python: bool,
+
+    /// Accepted for torchrun compatibility: a `.py` program always runs as a script path.
+    #[arg(long = "run-path", alias = "run_path", env = "PET_RUN_PATH")]
+    pub run_path: bool,
+
+    /// Keep per-attempt, per-rank stdout/stderr and error files under this directory.
+    #[arg(long = "log-dir", alias = "log_dir", env = "PET_LOG_DIR")]
+    pub log_dir: Option<PathBuf>,
+
+    /// Send streams to log files only: 0 none, 1 stdout, 2 stderr, 3 both; or `0:1,1:2` per local rank.
+    #[arg(short = 'r', long, env = "PET_REDIRECTS", default_value = "0")]
+    pub redirects: String,
+
+    /// Send streams to the console and to log files (same values as --redirects).
+    #[arg(short = 't', long, env = "PET_TEE", default_value = "0")]
+    pub tee: String,
+
+    /// Prefix of each worker output line (`${role_name}`, `${rank}`, `${local_rank}`, `${hostname}`).
+    #[arg(long = "log-line-prefix-template", alias = "log_line_prefix_template", env = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", default_value = DEFAULT_PREFIX_TEMPLATE)]
+    pub log_line_prefix_template: String,
+
+    /// Show only these local ranks' output on the console, e.g. `0` or `0,2`.
+    #[arg(long = "local-ranks-filter", alias = "local_ranks_filter", env = "PET_LOCAL_RANKS_FILTER", default_value = "")]
+    pub local_ranks_filter: String,
+
+    /// This node's rank (static rendezvous only).
+    #[arg(long = "node-rank", alias = "node_rank", env = "PET_NODE_RANK", default_value_t = 0)]
+    pub node_rank: u32,
+
+    /// Address of node 0, which hosts the workers' store (static rendezvous only).
+    #[arg(long = "master-addr", alias = "master_addr", env = "PET_MASTER_ADDR", default_value = "127.0.0.1")]
+    pub master_addr: String,
+
+    /// Port of the workers' store on node 0 (static rendezvous; default: one the OS picks on a
+    /// single node).
+    #[arg(long = "master-port", alias = "master_port", env = "PET_MASTER_PORT")]
+    pub master_port: Option<u16>,
+
+    /// The address other nodes reach this one at.
+    #[arg(long = "local-addr", alias = "local_addr", env = "PET_LOCAL_ADDR")]
+    pub local_addr: Option<String>,
+
+    /// The program to run on every worker, then its arguments.
+    #[arg(required = true, trailing_var_arg = true, value_name = "PROGRAM [ARGS]...")]
+    pub program: Vec<OsString>,
+}
+
+pub const EXIT_CODES: &str = "Exit codes:
+  0        every worker succeeded
+  N        the first failing worker's exit code (restart budget spent)
+  128+S    the failing worker was killed by signal S, or rlaunch was stopped by signal S
+  2        bad arguments
+  1        rlaunch itself failed (store, log directory, rendezvous)
+  127      the program could not be started";
+
+/// A command line that parses but makes no sense: reported like a clap error, exit code 2.
+#[derive(Debug)]
+pub struct UsageError(pub String);
+
+impl std::fmt::Display for UsageError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+fn usage<T>(msg: impl Into<String>) -> Result<T, UsageError> {
+    Err(UsageError(msg.into()))
+}
+
+/// `N` or `MIN:MAX`.
+pub fn parse_nnodes(s: &str) -> Result<(u32, u32), UsageError> {
+    let num = |t: &str| t.trim().parse::<u32>().ok().filter(|n| *n >= 1);
+    let (min, max) = match s.split_once(':') {
+        None => (num(s), num(s)),
+        Some((a, b)) => (num(a), num(b)),
+    };
+    match (min, max) {
+        (Some(a), Some(b)) if a <= b => Ok((a, b)),
+        (Some(a), Some(b)) => usage(format!("--nnodes {s}: MIN ({a}) is larger than MAX ({b})")),
+        _ => usage(format!("--nnodes {s}: expected a positive number N or a range MIN:MAX, e.g. 2 or 1:4")),
+    }
+}
+
+/// `N`, `cpu`, `gpu` or `auto`.
+pub fn parse_nproc(s: &str) -> Result<u32, UsageError> {
+    let cpus = || std::thread::available_parallelism().map(|n| n.get() as u32).unwrap_or(1);
+    match s.trim() {
+        "cpu" => Ok(cpus()),
+        "gpu" => match gpu_count() {
+            0 => usage("--nproc-per-node gpu: no GPU found on this node (use a number or `cpu`)"),
+            n => Ok(n),
+        },
+        "auto" => Ok(match gpu_count() {
+            0 => cpus(),
+            n => n,
+        }),
+        t => match t.parse::<u32>() {
+            Ok(n) if (1..=4096).contains(&n) => Ok(n),
+            _ => usage(format!("--nproc-per-node {s}: expected a number from 1 to 4096, `cpu`, `gpu` or `auto`")),
+        },
+    }
+}
+
+/// GPUs the NVIDIA driver exposes on this node (honouring CUDA_VISIBLE_DEVICES).
+fn gpu_count() -> u32 {
+    if let Ok(v) = std::env::var("CUDA_VISIBLE_DEVICES") {
+        return v.split(',').filter(|s| !s.trim().is_empty() && !s.trim().starts_with('-')).count() as u32;
+    }
+    std::fs::read_dir("/proc/driver/nvidia/gpus").map(|d| d.count() as u32).unwrap_or(0)
+}
+
+/// torchrun's `Std` grammar: `3`, or `0:1,1:2` rank by rank.
+pub fn parse_std(flag: &str, s: &str) -> Result<PerRank<StdSet>, UsageError> {
+    let code = |t: &str| t.trim().parse::<u8>().ok().and_then(StdSet::from_code);
+    let bad = || UsageError(format!("{flag} {s}: expected 0 (none), 1 (stdout), 2 (stderr), 3 (both), or per local rank like 0:1,1:2"));
+    if !s.contains(':') {
+        return code(s).map(PerRank::All).ok_or_else(bad);
+    }
+    let mut m = BTreeMap::new();
+    for part in s.split(',') {
+        let (r, c) = part.split_once(':').ok_or_else(bad)?;
+        let rank = r.trim().parse::<u32>().map_err(|_| bad())?;
+        m.insert(rank, code(c).ok_or_else(bad)?);
+    }
+    Ok(PerRank::Ranks(m))
+}
+
+/// A duration in (fractional) seconds, positive and finite.
+pub fn parse_seconds(flag: &str, s: &str) -> Result<Duration, UsageError> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 && v < 1e7 => Ok(Duration::from_secs_f64(v)),
+        _ => usage(format!("{flag} {s}: expected a positive number of seconds")),
+    }
+}
+
+pub fn parse_ranks_filter(s: &str) -> Result<Option<BTreeSet<u32>>, UsageError> {
+    if s.trim().is_empty() {
+        return Ok(None);
+    }
+    s.split(',')
+        .map(|t| t.trim().parse::<u32>().map_err(|_| UsageError(format!("--local-ranks-filter {s}: expected local ranks like 0 or 0,2"))))
+        .collect::<Result<BTreeSet<_>, _>>()
+        .map(Some)
+}
+
+/// Rendezvous settings from `--rdzv-conf`.
+#[derive(Debug, Clone)]
+pub struct RdzvConf {
+    pub join_timeout: Duration,
+    pub last_call_timeout: Duration,
+    pub heartbeat_interval: Duration,
+    pub node_ttl: Duration,
+    pub token: Option<String>,
+}
+
+impl Default for RdzvConf {
+    fn default() -> Self {
+        RdzvConf {
+            join_timeout: Duration::from_secs(600),
+            last_call_timeout: Duration::from_secs(1),
+            heartbeat_interval: Duration::from_millis(500),
+            node_ttl: Duration::from_secs(2),
+            token: None,
+        }
+    }
+}
+
+/// torchrun keys rlaunch has no use for; accepted so torchrun command lines keep working.
+const IGNORED_TORCHRUN_KEYS: &[&str] = &["read_timeout", "close_timeout", "is_host", "keep_alive_max_attempt", "timeout", "use_libuv"];
+
+pub fn parse_rdzv_conf(s: &str) -> Result<RdzvConf, UsageError> {
+    let mut conf = RdzvConf::default();
+    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let Some((k, v)) = part.split_once('=') else {
+            return usage(format!("--rdzv-conf: `{part}` is not key=value"));
+        };
+        let (k, v) = (k.trim(), v.trim());
+        let flag = format!("--rdzv-conf {k}");
+        match k {
+            "join_timeout" => conf.join_timeout = parse_seconds(&flag, v)?,
+            "last_call_timeout" => conf.last_call_timeout = parse_seconds(&flag, v)?,
+            "heartbeat_interval" | "keep_alive_interval" => conf.heartbeat_interval = parse_seconds(&flag, v)?,
+            "node_ttl" => conf.node_ttl = parse_seconds(&flag, v)?,
+            "token" => conf.token = Some(v.to_string()),
+            k if IGNORED_TORCHRUN_KEYS.contains(&k) => {}
+            _ => {
+                return usage(format!(
+                    "--rdzv-conf: unknown key `{k}` (known: join_timeout, last_call_timeout, heartbeat_interval, node_ttl, token)"
+                ))
+            }
+        }
+    }
+    if conf.heartbeat_interval >= conf.node_ttl {
+        return usage(format!(
+            "--rdzv-conf: heartbeat_interval ({:?}) must be shorter than node_ttl ({:?})",
+            conf.heartbeat_interval, conf.node_ttl
+        ));
+    }
+    if conf.node_ttl >= conf.join_timeout {
+        return usage(format!("--rdzv-conf: node_ttl ({:?}) must be shorter than join_timeout ({:?})", conf.node_ttl, conf.join_timeout));
+    }
+    Ok(conf)
+}
+
+/// Builds the worker's argv the way torchrun does: `*.py` under `python3 -u`, `-m` as a module.
+pub fn worker_program(args: &Args, python: &OsString) -> Result<Vec<OsString>, UsageError> {
+    if args.module && args.no_python {
+        return usage("don't use both --no-python and -m/--module: a module needs the Python interpreter");
+    }
+    let (first, rest) = args.program.split_first().expect("clap requires PROGRAM");
+    let mut argv = Vec::with_capacity(args.program.len() + 3);
+    if args.module {
+        argv.extend([python.clone(), "-u".into(), "-m".into()]);
+    } else if !args.no_python && first.to_string_lossy().ends_with(".py") {
+        argv.extend([python.clone(), "-u".into()]);
+    }
+    argv.push(first.clone());
+    argv.extend(rest.iter().cloned());
+    Ok(argv)
+}
+
+/// A random run id for `--standalone`, a version-4 UUID as torchrun's.
+fn random_run_id() -> String {
+    let mut bytes = [0u8; 16];
+    if std::fs::File::open("/dev/urandom").and_then(|mut f| std::io::Read::read_exact(&mut f, &mut bytes)).is_err() {
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+        bytes = (t ^ u128::from(std::process::id())).to_le_bytes();
+    }
+    bytes[6] = (bytes[6] & 0x0f) | 0x40;
+    bytes[8] = (bytes[8] & 0x3f) | 0x80;
+    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    format!("{}-{}-{}-{}-{}", &hex[0..8], &hex[8..12], &hex[12..16], &hex[16..20], &hex[20..32])
+}
+
+impl Args {
+    /// Validates every flag and builds the agent's configuration.
+    pub fn into_config(self, python: &OsString) -> Result<AgentConfig, UsageError> {
+        let (min_nodes, max_nodes) = parse_nnodes(&self.nnodes)?;
+        let nproc_per_node = parse_nproc(&self.nproc_per_node)?;
+        let monitor_interval = parse_seconds("--monitor-interval", &self.monitor_interval)?;
+        let stop_grace = parse_seconds("--shutdown-timeout", &self.shutdown_timeout)?;
+        let redirects = parse_std("--redirects", &self.redirects)?;
+        let tee = parse_std("--tee", &self.tee)?;
+        let local_ranks_filter = parse_ranks_filter(&self.local_ranks_filter)?;
+        let conf = parse_rdzv_conf(&self.rdzv_conf)?;
+        let program = worker_program(&self, python)?;
+        if let Some(f) = &local_ranks_filter {
+            if let Some(r) = f.iter().find(|r| **r >= nproc_per_node) {
+                return usage(format!("--local-ranks-filter: local rank {r} does not exist with --nproc-per-node {nproc_per_node}"));
+            }
+        }
+        let endpoints: Vec<String> =
+            self.rdzv_endpoint.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
+        for e in &endpoints {
+            validate_endpoint(e)?;
+        }
+        let mut run_id = self.rdzv_id.clone();
+        if run_id.is_empty() || run_id.len() > 128 || run_id.chars().any(|c| c.is_control() || c == '/') {
+            return usage(format!("--rdzv-id {run_id:?}: expected 1 to 128 characters, no '/' or control characters"));
+        }
+        let rendezvous = if self.standalone {
+            if max_nodes > 1 {
+                return usage(format!("--standalone runs a single node, but --nnodes is {}; drop one of them", self.nnodes));
+            }
+            run_id = random_run_id();
+            RendezvousConfig::Standalone
+        } else {
+            match self.rdzv_backend.as_str() {
+                "static" => {
+                    if min_nodes != max_nodes {
+                        return usage(format!("--rdzv-backend static needs a fixed --nnodes, not the range {}", self.nnodes));
+                    }
+                    if self.node_rank >= max_nodes {
+                        return usage(format!("--node-rank {} must be below --nnodes {max_nodes}", self.node_rank));
+                    }
+                    if max_nodes > 1 && self.master_port.is_none() {
+                        return usage("a static multi-node job needs --master-port (and --master-addr) naming node 0's store");
+                    }
+                    RendezvousConfig::Static {
+                        node_rank: self.node_rank,
+                        nnodes: max_nodes,
+                        master_addr: self.master_addr.clone(),
+                        master_port: self.master_port.unwrap_or(0),
+                    }
+                }
+                "rlaunch" | "c10d" | "etcd" | "etcd-v3" => {
+                    if endpoints.is_empty() {
+                        return usage(format!("--rdzv-backend {} needs --rdzv-endpoint host:port", self.rdzv_backend));
+                    }
+                    let backend = if self.rdzv_backend.starts_with("etcd") { DynamicBackend::Etcd } else { DynamicBackend::Server };
+                    RendezvousConfig::Dynamic(DynamicRendezvous {
+                        backend,
+                        endpoints,
+                        token: conf.token.clone(),
+                        min_nodes,
+                        max_nodes,
+                        join_timeout: conf.join_timeout,
+                        last_call_timeout: conf.last_call_timeout,
+                        heartbeat_interval: conf.heartbeat_interval,
+                        node_ttl: conf.node_ttl,
+                    })
+                }
+                "etcd-v2" => return usage("--rdzv-backend etcd-v2: the etcd v2 API was removed in etcd 3.6; use --rdzv-backend etcd (v3)"),
+                other => return usage(format!("--rdzv-backend {other}: expected static, rlaunch (or c10d), or etcd")),
+            }
+        };
+        Ok(AgentConfig {
+            program,
+            nproc_per_node,
+            role: self.role,
+            run_id,
+            max_restarts: self.max_restarts,
+            monitor_interval,
+            stop_grace,
+            log_dir: self.log_dir,
+            redirects,
+            tee,
+            local_ranks_filter,
+            log_line_prefix_template: self.log_line_prefix_template,
+            local_addr: self.local_addr,
+            rendezvous,
+        })
+    }
+}
+
+fn validate_endpoint(e: &str) -> Result<(), UsageError> {
+    let e = e.strip_prefix("http://").unwrap_or(e);
+    let ok = match e.rsplit_once(':') {
+        Some((host, port)) => !host.is_empty() && port.parse::<u16>().is_ok(),
+        None => false,
+    };
+    if ok {
+        Ok(())
+    } else {
+        usage(format!("--rdzv-endpoint {e}: expected host:port"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nnodes_grammar() {
+        assert_eq!(parse_nnodes("2").unwrap(), (2, 2));
+        assert_eq!(parse_nnodes("1:4").unwrap(), (1, 4));
+        for bad in ["0", "4:1", "a", "1:", ":2", "-1", ""] {
+            assert!(parse_nnodes(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn std_grammar_all_and_per_rank() {
+        assert_eq!(parse_std("-t", "3").unwrap(), PerRank::All(StdSet::ALL));
+        let p = parse_std("-t", "0:1,10:2").unwrap();
+        assert_eq!(p.get(0), StdSet { stdout: true, stderr: false });
+        assert_eq!(p.get(10), StdSet { stdout: false, stderr: true });
+        assert_eq!(p.get(5), StdSet::NONE);
+        for bad in ["4", "x", "0:5", "a:1", "0:1,"] {
+            assert!(parse_std("-t", bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn rdzv_conf_rejects_timeouts_that_do_not_nest() {
+        assert!(parse_rdzv_conf("heartbeat_interval=3,node_ttl=2").is_err());
+        assert!(parse_rdzv_conf("node_ttl=700").is_err());
+        assert!(parse_rdzv_conf("bogus=1").is_err());
+        let c = parse_rdzv_conf("join_timeout=30,read_timeout=60,node_ttl=3,heartbeat_interval=1").unwrap();
+        assert_eq!(c.node_ttl, Duration::from_secs(3));
+    }
+
+    #[test]
+    fn python_programs_run_under_the_interpreter() {
+        let py: OsString = "python3".into();
+        let args = Args::try_parse_from(["rlaunch", "train.py", "--lr", "0.1"]).unwrap();
+        assert_eq!(worker_program(&args, &py).unwrap(), ["python3", "-u", "train.py", "--lr", "0.1"]);
+        let args = Args::try_parse_from(["rlaunch", "-m", "pkg.train"]).unwrap();
+        assert_eq!(worker_program(&args, &py).unwrap(), ["python3", "-u", "-m", "pkg.train"]);
+        let args = Args::try_parse_from(["rlaunch", "--no-python", "x.py"]).unwrap();
+        assert_eq!(worker_program(&args, &py).unwrap(), ["x.py"]);
+        let args = Args::try_parse_from(["rlaunch", "./train", "--epochs", "3"]).unwrap();
+        assert_eq!(worker_program(&args, &py).unwrap(), ["./train", "--epochs", "3"]);
+    }
+
+    #[test]
+    fn underscore_spellings_are_accepted() {
+        let a = Args::try_parse_from(["rlaunch", "--nproc_per_node", "3", "--max_restarts=2", "prog"]).unwrap();
+        assert_eq!((a.nproc_per_node.as_str(), a.max_restarts), ("3", 2));
+    }
+}

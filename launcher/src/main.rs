@@ -1,0 +1,67 @@
+//! `rlaunch`: parses the command line into the agent's configuration, runs the agent, and maps
+//! its outcome to the process exit code.
+
+mod cli;
+
+use std::ffi::OsString;
+use std::process::ExitCode;
+
+use clap::Parser;
+
+fn main() -> ExitCode {
+    let args = match cli::Args::try_parse() {
+        Ok(a) => a,
+        Err(e) => {
+            // clap prints help/version to stdout with code 0 and usage errors with code 2.
+            e.exit()
+        }
+    };
+    init_tracing();
+    let python: OsString = std::env::var_os("RLAUNCH_PYTHON").unwrap_or_else(|| "python3".into());
+    let config = match args.into_config(&python) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}\n\nFor more information, try '--help'.");
+            return ExitCode::from(2);
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("rlaunch: cannot start the async runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let code = match runtime.block_on(rlaunch_agent::run(config)) {
+        Ok(outcome) => outcome.exit_code(),
+        Err(e) => {
+            let code = agent_error_code(&e);
+            eprintln!("rlaunch: {}", anyhow::Error::from(e).chain().map(|c| c.to_string()).collect::<Vec<_>>().join(": "));
+            code
+        }
+    };
+    // Workers are already stopped; don't wait for lingering runtime tasks.
+    runtime.shutdown_timeout(std::time::Duration::from_millis(100));
+    ExitCode::from(u8::try_from(code.clamp(0, 255)).expect("clamped to a byte"))
+}
+
+fn agent_error_code(e: &rlaunch_agent::AgentError) -> i32 {
+    match e {
+        rlaunch_agent::AgentError::Spawn { source, .. } if source.kind() == std::io::ErrorKind::NotFound => 127,
+        rlaunch_agent::AgentError::Spawn { source, .. } if source.kind() == std::io::ErrorKind::PermissionDenied => 126,
+        _ => 1,
+    }
+}
+
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("RLAUNCH_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    use std::io::IsTerminal;
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_target(false)
+        .compact()
+        .init();
+}
