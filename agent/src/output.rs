@@ -141,7 +141,9 @@ pub async fn pump(mut reader: impl AsyncRead + Unpin, sink: Sink) -> io::Result<
         pending.extend_from_slice(&chunk[..n]);
         let mut start = 0;
         while let Some(pos) = pending[start..].iter().position(|&b| b == b'\n') {
-            emit(&sink, &pending[start..start + pos]);
+            for piece in pending[start..start + pos].chunks(MAX_LINE) {
+                emit(&sink, piece);
+            }
             start += pos + 1;
         }
         pending.drain(..start);
