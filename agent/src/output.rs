@@ -141,7 +141,11 @@ pub async fn pump(mut reader: impl AsyncRead + Unpin, sink: Sink) -> io::Result<
         pending.extend_from_slice(&chunk[..n]);
         let mut start = 0;
         while let Some(pos) = pending[start..].iter().position(|&b| b == b'\n') {
-            for piece in pending[start..start + pos].chunks(MAX_LINE) {
+            let line = &pending[start..start + pos];
+            if line.is_empty() {
+                emit(&sink, line);
+            }
+            for piece in line.chunks(MAX_LINE) {
                 emit(&sink, piece);
             }
             start += pos + 1;
@@ -200,16 +204,17 @@ mod tests {
     async fn pump_splits_lines_keeps_tail_and_cuts_overlong_lines() {
         let tail = Arc::new(Mutex::new(VecDeque::new()));
         let long = vec![b'x'; MAX_LINE + 10];
-        let mut input = b"one\ntwo\n".to_vec();
+        let mut input = b"one\n\ntwo\n".to_vec();
         input.extend_from_slice(&long);
         input.extend_from_slice(b"\nlast-no-newline");
         let sink = Sink { stream: Stream::Stderr, console: None, file: None, tail: Some(tail.clone()) };
         pump(&input[..], sink).await.expect("reading a slice cannot fail");
         let t = tail.lock().unwrap();
         assert_eq!(t[0], "one");
-        assert_eq!(t[1], "two");
-        assert_eq!(t[2].len(), MAX_LINE);
-        assert_eq!(t[3], "x".repeat(10));
-        assert_eq!(t[4], "last-no-newline");
+        assert_eq!(t[1], "", "empty lines are kept");
+        assert_eq!(t[2], "two");
+        assert_eq!(t[3].len(), MAX_LINE);
+        assert_eq!(t[4], "x".repeat(10));
+        assert_eq!(t[5], "last-no-newline");
     }
 }
