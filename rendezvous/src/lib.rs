@@ -14,7 +14,7 @@
 //!
 //! # The client API (what the agent uses)
 //!
-//! ```ignore
+//! ```text
 //! pub enum Backend {
 //!     Http { endpoints: Vec<String>, token: Option<String> }, // fails over between endpoints
 //!     Etcd { endpoints: Vec<String> },                        // this process runs the machine on etcd

@@ -209,7 +209,8 @@ pub struct Job {
     pub phase: Phase,
     /// The current round: running when `phase` is `Running`, forming before that.
     pub round: u64,
-    /// Goes up on every change except heartbeats; long-polls wait for it to move.
+    /// Goes up on every transition (a round opened or closed, the job over) and only then:
+    /// long-polls wait for it to move, so joins and heartbeats do not wake every waiter.
     pub version: u64,
     /// Members of the last closed round in group-rank order (the running one when `Running`).
     pub members: Vec<Member>,
@@ -488,7 +489,8 @@ pub fn apply(job: &Job, ev: Event, now: Millis) -> (Job, Decision) {
     match decision.action {
         Action::Rejected(_) => return (job.clone(), decision),
         Action::Nothing | Action::HeartbeatRecorded => {}
-        _ => {
+        Action::Updated => next.last_reason = decision.reason.clone(),
+        Action::RoundOpened { .. } | Action::RoundClosed { .. } | Action::Finished | Action::Failed => {
             next.version = job.version + 1;
             next.last_reason = decision.reason.clone();
         }

@@ -26,7 +26,7 @@ fn node(id: &str) -> NodeInfo {
 fn step(job: &Job, ev: Event, now: Millis) -> (Job, Decision) {
     let (next, d) = apply(job, ev, now);
     match d.action {
-        Action::Nothing | Action::HeartbeatRecorded | Action::Rejected(_) => {
+        Action::Nothing | Action::HeartbeatRecorded | Action::Rejected(_) | Action::Updated => {
             assert_eq!(next.version, job.version, "{d:?}")
         }
         _ => assert_eq!(next.version, job.version + 1, "{d:?}"),

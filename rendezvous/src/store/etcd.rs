@@ -12,7 +12,7 @@
 //! One background task per store watches the whole prefix: a `state` change wakes long-polls, an
 //! `alive` key deleted (lease expiry, revoke) nudges the ticker so loss is acted on at once.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -51,6 +51,11 @@ struct Inner {
     changes: watch::Sender<u64>,
     /// Signalled when an `alive` key disappears.
     expired: Arc<Notify>,
+    /// Latest job versions seen by the watch, so long-polls need not re-read whole jobs.
+    versions: Arc<std::sync::Mutex<HashMap<String, u64>>>,
+    /// Serialises this process's own updates of a job, so they never conflict with each other
+    /// (only with other replicas or agents).
+    locks: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     watcher: JoinHandle<()>,
 }
 
@@ -127,8 +132,18 @@ impl EtcdStore {
         }
         let (changes, _) = watch::channel(0u64);
         let expired = Arc::new(Notify::new());
-        let watcher = tokio::spawn(watch_loop(clients.clone(), changes.clone(), expired.clone()));
-        let inner = Inner { clients, current: AtomicUsize::new(0), changes, expired, watcher };
+        let versions = Arc::new(std::sync::Mutex::new(HashMap::new()));
+        let watcher =
+            tokio::spawn(watch_loop(clients.clone(), changes.clone(), expired.clone(), versions.clone()));
+        let inner = Inner {
+            clients,
+            current: AtomicUsize::new(0),
+            changes,
+            expired,
+            versions,
+            locks: std::sync::Mutex::new(HashMap::new()),
+            watcher,
+        };
         let store = Self { inner: Arc::new(inner) };
         // Fail fast when no member answers at all.
         store.run("status", |mut c| async move { c.status().await }).await?;
@@ -208,7 +223,17 @@ impl EtcdStore {
         now: Millis,
     ) -> Result<(Job, Decision), RdzvError> {
         let key = state_key(run_id);
+        let lock = {
+            let mut locks = self.inner.locks.lock().unwrap_or_else(|p| p.into_inner());
+            locks.entry(run_id.to_owned()).or_default().clone()
+        };
+        let _serialised = lock.lock().await;
         for attempt in 1..=MAX_ATTEMPTS {
+            if attempt > 1 {
+                // Someone else wrote first: back off a little, with jitter, before re-reading.
+                let jitter = u64::from(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0) % 20);
+                tokio::time::sleep(Duration::from_millis(jitter + 2 * u64::from(attempt.min(10)))).await;
+            }
             let snap = self.read(run_id).await?;
             let created = snap.job.is_none();
             let job = super::existing_or_new(run_id, snap.job, create, now)?;
@@ -304,21 +329,33 @@ impl EtcdStore {
         out
     }
 
+    fn note_version(&self, run_id: &str, version: u64) -> u64 {
+        let mut versions = self.inner.versions.lock().unwrap_or_else(|p| p.into_inner());
+        let v = versions.entry(run_id.to_owned()).or_insert(version);
+        *v = (*v).max(version);
+        *v
+    }
+
     pub async fn wait_change(&self, run_id: &str, version: u64, deadline: Instant) -> Result<(), RdzvError> {
         let mut rx = self.inner.changes.subscribe();
+        let mut authoritative = true;
         loop {
-            let snap = self.read(run_id).await?;
-            match snap.job {
-                None => return Err(RdzvError::UnknownJob { run_id: run_id.to_owned() }),
-                Some(job) if job.version != version => return Ok(()),
-                Some(_) => {}
-            }
-            if Instant::now() >= deadline {
+            let current = if authoritative {
+                match self.read(run_id).await?.job {
+                    None => return Err(RdzvError::UnknownJob { run_id: run_id.to_owned() }),
+                    Some(job) => self.note_version(run_id, job.version),
+                }
+            } else {
+                let versions = self.inner.versions.lock().unwrap_or_else(|p| p.into_inner());
+                versions.get(run_id).copied().unwrap_or(version)
+            };
+            if current != version || Instant::now() >= deadline {
                 return Ok(());
             }
-            // Re-read at least every second even if the watch stream is down.
+            // Woken by the watch: trust its cache. Not woken within a second: re-read etcd, in
+            // case the watch stream is down.
             let wake = deadline.min(Instant::now() + Duration::from_secs(1));
-            let _ = tokio::time::timeout_at(wake, rx.changed()).await;
+            authoritative = tokio::time::timeout_at(wake, rx.changed()).await.is_err();
         }
     }
 
@@ -386,7 +423,12 @@ impl EtcdStore {
 }
 
 /// Watches the whole prefix for as long as the store lives; reconnects after errors.
-async fn watch_loop(clients: Vec<Client>, changes: watch::Sender<u64>, expired: Arc<Notify>) {
+async fn watch_loop(
+    clients: Vec<Client>,
+    changes: watch::Sender<u64>,
+    expired: Arc<Notify>,
+    versions: Arc<std::sync::Mutex<HashMap<String, u64>>>,
+) {
     let mut next_revision: i64 = 0;
     let mut member = 0usize;
     loop {
@@ -426,6 +468,9 @@ async fn watch_loop(clients: Vec<Client>, changes: watch::Sender<u64>, expired: 
                         if ev.event_type() == EventType::Delete && kv.key().windows(7).any(|w| w == b"/alive/") {
                             expired.notify_one();
                         }
+                        if ev.event_type() == EventType::Put {
+                            note_watched_version(&versions, kv.key(), kv.value());
+                        }
                     }
                     if any {
                         changes.send_modify(|v| *v += 1);
@@ -440,4 +485,18 @@ async fn watch_loop(clients: Vec<Client>, changes: watch::Sender<u64>, expired: 
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// Records the version of a job state seen in a watch event.
+fn note_watched_version(versions: &std::sync::Mutex<HashMap<String, u64>>, key: &[u8], value: &[u8]) {
+    #[derive(serde::Deserialize)]
+    struct VersionOnly {
+        version: u64,
+    }
+    let key = String::from_utf8_lossy(key);
+    let Some(run_id) = key.strip_prefix(PREFIX).and_then(|k| k.strip_suffix("/state")) else { return };
+    let Ok(VersionOnly { version }) = serde_json::from_slice(value) else { return };
+    let mut versions = versions.lock().unwrap_or_else(|p| p.into_inner());
+    let v = versions.entry(run_id.to_owned()).or_insert(version);
+    *v = (*v).max(version);
 }
