@@ -141,7 +141,7 @@ async fn run_inner(config: AgentConfig) -> Result<RunOutcome, AgentError> {
     let (log_root, temp_logs) = log_root(&config)?;
 
     // The workers' store: hosted by group rank 0's agent for the whole job, across restarts.
-    let (placement, _store) = match &config.rendezvous {
+    let (placement, store) = match &config.rendezvous {
         RendezvousConfig::Standalone => {
             let store = start_store("127.0.0.1:0").await?;
             let port = store.local_addr().port();
@@ -182,6 +182,12 @@ async fn run_inner(config: AgentConfig) -> Result<RunOutcome, AgentError> {
 
     let mut restart_count = 0u32;
     let outcome = loop {
+        if restart_count > 0 {
+            if let Some(store) = &store {
+                let removed = store.clear();
+                info!(removed, "cleared the workers' store for the new attempt");
+            }
+        }
         let specs = worker_specs(&config, &placement, restart_count, &log_root, &host);
         let mut group = WorkerGroup::start(&config.program, specs, &agent_env, &console, &host)?;
         let mut tick = tokio::time::interval(config.monitor_interval);

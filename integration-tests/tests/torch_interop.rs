@@ -92,7 +92,7 @@ fn workers_see_the_same_environment_as_under_torchrun() {
             match k.as_str() {
                 // Differ by design, same meaning: a fresh random run id, a free port, a loopback
                 // name, the launcher's own log directory.
-                "TORCHELASTIC_RUN_ID" | "MASTER_PORT" | "TORCHELASTIC_ERROR_FILE" | "LC_CTYPE" => {}
+                "TORCHELASTIC_RUN_ID" | "MASTER_PORT" | "TORCHELASTIC_ERROR_FILE" | "LC_CTYPE" | "ENV_DUMP_DIR" => {}
                 "MASTER_ADDR" => assert!(["localhost", "127.0.0.1"].contains(&ours[rank][k].as_str())),
                 _ => assert_eq!(&ours[rank][k], v, "rank {rank}: {k}"),
             }

@@ -80,6 +80,15 @@ impl StoreHandle {
         self.shared.lock().wakers.len()
     }
 
+    /// Removes every key, so the next attempt of the workers starts from an empty store: torch's
+    /// env:// rendezvous does not prefix its keys by attempt when the agent hosts the store.
+    /// Returns how many keys were removed.
+    pub fn clear(&self) -> usize {
+        let mut inner = self.shared.lock();
+        let keys = inner.state.list_keys();
+        keys.iter().filter(|k| inner.state.delete_key(k)).count()
+    }
+
     /// Stops accepting, closes every connection and waits for the server task to end.
     pub async fn shutdown(mut self) -> io::Result<()> {
         drop(self.stop.take());
