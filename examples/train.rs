@@ -36,6 +36,9 @@ struct Args {
     save_final: Option<String>,
     /// Test hook: on the first attempt, rank 0 aborts in the middle of writing this step's checkpoint.
     fault_checkpoint_step: Option<u64>,
+    /// Test hook: on the first attempt, rank `fault_rank` SIGKILLs itself when reaching this step.
+    fault_kill_step: Option<u64>,
+    fault_rank: usize,
 }
 
 fn parse_args() -> Result<Args> {
@@ -55,6 +58,8 @@ fn parse_args() -> Result<Args> {
         log_every: 20,
         save_final: None,
         fault_checkpoint_step: None,
+        fault_kill_step: None,
+        fault_rank: 1,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -79,6 +84,8 @@ fn parse_args() -> Result<Args> {
             "--log-every" => a.log_every = val()?.parse()?,
             "--save-final" => a.save_final = Some(val()?),
             "--fault-checkpoint-step" => a.fault_checkpoint_step = Some(val()?.parse()?),
+            "--fault-kill-step" => a.fault_kill_step = Some(val()?.parse()?),
+            "--fault-rank" => a.fault_rank = val()?.parse()?,
             "--help" | "-h" => {
                 println!("train [--epochs 3] [--steps N] [--batch-size 64] [--lr 0.05] [--momentum 0.9] [--checkpoint-dir DIR] [--checkpoint-every 50] [--seed 0] [--samples 16384] [--dim 32] [--hidden 256] [--classes 8] [--log-every 20] [--save-final FILE]");
                 std::process::exit(0);
@@ -184,6 +191,11 @@ fn main() -> Result<()> {
         for pos in first..per_epoch {
             if step >= max_steps {
                 break 'outer;
+            }
+            if args.fault_kill_step == Some(step) && rank == args.fault_rank && worker.restart_count == 0 {
+                eprintln!("fault injection: rank {rank} SIGKILLs itself at step {step}");
+                // SAFETY: kill(2) on our own pid; the process ends here.
+                unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
             }
             for (j, &i) in idx[pos * args.batch_size..(pos + 1) * args.batch_size].iter().enumerate() {
                 xb[j * data.dim..(j + 1) * data.dim].copy_from_slice(&data.x[i * data.dim..(i + 1) * data.dim]);
