@@ -7,6 +7,7 @@
 //! outcomes to the launcher's exit code.
 
 pub mod config;
+mod elastic;
 pub mod output;
 pub mod process;
 pub mod report;
@@ -67,7 +68,7 @@ impl RunOutcome {
     }
 }
 
-struct Signals {
+pub(crate) struct Signals {
     term: Signal,
     int: Signal,
     hup: Signal,
@@ -76,13 +77,13 @@ struct Signals {
     usr2: Signal,
 }
 
-enum SignalEvent {
+pub(crate) enum SignalEvent {
     Stop(i32),
     Relay(i32),
 }
 
 impl Signals {
-    fn install() -> std::io::Result<Signals> {
+    pub(crate) fn install() -> std::io::Result<Signals> {
         Ok(Signals {
             term: signal(SignalKind::terminate())?,
             int: signal(SignalKind::interrupt())?,
@@ -93,7 +94,7 @@ impl Signals {
         })
     }
 
-    async fn next(&mut self) -> SignalEvent {
+    pub(crate) async fn next(&mut self) -> SignalEvent {
         tokio::select! {
             _ = self.term.recv() => SignalEvent::Stop(libc::SIGTERM),
             _ = self.int.recv() => SignalEvent::Stop(libc::SIGINT),
@@ -107,7 +108,7 @@ impl Signals {
 
 /// This node's place in the current round of the job.
 #[derive(Debug, Clone)]
-struct Placement {
+pub(crate) struct Placement {
     group_rank: u32,
     group_world_size: u32,
     /// Global rank of this node's local rank 0 (prefix sum of earlier nodes' workers).
@@ -166,10 +167,18 @@ async fn run_inner(config: AgentConfig) -> Result<RunOutcome, AgentError> {
             };
             (placement, store)
         }
-        RendezvousConfig::Dynamic(_) => {
-            return Err(AgentError::Rendezvous(
-                "elastic multi-node rendezvous is not available in this build; use --standalone or --rdzv-backend static".into(),
-            ))
+        RendezvousConfig::Dynamic(d) => {
+            let ctx = elastic::Ctx { host: &host, agent_env: &agent_env, console: &console, log_root: &log_root };
+            let outcome = elastic::run(&config, d, ctx, &mut signals).await;
+            console.flush();
+            if let Ok(RunOutcome::Failed { root_cause, .. }) = &outcome {
+                eprint!("{}", root_cause.render());
+                write_agent_error_file(&log_root, root_cause, &agent_env);
+            }
+            if temp_logs && matches!(outcome, Ok(RunOutcome::Succeeded { .. })) {
+                let _ = std::fs::remove_dir_all(&log_root);
+            }
+            return outcome;
         }
     };
     info!(
@@ -245,7 +254,7 @@ async fn run_inner(config: AgentConfig) -> Result<RunOutcome, AgentError> {
     Ok(outcome)
 }
 
-async fn start_store(bind: &str) -> Result<StoreHandle, AgentError> {
+pub(crate) async fn start_store(bind: &str) -> Result<StoreHandle, AgentError> {
     let addr: SocketAddr = tokio::net::lookup_host(bind)
         .await
         .ok()
@@ -281,7 +290,7 @@ fn sanitize(s: &str) -> String {
     s.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect()
 }
 
-fn worker_specs(config: &AgentConfig, p: &Placement, restart_count: u32, log_root: &std::path::Path, host: &str) -> Vec<WorkerSpec> {
+pub(crate) fn worker_specs(config: &AgentConfig, p: &Placement, restart_count: u32, log_root: &std::path::Path, host: &str) -> Vec<WorkerSpec> {
     (0..config.nproc_per_node)
         .map(|local_rank| {
             let rank = p.rank_offset + local_rank;
