@@ -2,6 +2,7 @@
 //! its outcome to the process exit code.
 
 mod cli;
+mod status;
 
 use std::ffi::OsString;
 use std::process::ExitCode;
@@ -9,6 +10,9 @@ use std::process::ExitCode;
 use clap::Parser;
 
 fn main() -> ExitCode {
+    if std::env::args_os().nth(1).is_some_and(|a| a == "status") {
+        return status_main();
+    }
     let args = match cli::Args::try_parse() {
         Ok(a) => a,
         Err(e) => {
@@ -43,6 +47,27 @@ fn main() -> ExitCode {
     // Workers are already stopped; don't wait for lingering runtime tasks.
     runtime.shutdown_timeout(std::time::Duration::from_millis(100));
     ExitCode::from(u8::try_from(code.clamp(0, 255)).expect("clamped to a byte"))
+}
+
+fn status_main() -> ExitCode {
+    let args = status::StatusArgs::parse_from(std::env::args_os().skip(1));
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("rlaunch status: cannot start the async runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match runtime.block_on(status::run(args)) {
+        Ok(text) => {
+            println!("{}", text.trim_end());
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("rlaunch status: {e}");
+            ExitCode::from(1)
+        }
+    }
 }
 
 fn agent_error_code(e: &rlaunch_agent::AgentError) -> i32 {

@@ -1,0 +1,80 @@
+//! `rlaunch status`: a job as the rendezvous sees it — round, members, ranks, heartbeats,
+//! restarts and the last root cause.
+
+use clap::Parser;
+
+use rlaunch_rendezvous::{Backend, JobSettings, JobStatus, RendezvousClient};
+
+/// Show a job's state as the rendezvous keeps it.
+#[derive(Debug, Parser)]
+#[command(name = "rlaunch status")]
+pub struct StatusArgs {
+    /// Rendezvous endpoint(s), `host:port[,host:port…]`.
+    #[arg(long = "rdzv-endpoint", alias = "rdzv_endpoint", env = "PET_RDZV_ENDPOINT")]
+    pub rdzv_endpoint: String,
+    /// The job's id.
+    #[arg(long = "rdzv-id", alias = "rdzv_id", env = "PET_RDZV_ID")]
+    pub rdzv_id: String,
+    /// `rlaunch` (a rendezvous server) or `etcd`.
+    #[arg(long = "rdzv-backend", alias = "rdzv_backend", env = "PET_RDZV_BACKEND", default_value = "rlaunch")]
+    pub rdzv_backend: String,
+    /// Bearer token of the rendezvous server.
+    #[arg(long, env = "RLAUNCH_RDZV_TOKEN")]
+    pub token: Option<String>,
+    /// Print the status as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub async fn run(args: StatusArgs) -> Result<String, String> {
+    let endpoints: Vec<String> = args.rdzv_endpoint.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
+    if endpoints.is_empty() {
+        return Err("--rdzv-endpoint is empty".into());
+    }
+    let backend = match args.rdzv_backend.as_str() {
+        "rlaunch" | "c10d" => Backend::Http { endpoints, token: args.token },
+        "etcd" | "etcd-v3" => Backend::Etcd { endpoints },
+        other => return Err(format!("--rdzv-backend {other}: expected rlaunch or etcd")),
+    };
+    let client = RendezvousClient::connect(backend, &args.rdzv_id, JobSettings::default()).await.map_err(|e| e.to_string())?;
+    let status = client.status().await.map_err(|e| e.to_string())?;
+    if args.json {
+        return serde_json::to_string_pretty(&status).map_err(|e| e.to_string());
+    }
+    Ok(render(&status))
+}
+
+pub fn render(s: &JobStatus) -> String {
+    let mut out = format!(
+        "job {}: {} — round {}, world size {}, restarts {}/{}\n",
+        s.run_id, s.state, s.round, s.world_size, s.restart_count, s.max_restarts
+    );
+    out += &format!("  last event: {}\n", s.last_reason);
+    if let Some(f) = &s.failure {
+        out += &format!("  failure: {f}\n");
+    }
+    out += "  group_rank  workers  ranks      last heartbeat  node\n";
+    let mut offset = 0;
+    for m in &s.members {
+        let ranks = format!("{}-{}", offset, offset + m.local_world_size.saturating_sub(1));
+        offset += m.local_world_size;
+        let hb = m.last_heartbeat_ago_ms.map(|ms| format!("{:.1} s ago", ms as f64 / 1000.0)).unwrap_or_else(|| "-".into());
+        let rank = m.group_rank.map(|r| r.to_string()).unwrap_or_else(|| "-".into());
+        let done = if m.succeeded { " (succeeded)" } else { "" };
+        out += &format!("  {rank:<10}  {:<7}  {ranks:<9}  {hb:<14}  {}{done}\n", m.local_world_size, m.node_id);
+    }
+    for p in &s.pending {
+        out += &format!("  waiting     {:<7}  -          -               {}\n", p.local_world_size, p.node_id);
+    }
+    if let Some(rc) = &s.last_root_cause {
+        let get = |k: &str| rc.get(k).map(|v| v.to_string().trim_matches('"').to_string()).unwrap_or_default();
+        out += &format!(
+            "  last root cause: rank {} on {}, {} — {}\n",
+            get("rank"),
+            get("host"),
+            rc.get("exit").map(|e| e.to_string()).unwrap_or_default(),
+            get("message")
+        );
+    }
+    out
+}
