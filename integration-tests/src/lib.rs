@@ -1,6 +1,8 @@
 //! Shared helpers for rlaunch's integration tests: where the built binaries are, running a
 //! command under a deadline, temporary directories, and waiting for conditions with deadlines.
 
+pub mod netns;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};

@@ -1,0 +1,334 @@
+//! Multi-node jobs across network namespaces (one per host, see `integration_tests::netns`): the
+//! agent-hosted rendezvous server and a standalone `rlaunch-rendezvous` (memory store); ranks,
+//! node loss (every process of a host killed), partition (a host's link cut: no TCP reset),
+//! scale-up, and worker crashes restarting every host with the budget counted once.
+//!
+//! Run as root, after `cargo build --workspace --bins --examples`:
+//! `cargo test -p integration-tests --test multinode -- --test-threads 1`.
+
+use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use integration_tests::netns::{formed, loop_worker, now_unix_f64, starts, Cluster, Proc, Start};
+use integration_tests::{bin, pid_alive, tempdir, wait_until, worker};
+
+const NPROC: u32 = 2;
+/// Heartbeats every 0.5 s, a node is lost after 2 s without one.
+const TTL_S: f64 = 2.0;
+const CONF: &str = "heartbeat_interval=0.5,node_ttl=2,last_call_timeout=1,join_timeout=30";
+/// Each host's agent hosts-or-joins the rendezvous on this port of host a (every namespace has
+/// its own port space, so a fixed port is fine).
+const RDZV_PORT: u16 = 29400;
+const FORM: Duration = Duration::from_secs(20);
+/// Node loss must be noticed and the survivors running again within the TTL plus this.
+const RECOVERY_SLACK_S: f64 = 5.0;
+
+/// The agent's command line: `--nproc-per-node 2`, short timeouts, `--shutdown-timeout 2`, then
+/// `extra`, then the program and its arguments.
+fn agent_args(nnodes: &str, endpoint: &str, run_id: &str, extra: &[&str], program: &[&str]) -> Vec<String> {
+    let mut a: Vec<String> = [
+        "--nnodes",
+        nnodes,
+        "--nproc-per-node",
+        &NPROC.to_string(),
+        "--rdzv-backend",
+        "rlaunch",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        run_id,
+        "--rdzv-conf",
+        CONF,
+        "--shutdown-timeout",
+        "2",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    a.extend(extra.iter().map(|s| s.to_string()));
+    a.extend(program.iter().map(|s| s.to_string()));
+    a
+}
+
+fn listening(addr: &str) -> bool {
+    let addr: SocketAddr = addr.parse().expect("an ip:port");
+    TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok()
+}
+
+/// Waits until `hosts` run one consistent group (see `netns::formed`); panics early if an
+/// agent exits meanwhile.
+fn wait_formed(dir: &Path, hosts: &[&str], agents: &mut [Proc], deadline: Duration) -> Vec<Start> {
+    let start = Instant::now();
+    loop {
+        if let Some(group) = formed(dir, hosts, NPROC) {
+            return group;
+        }
+        for a in agents.iter_mut() {
+            if let Some(s) = a.try_status() {
+                panic!("{} exited ({s}) while waiting for {hosts:?} to form a group", a.name);
+            }
+        }
+        assert!(
+            start.elapsed() < deadline,
+            "hosts {hosts:?} did not form one group within {deadline:?}; worker starts so far:\n{:#?}",
+            starts(dir)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn touch(path: &Path) {
+    std::fs::write(path, b"").expect("touch a marker file");
+}
+
+/// The looping worker as the program: `sh SCRIPT OUT`.
+fn loop_program(dir: &Path) -> Vec<String> {
+    vec![loop_worker(dir).display().to_string(), dir.display().to_string()]
+}
+
+fn strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+/// `n` hosts with fixed `--nnodes n` run `test_worker dump-env` on the agent-hosted server:
+/// every worker sees a consistent, torchrun-shaped placement.
+fn ranks_are_consistent_across_hosts(n: usize) {
+    let cluster = Cluster::new(n);
+    let dir = tempdir();
+    let endpoint = format!("{}:{RDZV_PORT}", cluster.host(0).ip);
+    let w = worker().display().to_string();
+    let program = [w.as_str(), "--out", dir.path().to_str().expect("utf-8 temp dir"), "dump-env"];
+    let args = agent_args(&n.to_string(), &endpoint, "ranks", &[], &program);
+    let mut agents = vec![cluster.host(0).rlaunch(dir.path(), &args)];
+    wait_until("host a to host the rendezvous server", Duration::from_secs(10), || listening(&endpoint));
+    for h in &cluster.hosts()[1..] {
+        agents.push(h.rlaunch(dir.path(), &args));
+    }
+    for a in &mut agents {
+        let status = a.wait(Duration::from_secs(25));
+        assert!(status.success(), "{} failed ({status}):\n{}", a.name, a.log_tail(3000));
+    }
+    let world = n as u32 * NPROC;
+    let host_ips: Vec<&str> = cluster.hosts().iter().map(|h| h.ip.as_str()).collect();
+    let mut masters = std::collections::BTreeSet::new();
+    let mut group_rank_of_host = std::collections::BTreeMap::new();
+    for rank in 0..world {
+        let path = dir.path().join(format!("env_rank{rank}_attempt0.json"));
+        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("rank {rank} wrote no env ({e})"));
+        let env: serde_json::Map<String, serde_json::Value> = serde_json::from_str(&text).expect("env json");
+        let get = |k: &str| env.get(k).and_then(|v| v.as_str()).unwrap_or_else(|| panic!("rank {rank}: {k} unset")).to_string();
+        let num = |k: &str| get(k).parse::<u32>().unwrap_or_else(|_| panic!("rank {rank}: {k} not a number"));
+        assert_eq!(num("RANK"), rank);
+        assert_eq!(num("WORLD_SIZE"), world, "rank {rank}");
+        assert_eq!(num("GROUP_WORLD_SIZE"), n as u32, "rank {rank}");
+        assert_eq!(num("LOCAL_WORLD_SIZE"), NPROC, "rank {rank}");
+        assert_eq!(num("ROLE_WORLD_SIZE"), world, "rank {rank}");
+        assert_eq!(num("ROLE_RANK"), rank, "rank {rank}");
+        assert_eq!(num("GROUP_RANK") * NPROC + num("LOCAL_RANK"), rank, "ranks are prefix sums in group-rank order");
+        assert_eq!(num("TORCHELASTIC_RESTART_COUNT"), 0);
+        assert_eq!(get("TORCHELASTIC_RUN_ID"), "ranks");
+        let host = get("RL_HOST");
+        let prev = group_rank_of_host.insert(host.clone(), num("GROUP_RANK"));
+        assert!(prev.is_none() || prev == Some(num("GROUP_RANK")), "host {host} has two group ranks");
+        masters.insert((get("MASTER_ADDR"), get("MASTER_PORT")));
+    }
+    assert_eq!(group_rank_of_host.len(), n, "every host ran workers: {group_rank_of_host:?}");
+    assert_eq!(masters.len(), 1, "one master store for the whole job: {masters:?}");
+    let (addr, _) = masters.into_iter().next().expect("one master");
+    assert!(host_ips.contains(&addr.as_str()), "MASTER_ADDR {addr} is a host's address ({host_ips:?}), never loopback");
+    // The master store is hosted by the group-rank-0 agent.
+    let rank0_host = group_rank_of_host.iter().find(|(_, g)| **g == 0).map(|(h, _)| h.clone()).expect("a group rank 0");
+    let rank0_ip = &cluster.hosts().iter().find(|h| h.name == rank0_host).expect("known host").ip;
+    assert_eq!(&addr, rank0_ip, "MASTER_ADDR is the group rank 0 host");
+}
+
+#[test]
+fn two_hosts_get_contiguous_ranks_and_one_master_on_the_agent_hosted_server() {
+    ranks_are_consistent_across_hosts(2);
+}
+
+#[test]
+fn three_hosts_get_contiguous_ranks_and_one_master_on_the_agent_hosted_server() {
+    ranks_are_consistent_across_hosts(3);
+}
+
+/// Starts `hosts` of `cluster` running the looping worker under `nnodes` on the agent-hosted
+/// server (host a first, the others once it listens).
+fn start_loop_job(cluster: &Cluster, dir: &Path, nnodes: &str, run_id: &str, hosts: &[usize], extra: &[&str]) -> Vec<Proc> {
+    let endpoint = format!("{}:{RDZV_PORT}", cluster.host(0).ip);
+    let args = agent_args(nnodes, &endpoint, run_id, extra, &strs(&loop_program(dir)));
+    let mut agents = Vec::new();
+    for &i in hosts {
+        agents.push(cluster.host(i).rlaunch(dir, &args));
+        if i == 0 {
+            wait_until("host a to host the rendezvous server", Duration::from_secs(10), || listening(&endpoint));
+        }
+    }
+    agents
+}
+
+/// Stops the looping workers and expects every agent in `agents` to exit 0.
+fn finish(dir: &Path, agents: &mut [Proc]) {
+    touch(&dir.join("stop"));
+    for a in agents.iter_mut() {
+        let status = a.wait(Duration::from_secs(20));
+        assert!(status.success(), "{} did not succeed ({status}):\n{}", a.name, a.log_tail(3000));
+    }
+}
+
+/// Seconds from `t0` until the last of `group`'s workers started.
+fn recovery_s(group: &[Start], t0: f64) -> f64 {
+    group.iter().map(|s| s.t).fold(f64::MIN, f64::max) - t0
+}
+
+fn assert_stopped(before: &[Start], hosts: &[&str]) {
+    for s in before.iter().filter(|s| hosts.contains(&s.host.as_str())) {
+        assert!(!pid_alive(s.pid), "the old worker {} (rank {}) on host {} was not stopped", s.pid, s.rank, s.host);
+    }
+}
+
+#[test]
+fn killing_every_process_of_a_host_reforms_the_survivors_within_the_ttl() {
+    let cluster = Cluster::new(3);
+    let dir = tempdir();
+    let mut agents = start_loop_job(&cluster, dir.path(), "1:3", "kill", &[0, 1, 2], &[]);
+    let before = wait_formed(dir.path(), &["a", "b", "c"], &mut agents, FORM);
+
+    let t0 = now_unix_f64();
+    cluster.host(2).kill_all();
+    let after = wait_formed(dir.path(), &["a", "b"], &mut agents[..2], Duration::from_secs_f64(TTL_S + 10.0));
+    let took = recovery_s(&after, t0);
+    eprintln!("node loss (kill): survivors running again with WORLD_SIZE 4 after {took:.2} s");
+    assert_stopped(&before, &["a", "b"]);
+    assert!(cluster.host(2).pids().is_empty(), "host c has no process left");
+    assert!(took < TTL_S + RECOVERY_SLACK_S, "recovery took {took:.2} s, more than the TTL ({TTL_S} s) + {RECOVERY_SLACK_S} s");
+    assert!(after.iter().all(|s| s.restart == before[0].restart), "a node loss does not spend the restart budget: {after:?}");
+    finish(dir.path(), &mut agents[..2]);
+}
+
+#[test]
+fn cutting_a_hosts_link_reforms_the_survivors_and_the_host_rejoins_when_restored() {
+    let cluster = Cluster::new(3);
+    let dir = tempdir();
+    let mut agents = start_loop_job(&cluster, dir.path(), "1:3", "cut", &[0, 1, 2], &[]);
+    let before = wait_formed(dir.path(), &["a", "b", "c"], &mut agents, FORM);
+
+    let t0 = now_unix_f64();
+    cluster.host(2).cut_link();
+    let after = wait_formed(dir.path(), &["a", "b"], &mut agents[..2], Duration::from_secs_f64(TTL_S + 10.0));
+    let took = recovery_s(&after, t0);
+    eprintln!("partition (link cut): survivors running again with WORLD_SIZE 4 after {took:.2} s");
+    assert_stopped(&before, &["a", "b"]);
+    assert!(took < TTL_S + RECOVERY_SLACK_S, "recovery took {took:.2} s, more than the TTL ({TTL_S} s) + {RECOVERY_SLACK_S} s");
+    assert!(agents[2].try_status().is_none(), "the cut-off agent keeps running (it may come back)");
+
+    cluster.host(2).restore_link();
+    wait_formed(dir.path(), &["a", "b", "c"], &mut agents, FORM);
+    finish(dir.path(), &mut agents);
+    for h in cluster.hosts() {
+        wait_until(&format!("host {} to have no process left", h.name), Duration::from_secs(5), || h.pids().is_empty());
+    }
+}
+
+#[test]
+fn a_host_joining_a_running_job_scales_it_up_to_three_nodes() {
+    let cluster = Cluster::new(3);
+    let dir = tempdir();
+    let mut agents = start_loop_job(&cluster, dir.path(), "2:3", "scale", &[0, 1], &[]);
+    {
+        let before = wait_formed(dir.path(), &["a", "b"], &mut agents[..2], FORM);
+        assert!(before.iter().all(|s| s.world_size == 4));
+    }
+    let endpoint = format!("{}:{RDZV_PORT}", cluster.host(0).ip);
+    let args = agent_args("2:3", &endpoint, "scale", &[], &strs(&loop_program(dir.path())));
+    agents.push(cluster.host(2).rlaunch(dir.path(), &args));
+    let t0 = now_unix_f64();
+    let after = wait_formed(dir.path(), &["a", "b", "c"], &mut agents, FORM);
+    eprintln!("scale-up: 3 nodes running with WORLD_SIZE 6 {:.2} s after the third agent started", recovery_s(&after, t0));
+    finish(dir.path(), &mut agents);
+}
+
+#[test]
+fn a_worker_crash_restarts_every_host_and_spends_the_budget_once() {
+    let cluster = Cluster::new(2);
+    let dir = tempdir();
+    let mut agents = start_loop_job(&cluster, dir.path(), "2", "crash", &[0, 1], &["--max-restarts", "1"]);
+    let before = wait_formed(dir.path(), &["a", "b"], &mut agents[..2], FORM);
+    assert!(before.iter().all(|s| s.restart == 0));
+
+    // Two workers on different hosts crash at once: one failure of the job, one restart.
+    touch(&dir.path().join("crash_a_0"));
+    touch(&dir.path().join("crash_b_1"));
+    wait_until("both hosts to restart their workers", FORM, || {
+        formed(dir.path(), &["a", "b"], NPROC).is_some_and(|g| g.iter().all(|s| s.restart >= 1))
+    });
+    let group = formed(dir.path(), &["a", "b"], NPROC).expect("still formed");
+    assert!(group.iter().all(|s| s.restart == 1), "TORCHELASTIC_RESTART_COUNT is 1 on every worker: {group:#?}");
+    assert!(starts(dir.path()).iter().all(|s| s.restart <= 1), "no host restarted twice: {:#?}", starts(dir.path()));
+    assert_stopped(&before, &["a", "b"]);
+
+    // The budget (1) is spent: the next crash fails the job on every host with its root cause.
+    let crashing = group.iter().find(|s| s.host == "b" && s.local_rank == 0).expect("b's local rank 0").clone();
+    touch(&dir.path().join("crash_b_0"));
+    for a in &mut agents {
+        let status = a.wait(Duration::from_secs(20));
+        assert_eq!(status.code(), Some(7), "{} exits with the failing worker's code:\n{}", a.name, a.log_tail(3000));
+        let log = a.output();
+        assert!(log.contains("Root Cause"), "{} prints the root cause:\n{}", a.name, a.log_tail(3000));
+        assert!(log.contains("exit        : exit code 7"), "{}:\n{}", a.name, a.log_tail(3000));
+        assert!(
+            log.contains(&format!("rank        : {} (local_rank: 0)", crashing.rank)),
+            "{} names the failing rank {}:\n{}",
+            a.name,
+            crashing.rank,
+            a.log_tail(3000)
+        );
+        assert!(log.contains("host        : b"), "{} names the failing host:\n{}", a.name, a.log_tail(3000));
+    }
+    assert!(starts(dir.path()).iter().all(|s| s.restart <= 1), "no third attempt: {:#?}", starts(dir.path()));
+}
+
+#[test]
+fn two_hosts_on_a_standalone_rendezvous_server_reform_after_a_node_loss() {
+    let cluster = Cluster::new(2);
+    let dir = tempdir();
+    let listen = format!("{}:{}", cluster.root_ip(), cluster.free_root_port());
+    let mut server_cmd = std::process::Command::new(bin("rlaunch-rendezvous"));
+    server_cmd.args(["--listen", &listen, "--store", "memory"]).env("RLAUNCH_LOG", "info");
+    let _server = Proc::spawn(server_cmd, "rlaunch-rendezvous", &dir.path().join("server.log"));
+    wait_until("the rendezvous server to listen", Duration::from_secs(10), || listening(&listen));
+
+    let args = agent_args("1:2", &listen, "standalone", &[], &strs(&loop_program(dir.path())));
+    let mut agents: Vec<Proc> = cluster.hosts().iter().map(|h| h.rlaunch(dir.path(), &args)).collect();
+    let before = wait_formed(dir.path(), &["a", "b"], &mut agents[..2], FORM);
+    assert!(
+        before.iter().all(|s| cluster.hosts().iter().any(|h| s.master.starts_with(&format!("{}:", h.ip)))),
+        "the workers' store is on a host, not on the rendezvous server: {before:?}"
+    );
+
+    let t0 = now_unix_f64();
+    cluster.host(1).kill_all();
+    let after = wait_formed(dir.path(), &["a"], &mut agents[..1], Duration::from_secs_f64(TTL_S + 10.0));
+    let took = recovery_s(&after, t0);
+    eprintln!("standalone server, node loss: host a running alone after {took:.2} s");
+    assert!(took < TTL_S + RECOVERY_SLACK_S, "recovery took {took:.2} s");
+    assert_stopped(&before, &["a"]);
+    finish(dir.path(), &mut agents[..1]);
+}
+
+#[test]
+fn a_host_started_before_the_hosting_host_waits_for_its_server() {
+    // All nodes of a job start at about the same time; the one whose address is the endpoint
+    // may come up last. The others must wait for its server, as torchrun's c10d agents do.
+    let cluster = Cluster::new(2);
+    let dir = tempdir();
+    let endpoint = format!("{}:{RDZV_PORT}", cluster.host(0).ip);
+    let args = agent_args("2", &endpoint, "order", &[], &strs(&loop_program(dir.path())));
+    let b = cluster.host(1).rlaunch(dir.path(), &args);
+    std::thread::sleep(Duration::from_millis(1500));
+    let a = cluster.host(0).rlaunch(dir.path(), &args);
+    let mut agents = [a, b];
+    wait_formed(dir.path(), &["a", "b"], &mut agents, FORM);
+    finish(dir.path(), &mut agents);
+}
