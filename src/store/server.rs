@@ -70,6 +70,14 @@ impl StoreHandle {
         self.shared.lock().state.num_keys()
     }
 
+    /// Removes every key and queue (returns how many keys), keeping the port, the connections
+    /// and pending waits. torch 2.x workers assume a fresh store per restart attempt (their
+    /// keys, e.g. gloo's `/default_pg/0//cpu//0/<rank>`, carry no attempt prefix), so an agent
+    /// that keeps one store across restarts must clear it before the next attempt's workers.
+    pub fn clear(&self) -> usize {
+        self.shared.lock().state.clear()
+    }
+
     /// Number of waits (and barriers) clients have pending.
     pub fn pending_waits(&self) -> usize {
         self.shared.lock().state.pending_waits()
@@ -78,15 +86,6 @@ impl StoreHandle {
     /// Number of client connections open.
     pub fn connections(&self) -> usize {
         self.shared.lock().wakers.len()
-    }
-
-    /// Removes every key, so the next attempt of the workers starts from an empty store: torch's
-    /// env:// rendezvous does not prefix its keys by attempt when the agent hosts the store.
-    /// Returns how many keys were removed.
-    pub fn clear(&self) -> usize {
-        let mut inner = self.shared.lock();
-        let keys = inner.state.list_keys();
-        keys.iter().filter(|k| inner.state.delete_key(k)).count()
     }
 
     /// Stops accepting, closes every connection and waits for the server task to end.

@@ -333,6 +333,15 @@ impl StoreState {
         Ok((WaitOutcome::Registered(id), wakes))
     }
 
+    /// Removes every key and queue (a fresh store for a new attempt); pending waits stay and
+    /// are released by the new attempt's keys. Returns how many keys were removed.
+    pub fn clear(&mut self) -> usize {
+        let removed = self.kv.len();
+        self.kv.clear();
+        self.queues.clear();
+        removed
+    }
+
     /// Number of pending waits, for tests and metrics.
     pub fn pending_waits(&self) -> usize {
         self.waiters.len()
@@ -506,6 +515,20 @@ mod tests {
         let mut conns: Vec<ConnId> = wakes.iter().map(|w| w.conn).collect();
         conns.sort();
         assert_eq!(conns, vec![1, 2]);
+    }
+
+    #[test]
+    fn clear_empties_keys_and_queues_but_keeps_waiters() {
+        let mut s = StoreState::new();
+        s.set(k("a"), k("1"));
+        s.queue_push(k("q"), k("x"));
+        s.wait(1, vec![k("b")]);
+        assert_eq!(s.clear(), 1);
+        assert_eq!(
+            (s.num_keys(), s.queue_len(b"q"), s.pending_waits()),
+            (0, 0, 1)
+        );
+        assert_eq!(s.set(k("b"), k("1")).len(), 1);
     }
 
     #[test]
