@@ -1,0 +1,101 @@
+//! The GPU path's checks that need no GPU: every `.cu` source compiles to PTX through NVRTC
+//! from PyPI's wheel in `.venv`, cuBLAS and NCCL from the venv load, and NCCL makes unique
+//! ids (ncclGetUniqueId only picks a bootstrap address, it needs no driver).
+//!
+//! None of this is a GPU result: the PTX is never run here. `scripts/gpu-check.sh` runs the
+//! kernels, training and NCCL on a real GPU.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use rlaunch_kernels::probe::{self, Lib, LibState, SearchPath};
+use rlaunch_kernels::{compile, nccl, sources, KernelError};
+
+/// The repository's `.venv` with PyPI's NVIDIA wheels; its absence is a loud failure.
+fn venv_search() -> SearchPath {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let venv = probe::find_venv_upwards(&root).unwrap_or_else(|| {
+        panic!(
+            "no .venv with PyPI's nvidia-* wheels (nvidia/*/lib) above {}: run scripts/install-deps.sh \
+             (it installs torch, which brings NVRTC, cuBLAS and NCCL for CUDA 13)",
+            root.display()
+        )
+    });
+    SearchPath::system().venv(&venv)
+}
+
+#[test]
+fn every_cu_source_compiles_to_ptx_through_the_venv_nvrtc() {
+    let search = venv_search();
+    probe::ensure(Lib::Nvrtc, &search).expect("NVRTC from the venv loads");
+    for src in sources::ALL {
+        let ptx = compile::ptx(src).unwrap_or_else(|e| panic!("{}: {e}", src.name));
+        let text = ptx.to_src();
+        assert!(text.contains(".version") && text.contains(".target"), "{}: not PTX", src.name);
+        for k in src.kernels {
+            assert!(text.contains(&format!(".entry {k}(")), "{}: PTX lacks kernel {k}", src.name);
+        }
+        // Cached per process by source text: the second request is the same object.
+        let again = compile::ptx(src).expect("cached");
+        assert!(Arc::ptr_eq(&ptx, &again), "{}: compiled twice", src.name);
+    }
+    assert!(compile::cached_sources() >= sources::ALL.len());
+}
+
+#[test]
+fn a_broken_source_is_an_error_carrying_nvrtc_log() {
+    probe::ensure(Lib::Nvrtc, &venv_search()).expect("NVRTC from the venv loads");
+    let err = compile::ptx_of_text("broken.cu", "extern \"C\" __global__ void k() { undefined_thing(); }")
+        .expect_err("does not compile");
+    match err {
+        KernelError::Compile { source_name, log, .. } => {
+            assert_eq!(source_name, "broken.cu");
+            assert!(log.contains("undefined_thing"), "log names the culprit: {log}");
+        }
+        other => panic!("expected a compile error, got {other}"),
+    }
+}
+
+#[test]
+fn cublas_and_nvrtc_from_the_venv_load_under_their_cuda13_sonames() {
+    let search = venv_search();
+    for (lib, file) in [(Lib::Nvrtc, "libnvrtc.so.13"), (Lib::Cublas, "libcublas.so.13")] {
+        probe::ensure(lib, &search).unwrap_or_else(|e| panic!("{e}"));
+        let from = probe::loaded_from(lib).expect("loaded");
+        assert!(from.ends_with(file), "{lib:?} loaded from {from}");
+    }
+}
+
+#[test]
+fn nccl_from_the_venv_loads_as_libnccl_so_2_and_makes_distinct_unique_ids() {
+    probe::ensure(Lib::Nccl, &venv_search()).unwrap_or_else(|e| panic!("{e}"));
+    let from = probe::loaded_from(Lib::Nccl).expect("loaded");
+    assert!(from.ends_with("libnccl.so.2") || from.ends_with("libnccl.so"), "NCCL loaded from {from}");
+    let (major, minor, _) = nccl::version().expect("ncclGetVersion");
+    assert!(major == 2 && minor >= 10, "NCCL {major}.{minor}: ncclAvg needs 2.10");
+    let a = nccl::UniqueId::new().expect("ncclGetUniqueId works without a GPU");
+    let b = nccl::UniqueId::new().expect("ncclGetUniqueId");
+    assert_ne!(a.internal, [0u8; 128]);
+    assert_ne!(a, b, "two ids must differ");
+    assert_eq!(nccl::UniqueId::from_bytes(&a.internal), Some(a));
+}
+
+#[test]
+fn probe_names_what_is_missing_instead_of_panicking() {
+    let p = probe::probe(&venv_search());
+    for lib in [Lib::Nvrtc, Lib::Cublas, Lib::Nccl] {
+        assert!(p.state(lib).is_loaded(), "{lib:?}: {:?}", p.state(lib));
+    }
+    match p.state(Lib::Driver) {
+        // A machine with the NVIDIA driver (a GPU machine): the device count is known.
+        LibState::Loaded { .. } => assert!(p.devices.is_ok() || p.require(&[], true).is_err()),
+        // This CPU-only machine: a clear message, not cudarc's panic.
+        LibState::Missing { tried, .. } => {
+            assert!(tried.iter().any(|t| t.contains("libcuda.so.1")));
+            let msg = p.require(&Lib::ALL, true).expect_err("no driver").to_string();
+            assert!(msg.contains("CUDA driver (libcuda)") && msg.contains("NVIDIA driver"), "{msg}");
+            assert!(!msg.contains("NVRTC:"), "NVRTC is present: {msg}");
+        }
+    }
+    println!("{}", p.summary());
+}

@@ -1,0 +1,2 @@
+//! GPU checks (filled in below).
+fn main() {}
