@@ -376,15 +376,19 @@ impl Drop for Proc {
 }
 
 /// Writes the looping worker into `dir` and returns its path. `WORKER OUT` appends one `start`
-/// line to `OUT/events.log` (time, host, ranks, world size, restart count, master, pid), then
-/// loops until `OUT/stop` exists (exit 0); if `OUT/crash_<host>_<local rank>` appears it removes
-/// it and exits 7 (once per file).
+/// line to `OUT/events.log` (time, host, ranks, world size, restart count, master, pid); exits 7
+/// at once if `OUT/crash_all_<restart count>` exists; then loops until `OUT/stop` exists (exit
+/// 0). If `OUT/crash_<host>_<local rank>_<restart count>` appears it removes it and exits 7.
 pub fn loop_worker(dir: &Path) -> PathBuf {
     let path = dir.join("loop_worker.sh");
     let script = r#"#!/bin/sh
 out="$1"
 echo "start t=$(date +%s.%N) host=$RL_HOST local_rank=$LOCAL_RANK rank=$RANK group_rank=$GROUP_RANK world_size=$WORLD_SIZE group_world_size=$GROUP_WORLD_SIZE restart=$TORCHELASTIC_RESTART_COUNT master=$MASTER_ADDR:$MASTER_PORT pid=$$" >> "$out/events.log"
-crash="$out/crash_${RL_HOST}_${LOCAL_RANK}"
+if [ -e "$out/crash_all_$TORCHELASTIC_RESTART_COUNT" ]; then
+  echo "worker $RANK on $RL_HOST crashing at start on purpose" >&2
+  exit 7
+fi
+crash="$out/crash_${RL_HOST}_${LOCAL_RANK}_$TORCHELASTIC_RESTART_COUNT"
 while :; do
   if [ -e "$out/stop" ]; then exit 0; fi
   if [ -e "$crash" ] && rm "$crash" 2>/dev/null; then

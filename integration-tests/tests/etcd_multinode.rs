@@ -36,6 +36,21 @@ fn http_get(addr: &str, path: &str) -> Option<String> {
     resp.split_once("\r\n\r\n").map(|(_, body)| body.to_string())
 }
 
+/// `POST path` with a JSON body on `addr`; the response body.
+fn http_post(addr: &str, path: &str, body: &str) -> Option<String> {
+    let addr: SocketAddr = addr.parse().ok()?;
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_millis(300)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    let req = format!(
+        "POST {path} HTTP/1.0\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).ok()?;
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).ok()?;
+    resp.split_once("\r\n\r\n").map(|(_, body)| body.to_string())
+}
+
 /// An etcd cluster of `n` members on `ip` (distinct ports, temporary data dirs); each member is
 /// a [`Proc`], so it is killed when dropped.
 struct Etcd {
@@ -76,6 +91,20 @@ impl Etcd {
             });
         }
         e
+    }
+
+    /// Which member is the raft leader now (through the v3 JSON gateway's maintenance status).
+    fn leader(&self) -> usize {
+        for (i, c) in self.clients.iter().enumerate() {
+            let Some(body) = http_post(c, "/v3/maintenance/status", "{}") else { continue };
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(&body) else { continue };
+            let me = v.pointer("/header/member_id").and_then(|x| x.as_str());
+            let leader = v.get("leader").and_then(|x| x.as_str());
+            if me.is_some() && me == leader {
+                return i;
+            }
+        }
+        panic!("no etcd member says it is the leader");
     }
 
     fn endpoints(&self) -> String {
@@ -239,5 +268,24 @@ fn the_job_carries_on_when_one_of_three_etcd_members_is_killed() {
     assert_undisturbed(dir.path(), &group, &mut agents, TTL_S * 2.5, "after an etcd member was killed");
     let took = lose_host(&cluster, 1, dir.path(), &["a"], &mut agents[..1]);
     eprintln!("etcd member killed, then node loss: host a running alone after {took:.2} s");
+    finish(dir.path(), &mut agents[..1]);
+}
+
+#[test]
+fn the_job_carries_on_when_the_etcd_leader_is_killed() {
+    let cluster = Cluster::new(2);
+    let mut etcd = Etcd::start(&cluster, 3);
+    let dir = tempdir();
+    let args = agent_args("etcd", "1:2", &etcd.endpoints(), "etcd-leader", dir.path());
+    let mut agents: Vec<Proc> = cluster.hosts().iter().map(|h| h.rlaunch(dir.path(), &args)).collect();
+    let group = wait_formed(dir.path(), &["a", "b"], &mut agents, FORM);
+
+    // A new leader is elected (election timeout 1 s); leases must outlive the election.
+    let leader = etcd.leader();
+    eprintln!("killing etcd member m{leader}, the leader");
+    etcd.members[leader].kill();
+    assert_undisturbed(dir.path(), &group, &mut agents, TTL_S * 2.5, "after the etcd leader was killed");
+    let took = lose_host(&cluster, 1, dir.path(), &["a"], &mut agents[..1]);
+    eprintln!("etcd leader killed, then node loss: host a running alone after {took:.2} s");
     finish(dir.path(), &mut agents[..1]);
 }

@@ -222,6 +222,8 @@ fn cutting_a_hosts_link_reforms_the_survivors_and_the_host_rejoins_when_restored
     assert_stopped(&before, &["a", "b"]);
     assert!(took < TTL_S + RECOVERY_SLACK_S, "recovery took {took:.2} s, more than the TTL ({TTL_S} s) + {RECOVERY_SLACK_S} s");
     assert!(agents[2].try_status().is_none(), "the cut-off agent keeps running (it may come back)");
+    let fenced = before.iter().filter(|s| s.host == "c").all(|s| !pid_alive(s.pid));
+    eprintln!("partition: host c's workers from before the cut are {} once the survivors re-formed", if fenced { "stopped" } else { "STILL RUNNING" });
 
     cluster.host(2).restore_link();
     wait_formed(dir.path(), &["a", "b", "c"], &mut agents, FORM);
@@ -253,24 +255,23 @@ fn a_host_joining_a_running_job_scales_it_up_to_three_nodes() {
 fn a_worker_crash_restarts_every_host_and_spends_the_budget_once() {
     let cluster = Cluster::new(2);
     let dir = tempdir();
+    // Attempt 0: every worker on both hosts crashes as it starts, so both agents report a
+    // failure of the same round (unless the first report stops the other host's workers first).
+    // That is one failure of the job: one restart, within a budget of 1.
+    touch(&dir.path().join("crash_all_0"));
     let mut agents = start_loop_job(&cluster, dir.path(), "2", "crash", &[0, 1], &["--max-restarts", "1"]);
-    let before = wait_formed(dir.path(), &["a", "b"], &mut agents[..2], FORM);
-    assert!(before.iter().all(|s| s.restart == 0));
-
-    // Two workers on different hosts crash at once: one failure of the job, one restart.
-    touch(&dir.path().join("crash_a_0"));
-    touch(&dir.path().join("crash_b_1"));
-    wait_until("both hosts to restart their workers", FORM, || {
-        formed(dir.path(), &["a", "b"], NPROC).is_some_and(|g| g.iter().all(|s| s.restart >= 1))
-    });
-    let group = formed(dir.path(), &["a", "b"], NPROC).expect("still formed");
+    let group = wait_formed(dir.path(), &["a", "b"], &mut agents, FORM);
     assert!(group.iter().all(|s| s.restart == 1), "TORCHELASTIC_RESTART_COUNT is 1 on every worker: {group:#?}");
+    let reporters = agents.iter().filter(|a| a.output().contains("worker failed; reporting to the rendezvous")).count();
+    eprintln!("attempt 0: {reporters} of 2 agents reported a failure; restarted once");
+    // Stay up a little: no second restart follows from the other host's report.
+    std::thread::sleep(Duration::from_secs(1));
     assert!(starts(dir.path()).iter().all(|s| s.restart <= 1), "no host restarted twice: {:#?}", starts(dir.path()));
-    assert_stopped(&before, &["a", "b"]);
+    assert!(formed(dir.path(), &["a", "b"], NPROC).is_some(), "the job still runs: {:#?}", starts(dir.path()));
 
     // The budget (1) is spent: the next crash fails the job on every host with its root cause.
     let crashing = group.iter().find(|s| s.host == "b" && s.local_rank == 0).expect("b's local rank 0").clone();
-    touch(&dir.path().join("crash_b_0"));
+    touch(&dir.path().join("crash_b_0_1"));
     for a in &mut agents {
         let status = a.wait(Duration::from_secs(20));
         assert_eq!(status.code(), Some(7), "{} exits with the failing worker's code:\n{}", a.name, a.log_tail(3000));
