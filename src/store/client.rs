@@ -43,9 +43,9 @@ fn is_timeout(err: &io::Error) -> bool {
     )
 }
 
-/// Socket timeouts must be non-zero.
+/// Socket timeouts must be non-zero, and finite enough for `timeval`.
 fn at_least_1ms(d: Duration) -> Duration {
-    d.max(Duration::from_millis(1))
+    d.clamp(Duration::from_millis(1), Duration::from_secs(365 * 24 * 3600))
 }
 
 fn connect_once(address: &str, budget: Duration) -> io::Result<TcpStream> {

@@ -12,7 +12,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use tokio::io::{AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::{JoinHandle, JoinSet};
@@ -238,14 +238,6 @@ impl Drop for ConnGuard {
     }
 }
 
-struct AbortOnDrop<T>(JoinHandle<T>);
-
-impl<T> Drop for AbortOnDrop<T> {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
 /// Why a connection ended.
 #[derive(Debug, thiserror::Error)]
 enum Close {
@@ -282,26 +274,14 @@ async fn serve_connection(
         conn,
     };
 
-    // Capacity 1: at most one decoded request waits while the previous reply is written, so a
-    // client that never reads replies is throttled by TCP, not buffered here.
-    let (req_tx, req_rx) = mpsc::channel(1);
-    let limits = config.limits;
-    let stall = config.stall_timeout;
-    let _reader = AbortOnDrop(tokio::spawn(async move {
-        let mut frames = FrameReader::new(
-            BufReader::with_capacity(64 * 1024, read_half),
-            limits,
-            Some(stall),
-        );
-        loop {
-            let next = frames.next_request().await;
-            let last = !matches!(next, Ok(Some(_)));
-            if req_tx.send(next).await.is_err() || last {
-                return;
-            }
-        }
-    }));
-
+    // One task per connection: the frame being read stays alive (pinned) while released waits
+    // are answered, so no reader task or channel hop sits on the request path, and a client that
+    // never reads its replies is throttled by TCP, not buffered here.
+    let mut frames = FrameReader::new(
+        BufReader::with_capacity(64 * 1024, read_half),
+        config.limits,
+        Some(config.stall_timeout),
+    );
     let mut session = Session {
         shared,
         config,
@@ -311,7 +291,7 @@ async fn serve_connection(
         pending: 0,
         validated: false,
     };
-    match session.run(req_rx).await {
+    match session.run(&mut frames).await {
         Close::Eof => debug!(%peer, conn, "store: client disconnected"),
         close => {
             let source = std::error::Error::source(&close).map(|s| s.to_string());
@@ -382,22 +362,28 @@ impl Reply {
 }
 
 impl<W: AsyncWrite + Unpin> Session<W> {
-    async fn run(
-        &mut self,
-        mut requests: mpsc::Receiver<Result<Option<Request>, ProtocolError>>,
-    ) -> Close {
+    async fn run<R: AsyncRead + Unpin>(&mut self, frames: &mut FrameReader<R>) -> Close {
         loop {
-            let result = tokio::select! {
-                biased;
-                Some(_) = self.wake_rx.recv() => {
-                    self.pending = self.pending.saturating_sub(1);
-                    self.send(Reply::default().u8(WAIT_STOP_WAITING)).await
+            let next = {
+                let read = frames.next_request();
+                tokio::pin!(read);
+                loop {
+                    tokio::select! {
+                        biased;
+                        Some(_) = self.wake_rx.recv() => {
+                            self.pending = self.pending.saturating_sub(1);
+                            if let Err(close) = self.send(Reply::default().u8(WAIT_STOP_WAITING)).await {
+                                return close;
+                            }
+                        }
+                        next = &mut read => break next,
+                    }
                 }
-                next = requests.recv() => match next {
-                    None | Some(Ok(None)) => return Close::Eof,
-                    Some(Err(err)) => return Close::Protocol(err),
-                    Some(Ok(Some(request))) => self.handle(request).await,
-                },
+            };
+            let result = match next {
+                Ok(None) => return Close::Eof,
+                Err(err) => return Close::Protocol(err),
+                Ok(Some(request)) => self.handle(request).await,
             };
             if let Err(close) = result {
                 return close;
