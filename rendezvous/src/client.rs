@@ -22,8 +22,11 @@ use crate::store::Store;
 
 /// How long one join or watch long-poll waits server-side before answering "wait"/"no change".
 pub const POLL_WAIT: Duration = Duration::from_secs(5);
-/// Extra time a long-poll request gets on top of its wait before the client gives up on it.
-const POLL_SLACK: Duration = Duration::from_secs(5);
+/// Extra time a long-poll request gets on top of its wait before the client gives up on it
+/// (a round of a thousand nodes is a large answer for a busy server).
+const POLL_SLACK: Duration = Duration::from_secs(10);
+/// How long `join` keeps retrying a rendezvous that does not answer at all.
+const UNAVAILABLE_PATIENCE: Duration = Duration::from_secs(60);
 /// Bound on short requests other than heartbeats.
 const SHORT_TIMEOUT: Duration = Duration::from_secs(5);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
@@ -247,12 +250,28 @@ impl RendezvousClient {
             }
         };
         let join = async {
+            // A rendezvous briefly unreachable (a replica restarting, an overloaded server) is
+            // retried; unreachable for longer than this, the join fails.
+            let patience = self.settings.join_timeout.min(UNAVAILABLE_PATIENCE);
+            let mut unavailable_since: Option<tokio::time::Instant> = None;
+            let mut backoff = Duration::from_millis(100);
             loop {
-                match self.join_once(&node, POLL_WAIT).await? {
-                    JoinAnswer::Round(info) => return Ok(info),
-                    JoinAnswer::Wait { round, state } => {
+                match self.join_once(&node, POLL_WAIT).await {
+                    Ok(JoinAnswer::Round(info)) => return Ok(info),
+                    Ok(JoinAnswer::Wait { round, state }) => {
+                        unavailable_since = None;
                         debug!(node_id = %node.node_id, round, state = %state, "still waiting for a round");
                     }
+                    Err(e) if e.is_transient() => {
+                        let since = *unavailable_since.get_or_insert_with(tokio::time::Instant::now);
+                        if since.elapsed() >= patience {
+                            return Err(e);
+                        }
+                        warn!(node_id = %node.node_id, error = %e, "rendezvous unreachable; retrying the join");
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(Duration::from_secs(2));
+                    }
+                    Err(e) => return Err(e),
                 }
             }
         };

@@ -75,6 +75,16 @@ impl RdzvError {
         self.code() != "internal" && self.code() != "unavailable"
     }
 
+    /// Whether trying again later may succeed: the service was unreachable or failed, as
+    /// opposed to refusing the request.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            RdzvError::Unavailable { .. } | RdzvError::Etcd { .. } | RdzvError::Contention { .. } => true,
+            RdzvError::Server { status, .. } => *status >= 500 || (200..300).contains(status),
+            _ => false,
+        }
+    }
+
     pub(crate) fn etcd(op: &'static str) -> impl FnOnce(etcd_client::Error) -> RdzvError {
         move |source| RdzvError::Etcd { op, source }
     }

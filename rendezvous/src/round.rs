@@ -15,7 +15,7 @@
 //! Round numbers go up when a round is *opened* (torn down for a new one), so a watcher of round
 //! N learns "stop your workers and rejoin" as soon as N+1 exists, not when N+1 closes.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::fmt;
 use std::time::Duration;
 
@@ -461,13 +461,17 @@ impl Job {
 
     /// Forgets heartbeats of nodes the job no longer tracks.
     fn prune_last_seen(&mut self) {
-        let keep: Vec<String> = self
+        let keep: HashSet<&str> = self
             .members
             .iter()
-            .map(|m| m.node_id.clone())
-            .chain(self.pending.iter().map(|p| p.node.node_id.clone()))
-            .chain(self.previous.iter().cloned())
+            .map(|m| m.node_id.as_str())
+            .chain(self.pending.iter().map(|p| p.node.node_id.as_str()))
+            .chain(self.previous.iter().map(String::as_str))
             .collect();
+        if keep.len() >= self.last_seen.len() && self.last_seen.keys().all(|id| keep.contains(id.as_str())) {
+            return;
+        }
+        let keep: HashSet<String> = keep.into_iter().map(str::to_owned).collect();
         self.last_seen.retain(|id, _| keep.contains(id));
     }
 }
@@ -476,26 +480,38 @@ impl Job {
 /// A rejected event returns the job unchanged.
 pub fn apply(job: &Job, ev: Event, now: Millis) -> (Job, Decision) {
     let mut next = job.clone();
+    let decision = apply_in_place(&mut next, ev, now);
+    if matches!(decision.action, Action::Rejected(_)) {
+        return (job.clone(), decision);
+    }
+    (next, decision)
+}
+
+/// [`apply`] without the copy, for stores that hold the job themselves (a heartbeat should not
+/// clone a thousand-node job). Every rejection is decided before anything is touched, so a
+/// rejected event leaves `job` as it was (the unit tests check both forms agree on every step).
+pub fn apply_in_place(job: &mut Job, ev: Event, now: Millis) -> Decision {
+    let version = job.version;
+    let next = job;
     let decision = match ev {
-        Event::Join(node) => join(&mut next, node, now),
-        Event::Heartbeat { node_id } => heartbeat(&mut next, &node_id, now),
-        Event::Tick => tick(&mut next, now),
+        Event::Join(node) => join(next, node, now),
+        Event::Heartbeat { node_id } => heartbeat(next, &node_id, now),
+        Event::Tick => tick(next, now),
         Event::ReportFailure { node_id, round, root_cause } => {
-            report_failure(&mut next, &node_id, round, root_cause, now)
+            report_failure(next, &node_id, round, root_cause, now)
         }
-        Event::NodeSucceeded { node_id, round } => node_succeeded(&mut next, &node_id, round, now),
-        Event::Leave { node_id } => leave(&mut next, &node_id, now),
+        Event::NodeSucceeded { node_id, round } => node_succeeded(next, &node_id, round, now),
+        Event::Leave { node_id } => leave(next, &node_id, now),
     };
     match decision.action {
-        Action::Rejected(_) => return (job.clone(), decision),
-        Action::Nothing | Action::HeartbeatRecorded => {}
+        Action::Rejected(_) | Action::Nothing | Action::HeartbeatRecorded => {}
         Action::Updated => next.last_reason = decision.reason.clone(),
         Action::RoundOpened { .. } | Action::RoundClosed { .. } | Action::Finished | Action::Failed => {
-            next.version = job.version + 1;
+            next.version = version + 1;
             next.last_reason = decision.reason.clone();
         }
     }
-    (next, decision)
+    decision
 }
 
 fn decide(action: Action, reason: impl Into<String>) -> Decision {
@@ -816,7 +832,10 @@ fn evaluate_forming(job: &mut Job, now: Millis, base: String) -> Decision {
     let n = job.pending.len();
     let min = job.settings.min_nodes as usize;
     let max = job.settings.max_nodes as usize;
-    let previous_back = !job.previous.is_empty() && job.previous.iter().all(|id| job.is_pending(id));
+    let previous_back = !job.previous.is_empty() && {
+        let pending: HashSet<&str> = job.pending.iter().map(|p| p.node.node_id.as_str()).collect();
+        job.previous.iter().all(|id| pending.contains(id.as_str()))
+    };
     let since = match job.phase {
         Phase::Waiting { since } | Phase::LastCall { since, .. } => since,
         _ => return decide(Action::Nothing, base),
@@ -888,8 +907,9 @@ fn close_round(job: &mut Job, now: Millis, reason: String) -> Decision {
             order.push(p.clone());
         }
     }
+    let previous: HashSet<&str> = job.previous.iter().map(String::as_str).collect();
     let mut rest: Vec<Pending> =
-        job.pending.iter().filter(|p| !job.previous.contains(&p.node.node_id)).cloned().collect();
+        job.pending.iter().filter(|p| !previous.contains(p.node.node_id.as_str())).cloned().collect();
     rest.sort_by(|a, b| a.joined_at.cmp(&b.joined_at).then_with(|| a.node.node_id.cmp(&b.node.node_id)));
     order.extend(rest);
     let standby = if order.len() > max { order.split_off(max) } else { Vec::new() };

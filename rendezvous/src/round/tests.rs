@@ -24,7 +24,10 @@ fn node(id: &str) -> NodeInfo {
 
 /// Applies an event, asserting that the version moves exactly when the decision says so.
 fn step(job: &Job, ev: Event, now: Millis) -> (Job, Decision) {
+    let mut in_place = job.clone();
+    let d_in_place = apply_in_place(&mut in_place, ev.clone(), now);
     let (next, d) = apply(job, ev, now);
+    assert_eq!((&in_place, &d_in_place), (&next, &d), "apply and apply_in_place agree");
     match d.action {
         Action::Nothing | Action::HeartbeatRecorded | Action::Rejected(_) | Action::Updated => {
             assert_eq!(next.version, job.version, "{d:?}")

@@ -34,29 +34,41 @@ impl MemoryStore {
         ev: Event,
         now: Millis,
     ) -> Result<(Job, Decision), RdzvError> {
+        self.apply_view(run_id, create, ev, now, Job::clone)
+    }
+
+    /// Applies `ev` in place under the lock and returns `view` of the result (of the untouched
+    /// job when rejected) without copying the job unless `view` does.
+    pub fn apply_view<R>(
+        &self,
+        run_id: &str,
+        create: Option<&JobSettings>,
+        ev: Event,
+        now: Millis,
+        view: impl FnOnce(&Job) -> R,
+    ) -> Result<(R, Decision), RdzvError> {
         let mut jobs = self.lock();
-        let existing = jobs.get(run_id).map(|e| e.job.clone());
-        let created = existing.is_none();
-        let job = super::existing_or_new(run_id, existing, create, now)?;
-        let (next, decision) = round::apply(&job, ev, now);
-        if matches!(decision.action, Action::Rejected(_)) {
-            return Ok((job, decision));
-        }
-        match jobs.get_mut(run_id) {
-            Some(entry) => {
-                let bumped = next.version != entry.job.version;
-                entry.job = next.clone();
-                if bumped {
-                    entry.version.send_replace(next.version);
+        if let Some(entry) = jobs.get_mut(run_id) {
+            if let Some(settings) = create {
+                if &entry.job.settings != settings {
+                    super::existing_or_new(run_id, Some(entry.job.clone()), create, now)?;
                 }
             }
-            None => {
-                debug_assert!(created);
-                let (tx, _) = watch::channel(next.version);
-                jobs.insert(run_id.to_owned(), Entry { job: next.clone(), version: tx });
+            let before = entry.job.version;
+            let decision = round::apply_in_place(&mut entry.job, ev, now);
+            if entry.job.version != before {
+                entry.version.send_replace(entry.job.version);
             }
+            return Ok((view(&entry.job), decision));
         }
-        Ok((next, decision))
+        let mut job = super::existing_or_new(run_id, None, create, now)?;
+        let decision = round::apply_in_place(&mut job, ev, now);
+        let out = view(&job);
+        if !matches!(decision.action, Action::Rejected(_)) {
+            let (tx, _) = watch::channel(job.version);
+            jobs.insert(run_id.to_owned(), Entry { job, version: tx });
+        }
+        Ok((out, decision))
     }
 
     pub fn load(&self, run_id: &str) -> Option<Job> {
@@ -87,7 +99,7 @@ impl MemoryStore {
             .collect();
         let mut out = Vec::new();
         for id in ids {
-            if let Ok((_, d)) = self.apply(&id, None, Event::Tick, now) {
+            if let Ok(((), d)) = self.apply_view(&id, None, Event::Tick, now, |_| ()) {
                 if d.action != Action::Nothing {
                     out.push((id, d));
                 }

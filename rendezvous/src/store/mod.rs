@@ -105,9 +105,9 @@ impl Store {
     /// Records a sign of life: a heartbeat in memory, a lease keep-alive on etcd.
     pub async fn heartbeat(&self, run_id: &str, node_id: &str, now: Millis) -> Result<Decision, RdzvError> {
         match self {
-            Store::Memory(m) => {
-                m.apply(run_id, None, Event::Heartbeat { node_id: node_id.to_owned() }, now).map(|(_, d)| d)
-            }
+            Store::Memory(m) => m
+                .apply_view(run_id, None, Event::Heartbeat { node_id: node_id.to_owned() }, now, |_| ())
+                .map(|(_, d)| d),
             Store::Etcd(e) => e.keep_alive(run_id, node_id).await,
         }
     }
