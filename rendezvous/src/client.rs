@@ -142,10 +142,12 @@ fn error_from(endpoint: &str, status: u16, body: Option<ErrorBody>) -> RdzvError
     let Some(ErrorBody { error, message }) = body else {
         return RdzvError::Server { endpoint: endpoint.to_owned(), status, message: "no error body".to_owned() };
     };
+    // "unknown job `x`" → "x": the server names the job or node between backticks.
+    let quoted = |m: &str| m.split('`').nth(1).map(str::to_owned).unwrap_or_else(|| m.to_owned());
     match error.as_str() {
         "unauthorized" => RdzvError::Unauthorized,
-        "unknown_job" => RdzvError::UnknownJob { run_id: message },
-        "unknown_node" => RdzvError::UnknownNode { node_id: message },
+        "unknown_job" => RdzvError::UnknownJob { run_id: quoted(&message) },
+        "unknown_node" => RdzvError::UnknownNode { node_id: quoted(&message) },
         "job_finished" => RdzvError::JobFinished,
         "job_failed" => RdzvError::JobFailed { reason: message },
         "join_timeout" => RdzvError::JoinTimeout { reason: message },

@@ -350,7 +350,7 @@ async fn node_loss_is_seen_by_the_survivor_within_the_ttl() {
     assert_eq!((again.group_world_size, again.group_rank), (1, 0));
     assert_eq!(again.restart_count, 0);
     match within("heartbeat of the lost node", b.heartbeat("bb")).await {
-        Err(RdzvError::UnknownNode { .. }) => {}
+        Err(RdzvError::UnknownNode { node_id }) => assert_eq!(node_id, "bb"),
         other => panic!("{other:?}"),
     }
     beats.abort();
@@ -461,4 +461,15 @@ async fn connect_rejects_timeouts_that_do_not_nest() {
         .err()
         .expect("rejected");
     assert!(matches!(err, RdzvError::InvalidSettings(_)), "{err}");
+}
+
+#[tokio::test]
+async fn client_rebuilds_unknown_job_errors() {
+    let server = Server::start(Rendezvous::in_memory(), None).await;
+    let c = http_client(vec![server.endpoint()], "never-joined", fast(1, 1)).await;
+    match within("status", c.status()).await {
+        Err(RdzvError::UnknownJob { run_id }) => assert_eq!(run_id, "never-joined"),
+        other => panic!("{other:?}"),
+    }
+    server.stop().await;
 }
