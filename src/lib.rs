@@ -9,3 +9,5 @@ pub mod ddp;
 pub mod model;
 pub mod sampler;
 pub mod store;
+#[cfg(feature = "cuda")]
+pub mod gpu;

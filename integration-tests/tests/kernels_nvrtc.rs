@@ -99,3 +99,42 @@ fn probe_names_what_is_missing_instead_of_panicking() {
     }
     println!("{}", p.summary());
 }
+
+#[test]
+fn device_auto_falls_back_to_the_cpu_with_a_notice_and_cuda_fails_with_the_reason_here() {
+    use rlaunch::gpu::{select, Device, Selected};
+    let search = venv_search();
+    let cpu_machine = !probe::probe(&search).state(Lib::Driver).is_loaded();
+    if !cpu_machine {
+        return; // a GPU machine: gpu_check below covers it
+    }
+    match select(Device::Auto, 0, true, &search).expect("auto never fails") {
+        Selected::Cpu { notice: Some(n) } => {
+            assert!(n.contains("training on the CPU") && n.contains("CUDA driver (libcuda)"), "{n}")
+        }
+        other => panic!("expected the CPU with a notice, got {other:?}"),
+    }
+    let err = select(Device::Cuda, 0, true, &search).expect_err("no driver here").to_string();
+    assert!(err.starts_with("--device cuda: CUDA libraries missing") && err.contains("libcuda.so.1"), "{err}");
+    assert_eq!(select(Device::Cpu, 0, true, &search).expect("cpu"), Selected::Cpu { notice: None });
+}
+
+/// The GPU checks and benchmarks; `scripts/gpu-check.sh` runs this on a GPU machine and
+/// keeps the report in `bench/gpu/RESULTS.md`.
+#[test]
+#[ignore = "needs a GPU: run scripts/gpu-check.sh"]
+fn gpu_check() -> anyhow::Result<()> {
+    use anyhow::Context;
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let out = std::env::var("RLAUNCH_GPU_CHECK_OUT").map(PathBuf::from).unwrap_or_else(|_| root.join("bench/gpu/RESULTS.md"));
+    let date = std::env::var("RLAUNCH_GPU_CHECK_DATE").unwrap_or_else(|_| "(date not given)".into());
+    let mut search = SearchPath::conventional();
+    if let Some(v) = probe::find_venv_upwards(&root) {
+        search = search.venv(&v);
+    }
+    let report = rlaunch::gpu::check::run(&search, &date).context("the GPU path could not start")?;
+    println!("{}", report.markdown);
+    std::fs::write(&out, &report.markdown).with_context(|| format!("writing {}", out.display()))?;
+    anyhow::ensure!(report.failures.is_empty(), "{} GPU check(s) failed:\n{}", report.failures.len(), report.failures.join("\n"));
+    Ok(())
+}

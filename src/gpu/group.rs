@@ -1,0 +1,229 @@
+//! [`NcclGroup`]: NCCL for one process per GPU, bootstrapped through the agent's store.
+//!
+//! Bootstrap: rank 0 makes the 128-byte unique id and sets it under
+//! `rlaunch/nccl/{run id}/{restart count}/id`; every rank reads it, counts itself in under
+//! `…/joined` and waits for `…/ready`, which the last rank to join sets. Only then do ranks
+//! call `ncclCommInitRank` (which blocks until all have), so a rank that never comes turns
+//! into a store timeout, not a hang inside NCCL. The restart count in the keys keeps an old
+//! attempt's id from being picked up by a new one.
+//!
+//! Reductions are enqueued on the group's own stream. cudarc tracks the last writer of each
+//! buffer, so a reduction waits only for the kernel that produced its gradient while the
+//! backward pass goes on on the compute stream. [`NcclGroup::wait`] polls completion and
+//! NCCL's asynchronous error against the deadline; either failure aborts the communicator.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rlaunch_kernels::cudarc::driver::{CudaContext, CudaStream, DevicePtrMut};
+use rlaunch_kernels::nccl::{Comm, NcclType, RedOp, UniqueId};
+
+use super::{derr, GpuError};
+use crate::env::WorkerEnv;
+use crate::store::StoreClient;
+
+/// Settings of an [`NcclGroup`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NcclGroupOptions {
+    /// Deadline of the bootstrap and of every [`NcclGroup::wait`].
+    pub timeout: Duration,
+}
+
+impl Default for NcclGroupOptions {
+    fn default() -> Self {
+        Self { timeout: crate::comm::DEFAULT_TIMEOUT }
+    }
+}
+
+/// One rank of an NCCL group on its GPU.
+#[derive(Debug)]
+pub struct NcclGroup {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    comm: Comm,
+    rank: usize,
+    world: usize,
+    timeout: Duration,
+    /// Operations enqueued since the last successful wait.
+    pending: usize,
+}
+
+/// The store keys of one attempt of one job.
+pub fn key_prefix(run_id: &str, restart_count: u32) -> String {
+    format!("rlaunch/nccl/{run_id}/{restart_count}/")
+}
+
+impl NcclGroup {
+    /// Joins the group described by the worker environment on GPU `ctx` (the caller picked it
+    /// from `LOCAL_RANK`), through the store at `MASTER_ADDR:MASTER_PORT`.
+    pub fn from_env(env: &WorkerEnv, ctx: &Arc<CudaContext>, opts: NcclGroupOptions) -> Result<Self, GpuError> {
+        let addr = format!("{}:{}", env.master_addr, env.master_port);
+        let mut store = StoreClient::connect(&addr, opts.timeout)
+            .map_err(|source| GpuError::Store { step: "connect", key: String::new(), source })?;
+        Self::init(
+            &mut store,
+            &key_prefix(&env.run_id, env.restart_count),
+            env.rank as usize,
+            env.world_size as usize,
+            ctx,
+            opts,
+        )
+    }
+
+    /// Joins as `rank` of `world`, exchanging the id under `prefix` in `store`.
+    pub fn init(
+        store: &mut StoreClient,
+        prefix: &str,
+        rank: usize,
+        world: usize,
+        ctx: &Arc<CudaContext>,
+        opts: NcclGroupOptions,
+    ) -> Result<Self, GpuError> {
+        if world == 0 || rank >= world {
+            return Err(GpuError::Invalid { op: "NcclGroup::init", reason: format!("rank {rank} of world {world}") });
+        }
+        let t = opts.timeout;
+        let store_err = |step: &'static str, key: &str| {
+            let key = key.to_string();
+            move |source| GpuError::Store { step, key, source }
+        };
+        let id_key = format!("{prefix}id");
+        if rank == 0 {
+            let id = UniqueId::new().map_err(super::kerr("making the NCCL unique id"))?;
+            store.set(&id_key, &id.internal).map_err(store_err("publish id", &id_key))?;
+        }
+        store.wait(&[&id_key], t).map_err(store_err("wait for id", &id_key))?;
+        let bytes = store.get(&id_key).map_err(store_err("read id", &id_key))?;
+        let id = UniqueId::from_bytes(&bytes).ok_or_else(|| GpuError::Invalid {
+            op: "NcclGroup::init",
+            reason: format!("the id under {id_key:?} has {} bytes, not 128", bytes.len()),
+        })?;
+        let joined_key = format!("{prefix}joined");
+        let ready_key = format!("{prefix}ready");
+        let n = store.add(&joined_key, 1).map_err(store_err("count in", &joined_key))?;
+        if n == world as i64 {
+            store.set(&ready_key, b"1").map_err(store_err("announce ready", &ready_key))?;
+        }
+        store.wait(&[&ready_key], t).map_err(store_err("wait for every rank", &ready_key))?;
+
+        ctx.bind_to_thread().map_err(derr("binding the GPU context"))?;
+        let stream = ctx.new_stream().map_err(derr("creating the NCCL stream"))?;
+        let comm = Comm::init_rank(&id, rank, world).map_err(super::kerr("ncclCommInitRank"))?;
+        Ok(Self { ctx: ctx.clone(), stream, comm, rank, world, timeout: t, pending: 0 })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+    pub fn world_size(&self) -> usize {
+        self.world
+    }
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout;
+    }
+    /// The stream reductions run on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+    /// The communicator, for raw calls (benchmarks).
+    pub fn comm(&self) -> &Comm {
+        &self.comm
+    }
+
+    fn fail(&mut self, op: &'static str, source: rlaunch_kernels::KernelError) -> GpuError {
+        let _ = self.comm.abort();
+        GpuError::Aborted { rank: self.rank, op, source }
+    }
+
+    /// Enqueues an in-place all-reduce of `buf` on the group's stream; returns at once.
+    pub fn all_reduce_async<T: NcclType, B: DevicePtrMut<T>>(&mut self, buf: &mut B, op: RedOp) -> Result<(), GpuError> {
+        let stream = self.stream.clone();
+        match self.comm.all_reduce_in_place(buf, op, &stream) {
+            Ok(()) => {
+                self.pending += 1;
+                Ok(())
+            }
+            Err(e) => Err(self.fail("all_reduce", e)),
+        }
+    }
+
+    /// Enqueues an in-place broadcast of `buf` from `root`.
+    pub fn broadcast_async<T: NcclType, B: DevicePtrMut<T>>(&mut self, buf: &mut B, root: usize) -> Result<(), GpuError> {
+        let stream = self.stream.clone();
+        match self.comm.broadcast_in_place(buf, root, &stream) {
+            Ok(()) => {
+                self.pending += 1;
+                Ok(())
+            }
+            Err(e) => Err(self.fail("broadcast", e)),
+        }
+    }
+
+    /// Waits until everything enqueued so far has completed, at most the group's timeout.
+    /// A timeout or an asynchronous NCCL error aborts the communicator (so no kernel stays
+    /// stuck waiting on a dead peer) and is returned; the group is unusable afterwards.
+    pub fn wait(&mut self) -> Result<(), GpuError> {
+        if self.pending == 0 {
+            return Ok(());
+        }
+        let done = self.stream.record_event(None).map_err(derr("recording the NCCL stream's event"))?;
+        let start = Instant::now();
+        let deadline = start + self.timeout;
+        loop {
+            match done.try_is_complete() {
+                Ok(true) => break,
+                Ok(false) => {}
+                Err(e) => {
+                    let _ = self.comm.abort();
+                    return Err(derr("polling the NCCL stream")(e));
+                }
+            }
+            if let Err(e) = self.comm.async_error() {
+                return Err(self.fail("wait", e));
+            }
+            if Instant::now() >= deadline {
+                let _ = self.comm.abort();
+                return Err(GpuError::Timeout { rank: self.rank, op: "wait for NCCL", timeout: self.timeout });
+            }
+            // Spin briefly (reductions of a step take micro- to milliseconds), then back off.
+            if start.elapsed() < Duration::from_millis(2) {
+                std::hint::spin_loop();
+            } else {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
+        self.pending = 0;
+        Ok(())
+    }
+
+    /// All-reduce and wait.
+    pub fn all_reduce<T: NcclType, B: DevicePtrMut<T>>(&mut self, buf: &mut B, op: RedOp) -> Result<(), GpuError> {
+        self.all_reduce_async(buf, op)?;
+        self.wait()
+    }
+
+    /// All-reduce of a small host buffer (counters, a loss) through a device copy.
+    pub fn all_reduce_host<T: NcclType + rlaunch_kernels::cudarc::driver::ValidAsZeroBits + Clone + Default>(
+        &mut self,
+        host: &mut [T],
+        op: RedOp,
+    ) -> Result<(), GpuError> {
+        let stream = self.stream.clone();
+        let mut dev = stream.clone_htod(host).map_err(derr("copying to the GPU"))?;
+        self.all_reduce(&mut dev, op)?;
+        stream.memcpy_dtoh(&dev, host).map_err(derr("copying from the GPU"))?;
+        stream.synchronize().map_err(derr("synchronising the NCCL stream"))?;
+        Ok(())
+    }
+
+    /// Aborts the communicator now (e.g. when the job is being torn down).
+    pub fn abort(&mut self) {
+        let _ = self.comm.abort();
+    }
+}
