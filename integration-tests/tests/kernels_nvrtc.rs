@@ -114,8 +114,9 @@ fn device_auto_falls_back_to_the_cpu_with_a_notice_and_cuda_fails_with_the_reaso
         }
         other => panic!("expected the CPU with a notice, got {other:?}"),
     }
-    let err = select(Device::Cuda, 0, true, &search).expect_err("no driver here").to_string();
-    assert!(err.starts_with("--device cuda: CUDA libraries missing") && err.contains("libcuda.so.1"), "{err}");
+    let err = select(Device::Cuda, 0, true, &search).expect_err("no driver here");
+    let chain = format!("{:#}", anyhow::Error::from(err));
+    assert!(chain.starts_with("--device cuda: ") && chain.contains("CUDA libraries missing") && chain.contains("libcuda.so.1"), "{chain}");
     assert_eq!(select(Device::Cpu, 0, true, &search).expect("cpu"), Selected::Cpu { notice: None });
 }
 
@@ -128,7 +129,14 @@ fn gpu_check() -> anyhow::Result<()> {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
     let out = std::env::var("RLAUNCH_GPU_CHECK_OUT").map(PathBuf::from).unwrap_or_else(|_| root.join("bench/gpu/RESULTS.md"));
     let date = std::env::var("RLAUNCH_GPU_CHECK_DATE").unwrap_or_else(|_| "(date not given)".into());
-    let mut search = SearchPath::conventional();
+    // scripts/gpu-check.sh passes the toolkit and wheel directories it found.
+    let mut search = SearchPath::system();
+    for d in std::env::var("RLAUNCH_CUDA_LIB_DIRS").unwrap_or_default().split(':').filter(|d| !d.is_empty()) {
+        search = search.dir(d);
+    }
+    for d in SearchPath::conventional().dirs() {
+        search = search.dir(d.clone());
+    }
     if let Some(v) = probe::find_venv_upwards(&root) {
         search = search.venv(&v);
     }

@@ -288,7 +288,13 @@ pub fn ensure(lib: Lib, search: &SearchPath) -> Result<&'static libloading::Libr
                 reg.insert(lib, Loaded { from: c.clone(), lib: leaked });
                 return Ok(leaked);
             }
-            Err(e) => last_error = e.to_string(),
+            Err(e) => {
+                // libloading's Display is only "dlopen failed"; the loader's text is the source.
+                last_error = match std::error::Error::source(&e) {
+                    Some(src) => src.to_string(),
+                    None => e.to_string(),
+                }
+            }
         }
     }
     Err(ProbeError::Missing { missing: vec![MissingLib { lib, tried: candidates, last_error }] })

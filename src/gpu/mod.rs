@@ -30,7 +30,7 @@ pub use rlaunch_kernels::KernelError;
 /// Why the GPU path failed.
 #[derive(Debug, thiserror::Error)]
 pub enum GpuError {
-    #[error("--device {device}: {source}")]
+    #[error("--device {device}: the GPU path is unavailable")]
     Unavailable {
         device: &'static str,
         #[source]
