@@ -43,6 +43,24 @@ fn every_cu_source_compiles_to_ptx_through_the_venv_nvrtc() {
 }
 
 #[test]
+fn every_cu_source_compiles_to_cubin_for_the_gpu_machines_architectures() {
+    // H100/H200 are sm_90, A100 sm_80: the CUBIN path Kernels::load prefers on a GPU (it
+    // needs no driver JIT, so it also runs where the driver is older than this NVRTC).
+    probe::ensure(Lib::Nvrtc, &venv_search()).expect("NVRTC from the venv loads");
+    for arch in [(9, 0), (8, 0)] {
+        for src in sources::ALL {
+            let bin = compile::cubin(src, arch).unwrap_or_else(|e| panic!("{} sm_{}{}: {e}", src.name, arch.0, arch.1));
+            assert_eq!(&bin[..4], b"\x7fELF", "{}: a CUBIN is an ELF image", src.name);
+            for k in src.kernels {
+                let name = k.as_bytes();
+                assert!(bin.windows(name.len()).any(|w| w == name), "{}: CUBIN lacks {k}", src.name);
+            }
+            assert!(Arc::ptr_eq(&bin, &compile::cubin(src, arch).expect("cached")), "compiled twice");
+        }
+    }
+}
+
+#[test]
 fn a_broken_source_is_an_error_carrying_nvrtc_log() {
     probe::ensure(Lib::Nvrtc, &venv_search()).expect("NVRTC from the venv loads");
     let err = compile::ptx_of_text("broken.cu", "extern \"C\" __global__ void k() { undefined_thing(); }")

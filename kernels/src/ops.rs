@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::Ptx;
 
 use crate::reference::AdamStep;
 use crate::{compile, sources, KernelError};
@@ -37,23 +38,45 @@ fn i32_of(op: &'static str, what: &str, v: usize) -> Result<i32, KernelError> {
 pub struct Kernels {
     ctx: Arc<CudaContext>,
     funcs: HashMap<&'static str, CudaFunction>,
+    code: Vec<String>,
 }
 
 impl Kernels {
-    /// Compiles (once per process) and loads every source into `ctx`.
+    /// Compiles (once per process) and loads every source into `ctx`: CUBIN for the GPU's
+    /// compute capability, falling back to PTX (driver JIT) when that fails.
     pub fn load(ctx: &Arc<CudaContext>) -> Result<Self, KernelError> {
+        let (major, minor) = ctx.compute_capability().map_err(KernelError::driver("reading the compute capability"))?;
+        let arch = (major.max(0) as u32, minor.max(0) as u32);
         let mut funcs = HashMap::new();
+        let mut code = Vec::new();
         for src in sources::ALL {
-            let ptx = compile::ptx(src)?;
-            let module = ctx
-                .load_module((*ptx).clone())
-                .map_err(KernelError::driver(format!("loading the PTX of {}", src.name)))?;
+            let as_cubin = compile::cubin(src, arch).and_then(|bin| {
+                ctx.load_module(Ptx::from_binary((*bin).clone()))
+                    .map_err(KernelError::driver(format!("loading the sm_{}{} CUBIN of {}", arch.0, arch.1, src.name)))
+            });
+            let (module, kind) = match as_cubin {
+                Ok(m) => (m, format!("{}: sm_{}{} CUBIN", src.name, arch.0, arch.1)),
+                Err(cubin_err) => {
+                    let ptx = compile::ptx(src)?;
+                    let m = ctx.load_module((*ptx).clone()).map_err(|source| KernelError::Driver {
+                        what: format!("loading the PTX of {} (after the CUBIN failed: {cubin_err})", src.name),
+                        source,
+                    })?;
+                    (m, format!("{}: PTX, JIT by the driver (CUBIN failed: {cubin_err})", src.name))
+                }
+            };
             for &k in src.kernels {
                 let f = module.load_function(k).map_err(KernelError::driver(format!("looking up kernel {k}")))?;
                 funcs.insert(k, f);
             }
+            code.push(kind);
         }
-        Ok(Self { ctx: ctx.clone(), funcs })
+        Ok(Self { ctx: ctx.clone(), funcs, code })
+    }
+
+    /// How each source was loaded (CUBIN for which `sm`, or PTX), for reports.
+    pub fn code_kinds(&self) -> &[String] {
+        &self.code
     }
 
     pub fn context(&self) -> &Arc<CudaContext> {

@@ -100,6 +100,10 @@ pub fn run(search: &SearchPath, date: &str) -> Result<CheckReport, GpuError> {
         }
     }
 
+    for kind in c.k.code_kinds().to_vec() {
+        let _ = writeln!(c.md, "- kernels: {kind}");
+    }
+
     kernels_vs_reference(&mut c)?;
     training_vs_cpu(&mut c)?;
     let (mut group, _store) = single_rank_group(&ctx)?;
