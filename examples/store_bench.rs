@@ -106,6 +106,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn bench(rt: &tokio::runtime::Runtime, args: &[String]) -> Result<()> {
     let o = parse(args)?;
+    let load_before = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     let ours = rt.block_on(StoreServer::start("127.0.0.1:0".parse()?))?;
     let our_port = ours.local_addr().port();
 
@@ -218,11 +219,14 @@ fn bench(rt: &tokio::runtime::Runtime, args: &[String]) -> Result<()> {
              rlaunch; throughput: rlaunch / torch). `wake` is half a set→wait ping-pong round trip\n\
              between two processes: how fast a wait is released by another client's set.\n\n\
              {table}\n\
+             Load average (1/5/15 min) when the run started: {load}; other engineers' builds\n\
+             and tests shared the two cores, so p99 figures are noisy, p50 and throughput less so.\n\n\
              Reproduce: `cargo run --release -p rlaunch --example store_bench` (writes this file;\n\
              `--rounds N --ops N --procs N --no-write`).\n",
             rounds = o.rounds,
             ops = o.ops,
             procs = o.procs,
+            load = load_before.split_whitespace().take(3).collect::<Vec<_>>().join(" "),
         );
         let path = repo_root().join("bench/store/RESULTS.md");
         std::fs::write(&path, doc).with_context(|| format!("write {}", path.display()))?;

@@ -577,3 +577,59 @@ fn store_too_large_key_is_rejected_by_the_client_before_sending() {
     ));
     c.ping().expect("connection untouched");
 }
+
+#[test]
+fn store_hundred_concurrent_waiters_on_one_key_are_all_released_by_one_set() {
+    let server = TestServer::start();
+    let n = 100;
+    let waiters: Vec<_> = (0..n)
+        .map(|_| {
+            let mut c = server.client();
+            spawn_with_deadline(move || c.get("broadcast").expect("released"))
+        })
+        .collect();
+    server.eventually("all waiting", |h| h.pending_waits() == n);
+    server.client().set("broadcast", b"all").expect("set");
+    for w in waiters {
+        assert_eq!(join(w), b"all");
+    }
+    server.eventually("finished clients are unregistered", |h| h.connections() == 0);
+}
+
+#[test]
+fn store_serve_on_injected_listener_stops_when_shutdown_resolves() {
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .expect("bind");
+    let addr = listener.local_addr().expect("local addr").to_string();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = rt.spawn(StoreServer::serve(listener, async move {
+        let _ = stopped.await;
+    }));
+    let mut c = StoreClient::connect(&addr, DEADLINE).expect("connect");
+    c.set("k", b"v").expect("served");
+    stop.send(()).expect("server is listening for shutdown");
+    rt.block_on(async { tokio::time::timeout(DEADLINE, serving).await })
+        .expect("serve returns before the deadline")
+        .expect("serve task did not panic")
+        .expect("serve returns Ok");
+    assert!(c.ping().is_err(), "connections are closed on shutdown");
+}
+
+#[test]
+fn store_dropping_the_handle_stops_the_server() {
+    let server = TestServer::start();
+    let mut c = server.client();
+    c.ping().expect("served");
+    let mut server = server;
+    drop(server.handle.take());
+    let start = Instant::now();
+    while c.ping().is_ok() {
+        assert!(
+            start.elapsed() < DEADLINE,
+            "server still serving after its handle was dropped"
+        );
+        thread::sleep(Duration::from_millis(10));
+    }
+}
