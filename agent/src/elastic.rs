@@ -278,37 +278,50 @@ async fn backend(d: &DynamicRendezvous) -> Result<(Backend, Option<AbortOnDrop>)
         return Ok((Backend::Etcd { endpoints: d.endpoints.clone() }, None));
     }
     let http = Backend::Http { endpoints: d.endpoints.clone(), token: d.token.clone() };
-    for _ in 0..3 {
+    let first = strip_scheme(&d.endpoints[0]).to_string();
+    // The server may come up after this agent (the hosting agent starting later, a service
+    // restarting): wait for it as long as a join may wait, as torchrun's agents do.
+    let deadline = tokio::time::Instant::now() + d.join_timeout;
+    let mut announced = false;
+    loop {
         for e in &d.endpoints {
             if answers(e).await {
                 return Ok((http, None));
             }
         }
-        let first = strip_scheme(&d.endpoints[0]);
-        let Some(addr) = first.to_socket_addrs().ok().and_then(|mut a| a.next()) else {
-            return Err(AgentError::Rendezvous(format!("cannot resolve rendezvous endpoint {first}")));
-        };
-        match tokio::net::TcpListener::bind(addr).await {
-            Ok(listener) => {
-                info!(%addr, "no rendezvous server answered; this agent hosts one (memory store)");
-                let rdzv = Rendezvous::in_memory();
-                let state = AppState::new(rdzv.clone(), d.token.clone());
-                let task = tokio::spawn(async move {
-                    if let Err(e) = serve_api(listener, state, std::future::pending()).await {
-                        warn!(error = %e, "agent-hosted rendezvous server stopped");
+        let addr = tokio::net::lookup_host(first.as_str()).await.ok().and_then(|mut a| a.next());
+        if let Some(addr) = addr {
+            match tokio::net::TcpListener::bind(addr).await {
+                Ok(listener) => {
+                    info!(%addr, "no rendezvous server answered; this agent hosts one (memory store)");
+                    let rdzv = Rendezvous::in_memory();
+                    let state = AppState::new(rdzv.clone(), d.token.clone());
+                    let task = tokio::spawn(async move {
+                        if let Err(e) = serve_api(listener, state, std::future::pending()).await {
+                            warn!(error = %e, "agent-hosted rendezvous server stopped");
+                        }
+                    });
+                    return Ok((Backend::InProcess(rdzv), Some(AbortOnDrop(task))));
+                }
+                // Another agent of this host won the race to host it, or the address belongs to
+                // another host: wait for that server to answer.
+                Err(e) => {
+                    if !announced {
+                        info!(endpoint = %first, reason = %e, "waiting for the rendezvous server to answer");
+                        announced = true;
                     }
-                });
-                return Ok((Backend::InProcess(rdzv), Some(AbortOnDrop(task))));
+                }
             }
-            // Another agent of this host won the race to host it, or the address is not ours.
-            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => tokio::time::sleep(Duration::from_millis(300)).await,
-            Err(_) => break,
         }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(AgentError::Rendezvous(format!(
+                "no rendezvous server answered at {} within the join timeout ({:?}), and it is not an address of this host to serve one on",
+                d.endpoints.join(","),
+                d.join_timeout
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
     }
-    Err(AgentError::Rendezvous(format!(
-        "no rendezvous server answered at {} and it is not an address of this host to serve one on",
-        d.endpoints.join(",")
-    )))
 }
 
 async fn answers(endpoint: &str) -> bool {
