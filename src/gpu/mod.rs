@@ -6,7 +6,8 @@
 //! ([`NcclGroup`]: one process per GPU, `LOCAL_RANK` picks the GPU, the unique id through the
 //! store, reductions on their own stream, deadline and abort), `mlp` ([`GpuMlp`]: forward,
 //! backward with per-parameter gradient all-reduce overlapping the rest of the backward pass,
-//! the fused update; fp32 or bf16 mixed precision), `check` (the GPU checks and benchmarks
+//! the fused update; fp32 or bf16 mixed precision), `trainer` ([`GpuTrainer`]: the train
+//! example's step on the GPU in three calls), `check` (the GPU checks and benchmarks
 //! `scripts/gpu-check.sh` runs).
 //!
 //! Invariants: nothing here calls into cudarc before `rlaunch_kernels::probe` has loaded the
@@ -18,12 +19,14 @@ pub mod check;
 mod device;
 mod group;
 mod mlp;
+mod trainer;
 
 use std::time::Duration;
 
 pub use device::{select, Device, Selected};
 pub use group::{NcclGroup, NcclGroupOptions};
 pub use mlp::{GpuMlp, GpuMlpConfig, Optimizer, Precision};
+pub use trainer::GpuTrainer;
 pub use rlaunch_kernels::probe::{Probe, ProbeError, SearchPath};
 pub use rlaunch_kernels::KernelError;
 
