@@ -184,6 +184,8 @@ fn main() -> Result<()> {
     let mut window = (Instant::now(), 0u64, 0f64);
     let t_start = Instant::now();
     let steps_at_start = step;
+    const WARMUP_STEPS: u64 = 20;
+    let mut steady_from: Option<Instant> = None;
     'outer: for epoch in start_epoch..args.epochs {
         sampler.set_epoch(epoch);
         let idx = sampler.indices();
@@ -246,8 +248,9 @@ fn main() -> Result<()> {
             }
         }
     }
-    let secs = t_start.elapsed().as_secs_f64();
     ddp.barrier()?;
+    let secs = t_start.elapsed().as_secs_f64();
+    let steady = steady_from.map(|t| (step - steps_at_start - WARMUP_STEPS) as f64 / t.elapsed().as_secs_f64());
     if rank == 0 {
         let n_eval = args.samples.min(4096);
         let logits = model.logits(&data.x[..n_eval * data.dim], n_eval);
@@ -265,6 +268,14 @@ fn main() -> Result<()> {
             done as f64 / secs,
             fnv(&model.params)
         );
+        if let Some(sps) = steady {
+            println!(
+                "steady: {sps:.1} steps/s ({:.0} samples/s, steps {}..{step}, batch {}/rank, world {world})",
+                sps * (args.batch_size * world) as f64,
+                steps_at_start + WARMUP_STEPS,
+                args.batch_size
+            );
+        }
         if let Some(p) = &args.save_final {
             let bytes: Vec<u8> = model.params.iter().flat_map(|x| x.to_le_bytes()).collect();
             std::fs::write(p, bytes).with_context(|| format!("writing {p}"))?;

@@ -30,6 +30,8 @@ const MAGIC: u64 = 0x726c_6175_6e63_6801; // "rlaunch" + version 1
 const HEADER_BYTES: usize = 4096;
 const CTRL_BYTES: usize = 128;
 const ALIGN_ELEMS_BYTES: usize = 64;
+/// Floor of the adaptive spin budget.
+const MIN_SPIN_NS: u64 = 2_000;
 /// Buffers from this size on receive results through non-temporal stores.
 const STREAM_BYTES: usize = 8 << 20;
 
@@ -67,6 +69,8 @@ pub struct ShmGroup {
     step: u32,
     pub(crate) timeout: Duration,
     spin: Duration,
+    /// Current adaptive spin budget in nanoseconds (see `wait_peer`).
+    spin_ns: std::cell::Cell<u64>,
     yields: u32,
     path: String,
 }
@@ -158,6 +162,7 @@ impl ShmGroup {
             step: 0,
             timeout: opts.timeout,
             spin: opts.spin,
+            spin_ns: std::cell::Cell::new(opts.spin.as_nanos() as u64),
             yields: 0,
             path: path.clone(),
         };
@@ -165,6 +170,7 @@ impl ShmGroup {
         if n > cpus {
             // More ranks than cores: a spinning waiter steals the core its peer needs.
             g.spin = g.spin.min(Duration::from_micros(2));
+            g.spin_ns.set(g.spin.as_nanos() as u64);
             g.yields = 8;
         }
         if me == 0 {
@@ -307,33 +313,40 @@ impl ShmGroup {
         Ok(())
     }
 
+    /// Waits until peer `q` has arrived at step `target`: spins for the current spin budget,
+    /// yields a few times when oversubscribed, then sleeps on the peer's futex word.
+    ///
+    /// The spin budget adapts like an adaptive mutex: a wait that ends while spinning doubles
+    /// it (up to the configured spin), a wait that has to sleep halves it. On an idle machine
+    /// waits end within the spin (sub-microsecond hand-offs); on a loaded one the spinner soon
+    /// stops burning the core its peer may be waiting for.
     fn wait_peer(&self, q: usize, target: u32, dl: &Deadline) -> Result<(), CommError> {
         let c = self.ctrl(q);
         let reached = |v: u32| v.wrapping_sub(target) as i32 >= 0;
         if reached(c.seq.load(Ordering::Acquire)) {
             return Ok(());
         }
+        let budget = Duration::from_nanos(self.spin_ns.get());
         let start = Instant::now();
-        let mut i = 0u32;
         loop {
             for _ in 0..64 {
                 std::hint::spin_loop();
                 if reached(c.seq.load(Ordering::Acquire)) {
+                    self.spin_ns.set((self.spin_ns.get() * 2).clamp(MIN_SPIN_NS, self.spin.as_nanos() as u64));
                     return Ok(());
                 }
             }
-            i += 1;
-            if start.elapsed() >= self.spin {
+            if start.elapsed() >= budget {
                 break;
             }
         }
+        self.spin_ns.set((self.spin_ns.get() / 2).max(MIN_SPIN_NS));
         for _ in 0..self.yields {
             std::thread::yield_now();
             if reached(c.seq.load(Ordering::Acquire)) {
                 return Ok(());
             }
         }
-        let _ = i;
         let mut last_check = Instant::now();
         loop {
             c.waiters.fetch_add(1, Ordering::SeqCst);

@@ -2,6 +2,8 @@
 //! wait for them under a deadline, and collect their output.
 #![allow(dead_code)]
 
+pub mod reference;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -41,6 +43,19 @@ pub fn spawn(
     dir: &Path,
     extra: &[(String, String)],
 ) -> Spawned {
+    spawn_wrapped(program, args, hosts, dir, extra, |_| (Vec::new(), Vec::new()))
+}
+
+/// [`spawn`] where rank `r` runs as `prefix(r).0 program args` with extra env `prefix(r).1`
+/// (e.g. `ip netns exec NS`).
+pub fn spawn_wrapped(
+    program: &Path,
+    args: &[String],
+    hosts: &[usize],
+    dir: &Path,
+    extra: &[(String, String)],
+    prefix: impl Fn(usize) -> (Vec<String>, Vec<(String, String)>),
+) -> Spawned {
     let world = hosts.len();
     std::fs::create_dir_all(dir).expect("create the attempt's directory");
     let store = dir.join("store");
@@ -53,7 +68,16 @@ pub fn spawn(
         let log = dir.join(format!("rank{r}.log"));
         let f = std::fs::File::create(&log).expect("create log file");
         let f2 = f.try_clone().expect("clone log file");
-        let mut c = Command::new(program);
+        let (pre, pre_env) = prefix(r);
+        let mut c = match pre.split_first() {
+            Some((p, rest)) => {
+                let mut c = Command::new(p);
+                c.args(rest).arg(program);
+                c
+            }
+            None => Command::new(program),
+        };
+        c.envs(pre_env);
         c.args(args)
             .env("RANK", r.to_string())
             .env("WORLD_SIZE", world.to_string())
