@@ -18,8 +18,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, PutOptions, Txn, TxnOp,
-    WatchOptions,
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, LeaseKeepAliveStream, LeaseKeeper,
+    PutOptions, Txn, TxnOp, WatchOptions,
 };
 use tokio::sync::{watch, Notify};
 use tokio::task::JoinHandle;
@@ -56,6 +56,8 @@ struct Inner {
     /// Serialises this process's own updates of a job, so they never conflict with each other
     /// (only with other replicas or agents).
     locks: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Open keep-alive streams, by alive key.
+    keepers: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<Option<Keeper>>>>>,
     watcher: JoinHandle<()>,
 }
 
@@ -63,6 +65,12 @@ impl Drop for Inner {
     fn drop(&mut self) {
         self.watcher.abort();
     }
+}
+
+/// A keep-alive stream for one node's lease.
+struct Keeper {
+    keeper: LeaseKeeper,
+    stream: LeaseKeepAliveStream,
 }
 
 /// What one read of a job's prefix holds.
@@ -142,6 +150,7 @@ impl EtcdStore {
             expired,
             versions,
             locks: std::sync::Mutex::new(HashMap::new()),
+            keepers: std::sync::Mutex::new(HashMap::new()),
             watcher,
         };
         let store = Self { inner: Arc::new(inner) };
@@ -359,37 +368,79 @@ impl EtcdStore {
         }
     }
 
-    /// Keeps node `node_id`'s lease alive once. Unknown node: no key, or the lease is gone.
+    fn keeper_slot(&self, run_id: &str, node_id: &str) -> Arc<tokio::sync::Mutex<Option<Keeper>>> {
+        let mut keepers = self.inner.keepers.lock().unwrap_or_else(|p| p.into_inner());
+        keepers.entry(alive_key(run_id, node_id)).or_default().clone()
+    }
+
+    fn drop_keeper(&self, run_id: &str, node_id: &str) {
+        let mut keepers = self.inner.keepers.lock().unwrap_or_else(|p| p.into_inner());
+        keepers.remove(&alive_key(run_id, node_id));
+    }
+
+    /// Keeps node `node_id`'s lease alive once, over a keep-alive stream kept open per node (a
+    /// heartbeat is one message, not a lookup and a new stream). Unknown node: no key, or the
+    /// lease is gone.
     pub async fn keep_alive(&self, run_id: &str, node_id: &str) -> Result<Decision, RdzvError> {
         let unknown = || RdzvError::UnknownNode { node_id: node_id.to_owned() };
-        let resp = self.get_alive(run_id, node_id).await?;
-        let lease = resp.kvs().first().map(|kv| kv.lease()).filter(|l| *l != 0).ok_or_else(unknown)?;
-        if self.keep_lease_alive(lease).await? {
-            Ok(Decision { action: Action::HeartbeatRecorded, reason: format!("lease of {node_id} kept alive") })
-        } else {
-            Err(unknown())
-        }
-    }
-
-    /// One keep-alive round trip; false when the lease no longer exists.
-    async fn keep_lease_alive(&self, lease: i64) -> Result<bool, RdzvError> {
-        self.run("lease keep-alive", |mut c| async move {
-            let (mut keeper, mut stream) = c.lease_keep_alive(lease).await?;
-            keeper.keep_alive().await?;
-            Ok(stream.message().await?.map(|r| r.ttl() > 0).unwrap_or(false))
-        })
-        .await
-    }
-
-    /// Makes sure node `node_id` has a live lease and key; returns the lease id.
-    pub async fn register_node(&self, run_id: &str, node_id: &str, ttl: Duration) -> Result<i64, RdzvError> {
-        let key = alive_key(run_id, node_id);
-        let resp = self.get_alive(run_id, node_id).await?;
-        if let Some(lease) = resp.kvs().first().map(|kv| kv.lease()).filter(|l| *l != 0) {
-            if self.keep_lease_alive(lease).await? {
-                return Ok(lease);
+        let slot = self.keeper_slot(run_id, node_id);
+        let mut slot = slot.lock().await;
+        let mut last = timed_out("lease keep-alive");
+        for _attempt in 0..2 {
+            if slot.is_none() {
+                let resp = self.get_alive(run_id, node_id).await?;
+                let Some(lease) = resp.kvs().first().map(|kv| kv.lease()).filter(|l| *l != 0) else {
+                    drop(slot);
+                    self.drop_keeper(run_id, node_id);
+                    return Err(unknown());
+                };
+                let (keeper, stream) =
+                    self.run("lease keep-alive", |mut c| async move { c.lease_keep_alive(lease).await }).await?;
+                *slot = Some(Keeper { keeper, stream });
+            }
+            let k = slot.as_mut().expect("the slot was filled just above");
+            let answer = tokio::time::timeout(OP_TIMEOUT, async {
+                k.keeper.keep_alive().await?;
+                k.stream.message().await
+            })
+            .await;
+            match answer {
+                Ok(Ok(Some(resp))) if resp.ttl() > 0 => {
+                    return Ok(Decision {
+                        action: Action::HeartbeatRecorded,
+                        reason: format!("lease of {node_id} kept alive"),
+                    })
+                }
+                // The cached lease is gone; the node may hold a newer one: look it up again.
+                Ok(Ok(_)) => *slot = None,
+                Ok(Err(e)) => {
+                    debug!(run_id, node_id, error = %e, "keep-alive stream broke; reopening");
+                    last = RdzvError::Etcd { op: "lease keep-alive", source: e };
+                    *slot = None;
+                }
+                Err(_) => *slot = None,
             }
         }
+        if slot.is_none() {
+            // Two fresh attempts failed: either the lease is gone or etcd is unreachable.
+            let resp = self.get_alive(run_id, node_id).await?;
+            if resp.kvs().is_empty() {
+                drop(slot);
+                self.drop_keeper(run_id, node_id);
+                return Err(unknown());
+            }
+        }
+        Err(last)
+    }
+
+    /// Makes sure node `node_id` has a live lease and key.
+    pub async fn register_node(&self, run_id: &str, node_id: &str, ttl: Duration) -> Result<(), RdzvError> {
+        match self.keep_alive(run_id, node_id).await {
+            Ok(_) => return Ok(()),
+            Err(RdzvError::UnknownNode { .. }) => {}
+            Err(e) => return Err(e),
+        }
+        let key = alive_key(run_id, node_id);
         let ttl_s = i64::try_from(ttl.as_millis().div_ceil(1000)).unwrap_or(i64::MAX).max(1);
         let lease = self.run("lease grant", |mut c| async move { c.lease_grant(ttl_s, None).await }).await?.id();
         self.run("put alive key", |mut c| {
@@ -398,7 +449,7 @@ impl EtcdStore {
         })
         .await?;
         debug!(run_id, node_id, lease, ttl_s, "node lease granted");
-        Ok(lease)
+        Ok(())
     }
 
     async fn get_alive(&self, run_id: &str, node_id: &str) -> Result<etcd_client::GetResponse, RdzvError> {
@@ -412,6 +463,7 @@ impl EtcdStore {
 
     /// Revokes the node's lease (its key goes with it).
     pub async fn forget_node(&self, run_id: &str, node_id: &str) -> Result<(), RdzvError> {
+        self.drop_keeper(run_id, node_id);
         let resp = self.get_alive(run_id, node_id).await?;
         if let Some(lease) = resp.kvs().first().map(|kv| kv.lease()).filter(|l| *l != 0) {
             if let Err(error) = self.run("lease revoke", |mut c| async move { c.lease_revoke(lease).await }).await {

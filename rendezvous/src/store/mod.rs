@@ -116,7 +116,7 @@ impl Store {
     pub async fn register_node(&self, run_id: &str, node_id: &str, ttl: Duration) -> Result<(), RdzvError> {
         match self {
             Store::Memory(_) => Ok(()),
-            Store::Etcd(e) => e.register_node(run_id, node_id, ttl).await.map(|_| ()),
+            Store::Etcd(e) => e.register_node(run_id, node_id, ttl).await,
         }
     }
 
