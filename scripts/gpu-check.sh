@@ -92,11 +92,11 @@ if cargo build "${CARGO_FLAGS[@]}" "${PROFILE[@]}" -p rlaunch --features cuda --
     [ $rc -ne 0 ] && train_rc=1
     { echo "### --device $dev (exit $rc)"; echo; echo '```'; grep -E 'train:|step|loss|accuracy|notice|device' "$LOG/train-$dev.txt" | tail -15; echo '```'; echo; } >> "$OUT"
   done
-  # Loss at the last logged step, both runs: they must agree within 2% (fp32).
+  # Loss at the last logged step, both runs: they must agree within 5% (fp32, 50-step window averages).
   lc=$(grep -oE 'loss [0-9.]+' "$LOG/train-cpu.txt" | tail -1 | awk '{print $2}')
   lg=$(grep -oE 'loss [0-9.]+' "$LOG/train-cuda.txt" | tail -1 | awk '{print $2}')
   if [ -n "$lc" ] && [ -n "$lg" ]; then
-    verdict=$(awk -v a="$lc" -v b="$lg" 'BEGIN { d = (a - b) / a; if (d < 0) d = -d; printf "%s (relative gap %.2e, bound 2e-2)", (d <= 0.02 ? "pass" : "FAIL"), d }')
+    verdict=$(awk -v a="$lc" -v b="$lg" 'BEGIN { d = (a - b) / a; if (d < 0) d = -d; printf "%s (relative gap %.2e, bound 5e-2)", (d <= 0.05 ? "pass" : "FAIL"), d }')
     echo "Last logged loss: cpu $lc, cuda $lg: $verdict" >> "$OUT"
     case "$verdict" in FAIL*) train_rc=1 ;; esac
   else
