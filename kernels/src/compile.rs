@@ -65,8 +65,11 @@ fn compile_error(name: &str, e: CompileError) -> KernelError {
     }
 }
 
-fn cubin_cache() -> &'static Mutex<HashMap<(String, u32, u32), Arc<Vec<u8>>>> {
-    static C: OnceLock<Mutex<HashMap<(String, u32, u32), Arc<Vec<u8>>>>> = OnceLock::new();
+/// CUBINs by (source text, major, minor).
+type CubinCache = Mutex<HashMap<(String, u32, u32), Arc<Vec<u8>>>>;
+
+fn cubin_cache() -> &'static CubinCache {
+    static C: OnceLock<CubinCache> = OnceLock::new();
     C.get_or_init(|| Mutex::new(HashMap::new()))
 }
 

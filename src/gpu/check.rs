@@ -80,7 +80,11 @@ impl Ctx {
 /// all (no driver, no GPU, a library missing); failed checks are in the report.
 pub fn run(search: &SearchPath, date: &str) -> Result<CheckReport, GpuError> {
     let probe = rlaunch_kernels::probe::probe(search);
-    probe.require(&Lib::ALL, true).map_err(|source| GpuError::Unavailable { device: "cuda", source })?;
+    probe
+        .require(&[Lib::Driver, Lib::Nvrtc, Lib::Cublas], true)
+        .map_err(|source| GpuError::Unavailable { device: "cuda", source })?;
+    // Without NCCL the kernel and training checks still run; the NCCL ones are failures.
+    let nccl = probe.require(&[Lib::Nccl], false).map_err(|e| e.to_string());
     let ctx = CudaContext::new(0).map_err(derr("creating the context of GPU 0"))?;
     let s = ctx.new_stream().map_err(derr("creating a stream"))?;
     let k = Kernels::load(&ctx).map_err(kerr("compiling and loading the kernels"))?;
@@ -89,11 +93,14 @@ pub fn run(search: &SearchPath, date: &str) -> Result<CheckReport, GpuError> {
     let name = ctx.name().unwrap_or_else(|e| format!("unknown ({e})"));
     let (cc_major, cc_minor) = ctx.compute_capability().unwrap_or((0, 0));
     let mem_gib = ctx.total_mem().map_or(0.0, |b| b as f64 / (1u64 << 30) as f64);
-    let (nm, nn, np) = rlaunch_kernels::nccl::version().map_err(kerr("reading NCCL's version"))?;
+    let nccl_version = match &nccl {
+        Ok(()) => rlaunch_kernels::nccl::version().map(|(a, b, c)| format!("NCCL {a}.{b}.{c}")).unwrap_or_else(|e| format!("NCCL unusable: {e}")),
+        Err(e) => format!("NCCL missing: {e}"),
+    };
     let mut c = Ctx { ctx: ctx.clone(), s, k, blas, rng: SplitMix(seed), md: String::new(), failures: vec![] };
     let _ = writeln!(c.md, "# GPU checks and benchmarks\n");
     let _ = writeln!(c.md, "- date: {date}\n- device: {name} (compute capability {cc_major}.{cc_minor}, {mem_gib:.0} GiB)");
-    let _ = writeln!(c.md, "- NCCL {nm}.{nn}.{np}; random seed {seed}; written by `scripts/gpu-check.sh`\n");
+    let _ = writeln!(c.md, "- {nccl_version}\n- random seed {seed}; written by `scripts/gpu-check.sh`\n");
     for (lib, st) in &probe.libs {
         if let rlaunch_kernels::probe::LibState::Loaded { from } = st {
             let _ = writeln!(c.md, "- {}: `{from}`", lib.label());
@@ -105,17 +112,52 @@ pub fn run(search: &SearchPath, date: &str) -> Result<CheckReport, GpuError> {
     }
 
     kernels_vs_reference(&mut c)?;
-    training_vs_cpu(&mut c)?;
-    let (mut group, _store) = single_rank_group(&ctx)?;
-    nccl_single_rank(&mut c, &mut group)?;
-    bench_nccl(&mut c, &mut group)?;
-    bench_update(&mut c)?;
+    // Each NCCL part is fenced: a failure there is reported, and the rest still runs.
+    let mut group = match &nccl {
+        Ok(()) => match single_rank_group(&ctx) {
+            Ok(g) => Some(g),
+            Err(e) => {
+                c.fail(format!("NCCL group bootstrap: {}", chain(&e)));
+                None
+            }
+        },
+        Err(e) => {
+            c.fail(format!("NCCL checks not run: {e}"));
+            None
+        }
+    };
+    if let Err(e) = training_vs_cpu(&mut c, group.as_mut().map(|g| &mut g.0)) {
+        c.fail(format!("training run: {}", chain(&e)));
+    }
+    if let Some((g, _store)) = group.as_mut() {
+        if let Err(e) = nccl_single_rank(&mut c, g) {
+            c.fail(format!("NCCL all-reduce: {}", chain(&e)));
+        }
+        if let Err(e) = bench_nccl(&mut c, g) {
+            c.fail(format!("NCCL benchmark: {}", chain(&e)));
+        }
+    }
+    if let Err(e) = bench_update(&mut c) {
+        c.fail(format!("update benchmark: {}", chain(&e)));
+    }
     let _ = writeln!(
         c.md,
         "\n## Verdict\n\n{}",
         if c.failures.is_empty() { "Every check passed.".to_string() } else { format!("{} check(s) FAILED:\n\n- {}", c.failures.len(), c.failures.join("\n- ")) }
     );
     Ok(CheckReport { markdown: c.md, failures: c.failures })
+}
+
+/// An error with its sources, on one line.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(src) = cur {
+        s.push_str(": ");
+        s.push_str(&src.to_string());
+        cur = src.source();
+    }
+    s
 }
 
 fn kernels_vs_reference(c: &mut Ctx) -> Result<(), GpuError> {
@@ -306,7 +348,7 @@ fn blobs(rng: &mut SplitMix, n: usize, dim: usize, classes: usize) -> (Vec<f32>,
     (x, y)
 }
 
-fn training_vs_cpu(c: &mut Ctx) -> Result<(), GpuError> {
+fn training_vs_cpu(c: &mut Ctx, mut group: Option<&mut NcclGroup>) -> Result<(), GpuError> {
     let _ = writeln!(c.md, "\n## Training on the GPU against the CPU model\n");
     let (dim, hidden, classes, batch, steps) = (32, 256, 8, 64, 300);
     let (lr, momentum) = (0.05f32, 0.9f32);
@@ -344,19 +386,20 @@ fn training_vs_cpu(c: &mut Ctx) -> Result<(), GpuError> {
         }
         curves.push(("cpu fp32".into(), losses));
     }
-    // GPU runs through a one-rank NCCL group (the data-parallel path, overlap included).
-    let (mut group, _store) = single_rank_group(&c.ctx)?;
+    // GPU runs through a one-rank NCCL group when NCCL is there (the data-parallel path,
+    // overlap included), else without one.
     for precision in [Precision::F32, Precision::Bf16] {
         let mut g = GpuMlp::new(&c.ctx, &model, &[], GpuMlpConfig { precision, optimizer: Optimizer::Sgd { lr, momentum, weight_decay: 0.0 } })?;
         let mut losses = Vec::with_capacity(steps);
         let t = Instant::now();
         for st in 0..steps {
             let b = st % (y.len() / batch);
-            losses.push(g.step(&x[b * batch * dim..(b + 1) * batch * dim], &y[b * batch..(b + 1) * batch], Some(&mut group))?);
+            losses.push(g.step(&x[b * batch * dim..(b + 1) * batch * dim], &y[b * batch..(b + 1) * batch], group.as_deref_mut())?);
         }
         g.synchronize()?;
         let secs = t.elapsed().as_secs_f64();
-        curves.push((format!("gpu {} ({:.0} steps/s)", if precision == Precision::F32 { "fp32" } else { "bf16" }, steps as f64 / secs), losses));
+        let via = if group.is_some() { "1-rank NCCL group" } else { "no NCCL" };
+        curves.push((format!("gpu {} ({via}, {:.0} steps/s)", if precision == Precision::F32 { "fp32" } else { "bf16" }, steps as f64 / secs), losses));
     }
     let avg = |v: &[f32], a: usize, b: usize| v[a..b].iter().sum::<f32>() / (b - a) as f32;
     let _ = writeln!(c.md, "\n| run | loss, steps 0-9 | 50-59 | 140-149 | {}-{} |\n|---|---|---|---|---|", steps - 10, steps - 1);
@@ -382,7 +425,9 @@ fn training_vs_cpu(c: &mut Ctx) -> Result<(), GpuError> {
     if (drop_bf16 - drop_cpu).abs() > 0.05 {
         c.fail(format!("bf16 mixed precision converges differently: final/initial {drop_bf16:.3} vs CPU {drop_cpu:.3}"));
     }
-    group.wait()?;
+    if let Some(g) = group {
+        g.wait()?;
+    }
     Ok(())
 }
 
@@ -398,7 +443,7 @@ fn single_rank_group(ctx: &Arc<CudaContext>) -> Result<(NcclGroup, StoreKeepAliv
         .map_err(|e| GpuError::Invalid { op: "store", reason: format!("starting a TCPStore: {e}") })?;
     let addr = handle.local_addr().to_string();
     let mut client = crate::store::StoreClient::connect(&addr, Duration::from_secs(10))
-        .map_err(|source| GpuError::Store { step: "connect", key: String::new(), source })?;
+        .map_err(|source| GpuError::Store { step: "connect", key: String::new(), source: Box::new(source) })?;
     let prefix = super::group::key_prefix("gpu-check", 0);
     let group = NcclGroup::init(&mut client, &prefix, 0, 1, ctx, NcclGroupOptions { timeout: Duration::from_secs(60) })?;
     Ok((group, StoreKeepAlive { _rt: rt, _handle: handle }))

@@ -59,7 +59,7 @@ impl NcclGroup {
     pub fn from_env(env: &WorkerEnv, ctx: &Arc<CudaContext>, opts: NcclGroupOptions) -> Result<Self, GpuError> {
         let addr = format!("{}:{}", env.master_addr, env.master_port);
         let mut store = StoreClient::connect(&addr, opts.timeout)
-            .map_err(|source| GpuError::Store { step: "connect", key: String::new(), source })?;
+            .map_err(|source| GpuError::Store { step: "connect", key: String::new(), source: Box::new(source) })?;
         Self::init(
             &mut store,
             &key_prefix(&env.run_id, env.restart_count),
@@ -85,7 +85,7 @@ impl NcclGroup {
         let t = opts.timeout;
         let store_err = |step: &'static str, key: &str| {
             let key = key.to_string();
-            move |source| GpuError::Store { step, key, source }
+            move |source| GpuError::Store { step, key, source: Box::new(source) }
         };
         let id_key = format!("{prefix}id");
         if rank == 0 {

@@ -52,7 +52,7 @@ pub enum GpuError {
         step: &'static str,
         key: String,
         #[source]
-        source: crate::store::StoreError,
+        source: Box<crate::store::StoreError>,
     },
     #[error("rank {rank}: {op} did not complete within {timeout:?}; the NCCL communicator was aborted")]
     Timeout { rank: usize, op: &'static str, timeout: Duration },
