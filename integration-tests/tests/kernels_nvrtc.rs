@@ -164,3 +164,45 @@ fn gpu_check() -> anyhow::Result<()> {
     anyhow::ensure!(report.failures.is_empty(), "{} GPU check(s) failed:\n{}", report.failures.len(), report.failures.join("\n"));
     Ok(())
 }
+
+#[test]
+fn nccl_unique_id_reaches_every_rank_through_the_store_and_a_missing_rank_is_a_timeout() {
+    use rlaunch::gpu::{exchange_unique_id, key_prefix, GpuError};
+    use rlaunch::store::{StoreClient, StoreServer};
+    use std::time::{Duration, Instant};
+    probe::ensure(Lib::Nccl, &venv_search()).unwrap_or_else(|e| panic!("{e}"));
+    let rt = tokio::runtime::Runtime::new().expect("tokio runtime");
+    let server = rt.block_on(StoreServer::start("127.0.0.1:0".parse().expect("address"))).expect("store server");
+    let addr = server.local_addr().to_string();
+    assert_eq!(key_prefix("job-a", 3), "rlaunch/nccl/job-a/3/");
+
+    let run = |prefix: String, world: usize, ranks: std::ops::Range<usize>, timeout: Duration| {
+        let handles: Vec<_> = ranks
+            .map(|rank| {
+                let (addr, prefix) = (addr.clone(), prefix.clone());
+                std::thread::spawn(move || -> Result<[u8; 128], String> {
+                    let mut c = StoreClient::connect(&addr, Duration::from_secs(10)).map_err(|e| e.to_string())?;
+                    exchange_unique_id(&mut c, &prefix, rank, world, timeout).map(|id| id.internal).map_err(|e| match e {
+                        GpuError::Store { step, .. } => format!("store step {step}"),
+                        other => other.to_string(),
+                    })
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("rank thread")).collect::<Vec<_>>()
+    };
+
+    // Three ranks of attempt 0: one id, the same everywhere.
+    let ids = run(key_prefix("job-a", 0), 3, 0..3, Duration::from_secs(10));
+    let first = ids[0].clone().expect("rank 0");
+    assert!(ids.iter().all(|r| r.as_ref() == Ok(&first)), "{ids:?}");
+    // The next attempt (restart count 1) gets a fresh id, not the old one.
+    let again = run(key_prefix("job-a", 1), 3, 0..3, Duration::from_secs(10));
+    assert_ne!(again[0].clone().expect("rank 0"), first);
+    // Rank 1 of 2 never comes: rank 0 fails at the store barrier within its deadline.
+    let t = Instant::now();
+    let lonely = run(key_prefix("job-b", 0), 2, 0..1, Duration::from_millis(800));
+    assert_eq!(lonely[0], Err("store step wait for every rank".to_string()));
+    assert!(t.elapsed() < Duration::from_secs(5), "took {:?}", t.elapsed());
+    rt.block_on(server.shutdown()).expect("store shutdown");
+}

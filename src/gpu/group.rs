@@ -53,6 +53,39 @@ pub fn key_prefix(run_id: &str, restart_count: u32) -> String {
     format!("rlaunch/nccl/{run_id}/{restart_count}/")
 }
 
+/// The store half of the bootstrap (no GPU involved): rank 0 makes the NCCL unique id and
+/// publishes it under `{prefix}id`; every rank reads it, counts itself in under
+/// `{prefix}joined`, and waits (at most `timeout`) until all `world` ranks have.
+pub fn exchange_unique_id(store: &mut StoreClient, prefix: &str, rank: usize, world: usize, timeout: Duration) -> Result<UniqueId, GpuError> {
+    if world == 0 || rank >= world {
+        return Err(GpuError::Invalid { op: "exchange_unique_id", reason: format!("rank {rank} of world {world}") });
+    }
+    let t = timeout;
+    let store_err = |step: &'static str, key: &str| {
+        let key = key.to_string();
+        move |source| GpuError::Store { step, key, source: Box::new(source) }
+    };
+    let id_key = format!("{prefix}id");
+    if rank == 0 {
+        let id = UniqueId::new().map_err(super::kerr("making the NCCL unique id"))?;
+        store.set(&id_key, &id.internal).map_err(store_err("publish id", &id_key))?;
+    }
+    store.wait(&[&id_key], t).map_err(store_err("wait for id", &id_key))?;
+    let bytes = store.get(&id_key).map_err(store_err("read id", &id_key))?;
+    let id = UniqueId::from_bytes(&bytes).ok_or_else(|| GpuError::Invalid {
+        op: "exchange_unique_id",
+        reason: format!("the id under {id_key:?} has {} bytes, not 128", bytes.len()),
+    })?;
+    let joined_key = format!("{prefix}joined");
+    let ready_key = format!("{prefix}ready");
+    let n = store.add(&joined_key, 1).map_err(store_err("count in", &joined_key))?;
+    if n == world as i64 {
+        store.set(&ready_key, b"1").map_err(store_err("announce ready", &ready_key))?;
+    }
+    store.wait(&[&ready_key], t).map_err(store_err("wait for every rank", &ready_key))?;
+    Ok(id)
+}
+
 impl NcclGroup {
     /// Joins the group described by the worker environment on GPU `ctx` (the caller picked it
     /// from `LOCAL_RANK`), through the store at `MASTER_ADDR:MASTER_PORT`.
@@ -79,37 +112,11 @@ impl NcclGroup {
         ctx: &Arc<CudaContext>,
         opts: NcclGroupOptions,
     ) -> Result<Self, GpuError> {
-        if world == 0 || rank >= world {
-            return Err(GpuError::Invalid { op: "NcclGroup::init", reason: format!("rank {rank} of world {world}") });
-        }
-        let t = opts.timeout;
-        let store_err = |step: &'static str, key: &str| {
-            let key = key.to_string();
-            move |source| GpuError::Store { step, key, source: Box::new(source) }
-        };
-        let id_key = format!("{prefix}id");
-        if rank == 0 {
-            let id = UniqueId::new().map_err(super::kerr("making the NCCL unique id"))?;
-            store.set(&id_key, &id.internal).map_err(store_err("publish id", &id_key))?;
-        }
-        store.wait(&[&id_key], t).map_err(store_err("wait for id", &id_key))?;
-        let bytes = store.get(&id_key).map_err(store_err("read id", &id_key))?;
-        let id = UniqueId::from_bytes(&bytes).ok_or_else(|| GpuError::Invalid {
-            op: "NcclGroup::init",
-            reason: format!("the id under {id_key:?} has {} bytes, not 128", bytes.len()),
-        })?;
-        let joined_key = format!("{prefix}joined");
-        let ready_key = format!("{prefix}ready");
-        let n = store.add(&joined_key, 1).map_err(store_err("count in", &joined_key))?;
-        if n == world as i64 {
-            store.set(&ready_key, b"1").map_err(store_err("announce ready", &ready_key))?;
-        }
-        store.wait(&[&ready_key], t).map_err(store_err("wait for every rank", &ready_key))?;
-
+        let id = exchange_unique_id(store, prefix, rank, world, opts.timeout)?;
         ctx.bind_to_thread().map_err(derr("binding the GPU context"))?;
         let stream = ctx.new_stream().map_err(derr("creating the NCCL stream"))?;
         let comm = Comm::init_rank(&id, rank, world).map_err(super::kerr("ncclCommInitRank"))?;
-        Ok(Self { ctx: ctx.clone(), stream, comm, rank, world, timeout: t, pending: 0 })
+        Ok(Self { ctx: ctx.clone(), stream, comm, rank, world, timeout: opts.timeout, pending: 0 })
     }
 
     pub fn rank(&self) -> usize {

@@ -24,7 +24,7 @@ mod trainer;
 use std::time::Duration;
 
 pub use device::{select, Device, Selected};
-pub use group::{NcclGroup, NcclGroupOptions};
+pub use group::{exchange_unique_id, key_prefix, NcclGroup, NcclGroupOptions};
 pub use mlp::{GpuMlp, GpuMlpConfig, Optimizer, Precision};
 pub use trainer::GpuTrainer;
 pub use rlaunch_kernels::probe::{Probe, ProbeError, SearchPath};
