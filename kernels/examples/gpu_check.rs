@@ -1,2 +1,0 @@
-//! GPU checks (filled in below).
-fn main() {}
