@@ -211,6 +211,9 @@ fn main() -> Result<()> {
                 opt.step_slice(&mut model.params, range, ddp.grad(p));
             }
             step += 1;
+            if step == steps_at_start + WARMUP_STEPS {
+                steady_from = Some(Instant::now());
+            }
             window.1 += 1;
             window.2 += loss as f64;
             if step % args.log_every == 0 {
