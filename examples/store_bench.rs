@@ -16,10 +16,10 @@ use rlaunch::store::StoreServer;
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
     if args.first().map(String::as_str) == Some("serve") {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()?;
         let port: u16 = args.get(1).map(|p| p.parse()).transpose()?.unwrap_or(0);
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
         let handle = rt.block_on(StoreServer::start(addr))?;
@@ -29,7 +29,7 @@ fn main() -> Result<()> {
         rt.block_on(handle.shutdown())?;
         return Ok(());
     }
-    bench(&rt, &args)
+    bench(&args)
 }
 
 fn repo_root() -> PathBuf {
@@ -104,11 +104,32 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn bench(rt: &tokio::runtime::Runtime, args: &[String]) -> Result<()> {
+fn bench(args: &[String]) -> Result<()> {
     let o = parse(args)?;
     let load_before = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    let ours = rt.block_on(StoreServer::start("127.0.0.1:0".parse()?))?;
-    let our_port = ours.local_addr().port();
+    // Our server on its own thread and runtime; STORE_BENCH_RT=current makes that runtime
+    // current-thread (default: multi-thread, one worker per core).
+    let flavor = std::env::var("STORE_BENCH_RT").unwrap_or_else(|_| "multi-thread".into());
+    let (port_tx, port_rx) = std::sync::mpsc::channel();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server_rt = if flavor == "current" {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?
+    } else {
+        tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()?
+    };
+    let server_thread = std::thread::spawn(move || {
+        server_rt.block_on(async move {
+            let handle = StoreServer::start("127.0.0.1:0".parse().expect("valid address")).await?;
+            let _ = port_tx.send(handle.local_addr().port());
+            let _ = stop_rx.await;
+            handle.shutdown().await
+        })
+    });
+    let our_port = port_rx.recv().context("our server did not start")?;
 
     let mut torch_server = Command::new(python()?)
         .arg(repo_root().join("bench/store/torch_server.py"))
@@ -141,7 +162,10 @@ fn bench(rt: &tokio::runtime::Runtime, args: &[String]) -> Result<()> {
     }
     drop(torch_server.stdin.take());
     let _ = torch_server.wait();
-    rt.block_on(ours.shutdown())?;
+    let _ = stop_tx.send(());
+    server_thread
+        .join()
+        .map_err(|_| anyhow::anyhow!("server thread panicked"))??;
 
     let torch_version = results[1][0]
         .get("torch")
@@ -213,7 +237,7 @@ fn bench(rt: &tokio::runtime::Runtime, args: &[String]) -> Result<()> {
              Client: torch {torch_version}'s own `torch.distributed.TCPStore` client drives both servers in\n\
              one run (`bench/store/driver.py`); torch's server is its default libuv backend hosted by\n\
              `bench/store/torch_server.py`; ours is `rlaunch::store::StoreServer` in the\n\
-             `store_bench` process (tokio, release build). Median of {rounds} interleaved rounds; {ops}\n\
+             `store_bench` process (tokio {flavor} runtime, release build). Median of {rounds} interleaved rounds; {ops}\n\
              sequential ops per latency metric from one client; throughput with {procs} client\n\
              processes at once ({ops} ops each). Speed-up > 1 means rlaunch is faster (latency: torch /\n\
              rlaunch; throughput: rlaunch / torch). `wake` is half a set→wait ping-pong round trip\n\
@@ -226,6 +250,7 @@ fn bench(rt: &tokio::runtime::Runtime, args: &[String]) -> Result<()> {
             rounds = o.rounds,
             ops = o.ops,
             procs = o.procs,
+            flavor = flavor,
             load = load_before.split_whitespace().take(3).collect::<Vec<_>>().join(" "),
         );
         let path = repo_root().join("bench/store/RESULTS.md");

@@ -323,6 +323,8 @@ enum Part {
 }
 
 const INLINE_VALUE: usize = 16 * 1024;
+/// Big values are written this much at a time, each piece under the stall deadline.
+const WRITE_CHUNK: usize = 1 << 20;
 
 impl Reply {
     fn tail(&mut self) -> &mut Vec<u8> {
@@ -398,7 +400,7 @@ impl<W: AsyncWrite + Unpin> Session<W> {
                 Part::Bytes(b) => b,
                 Part::Shared(b) => b,
             };
-            for chunk in bytes.chunks(64 * 1024) {
+            for chunk in bytes.chunks(WRITE_CHUNK) {
                 tokio::time::timeout(stall, self.out.write_all(chunk))
                     .await
                     .map_err(|_| Close::WriteStalled(stall))?
