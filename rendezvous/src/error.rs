@@ -47,6 +47,8 @@ pub enum RdzvError {
     },
     #[error("job `{run_id}`: gave up after {attempts} conflicting concurrent updates")]
     Contention { run_id: String, attempts: u32 },
+    #[error("job state update failed: {message}")]
+    Store { message: String },
 }
 
 impl RdzvError {
@@ -64,9 +66,10 @@ impl RdzvError {
             RdzvError::JobFailed { .. } => "job_failed",
             RdzvError::JoinTimeout { .. } => "join_timeout",
             RdzvError::Server { .. } | RdzvError::Unavailable { .. } => "unavailable",
-            RdzvError::Etcd { .. } | RdzvError::Corrupt { .. } | RdzvError::Contention { .. } => {
-                "internal"
-            }
+            RdzvError::Etcd { .. }
+            | RdzvError::Corrupt { .. }
+            | RdzvError::Contention { .. }
+            | RdzvError::Store { .. } => "internal",
         }
     }
 
@@ -79,7 +82,10 @@ impl RdzvError {
     /// opposed to refusing the request.
     pub fn is_transient(&self) -> bool {
         match self {
-            RdzvError::Unavailable { .. } | RdzvError::Etcd { .. } | RdzvError::Contention { .. } => true,
+            RdzvError::Unavailable { .. }
+            | RdzvError::Etcd { .. }
+            | RdzvError::Contention { .. }
+            | RdzvError::Store { .. } => true,
             RdzvError::Server { status, .. } => *status >= 500 || (200..300).contains(status),
             _ => false,
         }

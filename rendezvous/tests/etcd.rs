@@ -81,9 +81,15 @@ impl Etcd {
                 }
             }
         };
-        if tokio::time::timeout(Duration::from_secs(20), ready).await.is_err() {
-            let log = std::fs::read_to_string(etcd.dir.path().join("etcd-m0.log")).unwrap_or_default();
-            panic!("etcd did not become ready; member 0's log:\n{log}");
+        // Generous: a three-member election on a loaded two-core machine can take a while.
+        if tokio::time::timeout(Duration::from_secs(45), ready).await.is_err() {
+            let mut logs = String::new();
+            for i in 0..n {
+                let log = std::fs::read_to_string(etcd.dir.path().join(format!("etcd-m{i}.log"))).unwrap_or_default();
+                let tail: Vec<&str> = log.lines().rev().take(15).collect();
+                logs.push_str(&format!("--- member {i}, last lines:\n{}\n", tail.into_iter().rev().collect::<Vec<_>>().join("\n")));
+            }
+            panic!("etcd did not become ready:\n{logs}");
         }
         etcd
     }

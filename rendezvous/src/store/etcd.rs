@@ -21,7 +21,9 @@ use etcd_client::{
     Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, LeaseKeepAliveStream, LeaseKeeper,
     PutOptions, Txn, TxnOp, WatchOptions,
 };
-use tokio::sync::{watch, Notify};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use tokio::sync::{oneshot, watch, Notify};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tracing::{debug, warn};
@@ -53,9 +55,9 @@ struct Inner {
     expired: Arc<Notify>,
     /// Latest job versions seen by the watch, so long-polls need not re-read whole jobs.
     versions: Arc<std::sync::Mutex<HashMap<String, u64>>>,
-    /// Serialises this process's own updates of a job, so they never conflict with each other
-    /// (only with other replicas or agents).
-    locks: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Events waiting for their job's next batched update, by run id: this process's own
+    /// updates of a job never conflict with each other (only with other replicas or agents).
+    queues: std::sync::Mutex<HashMap<String, JobQueue>>,
     /// Open keep-alive streams, by alive key.
     keepers: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<Option<Keeper>>>>>,
     watcher: JoinHandle<()>,
@@ -65,6 +67,47 @@ impl Drop for Inner {
     fn drop(&mut self) {
         self.watcher.abort();
     }
+}
+
+/// One event waiting for its job's next batched update.
+struct Queued {
+    create: Option<JobSettings>,
+    ev: Event,
+    now: Millis,
+    reply: oneshot::Sender<Result<(Job, Decision), RdzvError>>,
+}
+
+#[derive(Default)]
+struct JobQueue {
+    waiting: Vec<Queued>,
+    /// A task is draining this queue.
+    busy: bool,
+}
+
+fn reply_all(batch: Vec<Queued>, outcomes: Vec<Result<Decision, RdzvError>>, job: Option<Job>) {
+    for (q, outcome) in batch.into_iter().zip(outcomes) {
+        let answer = outcome.and_then(|d| match &job {
+            Some(j) => Ok((j.clone(), d)),
+            // Only refused events reach here without a job; their answer needs no job state
+            // beyond "none" (a refused first join never creates one).
+            None => Err(match d.action {
+                Action::Rejected(r) => r.into(),
+                _ => RdzvError::Store { message: "no job state after the update".to_owned() },
+            }),
+        });
+        let _ = q.reply.send(answer);
+    }
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(cause) = src {
+        s.push_str(": ");
+        s.push_str(&cause.to_string());
+        src = cause.source();
+    }
+    s
 }
 
 /// A keep-alive stream for one node's lease.
@@ -149,7 +192,7 @@ impl EtcdStore {
             changes,
             expired,
             versions,
-            locks: std::sync::Mutex::new(HashMap::new()),
+            queues: std::sync::Mutex::new(HashMap::new()),
             keepers: std::sync::Mutex::new(HashMap::new()),
             watcher,
         };
@@ -224,6 +267,10 @@ impl EtcdStore {
         job
     }
 
+    /// Applies `ev` to the job in etcd. Concurrent callers in this process are grouped: one
+    /// task reads the job once, applies every queued event in arrival order and writes once
+    /// (compare mod revision, then put), so a thousand agents joining at once cost a handful of
+    /// transactions, not a thousand conflicting ones.
     pub async fn apply(
         &self,
         run_id: &str,
@@ -231,50 +278,131 @@ impl EtcdStore {
         ev: Event,
         now: Millis,
     ) -> Result<(Job, Decision), RdzvError> {
-        let key = state_key(run_id);
-        let lock = {
-            let mut locks = self.inner.locks.lock().unwrap_or_else(|p| p.into_inner());
-            locks.entry(run_id.to_owned()).or_default().clone()
+        let (tx, rx) = oneshot::channel();
+        let queued = Queued { create: create.cloned(), ev, now, reply: tx };
+        let lead = {
+            let mut queues = self.inner.queues.lock().unwrap_or_else(|p| p.into_inner());
+            let q = queues.entry(run_id.to_owned()).or_default();
+            q.waiting.push(queued);
+            !std::mem::replace(&mut q.busy, true)
         };
-        let _serialised = lock.lock().await;
+        if lead {
+            // On its own task: a caller that gives up (a dropped HTTP request) must not strand
+            // the callers queued behind it.
+            tokio::spawn(self.clone().drain(run_id.to_owned()));
+        }
+        rx.await.unwrap_or_else(|_| Err(RdzvError::Store { message: "the update task ended without an answer".to_owned() }))
+    }
+
+    async fn drain(self, run_id: String) {
+        loop {
+            let batch = {
+                let mut queues = self.inner.queues.lock().unwrap_or_else(|p| p.into_inner());
+                let Some(q) = queues.get_mut(&run_id) else { return };
+                if q.waiting.is_empty() {
+                    queues.remove(&run_id);
+                    return;
+                }
+                std::mem::take(&mut q.waiting)
+            };
+            self.commit(&run_id, batch).await;
+        }
+    }
+
+    /// Read, apply a batch of events, compare-and-put; retried from the read on conflict.
+    async fn commit(&self, run_id: &str, batch: Vec<Queued>) {
+        let key = state_key(run_id);
+        let mut failure: Option<String> = None;
         for attempt in 1..=MAX_ATTEMPTS {
             if attempt > 1 {
                 // Someone else wrote first: back off a little, with jitter, before re-reading.
-                let jitter = u64::from(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0) % 20);
+                let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+                let jitter = u64::from(nanos % 20);
                 tokio::time::sleep(Duration::from_millis(jitter + 2 * u64::from(attempt.min(10)))).await;
             }
-            let snap = self.read(run_id).await?;
+            let snap = match self.read(run_id).await {
+                Ok(snap) => snap,
+                Err(e) => {
+                    failure = Some(error_chain(&e));
+                    break;
+                }
+            };
             let created = snap.job.is_none();
-            let job = super::existing_or_new(run_id, snap.job, create, now)?;
-            let job = Self::with_liveness(job, &snap.alive, now);
-            let (next, decision) = round::apply(&job, ev.clone(), now);
-            if matches!(decision.action, Action::Rejected(_)) {
-                return Ok((job, decision));
+            let now = batch.first().map(|q| q.now).unwrap_or(0);
+            let mut job: Option<Job> = snap.job.clone().map(|j| Self::with_liveness(j, &snap.alive, now));
+            let mut outcomes: Vec<Result<Decision, RdzvError>> = Vec::with_capacity(batch.len());
+            for q in &batch {
+                // Settings checks and creation as in `existing_or_new`, without copying the job.
+                let fresh = job.is_none();
+                match (&job, q.create.as_ref()) {
+                    (Some(j), Some(settings)) if &j.settings != settings => {
+                        outcomes.push(Err(super::mismatch(run_id, &j.settings, settings)));
+                        continue;
+                    }
+                    (Some(_), _) => {}
+                    (None, Some(settings)) => {
+                        job = Some(Self::with_liveness(Job::new(settings.clone(), q.now), &snap.alive, q.now));
+                    }
+                    (None, None) => {
+                        outcomes.push(Err(RdzvError::UnknownJob { run_id: run_id.to_owned() }));
+                        continue;
+                    }
+                }
+                let j = job.as_mut().expect("the job exists or was just created");
+                let d = round::apply_in_place(j, q.ev.clone(), q.now);
+                if fresh && matches!(d.action, Action::Rejected(_)) {
+                    // A refused first join creates nothing.
+                    job = None;
+                }
+                outcomes.push(Ok(d));
             }
+            let Some(next) = job else {
+                // Nothing created (every event refused): answer without writing.
+                return reply_all(batch, outcomes, None);
+            };
             let to_store = stored(&next);
-            if !created && stored(&job) == to_store {
-                return Ok((next, decision));
+            let unchanged = !created && snap.job.as_ref().map(stored).as_ref() == Some(&to_store);
+            if unchanged {
+                return reply_all(batch, outcomes, Some(next));
             }
-            let value = serde_json::to_vec(&to_store)
-                .map_err(|source| RdzvError::Corrupt { run_id: run_id.to_owned(), source })?;
+            let value = match serde_json::to_vec(&to_store) {
+                Ok(v) => v,
+                Err(e) => {
+                    failure = Some(format!("cannot encode job state: {e}"));
+                    break;
+                }
+            };
             let cmp = if created {
                 Compare::version(key.clone(), CompareOp::Equal, 0)
             } else {
                 Compare::mod_revision(key.clone(), CompareOp::Equal, snap.mod_revision)
             };
             let txn = Txn::new().when([cmp]).and_then([TxnOp::put(key.clone(), value, None)]);
-            let resp = self
+            match self
                 .run("transaction", |mut c| {
                     let txn = txn.clone();
                     async move { c.txn(txn).await }
                 })
-                .await?;
-            if resp.succeeded() {
-                return Ok((next, decision));
+                .await
+            {
+                Ok(resp) if resp.succeeded() => {
+                    if let Some(v) = self.inner.versions.lock().unwrap_or_else(|p| p.into_inner()).get_mut(run_id) {
+                        *v = (*v).max(next.version);
+                    }
+                    return reply_all(batch, outcomes, Some(next));
+                }
+                Ok(_) => debug!(run_id, attempt, "lost a concurrent update of the job; retrying"),
+                Err(e) => {
+                    failure = Some(error_chain(&e));
+                    break;
+                }
             }
-            debug!(run_id, attempt, "lost a concurrent update of the job; retrying");
         }
-        Err(RdzvError::Contention { run_id: run_id.to_owned(), attempts: MAX_ATTEMPTS })
+        let message = failure.unwrap_or_else(|| format!("gave up after {MAX_ATTEMPTS} conflicting concurrent updates"));
+        warn!(run_id, message = %message, "job update failed");
+        for q in batch {
+            let _ = q.reply.send(Err(RdzvError::Store { message: message.clone() }));
+        }
     }
 
     pub async fn load(&self, run_id: &str, now: Millis) -> Result<Option<Job>, RdzvError> {

@@ -51,7 +51,7 @@ impl MemoryStore {
         if let Some(entry) = jobs.get_mut(run_id) {
             if let Some(settings) = create {
                 if &entry.job.settings != settings {
-                    super::existing_or_new(run_id, Some(entry.job.clone()), create, now)?;
+                    return Err(super::mismatch(run_id, &entry.job.settings, settings));
                 }
             }
             let before = entry.job.version;

@@ -22,6 +22,18 @@ pub enum Store {
     Etcd(etcd::EtcdStore),
 }
 
+/// A join asking for other settings than the job was created with.
+pub(crate) fn mismatch(run_id: &str, job: &JobSettings, asked: &JobSettings) -> RdzvError {
+    RdzvError::SettingsMismatch {
+        run_id: run_id.to_owned(),
+        message: format!(
+            "the job was created with {}, this node asks for {}",
+            serde_json::to_string(job).unwrap_or_default(),
+            serde_json::to_string(asked).unwrap_or_default()
+        ),
+    }
+}
+
 /// Checks that a join's settings match the job's, or creates the job when there is none.
 pub(crate) fn existing_or_new(
     run_id: &str,
@@ -30,14 +42,7 @@ pub(crate) fn existing_or_new(
     now: Millis,
 ) -> Result<Job, RdzvError> {
     match (existing, create) {
-        (Some(job), Some(settings)) if &job.settings != settings => Err(RdzvError::SettingsMismatch {
-            run_id: run_id.to_owned(),
-            message: format!(
-                "the job was created with {}, this node asks for {}",
-                serde_json::to_string(&job.settings).unwrap_or_default(),
-                serde_json::to_string(settings).unwrap_or_default()
-            ),
-        }),
+        (Some(job), Some(settings)) if &job.settings != settings => Err(mismatch(run_id, &job.settings, settings)),
         (Some(job), _) => Ok(job),
         (None, Some(settings)) => Ok(Job::new(settings.clone(), now)),
         (None, None) => Err(RdzvError::UnknownJob { run_id: run_id.to_owned() }),
