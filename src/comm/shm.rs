@@ -23,7 +23,7 @@ use super::elem::{as_bytes, Element, ReduceOp};
 use super::{CommError, Deadline, Desc, PgOptions, Rendezvous};
 
 /// Default staging buffer per rank and per step (two per rank).
-pub const DEFAULT_CHUNK_BYTES: usize = 256 << 10;
+pub const DEFAULT_CHUNK_BYTES: usize = 1 << 20;
 /// All-reduces up to this size are reduced by every rank in one step.
 const SMALL_BYTES: usize = 64 << 10;
 const MAGIC: u64 = 0x726c_6175_6e63_6801; // "rlaunch" + version 1
