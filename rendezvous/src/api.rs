@@ -4,7 +4,7 @@
 //!
 //! | method, path | body | answer |
 //! |---|---|---|
-//! | `POST /v1/jobs/{run_id}/join` | `{settings, node, wait_ms?}` | `{"status":"round",…RoundInfo}` or `{"status":"wait",round,state}` |
+//! | `POST /v1/jobs/{run_id}/join` | `{settings, node, wait_ms?}` | `{"status":"round","data":RoundInfo}` or `{"status":"wait","data":{round,state}}` |
 //! | `POST /v1/jobs/{run_id}/heartbeat` | `{node_id}` | `{}` |
 //! | `POST /v1/jobs/{run_id}/watch` | `{after_round, wait_ms?}` | `{"event":"new_round","data":N}` / `finished` / `failed` / `no_change` |
 //! | `POST /v1/jobs/{run_id}/failure` | `{node_id, round, root_cause}` | `{}` |

@@ -26,9 +26,11 @@ pub fn now_ms() -> Millis {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as Millis).unwrap_or(0)
 }
 
-/// Answer to one join call.
+/// Answer to one join call; on the wire `{"status": "round", "data": RoundInfo}` or
+/// `{"status": "wait", "data": {"round", "state"}}` (tag first, so clients parse without
+/// buffering a thousand-member answer).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "status", rename_all = "snake_case")]
+#[serde(tag = "status", content = "data", rename_all = "snake_case")]
 pub enum JoinAnswer {
     /// A round including this node closed.
     Round(RoundInfo),
@@ -145,7 +147,7 @@ impl Rendezvous {
         }
     }
 
-    async fn apply(&self, run_id: &str, create: Option<&JobSettings>, ev: Event) -> Result<Job, RdzvError> {
+    async fn apply(&self, run_id: &str, create: Option<&JobSettings>, ev: Event) -> Result<Arc<Job>, RdzvError> {
         self.metrics.requests.fetch_add(1, Ordering::Relaxed);
         validate_run_id(run_id)?;
         let (job, d) = self.store.apply(run_id, create, ev, now_ms()).await?;

@@ -147,10 +147,11 @@ async fn join_over_oneshot_closes_a_single_node_round() {
         send(&app, post_json("/v1/jobs/solo/join", &json!({"settings": calm(1, 1), "node": node("a")}))).await;
     assert_eq!(status, StatusCode::OK, "{body}");
     assert_eq!(body["status"], "round");
-    assert_eq!(body["round"], 1);
-    assert_eq!(body["group_rank"], 0);
-    assert_eq!(body["world_size"], 2);
-    assert_eq!(body["master_store_addr"], "127.0.0.1:29501");
+    let info = &body["data"];
+    assert_eq!(info["round"], 1);
+    assert_eq!(info["group_rank"], 0);
+    assert_eq!(info["world_size"], 2);
+    assert_eq!(info["master_store_addr"], "127.0.0.1:29501");
     let (status, body) = send(&app, Request::get("/v1/jobs/solo").body(Body::empty()).expect("req")).await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(body["state"], "running");

@@ -74,7 +74,7 @@ struct Queued {
     create: Option<JobSettings>,
     ev: Event,
     now: Millis,
-    reply: oneshot::Sender<Result<(Job, Decision), RdzvError>>,
+    reply: oneshot::Sender<Result<(Arc<Job>, Decision), RdzvError>>,
 }
 
 #[derive(Default)]
@@ -85,9 +85,11 @@ struct JobQueue {
 }
 
 fn reply_all(batch: Vec<Queued>, outcomes: Vec<Result<Decision, RdzvError>>, job: Option<Job>) {
+    // One copy of the job shared by every caller of the batch.
+    let job = job.map(Arc::new);
     for (q, outcome) in batch.into_iter().zip(outcomes) {
         let answer = outcome.and_then(|d| match &job {
-            Some(j) => Ok((j.clone(), d)),
+            Some(j) => Ok((Arc::clone(j), d)),
             // Only refused events reach here without a job; their answer needs no job state
             // beyond "none" (a refused first join never creates one).
             None => Err(match d.action {
@@ -277,7 +279,7 @@ impl EtcdStore {
         create: Option<&JobSettings>,
         ev: Event,
         now: Millis,
-    ) -> Result<(Job, Decision), RdzvError> {
+    ) -> Result<(Arc<Job>, Decision), RdzvError> {
         let (tx, rx) = oneshot::channel();
         let queued = Queued { create: create.cloned(), ev, now, reply: tx };
         let lead = {

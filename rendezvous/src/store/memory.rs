@@ -33,8 +33,8 @@ impl MemoryStore {
         create: Option<&JobSettings>,
         ev: Event,
         now: Millis,
-    ) -> Result<(Job, Decision), RdzvError> {
-        self.apply_view(run_id, create, ev, now, Job::clone)
+    ) -> Result<(Arc<Job>, Decision), RdzvError> {
+        self.apply_view(run_id, create, ev, now, |j| Arc::new(j.clone()))
     }
 
     /// Applies `ev` in place under the lock and returns `view` of the result (of the untouched

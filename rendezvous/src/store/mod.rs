@@ -8,6 +8,7 @@
 pub mod etcd;
 pub mod memory;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -69,7 +70,7 @@ impl Store {
         create: Option<&JobSettings>,
         ev: Event,
         now: Millis,
-    ) -> Result<(Job, Decision), RdzvError> {
+    ) -> Result<(Arc<Job>, Decision), RdzvError> {
         match self {
             Store::Memory(m) => m.apply(run_id, create, ev, now),
             Store::Etcd(e) => e.apply(run_id, create, ev, now).await,
