@@ -12,9 +12,10 @@ Measured from the fault: `restarted` = the survivor's worker process started aga
 WORLD_SIZE=1; `training` = its first all_reduce in the new group completed. A run that has not
 recovered within --wait seconds (default 60) is reported as such.
 
-Timeouts, the same for both where they have one: node lost after 2 s without a heartbeat
-(rlaunch's defaults: heartbeat 0.5 s, TTL 2 s; torchrun: keep_alive_interval=1,
-keep_alive_max_attempt=2), last call 1 s, `--max-restarts 3`, 2 s stop grace (rlaunch).
+Timeouts: node lost after 2 s without a heartbeat for rlaunch (its defaults: heartbeat 0.5 s,
+TTL 2 s), 3 s for torchrun (keep_alive_interval=1, keep_alive_max_attempt=3: it takes whole
+seconds, and 2 attempts made its first rendezvous flaky here); last call 1 s for both,
+`--max-restarts 3`, 2 s stop grace (rlaunch).
 
 Usage (root): .venv/bin/python bench/recovery/bench.py [--reps 3] [--wait 60] [--out bench/recovery/RESULTS.md]
 """
@@ -210,9 +211,9 @@ def run_once(launcher, fault, args):
             procs.append(subprocess.Popen(net.prefix(h) + agent_cmd(launcher, a["ip"], out, args),
                                           env=dict(env, BENCH_HOST=h["name"]), stdin=subprocess.DEVNULL,
                                           stdout=log, stderr=subprocess.STDOUT))
-            # rlaunch's other agents need host a's server up when they start (see RESULTS.md);
-            # torchrun's retry connecting to host a's store, and start together so that both
-            # are in the first round (their start-up takes seconds here).
+            # rlaunch: host a first, so that its agent hosts the server (b's waits for it either
+            # way). torchrun's agents start together so that both are in the first round
+            # (their start-up takes seconds here; b's retries connecting to a's store).
             if launcher == "rlaunch" and h is a and not wait_for(lambda: listening(a["ip"], PORT), 30):
                 raise RuntimeError(f"{launcher}: host a does not serve the rendezvous")
         steady = lambda: {h for (e, _, h, w) in events(out) if e == "step" and w == "2"} == {"a", "b"}
@@ -334,9 +335,9 @@ all_reduce of 64 KiB every 50 ms) under `--nnodes 1:2 --max-restarts 3`; the ren
 is on host a (hosted by its agent: rlaunch's agent-hosted server, torchrun's c10d store). Once
 both train, host b is lost: every process killed (SIGKILL), or its link cut (no TCP reset). Times
 are from the fault to the survivor's worker (re)started with WORLD_SIZE=1, and to its first
-all_reduce in the new group. Same failure-detection settings for both: a node lost after 2 s
-without a heartbeat (rlaunch: heartbeat 0.5 s, TTL 2 s; torchrun: keep_alive_interval=1,
-keep_alive_max_attempt=2), last call 1 s.
+all_reduce in the new group. Failure detection: a node lost after 2 s without a heartbeat for rlaunch (heartbeat 0.5 s, TTL 2 s), 3 s for torchrun (whole seconds only:
+keep_alive_interval=1, keep_alive_max_attempt=3; with 2 attempts, host b judged host a dead while
+starting up and formed a job of its own), last call 1 s.
 
 """
 
@@ -346,13 +347,19 @@ How each recovers:
 - rlaunch: the rendezvous notices the missing heartbeats after the TTL (2 s), opens a new round,
   and the survivor's agent learns it from its long-poll, stops its worker and rejoins; the
   round closes at once (all surviving previous members are back). The fault kind does not
-  matter, so kill and cut take the same time. Most of "training again" after "restarted" is the
+  matter, so kill and cut take about the same time (a kill can be a little faster: the
+  survivor's gloo sees the reset, its worker fails, and the failure report opens the new round
+  before the TTL lapses — the 1.73 s run). Most of "training again" after "restarted" is the
   worker's own start-up (Python, `import torch`, gloo init) on 2 busy cores.
 - torchrun (c10d): nothing watches the heartbeats of running nodes. After a kill, the survivor's
   gloo all_reduce fails on the TCP reset, the worker exits, the agent restarts it (one restart
   of the budget) and re-rendezvouses alone after the last call. After a link cut, no reset
   arrives: the survivor sits in all_reduce until gloo's timeout (30 min by default) and the job
   does not recover within the bounded wait.
+- Also seen with torchrun here: when its first round closed before the second agent joined,
+  the scale-up restart that followed deadlocked on the agents' store (host a waiting for
+  `role_info/1`, host b for `MASTER_ADDR`, both failing after 60 s); the script then starts the
+  run again, so such runs are not in the table.
 """
 
 
