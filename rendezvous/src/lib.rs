@@ -51,6 +51,22 @@
 //! new nodes by join time; `rank_offset` is the prefix sum of local world sizes. The restart
 //! budget counts reported failures only, once per round, for the whole job.
 //!
+//! # Default timings ([`JobSettings::default`])
+//!
+//! heartbeat every 0.5 s, node TTL 2 s (memory: loss acted on within TTL + 0.1 s tick; etcd:
+//! lease of 2 s, kept alive every TTL/3 by etcd-direct agents, by each heartbeat through a
+//! server; loss seen ≈ 2.0–2.5 s after the last keep-alive), last call 1 s, join timeout 600 s,
+//! restart budget 0 (torchrun's `--max-restarts` default). Long-polls answer within 5 s (client)
+//! or 10 s (server default, 60 s cap). Timeouts must nest: heartbeat < TTL < join timeout and
+//! last call < join timeout ([`check_nesting`] takes the launcher's longer chain).
+//!
+//! # HTTP
+//!
+//! Routes and error codes are listed in [`api`]; `rlaunch-rendezvous --listen 0.0.0.0:29400
+//! --store memory|etcd --etcd-endpoints URL,URL --token T` (env `RLAUNCH_RDZV_LISTEN`,
+//! `RLAUNCH_RDZV_STORE`, `RLAUNCH_RDZV_ETCD_ENDPOINTS`, `RLAUNCH_RDZV_TOKEN`,
+//! `RLAUNCH_RDZV_BODY_LIMIT`, `RLAUNCH_RDZV_SHUTDOWN_GRACE_MS`).
+//!
 //! # Invariants
 //!
 //! - `round` has no I/O, no async and no clock reads; everything else calls it.

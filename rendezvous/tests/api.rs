@@ -474,3 +474,54 @@ async fn client_rebuilds_unknown_job_errors() {
     }
     server.stop().await;
 }
+
+#[tokio::test]
+async fn failure_report_from_a_non_member_is_409_and_leaves_the_job_untouched() {
+    let rdzv = Rendezvous::in_memory();
+    let app = api::router(AppState::new(rdzv.clone(), None));
+    let (status, _) = send(&app, post_json("/v1/jobs/nm/join", &json!({"settings": calm(1, 2), "node": node("a"), "wait_ms": 0}))).await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, _) = send(&app, post_json("/v1/jobs/nm/join", &json!({"settings": calm(1, 2), "node": node("bb"), "wait_ms": 0}))).await;
+    assert_eq!(status, StatusCode::OK);
+    let before = job(&rdzv, "nm").await.expect("job exists");
+    assert_eq!(before.phase.name(), "running");
+    let (status, v) = send(&app, post_json("/v1/jobs/nm/failure", &json!({"node_id": "zz", "round": 1, "root_cause": {}}))).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{v}");
+    assert_eq!(v["error"], "not_member");
+    assert_eq!(job(&rdzv, "nm").await, Some(before));
+}
+
+#[tokio::test]
+async fn a_member_leaving_opens_a_new_round_and_metrics_count_it() {
+    let server = Server::start(Rendezvous::in_memory(), None).await;
+    let a = http_client(vec![server.endpoint()], "jleave", fast(1, 2)).await;
+    let b = http_client(vec![server.endpoint()], "jleave", fast(1, 2)).await;
+    let (ra, _) = within("joins", async { tokio::join!(a.join(node("a")), b.join(node("bb"))) }).await;
+    let round = ra.expect("a joins").round;
+    b.leave("bb").await.expect("leave");
+    assert_eq!(within("watch", a.watch(round)).await.expect("watch"), WatchEvent::NewRound(round + 1));
+    let again = within("rejoin", a.join(node("a"))).await.expect("rejoin");
+    assert_eq!(again.group_world_size, 1);
+    let http = reqwest::Client::builder().no_proxy().build().expect("http client");
+    let text = within("metrics", async {
+        http.get(format!("http://{}/metrics", server.endpoint())).send().await.expect("metrics").text().await.expect("text")
+    })
+    .await;
+    assert!(text.contains("rlaunch_rdzv_rounds_opened_total{cause=\"member_left\"} 1"), "{text}");
+    assert!(text.contains("rlaunch_rdzv_rounds_closed_total 2"), "{text}");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn client_reports_a_settings_mismatch() {
+    let rdzv = Rendezvous::in_memory();
+    let server = Server::start(rdzv, None).await;
+    let a = http_client(vec![server.endpoint()], "jmm", fast(1, 2)).await;
+    let _ = within("a joins", a.join_once(&node("a"), Duration::ZERO)).await.expect("a joins");
+    let b = http_client(vec![server.endpoint()], "jmm", fast(1, 3)).await;
+    match within("b joins", b.join(node("bb"))).await {
+        Err(RdzvError::SettingsMismatch { message, .. }) => assert!(message.contains("\"max_nodes\":2"), "{message}"),
+        other => panic!("{other:?}"),
+    }
+    server.stop().await;
+}
