@@ -124,7 +124,6 @@ impl From<RdzvError> for ApiError {
         // Messages of job failures carry the bare reason, so the client can rebuild the error.
         let message = match &e {
             RdzvError::JobFailed { reason } | RdzvError::JoinTimeout { reason } => reason.clone(),
-            RdzvError::InvalidSettings(s) => format!("invalid rendezvous settings: {s}"),
             other => other.to_string(),
         };
         ApiError { status, code: e.code(), message }

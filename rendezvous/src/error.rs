@@ -5,8 +5,9 @@ use crate::round::{FailureKind, Rejection, SettingsError};
 /// Everything that can go wrong talking to (or running) a rendezvous.
 #[derive(Debug, thiserror::Error)]
 pub enum RdzvError {
-    #[error("invalid rendezvous settings")]
-    InvalidSettings(#[from] SettingsError),
+    /// The detail is part of the message (not a `source`): agents often print only the top line.
+    #[error("invalid rendezvous settings: {0}")]
+    InvalidSettings(SettingsError),
     #[error("bad request: {message}")]
     BadRequest { message: String },
     #[error("missing or wrong bearer token")]
@@ -93,6 +94,12 @@ impl RdzvError {
 
     pub(crate) fn etcd(op: &'static str) -> impl FnOnce(etcd_client::Error) -> RdzvError {
         move |source| RdzvError::Etcd { op, source }
+    }
+}
+
+impl From<SettingsError> for RdzvError {
+    fn from(e: SettingsError) -> Self {
+        RdzvError::InvalidSettings(e)
     }
 }
 

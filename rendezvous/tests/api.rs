@@ -462,6 +462,10 @@ async fn connect_rejects_timeouts_that_do_not_nest() {
         .err()
         .expect("rejected");
     assert!(matches!(err, RdzvError::InvalidSettings(_)), "{err}");
+    assert_eq!(
+        err.to_string(),
+        "invalid rendezvous settings: timeouts must nest: heartbeat interval (1s) must be less than node TTL (500ms)"
+    );
 }
 
 #[tokio::test]
