@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, LeaseKeepAliveStream, LeaseKeeper,
+    Client, Compare, CompareOp, ConnectOptions, DeleteOptions, EventType, GetOptions, LeaseKeepAliveStream, LeaseKeeper,
     PutOptions, Txn, TxnOp, WatchOptions,
 };
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -452,6 +452,19 @@ impl EtcdStore {
         };
         let mut out = Vec::new();
         for (run_id, job) in jobs {
+            if super::outlived(&job, now) {
+                let prefix = format!("{PREFIX}{run_id}/");
+                let deleted = self
+                    .run("forget job", |mut c| {
+                        let prefix = prefix.clone();
+                        async move { c.delete(prefix, Some(DeleteOptions::new().with_prefix())).await }
+                    })
+                    .await;
+                if let Err(error) = deleted {
+                    warn!(run_id, error = %error, "could not forget an old job");
+                }
+                continue;
+            }
             if job.phase.is_terminal() {
                 continue;
             }

@@ -91,6 +91,8 @@ impl MemoryStore {
     }
 
     pub fn tick_all(&self, now: Millis) -> Vec<(String, Decision)> {
+        // Dropping an entry closes its channel, which ends the wait of any long-poll on it.
+        self.lock().retain(|_, e| !super::outlived(&e.job, now));
         let ids: Vec<String> = self
             .lock()
             .iter()
@@ -106,5 +108,25 @@ impl MemoryStore {
             }
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::round::NodeInfo;
+
+    #[test]
+    fn terminal_jobs_are_forgotten_after_the_retention() {
+        let store = MemoryStore::default();
+        let settings = JobSettings::default();
+        let node = NodeInfo { node_id: "a".into(), local_world_size: 1, store_addr: "h:1".into() };
+        store.apply("r", Some(&settings), Event::Join(node), 0).expect("join");
+        store.apply("r", None, Event::NodeSucceeded { node_id: "a".into(), round: 1 }, 10).expect("success");
+        let retention = super::super::TERMINAL_RETENTION.as_millis() as u64;
+        store.tick_all(10 + retention - 1);
+        assert!(store.load("r").is_some(), "still readable within the retention");
+        store.tick_all(10 + retention);
+        assert!(store.load("r").is_none());
     }
 }

@@ -23,6 +23,21 @@ pub enum Store {
     Etcd(etcd::EtcdStore),
 }
 
+/// How long a finished or failed job stays readable (status) before the ticker forgets it; after
+/// that its run id can be used again.
+pub const TERMINAL_RETENTION: Duration = Duration::from_secs(3600);
+
+/// Whether a terminal job has outlived [`TERMINAL_RETENTION`].
+pub(crate) fn outlived(job: &Job, now: Millis) -> bool {
+    let retention = TERMINAL_RETENTION.as_millis() as Millis;
+    match job.phase {
+        crate::round::Phase::Finished { at } | crate::round::Phase::Failed { at, .. } => {
+            now.saturating_sub(at) >= retention
+        }
+        _ => false,
+    }
+}
+
 /// A join asking for other settings than the job was created with.
 pub(crate) fn mismatch(run_id: &str, job: &JobSettings, asked: &JobSettings) -> RdzvError {
     RdzvError::SettingsMismatch {
