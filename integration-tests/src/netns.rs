@@ -111,7 +111,7 @@ pub struct Host {
 impl Cluster {
     /// Creates `n` hosts named `a`, `b`, … Panics (loudly) without root or iproute2.
     pub fn new(n: usize) -> Cluster {
-        assert!(n >= 1 && n <= 26, "1 to 26 hosts");
+        assert!((1..=26).contains(&n), "1 to 26 hosts");
         // SAFETY: geteuid has no preconditions.
         assert_eq!(unsafe { libc::geteuid() }, 0, "the multi-node tests create network namespaces: run them as root");
         let seq = CLUSTERS.fetch_add(1, Ordering::SeqCst);
