@@ -346,7 +346,8 @@ async fn node_loss_is_seen_by_the_survivor_within_the_ttl() {
     .await;
     let took = started.elapsed();
     assert_eq!(ev, WatchEvent::NewRound(ra.round + 1));
-    assert!(took < s.node_ttl + Duration::from_millis(700), "loss noticed after {took:?}");
+    // TTL plus a 0.1 s tick; the margin is for a loaded machine.
+    assert!(took < s.node_ttl + Duration::from_millis(1200), "loss noticed after {took:?}");
     let again = within("rejoin", a.join(node("a"))).await.expect("survivor rejoins");
     assert_eq!((again.group_world_size, again.group_rank), (1, 0));
     assert_eq!(again.restart_count, 0);

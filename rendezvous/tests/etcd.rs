@@ -391,3 +391,26 @@ async fn job_carries_on_when_one_of_three_etcd_members_is_killed() {
     ba.abort();
     bb.abort();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_whose_etcd_is_gone_answers_a_generic_500() {
+    let mut etcd = Etcd::start().await;
+    let r = Replica::start(&etcd).await;
+    let c = RendezvousClient::connect(
+        Backend::Http { endpoints: vec![r.endpoint.clone()], token: None },
+        "gone",
+        settings(1, 1),
+    )
+    .await
+    .expect("client");
+    within("join", c.join(node("a"))).await.expect("join");
+    etcd.kill_member(0);
+    let http = reqwest::Client::builder().no_proxy().build().expect("http client");
+    let resp = within("status", http.get(format!("http://{}/v1/jobs/gone", r.endpoint)).send()).await.expect("answer");
+    assert_eq!(resp.status().as_u16(), 500);
+    let body: serde_json::Value = within("body", resp.json()).await.expect("json body");
+    assert_eq!(body, json!({"error": "internal", "message": "internal error"}));
+    // The client sees the service as unavailable (a transient error), not as a refusal.
+    let err = within("status via client", c.status()).await.expect_err("no etcd");
+    assert!(err.is_transient(), "{err}");
+}

@@ -652,8 +652,12 @@ async fn watch_loop(
                         next_revision = 0;
                         break;
                     }
-                    if let Some(h) = resp.header() {
-                        next_revision = next_revision.max(h.revision() + 1);
+                    // An answer without events (created, progress) vouches for everything up
+                    // to its header's revision; one with events, for its events only.
+                    if resp.events().is_empty() {
+                        if let Some(h) = resp.header() {
+                            next_revision = next_revision.max(h.revision() + 1);
+                        }
                     }
                     let mut any = false;
                     for ev in resp.events() {
