@@ -77,10 +77,25 @@ fn bridge_nf_calls_iptables() -> bool {
 /// Inserts (`-I`) or deletes (`-D`) the rule that lets `bridge`'s hosts talk to each other.
 fn firewall(op: &str, bridge: &str, pid: impl std::fmt::Display) -> Vec<String> {
     let comment = format!("rlaunch-netns-test pid={pid}");
-    ["iptables", "-w", op, "FORWARD", "-i", bridge, "-o", bridge, "-m", "comment", "--comment", &comment, "-j", "ACCEPT"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect()
+    [
+        "iptables",
+        "-w",
+        op,
+        "FORWARD",
+        "-i",
+        bridge,
+        "-o",
+        bridge,
+        "-m",
+        "comment",
+        "--comment",
+        &comment,
+        "-j",
+        "ACCEPT",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
 }
 
 fn argv(v: &[String]) -> Vec<&str> {
@@ -498,4 +513,35 @@ pub fn formed(dir: &Path, hosts: &[&str], nproc: u32) -> Option<Vec<Start>> {
 /// Seconds since the Unix epoch, as the worker script's `date +%s.%N`.
 pub fn now_unix_f64() -> f64 {
     SystemTime::now().duration_since(UNIX_EPOCH).expect("clock after 1970").as_secs_f64()
+}
+
+/// `rlaunch status --json` of job `run_id` (run from the root namespace, which reaches every
+/// host over the bridge).
+pub fn rdzv_status(backend: &str, endpoint: &str, run_id: &str) -> serde_json::Value {
+    let out = crate::run_deadline(
+        Command::new(crate::bin("rlaunch")).args([
+            "status",
+            "--rdzv-backend",
+            backend,
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-id",
+            run_id,
+            "--json",
+        ]),
+        Duration::from_secs(15),
+    );
+    assert!(out.status.success(), "rlaunch status failed ({}): {}", out.status, crate::stderr_of(&out));
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("rlaunch status --json printed no JSON ({e}): {}", crate::stdout_of(&out)))
+}
+
+/// The node ids of a status's members, sorted.
+pub fn status_members(status: &serde_json::Value) -> Vec<String> {
+    let mut m: Vec<String> = status["members"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|n| n["node_id"].as_str().map(str::to_string)).collect())
+        .unwrap_or_default();
+    m.sort();
+    m
 }

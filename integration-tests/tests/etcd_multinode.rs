@@ -12,7 +12,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use integration_tests::netns::{formed, latest_per_worker, loop_worker, now_unix_f64, starts, Cluster, Proc, Start};
+use integration_tests::netns::{
+    formed, latest_per_worker, loop_worker, now_unix_f64, rdzv_status, starts, status_members, Cluster, Proc, Start,
+};
 use integration_tests::{bin, pid_alive, tempdir, wait_until};
 
 const NPROC: u32 = 2;
@@ -68,7 +70,8 @@ impl Etcd {
         let ip = cluster.root_ip();
         let dir = tempfile::Builder::new().prefix("rlaunch-it-etcd-").tempdir().expect("temp dir");
         let ports: Vec<(u16, u16)> = (0..n).map(|_| (cluster.free_root_port(), cluster.free_root_port())).collect();
-        let initial: Vec<String> = ports.iter().enumerate().map(|(i, (_, p))| format!("m{i}=http://{ip}:{p}")).collect();
+        let initial: Vec<String> =
+            ports.iter().enumerate().map(|(i, (_, p))| format!("m{i}=http://{ip}:{p}")).collect();
         let mut members = Vec::new();
         let mut clients = Vec::new();
         for (i, (client, peer)) in ports.iter().enumerate() {
@@ -181,7 +184,10 @@ fn lose_host(cluster: &Cluster, lost: usize, dir: &Path, survivors: &[&str], age
     cluster.host(lost).kill_all();
     let after = wait_formed(dir, survivors, agents, Duration::from_secs_f64(TTL_S + 10.0));
     let took = after.iter().map(|s| s.t).fold(f64::MIN, f64::max) - t0;
-    assert!(took < TTL_S + RECOVERY_SLACK_S, "recovery took {took:.2} s, more than the TTL ({TTL_S} s) + {RECOVERY_SLACK_S} s");
+    assert!(
+        took < TTL_S + RECOVERY_SLACK_S,
+        "recovery took {took:.2} s, more than the TTL ({TTL_S} s) + {RECOVERY_SLACK_S} s"
+    );
     took
 }
 
@@ -203,6 +209,13 @@ fn three_hosts_on_etcd_form_one_group_and_reform_after_a_node_loss() {
     let before = wait_formed(dir.path(), &["a", "b", "c"], &mut agents, FORM);
     let took = lose_host(&cluster, 2, dir.path(), &["a", "b"], &mut agents[..2]);
     eprintln!("etcd backend, node loss: survivors running again after {took:.2} s");
+    let status = rdzv_status("etcd", &etcd.endpoints(), "etcd3");
+    let members = status_members(&status);
+    assert!(
+        members.len() == 2 && members[0].starts_with("a-") && members[1].starts_with("b-"),
+        "rlaunch status on etcd shows hosts a and b: {status:#}"
+    );
+    assert_eq!(status["world_size"], 4, "{status:#}");
     for s in before.iter().filter(|s| s.host != "c") {
         assert!(!pid_alive(s.pid), "old worker rank {} on {} was stopped", s.rank, s.host);
     }
@@ -234,12 +247,19 @@ fn the_job_carries_on_through_the_other_server_replica_when_one_is_killed() {
     for i in 0..2 {
         let listen = format!("{}:{}", cluster.root_ip(), cluster.free_root_port());
         let mut cmd = Command::new(bin("rlaunch-rendezvous"));
-        cmd.args(["--listen", &listen, "--store", "etcd", "--etcd-endpoints", &etcd_urls.join(",")]).env("RLAUNCH_LOG", "info");
-        replicas.push(Proc::spawn(cmd, &format!("rendezvous replica {i}"), &dir.path().join(format!("replica{i}.log"))));
+        cmd.args(["--listen", &listen, "--store", "etcd", "--etcd-endpoints", &etcd_urls.join(",")])
+            .env("RLAUNCH_LOG", "info");
+        replicas.push(Proc::spawn(
+            cmd,
+            &format!("rendezvous replica {i}"),
+            &dir.path().join(format!("replica{i}.log")),
+        ));
         listens.push(listen);
     }
     for l in &listens {
-        wait_until(&format!("replica {l} to answer /healthz"), Duration::from_secs(10), || http_get(l, "/healthz").is_some());
+        wait_until(&format!("replica {l} to answer /healthz"), Duration::from_secs(10), || {
+            http_get(l, "/healthz").is_some()
+        });
     }
     let args = agent_args("rlaunch", "1:2", &listens.join(","), "replicas", dir.path());
     let mut agents: Vec<Proc> = cluster.hosts().iter().map(|h| h.rlaunch(dir.path(), &args)).collect();

@@ -10,7 +10,9 @@ use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use integration_tests::netns::{formed, loop_worker, now_unix_f64, starts, Cluster, Proc, Start};
+use integration_tests::netns::{
+    formed, loop_worker, now_unix_f64, rdzv_status, starts, status_members, Cluster, Proc, Start,
+};
 use integration_tests::{bin, pid_alive, tempdir, wait_until, worker};
 
 const NPROC: u32 = 2;
@@ -117,7 +119,9 @@ fn ranks_are_consistent_across_hosts(n: usize) {
         let path = dir.path().join(format!("env_rank{rank}_attempt0.json"));
         let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("rank {rank} wrote no env ({e})"));
         let env: serde_json::Map<String, serde_json::Value> = serde_json::from_str(&text).expect("env json");
-        let get = |k: &str| env.get(k).and_then(|v| v.as_str()).unwrap_or_else(|| panic!("rank {rank}: {k} unset")).to_string();
+        let get = |k: &str| {
+            env.get(k).and_then(|v| v.as_str()).unwrap_or_else(|| panic!("rank {rank}: {k} unset")).to_string()
+        };
         let num = |k: &str| get(k).parse::<u32>().unwrap_or_else(|_| panic!("rank {rank}: {k} not a number"));
         assert_eq!(num("RANK"), rank);
         assert_eq!(num("WORLD_SIZE"), world, "rank {rank}");
@@ -155,7 +159,14 @@ fn three_hosts_get_contiguous_ranks_and_one_master_on_the_agent_hosted_server() 
 
 /// Starts `hosts` of `cluster` running the looping worker under `nnodes` on the agent-hosted
 /// server (host a first, the others once it listens).
-fn start_loop_job(cluster: &Cluster, dir: &Path, nnodes: &str, run_id: &str, hosts: &[usize], extra: &[&str]) -> Vec<Proc> {
+fn start_loop_job(
+    cluster: &Cluster,
+    dir: &Path,
+    nnodes: &str,
+    run_id: &str,
+    hosts: &[usize],
+    extra: &[&str],
+) -> Vec<Proc> {
     let endpoint = format!("{}:{RDZV_PORT}", cluster.host(0).ip);
     let args = agent_args(nnodes, &endpoint, run_id, extra, &strs(&loop_program(dir)));
     let mut agents = Vec::new();
@@ -202,8 +213,14 @@ fn killing_every_process_of_a_host_reforms_the_survivors_within_the_ttl() {
     eprintln!("node loss (kill): survivors running again with WORLD_SIZE 4 after {took:.2} s");
     assert_stopped(&before, &["a", "b"]);
     assert!(cluster.host(2).pids().is_empty(), "host c has no process left");
-    assert!(took < TTL_S + RECOVERY_SLACK_S, "recovery took {took:.2} s, more than the TTL ({TTL_S} s) + {RECOVERY_SLACK_S} s");
-    assert!(after.iter().all(|s| s.restart == before[0].restart), "a node loss does not spend the restart budget: {after:?}");
+    assert!(
+        took < TTL_S + RECOVERY_SLACK_S,
+        "recovery took {took:.2} s, more than the TTL ({TTL_S} s) + {RECOVERY_SLACK_S} s"
+    );
+    assert!(
+        after.iter().all(|s| s.restart == before[0].restart),
+        "a node loss does not spend the restart budget: {after:?}"
+    );
     finish(dir.path(), &mut agents[..2]);
 }
 
@@ -220,10 +237,16 @@ fn cutting_a_hosts_link_reforms_the_survivors_and_the_host_rejoins_when_restored
     let took = recovery_s(&after, t0);
     eprintln!("partition (link cut): survivors running again with WORLD_SIZE 4 after {took:.2} s");
     assert_stopped(&before, &["a", "b"]);
-    assert!(took < TTL_S + RECOVERY_SLACK_S, "recovery took {took:.2} s, more than the TTL ({TTL_S} s) + {RECOVERY_SLACK_S} s");
+    assert!(
+        took < TTL_S + RECOVERY_SLACK_S,
+        "recovery took {took:.2} s, more than the TTL ({TTL_S} s) + {RECOVERY_SLACK_S} s"
+    );
     assert!(agents[2].try_status().is_none(), "the cut-off agent keeps running (it may come back)");
     let fenced = before.iter().filter(|s| s.host == "c").all(|s| !pid_alive(s.pid));
-    eprintln!("partition: host c's workers from before the cut are {} once the survivors re-formed", if fenced { "stopped" } else { "STILL RUNNING" });
+    eprintln!(
+        "partition: host c's workers from before the cut are {} once the survivors re-formed",
+        if fenced { "stopped" } else { "STILL RUNNING" }
+    );
 
     cluster.host(2).restore_link();
     wait_formed(dir.path(), &["a", "b", "c"], &mut agents, FORM);
@@ -247,7 +270,10 @@ fn a_host_joining_a_running_job_scales_it_up_to_three_nodes() {
     agents.push(cluster.host(2).rlaunch(dir.path(), &args));
     let t0 = now_unix_f64();
     let after = wait_formed(dir.path(), &["a", "b", "c"], &mut agents, FORM);
-    eprintln!("scale-up: 3 nodes running with WORLD_SIZE 6 {:.2} s after the third agent started", recovery_s(&after, t0));
+    eprintln!(
+        "scale-up: 3 nodes running with WORLD_SIZE 6 {:.2} s after the third agent started",
+        recovery_s(&after, t0)
+    );
     finish(dir.path(), &mut agents);
 }
 
@@ -268,6 +294,11 @@ fn a_worker_crash_restarts_every_host_and_spends_the_budget_once() {
     std::thread::sleep(Duration::from_secs(1));
     assert!(starts(dir.path()).iter().all(|s| s.restart <= 1), "no host restarted twice: {:#?}", starts(dir.path()));
     assert!(formed(dir.path(), &["a", "b"], NPROC).is_some(), "the job still runs: {:#?}", starts(dir.path()));
+    let status = rdzv_status("rlaunch", &format!("{}:{RDZV_PORT}", cluster.host(0).ip), "crash");
+    assert_eq!(status["restart_count"], 1, "the rendezvous counted one restart: {status:#}");
+    assert_eq!(status["max_restarts"], 1, "{status:#}");
+    assert_eq!(status["last_root_cause"]["exit"]["code"], 7, "the root cause is kept in the rendezvous: {status:#}");
+    assert_eq!(status_members(&status).len(), 2, "{status:#}");
 
     // The budget (1) is spent: the next crash fails the job on every host with its root cause.
     let crashing = group.iter().find(|s| s.host == "b" && s.local_rank == 0).expect("b's local rank 0").clone();
@@ -315,6 +346,13 @@ fn two_hosts_on_a_standalone_rendezvous_server_reform_after_a_node_loss() {
     eprintln!("standalone server, node loss: host a running alone after {took:.2} s");
     assert!(took < TTL_S + RECOVERY_SLACK_S, "recovery took {took:.2} s");
     assert_stopped(&before, &["a"]);
+    // `rlaunch status` shows the re-formed job: host a alone, no restart spent.
+    let status = rdzv_status("rlaunch", &listen, "standalone");
+    let members = status_members(&status);
+    assert!(members.len() == 1 && members[0].starts_with("a-"), "members are host a's agent only: {status:#}");
+    assert_eq!(status["world_size"], 2, "{status:#}");
+    assert_eq!(status["restart_count"], 0, "a node loss spends no restart: {status:#}");
+    assert!(status["round"].as_u64().is_some_and(|r| r >= 2), "a new round: {status:#}");
     finish(dir.path(), &mut agents[..1]);
 }
 
