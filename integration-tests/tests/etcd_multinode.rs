@@ -223,6 +223,36 @@ fn three_hosts_on_etcd_form_one_group_and_reform_after_a_node_loss() {
 }
 
 #[test]
+fn cutting_a_hosts_link_on_etcd_reforms_the_survivors_and_the_host_rejoins_when_restored() {
+    let cluster = Cluster::new(3);
+    let etcd = Etcd::start(&cluster, 1);
+    let dir = tempdir();
+    let args = agent_args("etcd", "1:3", &etcd.endpoints(), "etcd-cut", dir.path());
+    let mut agents: Vec<Proc> = cluster.hosts().iter().map(|h| h.rlaunch(dir.path(), &args)).collect();
+    let before = wait_formed(dir.path(), &["a", "b", "c"], &mut agents, FORM);
+
+    // Host c's etcd lease can no longer be kept alive; it expires after the TTL.
+    let t0 = now_unix_f64();
+    cluster.host(2).cut_link();
+    let after = wait_formed(dir.path(), &["a", "b"], &mut agents[..2], Duration::from_secs_f64(TTL_S + 10.0));
+    let took = after.iter().map(|s| s.t).fold(f64::MIN, f64::max) - t0;
+    eprintln!("etcd backend, link cut: survivors running again after {took:.2} s");
+    // etcd lease TTLs are whole seconds and expiry is checked every 500 ms: one more second.
+    assert!(took < TTL_S + RECOVERY_SLACK_S + 1.0, "recovery took {took:.2} s");
+    for s in before.iter().filter(|s| s.host != "c") {
+        assert!(!pid_alive(s.pid), "old worker rank {} on {} was stopped", s.rank, s.host);
+    }
+    assert!(agents[2].try_status().is_none(), "the cut-off agent keeps running (it may come back)");
+
+    cluster.host(2).restore_link();
+    wait_formed(dir.path(), &["a", "b", "c"], &mut agents, FORM);
+    finish(dir.path(), &mut agents);
+    for h in cluster.hosts() {
+        wait_until(&format!("host {} to have no process left", h.name), Duration::from_secs(5), || h.pids().is_empty());
+    }
+}
+
+#[test]
 fn two_hosts_on_etcd_run_and_finish() {
     let cluster = Cluster::new(2);
     let etcd = Etcd::start(&cluster, 1);

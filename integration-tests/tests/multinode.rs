@@ -95,15 +95,26 @@ fn strs(v: &[String]) -> Vec<&str> {
 
 /// `n` hosts with fixed `--nnodes n` run `test_worker dump-env` on the agent-hosted server:
 /// every worker sees a consistent, torchrun-shaped placement.
-fn ranks_are_consistent_across_hosts(n: usize) {
+/// With `standalone_server`, on an `rlaunch-rendezvous` (memory store) in the root namespace
+/// instead of the server hosted by host a's agent.
+fn ranks_are_consistent_across_hosts(n: usize, standalone_server: bool) {
     let cluster = Cluster::new(n);
     let dir = tempdir();
-    let endpoint = format!("{}:{RDZV_PORT}", cluster.host(0).ip);
+    let mut _server = None;
+    let endpoint = if standalone_server {
+        let listen = format!("{}:{}", cluster.root_ip(), cluster.free_root_port());
+        let mut cmd = std::process::Command::new(bin("rlaunch-rendezvous"));
+        cmd.args(["--listen", &listen, "--store", "memory"]).env("RLAUNCH_LOG", "info");
+        _server = Some(Proc::spawn(cmd, "rlaunch-rendezvous", &dir.path().join("server.log")));
+        listen
+    } else {
+        format!("{}:{RDZV_PORT}", cluster.host(0).ip)
+    };
     let w = worker().display().to_string();
     let program = [w.as_str(), "--out", dir.path().to_str().expect("utf-8 temp dir"), "dump-env"];
     let args = agent_args(&n.to_string(), &endpoint, "ranks", &[], &program);
     let mut agents = vec![cluster.host(0).rlaunch(dir.path(), &args)];
-    wait_until("host a to host the rendezvous server", Duration::from_secs(10), || listening(&endpoint));
+    wait_until("the rendezvous server to listen", Duration::from_secs(10), || listening(&endpoint));
     for h in &cluster.hosts()[1..] {
         agents.push(h.rlaunch(dir.path(), &args));
     }
@@ -149,12 +160,17 @@ fn ranks_are_consistent_across_hosts(n: usize) {
 
 #[test]
 fn two_hosts_get_contiguous_ranks_and_one_master_on_the_agent_hosted_server() {
-    ranks_are_consistent_across_hosts(2);
+    ranks_are_consistent_across_hosts(2, false);
 }
 
 #[test]
 fn three_hosts_get_contiguous_ranks_and_one_master_on_the_agent_hosted_server() {
-    ranks_are_consistent_across_hosts(3);
+    ranks_are_consistent_across_hosts(3, false);
+}
+
+#[test]
+fn three_hosts_get_contiguous_ranks_and_one_master_on_a_standalone_server() {
+    ranks_are_consistent_across_hosts(3, true);
 }
 
 /// Starts `hosts` of `cluster` running the looping worker under `nnodes` on the agent-hosted
