@@ -335,9 +335,10 @@ all_reduce of 64 KiB every 50 ms) under `--nnodes 1:2 --max-restarts 3`; the ren
 is on host a (hosted by its agent: rlaunch's agent-hosted server, torchrun's c10d store). Once
 both train, host b is lost: every process killed (SIGKILL), or its link cut (no TCP reset). Times
 are from the fault to the survivor's worker (re)started with WORLD_SIZE=1, and to its first
-all_reduce in the new group. Failure detection: a node lost after 2 s without a heartbeat for rlaunch (heartbeat 0.5 s, TTL 2 s), 3 s for torchrun (whole seconds only:
-keep_alive_interval=1, keep_alive_max_attempt=3; with 2 attempts, host b judged host a dead while
-starting up and formed a job of its own), last call 1 s.
+all_reduce in the new group. Failure detection: a node lost after 2 s without a heartbeat for
+rlaunch (heartbeat 0.5 s, TTL 2 s), 3 s for torchrun (whole seconds only: keep_alive_interval=1,
+keep_alive_max_attempt=3; with 2 attempts, host b judged host a dead while starting up and formed
+a job of its own); last call 1 s for both.
 
 """
 
