@@ -327,7 +327,8 @@ def main():
 RESULTS_HEAD = """# Recovery after a node loss: rlaunch vs torchrun (c10d)
 
 Date: 2026-11-21. Machine: 2 cores, 24 GiB (shared with other work while measuring), PyTorch 2.15
-(CPU, gloo). Script: `bench/recovery/bench.py` (as root), median of {reps} runs per cell, bounded
+(CPU, gloo), rlaunch's debug build (recovery is bound by its timeouts, not by its code's speed).
+Script: `bench/recovery/bench.py` (as root), median of {reps} runs per cell, bounded
 wait {wait:.0f} s.
 
 Two hosts as network namespaces on a bridge, one worker each running `train_loop.py` (gloo
