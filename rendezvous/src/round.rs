@@ -34,8 +34,9 @@ pub struct JobSettings {
     /// How long a forming round waits for MIN nodes before the job fails.
     #[serde(rename = "join_timeout_ms", with = "duration_ms")]
     pub join_timeout: Duration,
-    /// How long a round with at least MIN nodes waits for more (skipped at MAX, or when every
-    /// surviving member of the previous round is back).
+    /// How long a round with at least MIN nodes waits for more. Skipped when every surviving
+    /// member of the previous round is back, or at MAX nodes once none of them is still
+    /// expected (returning members keep their places over standbys).
     #[serde(rename = "last_call_timeout_ms", with = "duration_ms")]
     pub last_call_timeout: Duration,
     /// How often agents send heartbeats.
@@ -627,7 +628,7 @@ fn tick(job: &mut Job, now: Millis) -> Decision {
     let lapsed_previous: Vec<String> =
         job.previous.iter().filter(|id| job.lapsed(id, now)).cloned().collect();
     job.previous.retain(|id| !lapsed_previous.contains(id));
-    dropped.extend(lapsed_previous);
+    dropped.extend(lapsed_previous.into_iter().filter(|id| !dropped.contains(id)).collect::<Vec<_>>());
     let dropped_note = if dropped.is_empty() {
         String::new()
     } else {
@@ -832,15 +833,18 @@ fn evaluate_forming(job: &mut Job, now: Millis, base: String) -> Decision {
     let n = job.pending.len();
     let min = job.settings.min_nodes as usize;
     let max = job.settings.max_nodes as usize;
-    let previous_back = !job.previous.is_empty() && {
+    let all_previous_back = {
         let pending: HashSet<&str> = job.pending.iter().map(|p| p.node.node_id.as_str()).collect();
         job.previous.iter().all(|id| pending.contains(id.as_str()))
     };
+    let previous_back = !job.previous.is_empty() && all_previous_back;
     let since = match job.phase {
         Phase::Waiting { since } | Phase::LastCall { since, .. } => since,
         _ => return decide(Action::Nothing, base),
     };
-    if n >= max {
+    // At MAX the round closes at once, unless survivors of the previous round are still on
+    // their way back: they keep their places over standbys, so the last call waits for them.
+    if n >= max && all_previous_back {
         return close_round(job, now, with(&format!("MAX ({max}) nodes are in: last call skipped")));
     }
     if n >= min && previous_back {

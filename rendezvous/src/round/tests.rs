@@ -425,18 +425,35 @@ fn a_node_joining_a_job_at_max_waits_as_a_standby() {
 }
 
 #[test]
-fn closing_at_max_puts_previous_members_first_and_keeps_extras_pending() {
+fn returning_members_keep_their_places_over_standbys_at_max() {
     let mut job = Job::new(settings(1, 2), 0);
     job = join(&job, "x", 0).0; // last call
     job = join(&job, "y", 1).0; // closes at MAX
     job = join(&job, "z", 2).0; // standby
     let (job, _) = step(&job, Event::ReportFailure { node_id: "x".into(), round: 1, root_cause: json!(1) }, 10);
-    let (job, _) = join(&job, "y", 11);
-    // z (standby, joined earlier) and y are in: MAX reached, x is left out.
-    assert_eq!(member_ids(&job), ["y", "z"]);
+    let (job, d) = join(&job, "y", 11);
+    // z and y make MAX, but x (a member of round 1) is still expected: last call.
+    assert_eq!(d.action, Action::Updated, "{}", d.reason);
+    assert!(matches!(job.phase, Phase::LastCall { .. }));
     let (job, d) = join(&job, "x", 12);
-    assert_eq!(d.action, Action::Updated);
-    assert_eq!(job.pending[0].node.node_id, "x");
+    assert_eq!(d.action, Action::RoundClosed { round: 2 });
+    assert_eq!(member_ids(&job), ["x", "y"]);
+    assert_eq!(job.pending[0].node.node_id, "z", "the standby waits for the next round");
+}
+
+#[test]
+fn at_max_the_last_call_deadline_lets_standbys_replace_members_that_do_not_return() {
+    let mut job = Job::new(settings(1, 2), 0);
+    job = join(&job, "x", 0).0;
+    job = join(&job, "y", 1).0;
+    job = join(&job, "z", 2).0;
+    let (job, _) = step(&job, Event::ReportFailure { node_id: "x".into(), round: 1, root_cause: json!(1) }, 10);
+    let (job, _) = join(&job, "y", 11);
+    let job = hb(&hb(&hb(&job, "x", 4000), "y", 4000), "z", 4000);
+    // x heartbeats but never rejoins: at the deadline y keeps rank 0 and z takes the free place.
+    let (job, d) = tick(&job, 11 + 5000);
+    assert_eq!(d.action, Action::RoundClosed { round: 2 }, "{}", d.reason);
+    assert_eq!(member_ids(&job), ["y", "z"]);
 }
 
 #[test]
