@@ -393,7 +393,8 @@ impl Drop for Proc {
 /// Writes the looping worker into `dir` and returns its path. `WORKER OUT` appends one `start`
 /// line to `OUT/events.log` (time, host, ranks, world size, restart count, master, pid); exits 7
 /// at once if `OUT/crash_all_<restart count>` exists; then loops until `OUT/stop` exists (exit
-/// 0). If `OUT/crash_<host>_<local rank>_<restart count>` appears it removes it and exits 7.
+/// 0; `OUT/stop_<host>` stops one host's workers). If `OUT/crash_<host>_<local rank>_<restart
+/// count>` appears it removes it and exits 7.
 pub fn loop_worker(dir: &Path) -> PathBuf {
     let path = dir.join("loop_worker.sh");
     let script = r#"#!/bin/sh
@@ -405,7 +406,7 @@ if [ -e "$out/crash_all_$TORCHELASTIC_RESTART_COUNT" ]; then
 fi
 crash="$out/crash_${RL_HOST}_${LOCAL_RANK}_$TORCHELASTIC_RESTART_COUNT"
 while :; do
-  if [ -e "$out/stop" ]; then exit 0; fi
+  if [ -e "$out/stop" ] || [ -e "$out/stop_$RL_HOST" ]; then exit 0; fi
   if [ -e "$crash" ] && rm "$crash" 2>/dev/null; then
     echo "worker $RANK on $RL_HOST crashing on purpose" >&2
     exit 7

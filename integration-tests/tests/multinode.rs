@@ -432,3 +432,55 @@ fn a_cut_off_host_stops_its_own_workers_once_its_ttl_has_lapsed() {
     wait_formed(dir.path(), &["a", "b"], &mut agents, FORM);
     finish(dir.path(), &mut agents);
 }
+
+#[test]
+fn the_hosting_host_finishing_first_does_not_end_the_job_for_the_others() {
+    let cluster = Cluster::new(2);
+    let dir = tempdir();
+    let mut agents = start_loop_job(&cluster, dir.path(), "2", "finish", &[0, 1], &[]);
+    let group = wait_formed(dir.path(), &["a", "b"], &mut agents, FORM);
+    touch(&dir.path().join("stop_a"));
+    let a_pids: Vec<i32> = group.iter().filter(|s| s.host == "a").map(|s| s.pid).collect();
+    wait_until("host a's workers to finish", Duration::from_secs(5), || a_pids.iter().all(|p| !pid_alive(*p)));
+    // Host b goes on: same workers, no new round, and host a's agent keeps serving.
+    let n = starts(dir.path()).len();
+    let until = Instant::now() + Duration::from_secs_f64(TTL_S * 1.5);
+    while Instant::now() < until {
+        for s in group.iter().filter(|s| s.host == "b") {
+            assert!(pid_alive(s.pid), "host b's worker rank {} was stopped when host a finished", s.rank);
+        }
+        assert!(agents[0].try_status().is_none(), "host a's agent (the rendezvous server) left before the job ended");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(starts(dir.path()).len(), n, "no worker was restarted: {:#?}", starts(dir.path()));
+    touch(&dir.path().join("stop_b"));
+    for a in &mut agents {
+        let status = a.wait(Duration::from_secs(20));
+        assert!(status.success(), "{} did not succeed ({status}):\n{}", a.name, a.log_tail(3000));
+    }
+}
+
+#[test]
+fn a_host_beyond_max_waits_and_takes_the_place_of_a_lost_one() {
+    let cluster = Cluster::new(4);
+    let dir = tempdir();
+    let mut agents = start_loop_job(&cluster, dir.path(), "2:3", "beyond-max", &[0, 1, 2], &[]);
+    let group = wait_formed(dir.path(), &["a", "b", "c"], &mut agents, FORM);
+    let endpoint = format!("{}:{RDZV_PORT}", cluster.host(0).ip);
+    let args = agent_args("2:3", &endpoint, "beyond-max", &[], &strs(&loop_program(dir.path())));
+    agents.push(cluster.host(3).rlaunch(dir.path(), &args));
+    // MAX (3) nodes run: host d waits, and nobody is disturbed.
+    let n = starts(dir.path()).len();
+    let until = Instant::now() + Duration::from_secs_f64(TTL_S * 1.5);
+    while Instant::now() < until {
+        assert!(group.iter().all(|s| pid_alive(s.pid)), "a running worker was stopped by a fourth host joining");
+        assert!(agents[3].try_status().is_none(), "host d's agent gave up waiting");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(starts(dir.path()).len(), n, "no worker was (re)started: {:#?}", starts(dir.path()));
+    // Host c is lost: d takes its place.
+    cluster.host(2).kill_all();
+    let mut live: Vec<Proc> = agents.drain(..).enumerate().filter(|(i, _)| *i != 2).map(|(_, p)| p).collect();
+    wait_formed(dir.path(), &["a", "b", "d"], &mut live, Duration::from_secs_f64(TTL_S + 10.0));
+    finish(dir.path(), &mut live);
+}
