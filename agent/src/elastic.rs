@@ -6,6 +6,8 @@
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, ToSocketAddrs, UdpSocket};
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use std::time::Duration;
 
@@ -31,6 +33,39 @@ pub(crate) struct Ctx<'a> {
     pub agent_env: &'a BTreeMap<String, String>,
     pub console: &'a Console,
     pub log_root: &'a Path,
+}
+
+/// When this agent last heard from the rendezvous (any successful call), to fence itself when
+/// it has been cut off for longer than the node TTL.
+#[derive(Clone)]
+struct Contact {
+    start: tokio::time::Instant,
+    last_ms: Arc<AtomicU64>,
+}
+
+impl Contact {
+    fn new() -> Contact {
+        Contact { start: tokio::time::Instant::now(), last_ms: Arc::new(AtomicU64::new(0)) }
+    }
+
+    fn heard(&self) {
+        self.last_ms.store(self.start.elapsed().as_millis() as u64, Ordering::Relaxed);
+    }
+
+    fn silent_for(&self) -> Duration {
+        let now = self.start.elapsed().as_millis() as u64;
+        Duration::from_millis(now.saturating_sub(self.last_ms.load(Ordering::Relaxed)))
+    }
+}
+
+/// Errors after which the same call may well succeed later (a server restarting, a network
+/// cut healing, an etcd election).
+fn transient(e: &RdzvError) -> bool {
+    match e {
+        RdzvError::Unavailable { .. } | RdzvError::Etcd { .. } | RdzvError::Contention { .. } => true,
+        RdzvError::Server { status, .. } => *status >= 500,
+        _ => false,
+    }
 }
 
 /// Aborts a background task when dropped (heartbeats, an agent-hosted server).
@@ -74,8 +109,11 @@ pub(crate) async fn run(
         store_addr,
     };
     info!(node_id = %node.node_id, store = %node.store_addr, endpoints = ?d.endpoints, min = d.min_nodes, max = d.max_nodes, "joining the rendezvous");
-    let heartbeats = AbortOnDrop(tokio::spawn(heartbeat_loop(client.clone(), node.node_id.clone(), d.heartbeat_interval)));
-    let outcome = agent_loop(config, &ctx, &client, &node, &store, signals).await;
+    let contact = Contact::new();
+    contact.heard();
+    let heartbeats =
+        AbortOnDrop(tokio::spawn(heartbeat_loop(client.clone(), node.node_id.clone(), d.heartbeat_interval, contact.clone())));
+    let outcome = agent_loop(config, d, &ctx, &client, &node, &store, &contact, signals).await;
     drop(heartbeats);
     if hosted.is_some() {
         // The other agents learn that the job ended from this process: give their long-polls
@@ -85,15 +123,19 @@ pub(crate) async fn run(
     outcome
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn agent_loop(
     config: &AgentConfig,
+    d: &DynamicRendezvous,
     ctx: &Ctx<'_>,
     client: &RendezvousClient,
     node: &NodeInfo,
     store: &rlaunch::store::StoreHandle,
+    contact: &Contact,
     signals: &mut Signals,
 ) -> Result<RunOutcome, AgentError> {
     let mut last_failure: Option<RootCause> = None;
+    let mut unreachable_since: Option<tokio::time::Instant> = None;
 
     loop {
         // No worker of this node runs now: a fresh store for whichever round comes next.
@@ -106,13 +148,31 @@ async fn agent_loop(
             }
         };
         let round = match joined {
-            Ok(r) => r,
+            Ok(r) => {
+                contact.heard();
+                unreachable_since = None;
+                r
+            }
             Err(RdzvError::JobFinished) => return Ok(RunOutcome::Succeeded { restarts: 0 }),
             Err(RdzvError::JobFailed { reason }) => return failed(client, reason, last_failure).await,
+            Err(e) if transient(&e) => {
+                // Keep trying as long as a join may wait: the rendezvous may come back, or this
+                // node's link may heal (it then rejoins as a scale-up).
+                let since = *unreachable_since.get_or_insert_with(tokio::time::Instant::now);
+                if since.elapsed() >= d.join_timeout {
+                    return Err(AgentError::Rendezvous(format!(
+                        "the rendezvous has been unreachable for the whole join timeout ({:?}): {e}",
+                        d.join_timeout
+                    )));
+                }
+                warn!(error = %e, "cannot reach the rendezvous; retrying the join");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                continue;
+            }
             Err(e) => return Err(rdzv_err(e)),
         };
         let span = info_span!("round", round = round.round);
-        let step = run_round(config, ctx, client, node, &round, signals).instrument(span).await?;
+        let step = run_round(config, d, ctx, client, node, &round, contact, signals).instrument(span).await?;
         match step {
             RoundEnd::Rejoin => continue,
             RoundEnd::LocalFailure(rc) => {
@@ -134,12 +194,15 @@ enum RoundEnd {
     Done(RunOutcome),
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn run_round(
     config: &AgentConfig,
+    d: &DynamicRendezvous,
     ctx: &Ctx<'_>,
     client: &RendezvousClient,
     node: &NodeInfo,
     round: &RoundInfo,
+    contact: &Contact,
     signals: &mut Signals,
 ) -> Result<RoundEnd, AgentError> {
     let (master_addr, master_port) = split_host_port(&round.master_store_addr)
@@ -165,8 +228,19 @@ async fn run_round(
     let mut group = WorkerGroup::start(&config.program, specs, ctx.agent_env, ctx.console, ctx.host)?;
     let mut succeeded = false;
     let mut unreachable_since: Option<tokio::time::Instant> = None;
+    let mut fence_check = tokio::time::interval(d.heartbeat_interval);
     loop {
         tokio::select! {
+            _ = fence_check.tick(), if !succeeded => {
+                // Cut off for longer than the TTL: the rendezvous has declared this node lost
+                // and given its ranks to others. Its workers must not go on (a second rank 0
+                // writing checkpoints would be split brain).
+                if contact.silent_for() > d.node_ttl {
+                    warn!(silent_ms = contact.silent_for().as_millis() as u64, "no contact with the rendezvous for longer than the node TTL; stopping workers");
+                    group.stop(config.stop_grace).await;
+                    return Ok(RoundEnd::Rejoin);
+                }
+            }
             outcome = group.wait(), if !succeeded => match outcome {
                 GroupOutcome::Succeeded => {
                     group.reap_stragglers().await;
@@ -188,7 +262,10 @@ async fn run_round(
                 }
             },
             ev = client.watch(round.round) => match ev {
-                Ok(WatchEvent::NoChange) => unreachable_since = None,
+                Ok(WatchEvent::NoChange) => {
+                    contact.heard();
+                    unreachable_since = None;
+                }
                 Ok(WatchEvent::NewRound(n)) => {
                     warn!(new_round = n, "the job is re-forming; stopping workers");
                     group.stop(config.stop_grace).await;
@@ -260,13 +337,14 @@ async fn failed(client: &RendezvousClient, reason: String, local: Option<RootCau
     }
 }
 
-async fn heartbeat_loop(client: RendezvousClient, node_id: String, every: Duration) {
+async fn heartbeat_loop(client: RendezvousClient, node_id: String, every: Duration, contact: Contact) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        if let Err(e) = client.heartbeat(&node_id).await {
-            tracing::debug!(error = %e, "heartbeat failed");
+        match client.heartbeat(&node_id).await {
+            Ok(()) => contact.heard(),
+            Err(e) => tracing::debug!(error = %e, "heartbeat failed"),
         }
     }
 }
