@@ -567,3 +567,87 @@ fn terminal_jobs_reject_heartbeats_and_ignore_ticks() {
     assert_eq!(d.action, Action::Nothing);
     assert_eq!(after, job);
 }
+
+/// A tiny deterministic generator, so the random walk below is reproducible from its seed.
+struct XorShift(u64);
+
+impl XorShift {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+fn check_invariants(job: &Job, before: &Job, d: &Decision, seed: u64, step_no: usize) {
+    let ctx = format!("seed {seed}, step {step_no}: {d:?}");
+    assert!(job.version >= before.version, "{ctx}");
+    assert!(job.round >= before.round, "{ctx}");
+    assert!(job.restart_count <= job.settings.max_restarts, "{ctx}");
+    assert!(job.members.len() <= job.settings.max_nodes as usize, "{ctx}");
+    let mut offset = 0;
+    for (i, m) in job.members.iter().enumerate() {
+        assert_eq!(m.group_rank as usize, i, "ranks are contiguous: {ctx}");
+        assert_eq!(m.rank_offset, offset, "offsets are prefix sums: {ctx}");
+        offset += m.local_world_size;
+    }
+    let mut ids: Vec<&str> = job.pending.iter().map(|p| p.node.node_id.as_str()).collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), job.pending.len(), "no node waits twice: {ctx}");
+    if matches!(job.phase, Phase::Running { .. }) {
+        assert!(job.members.len() >= job.settings.min_nodes as usize, "{ctx}");
+        assert!(job.pending.iter().all(|p| !job.is_member(&p.node.node_id)), "{ctx}");
+        assert!(job.previous.is_empty(), "{ctx}");
+    }
+    if before.phase.is_terminal() {
+        assert_eq!(job.phase, before.phase, "a finished or failed job stays so: {ctx}");
+    }
+    if matches!(d.action, Action::RoundOpened { .. }) {
+        assert_eq!(job.round, before.round + 1, "{ctx}");
+    }
+}
+
+#[test]
+fn random_event_sequences_keep_the_invariants() {
+    let ids = ["a", "b", "c", "d", "e"];
+    let mut seen: std::collections::BTreeSet<String> = std::collections::BTreeSet::new();
+    for seed in 1..=300u64 {
+        let mut rng = XorShift(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+        let min = 1 + rng.below(3) as u32;
+        let max = min + rng.below(3) as u32;
+        let mut s = settings(min, max);
+        s.max_restarts = rng.below(4) as u32;
+        let mut job = Job::new(s, 0);
+        let mut now = 0u64;
+        for step_no in 0..200 {
+            now += rng.below(900);
+            let id = ids[rng.below(ids.len() as u64) as usize].to_owned();
+            let ev = match rng.below(10) {
+                0..=2 => Event::Join(node(&id)),
+                3..=5 => Event::Heartbeat { node_id: id },
+                6 => Event::Tick,
+                7 => Event::ReportFailure { node_id: id, round: job.round - rng.below(2).min(job.round - 1), root_cause: json!(step_no) },
+                8 => Event::NodeSucceeded { node_id: id, round: job.round },
+                _ => Event::Leave { node_id: id },
+            };
+            let (next, d) = step(&job, ev, now);
+            check_invariants(&next, &job, &d, seed, step_no);
+            seen.insert(match &d.action {
+                Action::RoundOpened { cause, .. } => format!("opened:{}", serde_json::to_value(cause).unwrap().as_object().unwrap().keys().next().unwrap()),
+                Action::Rejected(_) => "rejected".to_owned(),
+                other => format!("{other:?}").split([' ', '{']).next().unwrap().to_owned(),
+            });
+            job = next;
+        }
+    }
+    // The walk must reach every kind of transition, or it proves little.
+    for kind in ["opened:node_lost", "opened:failure", "opened:scale_up", "opened:member_left", "RoundClosed", "Finished", "Failed", "rejected"] {
+        assert!(seen.contains(kind), "never saw {kind}: {seen:?}");
+    }
+}
