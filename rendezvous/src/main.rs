@@ -8,7 +8,7 @@ use clap::{Parser, ValueEnum};
 use rlaunch_rendezvous::api::{self, AppState};
 use rlaunch_rendezvous::store::etcd::EtcdStore;
 use rlaunch_rendezvous::{Rendezvous, Store};
-use tracing::info;
+use tracing::{info, warn};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum StoreKind {
@@ -37,6 +37,9 @@ struct Args {
     /// Largest request body, in bytes.
     #[arg(long, env = "RLAUNCH_RDZV_BODY_LIMIT", default_value_t = api::DEFAULT_BODY_LIMIT)]
     body_limit: usize,
+    /// How long to keep trying to reach etcd at start (it may come up after this service).
+    #[arg(long, env = "RLAUNCH_RDZV_ETCD_WAIT_MS", default_value_t = 30_000)]
+    etcd_wait_ms: u64,
     /// After a shutdown signal, how long requests in flight (long-polls) may take to finish.
     #[arg(long, env = "RLAUNCH_RDZV_SHUTDOWN_GRACE_MS", default_value_t = 3000)]
     shutdown_grace_ms: u64,
@@ -55,6 +58,24 @@ async fn shutdown_signal() {
     }
 }
 
+async fn connect_etcd(endpoints: &[String], patience: Duration) -> Result<EtcdStore> {
+    let give_up = tokio::time::Instant::now() + patience;
+    let mut backoff = Duration::from_millis(200);
+    loop {
+        match EtcdStore::connect(endpoints).await {
+            Ok(store) => return Ok(store),
+            Err(error) if tokio::time::Instant::now() + backoff < give_up => {
+                warn!(error = %error, endpoints = %endpoints.join(","), "etcd not reachable yet; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+            }
+            Err(error) => {
+                return Err(error).with_context(|| format!("connecting to etcd at {}", endpoints.join(",")))
+            }
+        }
+    }
+}
+
 #[tokio::main]
 async fn main() -> Result<()> {
     tracing_subscriber::fmt()
@@ -68,11 +89,7 @@ async fn main() -> Result<()> {
 
     let store = match args.store {
         StoreKind::Memory => Store::memory(),
-        StoreKind::Etcd => Store::Etcd(
-            EtcdStore::connect(&args.etcd_endpoints)
-                .await
-                .with_context(|| format!("connecting to etcd at {}", args.etcd_endpoints.join(",")))?,
-        ),
+        StoreKind::Etcd => Store::Etcd(connect_etcd(&args.etcd_endpoints, Duration::from_millis(args.etcd_wait_ms)).await?),
     };
     let rdzv = Rendezvous::new(store);
     let mut state = AppState::new(rdzv, args.token.clone());
