@@ -450,6 +450,15 @@ impl EtcdStore {
                 return Vec::new();
             }
         };
+        {
+            // Keep-alive streams of nodes whose lease is gone (lost without leaving) are closed.
+            let alive: std::collections::HashSet<String> = jobs
+                .iter()
+                .flat_map(|(run_id, job)| job.last_seen.keys().map(move |node| alive_key(run_id, node)))
+                .collect();
+            let mut keepers = self.inner.keepers.lock().unwrap_or_else(|p| p.into_inner());
+            keepers.retain(|key, slot| alive.contains(key) || Arc::strong_count(slot) > 1);
+        }
         let mut out = Vec::new();
         for (run_id, job) in jobs {
             if super::outlived(&job, now) {
