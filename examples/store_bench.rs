@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
 use anyhow::{bail, Context, Result};
-use rlaunch::store::StoreServer;
+use rlaunch::store::{ServerConfig, StoreServer};
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -48,6 +48,7 @@ fn python() -> Result<PathBuf> {
 }
 
 struct Options {
+    repeat: usize,
     rounds: usize,
     ops: usize,
     procs: usize,
@@ -56,6 +57,7 @@ struct Options {
 
 fn parse(args: &[String]) -> Result<Options> {
     let mut o = Options {
+        repeat: 3,
         rounds: 3,
         ops: 3000,
         procs: 4,
@@ -65,38 +67,45 @@ fn parse(args: &[String]) -> Result<Options> {
     while let Some(flag) = it.next() {
         let mut value = || it.next().context("flag needs a value");
         match flag.as_str() {
+            "--repeat" => o.repeat = value()?.parse()?,
             "--rounds" => o.rounds = value()?.parse()?,
             "--ops" => o.ops = value()?.parse()?,
             "--procs" => o.procs = value()?.parse()?,
             "--no-write" => o.write = false,
-            other => bail!("unknown flag {other} (use --rounds N --ops N --procs N --no-write)"),
+            other => bail!(
+                "unknown flag {other} (use --repeat N --rounds N --ops N --procs N --no-write)"
+            ),
         }
     }
     Ok(o)
 }
 
 /// Runs the torch-client driver against the server on `port`; returns its JSON metrics.
-fn drive(
-    o: &Options,
-    port: u16,
-    run_id: &str,
-) -> Result<serde_json::Map<String, serde_json::Value>> {
+/// Runs the torch-client driver against both servers at once (alternating small batches);
+/// returns the metrics of server A and of server B.
+type Metrics = serde_json::Map<String, serde_json::Value>;
+
+fn drive(o: &Options, port_a: u16, port_b: u16, run: usize) -> Result<(Metrics, Metrics)> {
     let out = Command::new(python()?)
         .arg(repo_root().join("bench/store/driver.py"))
-        .args(["127.0.0.1", &port.to_string(), run_id])
+        .args(["127.0.0.1", &port_a.to_string(), &port_b.to_string()])
+        .arg(format!("run{run}"))
         .args(["--ops", &o.ops.to_string(), "--procs", &o.procs.to_string()])
+        .args(["--rounds", &o.rounds.to_string()])
         .stderr(Stdio::inherit())
         .output()
         .context("run bench/store/driver.py")?;
     if !out.status.success() {
-        bail!("driver failed against port {port}: {}", out.status);
+        bail!("driver failed: {}", out.status);
     }
     let text = String::from_utf8_lossy(&out.stdout);
     let line = text.lines().last().context("driver printed nothing")?;
-    match serde_json::from_str(line)? {
-        serde_json::Value::Object(map) => Ok(map),
-        other => bail!("driver printed {other}"),
-    }
+    let mut all: Metrics = serde_json::from_str(line)?;
+    let mut take = |k: &str| match all.remove(k) {
+        Some(serde_json::Value::Object(m)) => Ok(m),
+        _ => Err(anyhow::anyhow!("driver output lacks {k:?}: {line}")),
+    };
+    Ok((take("a")?, take("b")?))
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -107,29 +116,20 @@ fn median(mut v: Vec<f64>) -> f64 {
 fn bench(args: &[String]) -> Result<()> {
     let o = parse(args)?;
     let load_before = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    // Our server on its own thread and runtime; STORE_BENCH_RT=current makes that runtime
-    // current-thread (default: multi-thread, one worker per core).
-    let flavor = std::env::var("STORE_BENCH_RT").unwrap_or_else(|_| "multi-thread".into());
-    let (port_tx, port_rx) = std::sync::mpsc::channel();
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server_rt = if flavor == "current" {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()?
-    } else {
-        tokio::runtime::Builder::new_multi_thread()
-            .enable_all()
-            .build()?
+    // STORE_BENCH_RT=dedicated (default): `StoreServer::start_dedicated`, a single-threaded
+    // runtime on a thread of its own; STORE_BENCH_RT=multi: `StoreServer::start` on a
+    // multi-thread runtime (one worker per core), as an agent's own runtime would host it.
+    let flavor = std::env::var("STORE_BENCH_RT").unwrap_or_else(|_| "dedicated".into());
+    let any: SocketAddr = "127.0.0.1:0".parse()?;
+    let multi = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let ours = match flavor.as_str() {
+        "multi" => multi.block_on(StoreServer::start(any))?,
+        "dedicated" => StoreServer::start_dedicated(any, ServerConfig::default())?,
+        other => bail!("STORE_BENCH_RT={other}: use dedicated or multi"),
     };
-    let server_thread = std::thread::spawn(move || {
-        server_rt.block_on(async move {
-            let handle = StoreServer::start("127.0.0.1:0".parse().expect("valid address")).await?;
-            let _ = port_tx.send(handle.local_addr().port());
-            let _ = stop_rx.await;
-            handle.shutdown().await
-        })
-    });
-    let our_port = port_rx.recv().context("our server did not start")?;
+    let our_port = ours.local_addr().port();
 
     let mut torch_server = Command::new(python()?)
         .arg(repo_root().join("bench/store/torch_server.py"))
@@ -144,28 +144,19 @@ fn bench(args: &[String]) -> Result<()> {
         .parse()
         .with_context(|| format!("torch server printed {line:?}"))?;
 
-    let servers = [("rlaunch", our_port), ("torch", torch_port)];
-    let mut results: Vec<Vec<serde_json::Map<String, serde_json::Value>>> =
-        vec![Vec::new(), Vec::new()];
-    for round in 0..o.rounds {
-        // Alternate who goes first, so neither always runs on a warmer machine.
-        let order: [usize; 2] = if round % 2 == 0 { [0, 1] } else { [1, 0] };
-        for i in order {
-            let (name, port) = servers[i];
-            eprintln!(
-                "round {}/{}: {name} server (port {port})",
-                round + 1,
-                o.rounds
-            );
-            results[i].push(drive(&o, port, &format!("{name}-{round}"))?);
-        }
+    let mut results = [Vec::new(), Vec::new()];
+    for run in 1..=o.repeat {
+        eprintln!(
+            "run {run}/{}: rlaunch (port {our_port}) and torch (port {torch_port}) side by side",
+            o.repeat
+        );
+        let (ours_m, torch_m) = drive(&o, our_port, torch_port, run)?;
+        results[0].push(ours_m);
+        results[1].push(torch_m);
     }
     drop(torch_server.stdin.take());
     let _ = torch_server.wait();
-    let _ = stop_tx.send(());
-    server_thread
-        .join()
-        .map_err(|_| anyhow::anyhow!("server thread panicked"))??;
+    multi.block_on(ours.shutdown())?;
 
     let torch_version = results[1][0]
         .get("torch")
@@ -203,31 +194,47 @@ fn bench(args: &[String]) -> Result<()> {
         if !metrics.contains(&m) {
             continue;
         }
-        let value = |i: usize| {
-            median(
-                results[i]
-                    .iter()
-                    .filter_map(|r| r.get(&m)?.as_f64())
-                    .collect(),
-            )
+        let values = |i: usize| -> Vec<f64> {
+            results[i]
+                .iter()
+                .filter_map(|r| r.get(&m)?.as_f64())
+                .collect()
         };
-        let (ours, torch) = (value(0), value(1));
+        let (ours_v, torch_v) = (values(0), values(1));
         let latency = m.ends_with("_us");
-        let speedup = if latency { torch / ours } else { ours / torch };
+        // Speed-up per run (both servers measured side by side in it), then the median.
+        let speedups: Vec<f64> = ours_v
+            .iter()
+            .zip(&torch_v)
+            .map(|(o, t)| if latency { t / o } else { o / t })
+            .collect();
+        let range = |v: &[f64]| {
+            let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
+            let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            format!("{} ({}–{})", fmt(median(v.to_vec())), fmt(lo), fmt(hi))
+        };
+        let speedup = median(speedups.clone());
+        let speedup_range = format!(
+            "{speedup:.2}× ({:.2}–{:.2})",
+            speedups.iter().copied().fold(f64::INFINITY, f64::min),
+            speedups.iter().copied().fold(f64::NEG_INFINITY, f64::max)
+        );
         let (label, unit) = if latency {
             (m.trim_end_matches("_us").replace('_', " "), "µs")
         } else {
             (m.trim_end_matches("_ops_s").replace('_', " "), "ops/s")
         };
         rows.push(format!(
-            "| {label} ({unit}) | {} | {} | {speedup:.2}× |",
-            fmt(ours),
-            fmt(torch)
+            "| {label} ({unit}) | {} | {} | {speedup_range} |",
+            range(&ours_v),
+            range(&torch_v)
         ));
     }
     let table = format!(
-        "| metric | rlaunch store | torch TCPStore | rlaunch speed-up |\n|---|---|---|---|\n{}\n",
-        rows.join("\n")
+        "| metric | rlaunch store | torch TCPStore | rlaunch speed-up |\n|---|---|---|---|\n{}\n\n\
+         Each cell: median of {} runs (min–max).\n",
+        rows.join("\n"),
+        o.repeat
     );
     println!("\n{table}");
     if o.write {
@@ -237,16 +244,17 @@ fn bench(args: &[String]) -> Result<()> {
              Client: torch {torch_version}'s own `torch.distributed.TCPStore` client drives both servers in\n\
              one run (`bench/store/driver.py`); torch's server is its default libuv backend hosted by\n\
              `bench/store/torch_server.py`; ours is `rlaunch::store::StoreServer` in the\n\
-             `store_bench` process (tokio {flavor} runtime, release build). Median of {rounds} interleaved rounds; {ops}\n\
-             sequential ops per latency metric from one client; throughput with {procs} client\n\
-             processes at once ({ops} ops each). Speed-up > 1 means rlaunch is faster (latency: torch /\n\
+             `store_bench` process ({flavor} runtime: `STORE_BENCH_RT`, release build). Both servers are measured in the same driver process,\n\
+             in alternating batches of 100 ops (A,B,B,A,…), so load from other jobs hits both alike.\n\
+             Latency: {ops} sequential ops per metric from one client (p50/p99). Throughput: {procs}\n\
+             client processes at once ({ops} ops each), median of {rounds} alternating rounds. Speed-up > 1 means rlaunch is faster (latency: torch /\n\
              rlaunch; throughput: rlaunch / torch). `wake` is half a set→wait ping-pong round trip\n\
              between two processes: how fast a wait is released by another client's set.\n\n\
              {table}\n\
              Load average (1/5/15 min) when the run started: {load}; other engineers' builds\n\
              and tests shared the two cores, so p99 figures are noisy, p50 and throughput less so.\n\n\
              Reproduce: `cargo run --release -p rlaunch --example store_bench` (writes this file;\n\
-             `--rounds N --ops N --procs N --no-write`).\n",
+             `--repeat N --rounds N --ops N --procs N --no-write`).\n",
             rounds = o.rounds,
             ops = o.ops,
             procs = o.procs,

@@ -15,7 +15,7 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
-use tokio::task::{JoinHandle, JoinSet};
+use tokio::task::JoinSet;
 use tracing::{debug, error, warn};
 
 use super::protocol::{
@@ -56,7 +56,8 @@ pub struct StoreHandle {
     local_addr: SocketAddr,
     shared: Arc<Shared>,
     stop: Option<oneshot::Sender<()>>,
-    task: Option<JoinHandle<io::Result<()>>>,
+    /// Resolves with the serving loop's result once it has ended.
+    done: Option<oneshot::Receiver<io::Result<()>>>,
 }
 
 impl StoreHandle {
@@ -91,8 +92,12 @@ impl StoreHandle {
     /// Stops accepting, closes every connection and waits for the server task to end.
     pub async fn shutdown(mut self) -> io::Result<()> {
         drop(self.stop.take());
-        match self.task.take() {
-            Some(task) => task.await.map_err(io::Error::other)?,
+        match self.done.take() {
+            Some(done) => done.await.unwrap_or_else(|_| {
+                Err(io::Error::other(
+                    "store server task ended without a result (panic?)",
+                ))
+            }),
             None => Ok(()),
         }
     }
@@ -126,18 +131,30 @@ impl StoreServer {
         config: ServerConfig,
     ) -> io::Result<StoreHandle> {
         let listener = TcpListener::bind(addr).await?;
-        let local_addr = listener.local_addr()?;
-        let (stop, stopped) = oneshot::channel::<()>();
-        let shared = Arc::new(Shared::default());
-        let task = tokio::spawn(serve_shared(listener, config, shared.clone(), async move {
-            let _ = stopped.await;
-        }));
-        Ok(StoreHandle {
-            local_addr,
-            shared,
-            stop: Some(stop),
-            task: Some(task),
-        })
+        let (handle, serving) = prepare(listener, config)?;
+        tokio::spawn(serving);
+        Ok(handle)
+    }
+
+    /// Binds `addr` and serves on a thread of its own with a single-threaded runtime, apart from
+    /// the caller's runtime (callable from sync code too). Waits released by another client's
+    /// change are then answered without waking a second worker thread, which keeps wake-up tail
+    /// latency low on busy machines (see bench/store/RESULTS.md).
+    pub fn start_dedicated(addr: SocketAddr, config: ServerConfig) -> io::Result<StoreHandle> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let listener = std::net::TcpListener::bind(addr)?;
+        listener.set_nonblocking(true)?;
+        let listener = {
+            let _entered = rt.enter();
+            TcpListener::from_std(listener)?
+        };
+        let (handle, serving) = prepare(listener, config)?;
+        std::thread::Builder::new()
+            .name("rlaunch-store".into())
+            .spawn(move || rt.block_on(serving))?;
+        Ok(handle)
     }
 
     /// [`StoreServer::serve`] with explicit tunables.
@@ -148,6 +165,30 @@ impl StoreServer {
     ) -> io::Result<()> {
         serve_shared(listener, config, Arc::new(Shared::default()), shutdown).await
     }
+}
+
+/// A handle and the future that serves until the handle is shut down or dropped.
+fn prepare(
+    listener: TcpListener,
+    config: ServerConfig,
+) -> io::Result<(StoreHandle, impl Future<Output = ()> + Send + 'static)> {
+    let local_addr = listener.local_addr()?;
+    let (stop, stopped) = oneshot::channel::<()>();
+    let (done_tx, done) = oneshot::channel();
+    let shared = Arc::new(Shared::default());
+    let serving = serve_shared(listener, config, shared.clone(), async move {
+        let _ = stopped.await;
+    });
+    let serving = async move {
+        let _ = done_tx.send(serving.await);
+    };
+    let handle = StoreHandle {
+        local_addr,
+        shared,
+        stop: Some(stop),
+        done: Some(done),
+    };
+    Ok((handle, serving))
 }
 
 async fn serve_shared(

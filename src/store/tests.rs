@@ -593,7 +593,9 @@ fn store_hundred_concurrent_waiters_on_one_key_are_all_released_by_one_set() {
     for w in waiters {
         assert_eq!(join(w), b"all");
     }
-    server.eventually("finished clients are unregistered", |h| h.connections() == 0);
+    server.eventually("finished clients are unregistered", |h| {
+        h.connections() == 0
+    });
 }
 
 #[test]
@@ -632,4 +634,24 @@ fn store_dropping_the_handle_stops_the_server() {
         );
         thread::sleep(Duration::from_millis(10));
     }
+}
+
+#[test]
+fn store_dedicated_server_runs_on_its_own_thread_without_a_caller_runtime() {
+    let any: SocketAddr = "127.0.0.1:0".parse().expect("valid address");
+    let handle = StoreServer::start_dedicated(any, ServerConfig::default()).expect("starts");
+    let addr = handle.local_addr().to_string();
+    let mut a = StoreClient::connect(&addr, DEADLINE).expect("connect");
+    let mut b = StoreClient::connect(&addr, DEADLINE).expect("connect");
+    let waiter = spawn_with_deadline(move || b.get("k").expect("released"));
+    a.set("k", b"v").expect("set");
+    assert_eq!(join(waiter), b"v");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async { tokio::time::timeout(DEADLINE, handle.shutdown()).await })
+        .expect("shuts down before the deadline")
+        .expect("clean shutdown");
+    assert!(a.ping().is_err(), "connections closed");
 }
