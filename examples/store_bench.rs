@@ -17,16 +17,19 @@ use rlaunch::store::{ServerConfig, StoreServer};
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.first().map(String::as_str) == Some("serve") {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .enable_all()
-            .build()?;
         let port: u16 = args.get(1).map(|p| p.parse()).transpose()?.unwrap_or(0);
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
-        let handle = rt.block_on(StoreServer::start(addr))?;
+        let multi = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()?;
+        let handle = match std::env::var("STORE_BENCH_RT").as_deref() {
+            Ok("multi") => multi.block_on(StoreServer::start(addr))?,
+            _ => StoreServer::start_dedicated(addr, ServerConfig::default())?,
+        };
         println!("{}", handle.local_addr().port());
         let mut sink = Vec::new();
         let _ = std::io::stdin().read_to_end(&mut sink);
-        rt.block_on(handle.shutdown())?;
+        multi.block_on(handle.shutdown())?;
         return Ok(());
     }
     bench(&args)
