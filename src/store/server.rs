@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::io;
+use std::io::{self, IoSlice};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -364,8 +364,10 @@ enum Part {
 }
 
 const INLINE_VALUE: usize = 16 * 1024;
-/// Big values are written this much at a time, each piece under the stall deadline.
+/// Big values are written at most this much per write, each under the stall deadline.
 const WRITE_CHUNK: usize = 1 << 20;
+/// Most slices in one vectored write (well under any IOV_MAX).
+const MAX_IOV: usize = 64;
 
 impl Reply {
     fn tail(&mut self) -> &mut Vec<u8> {
@@ -434,18 +436,42 @@ impl<W: AsyncWrite + Unpin> Session<W> {
         }
     }
 
+    /// Writes every part of `reply` with vectored writes (a length prefix and a shared value
+    /// leave in one syscall), each write making progress within the stall deadline.
     async fn send(&mut self, reply: Reply) -> Result<(), Close> {
         let stall = self.config.stall_timeout;
-        for part in &reply.parts {
-            let bytes: &[u8] = match part {
-                Part::Bytes(b) => b,
-                Part::Shared(b) => b,
-            };
-            for chunk in bytes.chunks(WRITE_CHUNK) {
-                tokio::time::timeout(stall, self.out.write_all(chunk))
-                    .await
-                    .map_err(|_| Close::WriteStalled(stall))?
-                    .map_err(Close::Write)?;
+        let mut parts: Vec<&[u8]> = reply
+            .parts
+            .iter()
+            .map(|part| match part {
+                Part::Bytes(b) => b.as_slice(),
+                Part::Shared(b) => b.as_slice(),
+            })
+            .filter(|b| !b.is_empty())
+            .collect();
+        let mut first = 0;
+        while first < parts.len() {
+            let slices: Vec<IoSlice<'_>> = parts[first..]
+                .iter()
+                .take(MAX_IOV)
+                .map(|b| IoSlice::new(&b[..b.len().min(WRITE_CHUNK)]))
+                .collect();
+            let mut written = tokio::time::timeout(stall, self.out.write_vectored(&slices))
+                .await
+                .map_err(|_| Close::WriteStalled(stall))?
+                .map_err(Close::Write)?;
+            if written == 0 {
+                return Err(Close::Write(io::ErrorKind::WriteZero.into()));
+            }
+            while written > 0 {
+                let head = parts[first];
+                if written >= head.len() {
+                    written -= head.len();
+                    first += 1;
+                } else {
+                    parts[first] = &head[written..];
+                    written = 0;
+                }
             }
         }
         Ok(())
