@@ -103,9 +103,19 @@ impl StoreState {
 
     pub fn set(&mut self, key: Vec<u8>, value: Vec<u8>) -> Vec<Wake> {
         let mut wakes = Vec::new();
-        self.kv.insert(key.clone(), Arc::new(value));
-        self.wake_key(&key, false, &mut wakes);
+        self.store(key, Arc::new(value), &mut wakes);
         wakes
+    }
+
+    /// Stores a value and releases the waiters it satisfies (the key is cloned only when
+    /// someone waits on it).
+    fn store(&mut self, key: Vec<u8>, value: Arc<Vec<u8>>, wakes: &mut Vec<Wake>) {
+        if self.by_key.contains_key(&key) {
+            self.kv.insert(key.clone(), value);
+            self.wake_key(&key, false, wakes);
+        } else {
+            self.kv.insert(key, value);
+        }
     }
 
     /// torch semantics: a missing key is created only when `expected` is empty; the reply is
@@ -151,9 +161,7 @@ impl StoreState {
                 delta,
             })?;
         let mut wakes = Vec::new();
-        self.kv
-            .insert(key.clone(), Arc::new(sum.to_string().into_bytes()));
-        self.wake_key(&key, false, &mut wakes);
+        self.store(key, Arc::new(sum.to_string().into_bytes()), &mut wakes);
         Ok((sum, wakes))
     }
 
@@ -278,8 +286,7 @@ impl StoreState {
     pub fn multi_set(&mut self, kvs: Vec<(Vec<u8>, Vec<u8>)>) -> Vec<Wake> {
         let mut wakes = Vec::new();
         for (key, value) in kvs {
-            self.kv.insert(key.clone(), Arc::new(value));
-            self.wake_key(&key, false, &mut wakes);
+            self.store(key, Arc::new(value), &mut wakes);
         }
         wakes
     }
