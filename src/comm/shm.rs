@@ -620,9 +620,3 @@ pub(crate) fn pid_alive(pid: i32) -> bool {
         Err(_) => r == 0,
     }
 }
-
-/// Bytes of a slice (re-exported for the benchmarks' sanity checks).
-#[doc(hidden)]
-pub fn byte_len<T: Element>(s: &[T]) -> usize {
-    as_bytes(s).len()
-}
