@@ -63,6 +63,16 @@ fn worker_entry() {
                 r
             })
         }
+        "quick" => {
+            let mut v = vec![me as i64; 3];
+            pg.all_reduce(&mut v, ReduceOp::Sum).map_err(|e| e.to_string()).and_then(|_| {
+                let want = (w * (w - 1) / 2) as i64;
+                if v != vec![want; 3] {
+                    return Err(format!("sum of ranks {v:?} != {want}"));
+                }
+                pg.barrier().map_err(|e| e.to_string())
+            })
+        }
         other => Err(format!("unknown scenario {other}")),
     };
     match res {
@@ -179,4 +189,30 @@ fn peer_killed_in_collective_fails_survivors_on_tcp() {
 fn hung_peer_times_out_naming_it_on_shm_and_tcp() {
     assert_peer_failure_detected("shm", "hang", 2);
     assert_peer_failure_detected("tcp", "hang", 2);
+}
+
+#[test]
+fn bootstraps_through_the_agents_tcp_store() {
+    let rt = tokio::runtime::Runtime::new().expect("tokio runtime");
+    let server = rt
+        .block_on(rlaunch::store::StoreServer::start("127.0.0.1:0".parse().expect("literal")))
+        .expect("start the TCPStore server");
+    let port = server.local_addr().port();
+    for backend in ["shm", "tcp"] {
+        let f = run(
+            &[0, 0, 0],
+            "quick",
+            &[
+                ("RLAUNCH_FILE_STORE", String::new()),
+                ("MASTER_PORT", port.to_string()),
+                ("RLAUNCH_BACKEND", backend.into()),
+                // One store, two jobs: keys are namespaced by run id (and restart count).
+                ("TORCHELASTIC_RUN_ID", format!("tcpstore-{backend}")),
+            ],
+            Duration::from_secs(60),
+        );
+        assert!(f.all_ok(), "{backend}:\n{}", f.dump());
+    }
+    assert!(server.num_keys() > 0, "the workers' keys went to the TCPStore");
+    rt.block_on(server.shutdown()).expect("store shutdown");
 }

@@ -94,7 +94,12 @@ pub fn spawn_wrapped(
             .stdout(f)
             .stderr(f2);
         for (k, v) in extra {
-            c.env(k, v);
+            // An empty value removes the variable (e.g. RLAUNCH_FILE_STORE to use MASTER_PORT).
+            if v.is_empty() {
+                c.env_remove(k);
+            } else {
+                c.env(k, v);
+            }
         }
         children.push(c.spawn().expect("spawn worker"));
         logs.push(log);
