@@ -107,7 +107,7 @@ struct Dataset {
 }
 
 fn make_dataset(a: &Args) -> Dataset {
-    let mut rng = SplitMix(a.seed ^ 0xda7a_5e7);
+    let mut rng = SplitMix(a.seed ^ 0x0da7_a5e7);
     let centres: Vec<f32> = (0..a.classes * a.dim).map(|_| rng.normal() * 0.6).collect();
     let mut x = Vec::with_capacity(a.samples * a.dim);
     let mut y = Vec::with_capacity(a.samples);

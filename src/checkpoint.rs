@@ -167,7 +167,7 @@ impl CheckpointDir {
                 v.push((step, e.path()));
             }
         }
-        v.sort_by(|a, b| b.0.cmp(&a.0));
+        v.sort_by_key(|f| std::cmp::Reverse(f.0));
         Ok(v)
     }
 

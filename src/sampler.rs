@@ -47,7 +47,7 @@ impl DistributedSampler {
 
     /// Samples this rank gets per epoch.
     pub fn num_samples(&self) -> usize {
-        if self.drop_last && self.len % self.num_replicas != 0 {
+        if self.drop_last && !self.len.is_multiple_of(self.num_replicas) {
             self.len / self.num_replicas
         } else {
             self.len.div_ceil(self.num_replicas)

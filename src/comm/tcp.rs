@@ -228,7 +228,7 @@ impl TcpRing {
             let si = (self.me + n * 2 + shift - t) % n;
             let ri = (self.me + n * 2 + shift - t - 1) % n;
             let (send, dst) = split_pair(data, segs[si], segs[ri]);
-            let rlen = dst.len() * size;
+            let rlen = std::mem::size_of_val(dst);
             let sbytes = as_bytes(send);
             // SAFETY: viewing the u64 scratch as bytes; u64 has no padding and any bytes are valid.
             let sc: &mut [u8] = unsafe { std::slice::from_raw_parts_mut(scratch.as_mut_ptr().cast::<u8>(), rlen) };
