@@ -25,6 +25,12 @@ use crate::{
     SignalEvent, Signals,
 };
 
+/// Extra silence tolerated past the node TTL before a node fences itself: an etcd leader
+/// election (or a rendezvous replica failing over) stalls every request for a second or two
+/// while leases survive it, and a healthy node must not stop its workers for that. A node that
+/// is really cut off stops its workers this much later than the rendezvous replaces it.
+const ELECTION_ALLOWANCE: Duration = Duration::from_secs(2);
+
 /// How long a node whose workers all succeeded keeps trying to reach a vanished rendezvous.
 const UNREACHABLE_AFTER_SUCCESS: Duration = Duration::from_secs(10);
 
@@ -135,7 +141,6 @@ async fn agent_loop(
     signals: &mut Signals,
 ) -> Result<RunOutcome, AgentError> {
     let mut last_failure: Option<RootCause> = None;
-    let mut unreachable_since: Option<tokio::time::Instant> = None;
 
     loop {
         // No worker of this node runs now: a fresh store for whichever round comes next.
@@ -150,7 +155,6 @@ async fn agent_loop(
         let round = match joined {
             Ok(r) => {
                 contact.heard();
-                unreachable_since = None;
                 r
             }
             Err(RdzvError::JobFinished) => return Ok(RunOutcome::Succeeded { restarts: 0 }),
@@ -158,8 +162,9 @@ async fn agent_loop(
             Err(e) if transient(&e) => {
                 // Keep trying as long as a join may wait: the rendezvous may come back, or this
                 // node's link may heal (it then rejoins as a scale-up).
-                let since = *unreachable_since.get_or_insert_with(tokio::time::Instant::now);
-                if since.elapsed() >= d.join_timeout {
+                // The client's join already waits through unavailability for a while: count from
+                // the last time anything reached the rendezvous, not from this error.
+                if contact.silent_for() >= d.join_timeout {
                     return Err(AgentError::Rendezvous(format!(
                         "the rendezvous has been unreachable for the whole join timeout ({:?}): {e}",
                         d.join_timeout
@@ -235,7 +240,7 @@ async fn run_round(
                 // Cut off for longer than the TTL: the rendezvous has declared this node lost
                 // and given its ranks to others. Its workers must not go on (a second rank 0
                 // writing checkpoints would be split brain).
-                if contact.silent_for() > d.node_ttl {
+                if contact.silent_for() > d.node_ttl + ELECTION_ALLOWANCE {
                     warn!(silent_ms = contact.silent_for().as_millis() as u64, "no contact with the rendezvous for longer than the node TTL; stopping workers");
                     group.stop(config.stop_grace).await;
                     return Ok(RoundEnd::Rejoin);
