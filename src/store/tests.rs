@@ -655,3 +655,21 @@ fn store_dedicated_server_runs_on_its_own_thread_without_a_caller_runtime() {
         .expect("clean shutdown");
     assert!(a.ping().is_err(), "connections closed");
 }
+
+#[test]
+fn store_client_piling_up_waits_beyond_the_limit_is_disconnected() {
+    let server = TestServer::start_with(ServerConfig {
+        max_pending_waits: 2,
+        ..ServerConfig::default()
+    });
+    let mut raw = server.raw();
+    for key in ["/w1", "/w2", "/w3"] {
+        raw.write_all(&encode(Request::Wait {
+            keys: vec![key.as_bytes().to_vec()],
+        }))
+        .expect("wait");
+    }
+    assert_closed_by_server(&mut raw);
+    server.eventually("its waits are removed", |h| h.pending_waits() == 0);
+    server.client().ping().expect("others still served");
+}
