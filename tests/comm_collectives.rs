@@ -60,6 +60,14 @@ fn worker_entry() {
                 let t = Instant::now();
                 let r = pg.all_reduce(&mut buf, ReduceOp::Sum).map_err(|e| e.to_string());
                 eprintln!("second all_reduce returned after {:?}", t.elapsed());
+                if r.is_err() {
+                    // The group is now unusable: later calls fail at once, not after a timeout.
+                    let t = Instant::now();
+                    match pg.barrier() {
+                        Err(e) if t.elapsed() < Duration::from_millis(100) && e.to_string().contains("failed earlier") => {}
+                        other => return Err(format!("a failed group must refuse further collectives at once, got {other:?} after {:?}", t.elapsed())),
+                    }
+                }
                 r
             })
         }

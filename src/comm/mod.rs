@@ -39,6 +39,8 @@ pub enum CommError {
     Store { what: &'static str, key: String, reason: String },
     #[error("bootstrap of the process group failed: {reason}")]
     Bootstrap { reason: String },
+    #[error("the process group failed earlier and cannot be used: {first}")]
+    Poisoned { first: String },
     #[error("socket setup for the TCP ring failed: {what}")]
     Socket { what: String, #[source] source: std::io::Error },
 }
@@ -204,6 +206,7 @@ pub struct ProcessGroup {
     timeout: Duration,
     backend: Backend,
     backend_name: &'static str,
+    poisoned: Option<String>,
 }
 
 impl std::fmt::Debug for ProcessGroup {
@@ -302,7 +305,7 @@ impl ProcessGroup {
             }
         };
         tracing::debug!(rank, world_size, local_rank, local_world_size, backend = backend_name, "process group formed");
-        Ok(Self { rank, world_size, local_rank, local_world_size, timeout: opts.timeout, backend, backend_name })
+        Ok(Self { rank, world_size, local_rank, local_world_size, timeout: opts.timeout, backend, backend_name, poisoned: None })
     }
 
     pub fn rank(&self) -> usize {
@@ -341,8 +344,7 @@ impl ProcessGroup {
         }
     }
 
-    /// Reduces `buf` element-wise across all ranks; every rank ends with the result.
-    pub fn all_reduce<T: Element>(&mut self, buf: &mut [T], op: ReduceOp) -> Result<(), CommError> {
+    fn all_reduce_inner<T: Element>(&mut self, buf: &mut [T], op: ReduceOp) -> Result<(), CommError> {
         let desc = Desc::new(K_ALL_REDUCE, T::DTYPE, Some(op), 0, buf.len());
         match &mut self.backend {
             Backend::Single => {}
@@ -368,8 +370,7 @@ impl ProcessGroup {
         Ok(())
     }
 
-    /// Copies `buf` of rank `root` into `buf` of every rank.
-    pub fn broadcast<T: Element>(&mut self, buf: &mut [T], root: usize) -> Result<(), CommError> {
+    fn broadcast_inner<T: Element>(&mut self, buf: &mut [T], root: usize) -> Result<(), CommError> {
         self.check_root(root, "broadcast")?;
         let desc = Desc::new(K_BROADCAST, T::DTYPE, None, root, buf.len());
         match &mut self.backend {
@@ -394,8 +395,7 @@ impl ProcessGroup {
         }
     }
 
-    /// Concatenates every rank's `input` in rank order into `output` (`world_size * input.len()`).
-    pub fn all_gather<T: Element>(&mut self, input: &[T], output: &mut [T]) -> Result<(), CommError> {
+    fn all_gather_inner<T: Element>(&mut self, input: &[T], output: &mut [T]) -> Result<(), CommError> {
         if output.len() != input.len() * self.world_size {
             return Err(CommError::InvalidArgument {
                 op: "all_gather",
@@ -423,9 +423,7 @@ impl ProcessGroup {
         }
     }
 
-    /// Reduces `input` (`world_size * output.len()` elements) across ranks and leaves block
-    /// `rank` of the result in `output`.
-    pub fn reduce_scatter<T: Element>(&mut self, input: &[T], output: &mut [T], op: ReduceOp) -> Result<(), CommError> {
+    fn reduce_scatter_inner<T: Element>(&mut self, input: &[T], output: &mut [T], op: ReduceOp) -> Result<(), CommError> {
         if input.len() != output.len() * self.world_size {
             return Err(CommError::InvalidArgument {
                 op: "reduce_scatter",
@@ -451,8 +449,7 @@ impl ProcessGroup {
         Ok(())
     }
 
-    /// Returns once every rank has called `barrier`.
-    pub fn barrier(&mut self) -> Result<(), CommError> {
+    fn barrier_inner(&mut self) -> Result<(), CommError> {
         let desc = Desc::new(K_BARRIER, DType::U8, None, 0, 0);
         match &mut self.backend {
             Backend::Single => Ok(()),
@@ -472,6 +469,66 @@ impl ProcessGroup {
                 local.barrier(desc)
             }
         }
+    }
+
+    /// Reduces `buf` element-wise across all ranks; every rank ends with the result.
+    pub fn all_reduce<T: Element>(&mut self, buf: &mut [T], op: ReduceOp) -> Result<(), CommError> {
+        self.check_poisoned()?;
+        let r = self.all_reduce_inner(buf, op);
+        self.poison_on(r)
+    }
+
+    /// Copies `buf` of rank `root` into `buf` of every rank.
+    pub fn broadcast<T: Element>(&mut self, buf: &mut [T], root: usize) -> Result<(), CommError> {
+        self.check_poisoned()?;
+        let r = self.broadcast_inner(buf, root);
+        self.poison_on(r)
+    }
+
+    /// Concatenates every rank's `input` in rank order into `output` (`world_size * input.len()`).
+    pub fn all_gather<T: Element>(&mut self, input: &[T], output: &mut [T]) -> Result<(), CommError> {
+        self.check_poisoned()?;
+        let r = self.all_gather_inner(input, output);
+        self.poison_on(r)
+    }
+
+    /// Reduces `input` (`world_size * output.len()` elements) across ranks and leaves block
+    /// `rank` of the result in `output`.
+    pub fn reduce_scatter<T: Element>(&mut self, input: &[T], output: &mut [T], op: ReduceOp) -> Result<(), CommError> {
+        self.check_poisoned()?;
+        let r = self.reduce_scatter_inner(input, output, op);
+        self.poison_on(r)
+    }
+
+    /// Returns once every rank has called `barrier`.
+    pub fn barrier(&mut self) -> Result<(), CommError> {
+        self.check_poisoned()?;
+        let r = self.barrier_inner();
+        self.poison_on(r)
+    }
+
+    /// The error that made this group unusable, if any: after a failed collective the ranks'
+    /// positions in the shared sequence are unknown, so every later call fails at once instead
+    /// of waiting out its own timeout.
+    pub fn failure(&self) -> Option<&str> {
+        self.poisoned.as_deref()
+    }
+
+    fn check_poisoned(&self) -> Result<(), CommError> {
+        match &self.poisoned {
+            Some(first) => Err(CommError::Poisoned { first: first.clone() }),
+            None => Ok(()),
+        }
+    }
+
+    fn poison_on(&mut self, r: Result<(), CommError>) -> Result<(), CommError> {
+        if let Err(e) = &r {
+            // Argument errors are caught before any data moves; they leave the group usable.
+            if !matches!(e, CommError::InvalidArgument { .. } | CommError::Poisoned { .. }) {
+                self.poisoned.get_or_insert_with(|| e.to_string());
+            }
+        }
+        r
     }
 
     fn check_root(&self, root: usize, op: &'static str) -> Result<(), CommError> {
