@@ -21,7 +21,7 @@ use tokio::signal::unix::{signal, Signal, SignalKind};
 use tracing::{error, info, info_span, warn, Instrument};
 
 use rlaunch::env::WorkerEnv;
-use rlaunch::store::{StoreHandle, StoreServer};
+use rlaunch::store::{ServerConfig, StoreHandle, StoreServer};
 
 pub use config::{AgentConfig, DynamicBackend, DynamicRendezvous, PerRank, RendezvousConfig};
 use output::{render_prefix, Console, StdSet};
@@ -260,7 +260,8 @@ pub(crate) async fn start_store(bind: &str) -> Result<StoreHandle, AgentError> {
         .ok()
         .and_then(|mut it| it.next())
         .ok_or_else(|| AgentError::Store { addr: bind.into(), source: std::io::Error::other("cannot resolve address") })?;
-    StoreServer::start(addr).await.map_err(|source| AgentError::Store { addr: bind.into(), source })
+    // On a thread of its own, so the workers' bootstrap never waits behind the agent's work.
+    StoreServer::start_dedicated(addr, ServerConfig::default()).map_err(|source| AgentError::Store { addr: bind.into(), source })
 }
 
 fn single_node(config: &AgentConfig, master_addr: String, master_port: u16) -> Placement {
