@@ -25,7 +25,9 @@ struct Args {
     batch_size: usize,
     lr: f32,
     momentum: f32,
+    /// Default: `$TMPDIR/rlaunch-train-<run id>`, so restarts within one launch resume.
     checkpoint_dir: Option<String>,
+    no_checkpoint: bool,
     checkpoint_every: u64,
     seed: u64,
     samples: usize,
@@ -49,6 +51,7 @@ fn parse_args() -> Result<Args> {
         lr: 0.05,
         momentum: 0.9,
         checkpoint_dir: None,
+        no_checkpoint: false,
         checkpoint_every: 50,
         seed: 0,
         samples: 16384,
@@ -75,6 +78,7 @@ fn parse_args() -> Result<Args> {
             "--lr" => a.lr = val()?.parse()?,
             "--momentum" => a.momentum = val()?.parse()?,
             "--checkpoint-dir" => a.checkpoint_dir = Some(val()?),
+            "--no-checkpoint" => a.no_checkpoint = true,
             "--checkpoint-every" => a.checkpoint_every = val()?.parse()?,
             "--seed" => a.seed = val()?.parse()?,
             "--samples" => a.samples = val()?.parse()?,
@@ -87,7 +91,7 @@ fn parse_args() -> Result<Args> {
             "--fault-kill-step" => a.fault_kill_step = Some(val()?.parse()?),
             "--fault-rank" => a.fault_rank = val()?.parse()?,
             "--help" | "-h" => {
-                println!("train [--epochs 3] [--steps N] [--batch-size 64] [--lr 0.05] [--momentum 0.9] [--checkpoint-dir DIR] [--checkpoint-every 50] [--seed 0] [--samples 16384] [--dim 32] [--hidden 256] [--classes 8] [--log-every 20] [--save-final FILE]");
+                println!("train [--epochs 3] [--steps N] [--batch-size 64] [--lr 0.05] [--momentum 0.9] [--checkpoint-dir DIR | --no-checkpoint] [--checkpoint-every 50] [--seed 0] [--samples 16384] [--dim 32] [--hidden 256] [--classes 8] [--log-every 20] [--save-final FILE]");
                 std::process::exit(0);
             }
             other => bail!("unknown flag {other} (try --help)"),
@@ -143,7 +147,16 @@ fn main() -> Result<()> {
     let sizes = model.param_sizes();
     let mut opt = Sgd::new(model.params.len(), args.lr, args.momentum, 0.0);
     let mut ddp = Ddp::new(pg, &sizes, DdpConfig::default());
-    let ckdir = args.checkpoint_dir.as_ref().map(|d| CheckpointDir::new(d, 3)).transpose()?;
+    let ckpath = match (&args.checkpoint_dir, args.no_checkpoint) {
+        (_, true) => None,
+        (Some(d), false) => Some(std::path::PathBuf::from(d)),
+        // Restarts of one launch share the run id, so they find each other's checkpoints.
+        (None, false) => Some(std::env::temp_dir().join(format!("rlaunch-train-{}", worker.run_id))),
+    };
+    let ckdir = match (&ckpath, rank) {
+        (Some(d), 0) => Some(CheckpointDir::new(d, 3)?),
+        _ => None,
+    };
     let meta = serde_json::json!({
         "world": world, "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
         "sizes": model.sizes, "samples": args.samples,
@@ -167,9 +180,10 @@ fn main() -> Result<()> {
     let (mut step, start_epoch, start_pos) = (counters[1] as u64, counters[2] as u64, counters[3] as usize);
     if rank == 0 {
         println!(
-            "train: world {world} backend {backend} restart {} | {} params | {}",
+            "train: world {world} backend {backend} restart {} | {} params | checkpoints {} | {}",
             worker.restart_count,
             model.params.len(),
+            ckpath.as_ref().map_or("off".to_string(), |p| p.display().to_string()),
             if counters[0] == 1 { format!("resumed at step {step} (epoch {start_epoch}, batch {start_pos})") } else { "fresh start".into() }
         );
     }

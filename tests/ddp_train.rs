@@ -44,9 +44,9 @@ fn data_parallel_matches_single_process_with_the_global_batch() {
         let b = 16;
         let out_w = dir.path().join(format!("w{w}.bin"));
         let out_1 = dir.path().join(format!("single{w}.bin"));
-        let f = run_train(w, &base_args(&["--batch-size", &b.to_string(), "--steps", "40", "--save-final", out_w.to_str().expect("utf8")]), &dir.path().join(format!("a{w}")), 0);
+        let f = run_train(w, &base_args(&["--batch-size", &b.to_string(), "--steps", "40", "--no-checkpoint", "--save-final", out_w.to_str().expect("utf8")]), &dir.path().join(format!("a{w}")), 0);
         assert!(f.all_ok(), "{}", f.dump());
-        let f = run_train(1, &base_args(&["--batch-size", &(b * w).to_string(), "--steps", "40", "--save-final", out_1.to_str().expect("utf8")]), &dir.path().join(format!("b{w}")), 0);
+        let f = run_train(1, &base_args(&["--batch-size", &(b * w).to_string(), "--steps", "40", "--no-checkpoint", "--save-final", out_1.to_str().expect("utf8")]), &dir.path().join(format!("b{w}")), 0);
         assert!(f.all_ok(), "{}", f.dump());
         let (pw, p1) = (read_params(&out_w), read_params(&out_1));
         assert_eq!(pw.len(), p1.len());

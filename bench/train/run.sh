@@ -9,7 +9,7 @@ cargo build --release -p rlaunch --examples -p rlaunch-launcher
 for n in 2 4; do
   echo "== world $n, batch 64/rank, $steps steps"
   target/release/rlaunch --standalone --nproc-per-node "$n" target/release/examples/train \
-    --steps "$steps" --epochs 1000 --batch-size 64 --log-every 100 2>/dev/null | grep -E "steady|done"
+    --steps "$steps" --epochs 1000 --batch-size 64 --log-every 100 --no-checkpoint 2>/dev/null | grep -E "steady|done"
   OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node "$n" bench/train/ddp_torch.py \
     --steps "$steps" --batch-size 64 2>/dev/null | grep steady
 done
