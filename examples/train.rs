@@ -41,6 +41,10 @@ struct Args {
     /// Test hook: on the first attempt, rank `fault_rank` SIGKILLs itself when reaching this step.
     fault_kill_step: Option<u64>,
     fault_rank: usize,
+    /// `cpu`, `cuda` or `auto` (GPU when usable, else CPU with a notice).
+    device: String,
+    /// `fp32` or `bf16` (mixed precision on the GPU).
+    precision: String,
 }
 
 fn parse_args() -> Result<Args> {
@@ -63,6 +67,8 @@ fn parse_args() -> Result<Args> {
         fault_checkpoint_step: None,
         fault_kill_step: None,
         fault_rank: 1,
+        device: "cpu".into(),
+        precision: "fp32".into(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -90,6 +96,8 @@ fn parse_args() -> Result<Args> {
             "--fault-checkpoint-step" => a.fault_checkpoint_step = Some(val()?.parse()?),
             "--fault-kill-step" => a.fault_kill_step = Some(val()?.parse()?),
             "--fault-rank" => a.fault_rank = val()?.parse()?,
+            "--device" => a.device = val()?,
+            "--precision" => a.precision = val()?,
             "--help" | "-h" => {
                 println!("train [--epochs 3] [--steps N] [--batch-size 64] [--lr 0.05] [--momentum 0.9] [--checkpoint-dir DIR | --no-checkpoint] [--checkpoint-every 50] [--seed 0] [--samples 16384] [--dim 32] [--hidden 256] [--classes 8] [--log-every 20] [--save-final FILE]");
                 std::process::exit(0);
@@ -178,6 +186,7 @@ fn main() -> Result<()> {
     ddp.broadcast_params(&mut model.params)?;
     ddp.broadcast_params(&mut opt.velocity)?;
     let (mut step, start_epoch, start_pos) = (counters[1] as u64, counters[2] as u64, counters[3] as usize);
+    let mut gpu = gpu_trainer(&args, &worker, &model, &opt)?;
     if rank == 0 {
         println!(
             "train: world {world} backend {backend} restart {} | {} params | checkpoints {} | {}",
@@ -217,13 +226,18 @@ fn main() -> Result<()> {
                 xb[j * data.dim..(j + 1) * data.dim].copy_from_slice(&data.x[i * data.dim..(i + 1) * data.dim]);
                 yb[j] = data.y[i];
             }
-            ddp.zero_grad()?;
-            let loss = model.loss_and_backward(&xb, &yb, &mut ddp);
-            ddp.finish()?;
-            for p in 0..sizes.len() {
-                let range = model.param_range(p);
-                opt.step_slice(&mut model.params, range, ddp.grad(p));
-            }
+            let loss = if let Some(g) = gpu.as_mut() {
+                g.step(&xb, &yb)?
+            } else {
+                ddp.zero_grad()?;
+                let loss = model.loss_and_backward(&xb, &yb, &mut ddp);
+                ddp.finish()?;
+                for p in 0..sizes.len() {
+                    let range = model.param_range(p);
+                    opt.step_slice(&mut model.params, range, ddp.grad(p));
+                }
+                loss
+            };
             step += 1;
             if step == steps_at_start + WARMUP_STEPS {
                 steady_from = Some(Instant::now());
@@ -246,6 +260,9 @@ fn main() -> Result<()> {
             }
             if let (Some(dir), 0) = (&ckdir, rank) {
                 if step % args.checkpoint_every == 0 {
+                    if let Some(g) = gpu.as_ref() {
+                        g.download(&mut model, &mut opt)?;
+                    }
                     let (e, p) = if pos + 1 == per_epoch { (epoch + 1, 0) } else { (epoch, pos + 1) };
                     let ck = Checkpoint {
                         step,
@@ -264,6 +281,9 @@ fn main() -> Result<()> {
                 }
             }
         }
+    }
+    if let Some(g) = gpu.as_ref() {
+        g.download(&mut model, &mut opt)?;
     }
     ddp.barrier()?;
     let secs = t_start.elapsed().as_secs_f64();
@@ -299,4 +319,55 @@ fn main() -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The GPU trainer for `--device cuda|auto` (None: train on the CPU).
+#[cfg(feature = "cuda")]
+fn gpu_trainer(args: &Args, worker: &rlaunch::env::WorkerEnv, model: &Mlp, opt: &Sgd) -> Result<Option<rlaunch::gpu::GpuTrainer>> {
+    use rlaunch::gpu::{select, Device, GpuTrainer, Precision, SearchPath, Selected};
+    let device: Device = args.device.parse().map_err(anyhow::Error::msg)?;
+    let precision: Precision = args.precision.parse().map_err(anyhow::Error::msg)?;
+    let need_nccl = worker.world_size > 1;
+    match select(device, worker.local_rank as usize, need_nccl, &SearchPath::conventional())? {
+        Selected::Cpu { notice } => {
+            if let Some(n) = notice {
+                eprintln!("{n}");
+            }
+            Ok(None)
+        }
+        Selected::Cuda { ordinal, .. } => {
+            let t = GpuTrainer::new(ordinal, worker, model, opt, precision).context("starting the GPU path")?;
+            if worker.rank == 0 {
+                println!("train: device cuda:{ordinal} ({}) precision {}", t.device_name(), args.precision);
+            }
+            Ok(Some(t))
+        }
+    }
+}
+
+/// Built without `--features cuda`: `--device cuda` is an error, `auto` means the CPU.
+#[cfg(not(feature = "cuda"))]
+fn gpu_trainer(args: &Args, _: &rlaunch::env::WorkerEnv, _: &Mlp, _: &Sgd) -> Result<Option<NoGpu>> {
+    match args.device.as_str() {
+        "cpu" => Ok(None),
+        "auto" => {
+            eprintln!("--device auto: training on the CPU; this build has no GPU support (cargo build --features cuda)");
+            Ok(None)
+        }
+        other => bail!("--device {other}: this build has no GPU support (rebuild with `cargo build --features cuda`)"),
+    }
+}
+
+/// Stands in for `rlaunch::gpu::GpuTrainer` in builds without `cuda` (never constructed).
+#[cfg(not(feature = "cuda"))]
+enum NoGpu {}
+
+#[cfg(not(feature = "cuda"))]
+impl NoGpu {
+    fn step(&mut self, _: &[f32], _: &[u32]) -> Result<f32> {
+        match *self {}
+    }
+    fn download(&self, _: &mut Mlp, _: &mut Sgd) -> Result<()> {
+        match *self {}
+    }
 }
