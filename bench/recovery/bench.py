@@ -189,7 +189,7 @@ def agent_cmd(launcher, a_ip, out, args):
     common = ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-id", "bench", "--max-restarts", "3"]
     if launcher == "rlaunch":
         return [args.rlaunch, *common, "--rdzv-backend", "rlaunch", "--rdzv-endpoint", f"{a_ip}:{PORT}",
-                "--rdzv-conf", "heartbeat_interval=0.5,node_ttl=2,last_call_timeout=1", "--shutdown-timeout", "2",
+                "--rdzv-conf", "heartbeat_interval=0.5,node_ttl=2,last_call_timeout=1", "--shutdown-timeout", "3",
                 script, out]
     return [args.torchrun, *common, "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{a_ip}:{PORT}",
             "--rdzv-conf", "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3",

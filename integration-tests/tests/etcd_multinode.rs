@@ -132,7 +132,7 @@ fn agent_args(backend: &str, nnodes: &str, endpoints: &str, run_id: &str, dir: &
         "--rdzv-conf",
         CONF,
         "--shutdown-timeout",
-        "2",
+        "3",
         worker.to_str().expect("utf-8 path"),
         dir.to_str().expect("utf-8 path"),
     ]

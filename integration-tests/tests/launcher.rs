@@ -336,6 +336,14 @@ fn bad_arguments_exit_2_with_a_message() {
         (&["--rdzv-backend", "rlaunch", "--rdzv-endpoint", "nohostport", "x"], "expected host:port"),
         (&["--rdzv-conf", "node_ttl=5,heartbeat_interval=9", "x"], "must be shorter than node_ttl"),
         (&["--rdzv-conf", "nonsense", "x"], "is not key=value"),
+        (
+            &["--rdzv-backend", "rlaunch", "--rdzv-endpoint", "h:1", "--rdzv-conf", "node_ttl=3", "--shutdown-timeout", "2", "x"],
+            "must be longer than the node TTL",
+        ),
+        (
+            &["--rdzv-backend", "rlaunch", "--rdzv-endpoint", "h:1", "--rdzv-conf", "join_timeout=5", "--shutdown-timeout", "6", "x"],
+            "must be shorter than the join timeout",
+        ),
         (&["--nnodes", "2", "x"], "needs --master-port"),
         (&["--nnodes", "2", "--node-rank", "2", "--master-port", "1", "x"], "--node-rank 2 must be below --nnodes 2"),
         (&["-m", "--no-python", "x"], "don't use both --no-python and -m"),

@@ -26,7 +26,7 @@ const FORM: Duration = Duration::from_secs(20);
 /// Node loss must be noticed and the survivors running again within the TTL plus this.
 const RECOVERY_SLACK_S: f64 = 5.0;
 
-/// The agent's command line: `--nproc-per-node 2`, short timeouts, `--shutdown-timeout 2`, then
+/// The agent's command line: `--nproc-per-node 2`, short timeouts, `--shutdown-timeout 3`, then
 /// `extra`, then the program and its arguments.
 fn agent_args(nnodes: &str, endpoint: &str, run_id: &str, extra: &[&str], program: &[&str]) -> Vec<String> {
     let mut a: Vec<String> = [
@@ -43,7 +43,7 @@ fn agent_args(nnodes: &str, endpoint: &str, run_id: &str, extra: &[&str], progra
         "--rdzv-conf",
         CONF,
         "--shutdown-timeout",
-        "2",
+        "3",
     ]
     .iter()
     .map(|s| s.to_string())

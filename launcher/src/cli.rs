@@ -362,6 +362,20 @@ impl Args {
                     if endpoints.is_empty() {
                         return usage(format!("--rdzv-backend {} needs --rdzv-endpoint host:port", self.rdzv_backend));
                     }
+                    // Timeouts must nest: heartbeat interval < node TTL < stop grace < join
+                    // timeout (the first two are checked with --rdzv-conf).
+                    if stop_grace <= conf.node_ttl {
+                        return usage(format!(
+                            "--shutdown-timeout ({stop_grace:?}) must be longer than the node TTL ({:?}; --rdzv-conf node_ttl)",
+                            conf.node_ttl
+                        ));
+                    }
+                    if stop_grace >= conf.join_timeout {
+                        return usage(format!(
+                            "--shutdown-timeout ({stop_grace:?}) must be shorter than the join timeout ({:?}; --rdzv-conf join_timeout)",
+                            conf.join_timeout
+                        ));
+                    }
                     let backend = if self.rdzv_backend.starts_with("etcd") { DynamicBackend::Etcd } else { DynamicBackend::Server };
                     RendezvousConfig::Dynamic(DynamicRendezvous {
                         backend,
