@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use integration_tests::netns::{
     formed, loop_worker, now_unix_f64, rdzv_status, starts, status_members, Cluster, Proc, Start,
 };
-use integration_tests::{bin, pid_alive, tempdir, wait_until, worker};
+use integration_tests::{bin, pid_alive, target_dir, tempdir, wait_until, worker};
 
 const NPROC: u32 = 2;
 /// Heartbeats every 0.5 s, a node is lost after 2 s without one.
@@ -489,4 +489,66 @@ fn a_host_beyond_max_waits_and_takes_the_place_of_a_lost_one() {
     let mut live: Vec<Proc> = agents.drain(..).enumerate().filter(|(i, _)| *i != 2).map(|(_, p)| p).collect();
     wait_formed(dir.path(), &["a", "b", "d"], &mut live, Duration::from_secs_f64(TTL_S + 10.0));
     finish(dir.path(), &mut live);
+}
+
+#[test]
+fn static_rendezvous_runs_two_hosts_with_fixed_ranks_and_node_0s_store() {
+    // torch.distributed.launch style: no rendezvous, `--node-rank` fixes the ranks and node 0's
+    // agent serves the workers' store on `--master-port`; a PyTorch-free check that the workers
+    // of both hosts reach that store is the Rust runtime's bootstrap through it.
+    let cluster = Cluster::new(2);
+    let dir = tempdir();
+    let master = cluster.host(0).ip.clone();
+    let w = worker().display().to_string();
+    let agents: Vec<Proc> = (0..2)
+        .map(|node_rank| {
+            let args: Vec<String> = [
+                "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", &node_rank.to_string(), "--master-addr", &master,
+                "--master-port", "29511", "--rdzv-id", "static-job", &w, "--out", dir.path().to_str().expect("utf-8"), "dump-env",
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+            cluster.host(node_rank).rlaunch(dir.path(), &args)
+        })
+        .collect();
+    for mut a in agents {
+        let status = a.wait(Duration::from_secs(30));
+        assert!(status.success(), "{} failed ({status}):\n{}", a.name, a.log_tail(3000));
+    }
+    for rank in 0..4u32 {
+        let text = std::fs::read_to_string(dir.path().join(format!("env_rank{rank}_attempt0.json"))).expect("env written");
+        let env: serde_json::Map<String, serde_json::Value> = serde_json::from_str(&text).expect("env json");
+        let get = |k: &str| env.get(k).and_then(|v| v.as_str()).unwrap_or_default().to_string();
+        assert_eq!(get("WORLD_SIZE"), "4");
+        assert_eq!(get("GROUP_RANK"), (rank / 2).to_string());
+        assert_eq!(get("RL_HOST"), if rank < 2 { "a" } else { "b" });
+        assert_eq!((get("MASTER_ADDR"), get("MASTER_PORT")), (master.clone(), "29511".to_string()));
+        assert_eq!(get("TORCHELASTIC_RUN_ID"), "static-job");
+    }
+}
+
+#[test]
+fn train_runs_across_two_hosts_with_hierarchical_collectives() {
+    // The Rust runtime's real distributed step across hosts: two namespaces with two ranks
+    // each, bootstrapped through the agent-hosted store of group rank 0.
+    let train = target_dir().join("examples/train");
+    assert!(train.exists(), "{} is not built: cargo build --workspace --examples", train.display());
+    let cluster = Cluster::new(2);
+    let dir = tempdir();
+    let endpoint = format!("{}:{RDZV_PORT}", cluster.host(0).ip);
+    let t = train.display().to_string();
+    let ckpt = dir.path().join("ckpt");
+    let program = [t.as_str(), "--steps", "60", "--no-checkpoint", "--log-every", "20"];
+    let args = agent_args("2", &endpoint, "train2", &[], &program);
+    let mut agents = vec![cluster.host(0).rlaunch(dir.path(), &args)];
+    wait_until("the rendezvous server to listen", Duration::from_secs(10), || listening(&endpoint));
+    agents.push(cluster.host(1).rlaunch(dir.path(), &args));
+    for a in &mut agents {
+        let status = a.wait(Duration::from_secs(90));
+        assert!(status.success(), "{} failed ({status}):\n{}", a.name, a.log_tail(3000));
+    }
+    let out = agents[0].output() + &agents[1].output();
+    assert!(out.contains("[default0]:done: 60 steps"), "rank 0 finished training:\n{}", agents[0].log_tail(3000));
+    assert!(!ckpt.exists());
 }
