@@ -546,3 +546,25 @@ pub fn status_members(status: &serde_json::Value) -> Vec<String> {
     m.sort();
     m
 }
+
+/// Waits until `hosts` run one consistent group of `nproc` workers each (see [`formed`]);
+/// panics early if an agent exits meanwhile, and after `deadline` with the starts seen so far.
+pub fn wait_formed(dir: &Path, hosts: &[&str], nproc: u32, agents: &mut [Proc], deadline: Duration) -> Vec<Start> {
+    let start = std::time::Instant::now();
+    loop {
+        if let Some(group) = formed(dir, hosts, nproc) {
+            return group;
+        }
+        for a in agents.iter_mut() {
+            if let Some(s) = a.try_status() {
+                panic!("{} exited ({s}) while waiting for {hosts:?} to form a group", a.name);
+            }
+        }
+        assert!(
+            start.elapsed() < deadline,
+            "hosts {hosts:?} did not form one group within {deadline:?}; worker starts so far:\n{:#?}",
+            starts(dir)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

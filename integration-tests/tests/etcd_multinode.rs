@@ -13,7 +13,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use integration_tests::netns::{
-    formed, latest_per_worker, loop_worker, now_unix_f64, rdzv_status, starts, status_members, Cluster, Proc, Start,
+    self, latest_per_worker, loop_worker, now_unix_f64, rdzv_status, starts, status_members, Cluster, Proc, Start,
 };
 use integration_tests::{bin, pid_alive, tempdir, wait_until};
 
@@ -142,23 +142,7 @@ fn agent_args(backend: &str, nnodes: &str, endpoints: &str, run_id: &str, dir: &
 }
 
 fn wait_formed(dir: &Path, hosts: &[&str], agents: &mut [Proc], deadline: Duration) -> Vec<Start> {
-    let start = Instant::now();
-    loop {
-        if let Some(group) = formed(dir, hosts, NPROC) {
-            return group;
-        }
-        for a in agents.iter_mut() {
-            if let Some(s) = a.try_status() {
-                panic!("{} exited ({s}) while waiting for {hosts:?} to form a group", a.name);
-            }
-        }
-        assert!(
-            start.elapsed() < deadline,
-            "hosts {hosts:?} did not form one group within {deadline:?}; worker starts so far:\n{:#?}",
-            starts(dir)
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    netns::wait_formed(dir, hosts, NPROC, agents, deadline)
 }
 
 /// For `for_s` seconds, the same workers keep running: no worker stopped, none started.

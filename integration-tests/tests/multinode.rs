@@ -11,7 +11,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use integration_tests::netns::{
-    formed, loop_worker, now_unix_f64, rdzv_status, starts, status_members, Cluster, Proc, Start,
+    self, formed, loop_worker, now_unix_f64, rdzv_status, starts, status_members, Cluster, Proc, Start,
 };
 use integration_tests::{bin, pid_alive, target_dir, tempdir, wait_until, worker};
 
@@ -61,23 +61,7 @@ fn listening(addr: &str) -> bool {
 /// Waits until `hosts` run one consistent group (see `netns::formed`); panics early if an
 /// agent exits meanwhile.
 fn wait_formed(dir: &Path, hosts: &[&str], agents: &mut [Proc], deadline: Duration) -> Vec<Start> {
-    let start = Instant::now();
-    loop {
-        if let Some(group) = formed(dir, hosts, NPROC) {
-            return group;
-        }
-        for a in agents.iter_mut() {
-            if let Some(s) = a.try_status() {
-                panic!("{} exited ({s}) while waiting for {hosts:?} to form a group", a.name);
-            }
-        }
-        assert!(
-            start.elapsed() < deadline,
-            "hosts {hosts:?} did not form one group within {deadline:?}; worker starts so far:\n{:#?}",
-            starts(dir)
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    netns::wait_formed(dir, hosts, NPROC, agents, deadline)
 }
 
 fn touch(path: &Path) {
