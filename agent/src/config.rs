@@ -75,8 +75,6 @@ pub struct AgentConfig {
     pub role: String,
     pub run_id: String,
     pub max_restarts: u32,
-    /// How often the supervision loop ticks (worker exits themselves are noticed at once).
-    pub monitor_interval: Duration,
     /// SIGTERM to SIGKILL when stopping workers.
     pub stop_grace: Duration,
     pub log_dir: Option<PathBuf>,
@@ -98,7 +96,6 @@ impl AgentConfig {
             role: "default".into(),
             run_id: "none".into(),
             max_restarts: 0,
-            monitor_interval: Duration::from_millis(100),
             stop_grace: Duration::from_secs(5),
             log_dir: None,
             redirects: PerRank::default(),

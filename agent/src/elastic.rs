@@ -3,9 +3,7 @@
 //! node joined, a failure elsewhere) stops the workers and rejoins; the job finishing or failing
 //! ends the run.
 
-use std::collections::BTreeMap;
 use std::net::{SocketAddr, ToSocketAddrs, UdpSocket};
-use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -17,11 +15,10 @@ use tracing::{info, info_span, warn, Instrument};
 use rlaunch_rendezvous::api::{serve as serve_api, AppState};
 use rlaunch_rendezvous::{Backend, JobSettings, NodeInfo, RdzvError, Rendezvous, RendezvousClient, RoundInfo, WatchEvent};
 
-use crate::output::Console;
 use crate::report::RootCause;
 use crate::workers::{GroupOutcome, WorkerGroup};
 use crate::{
-    process, start_store, worker_specs, AgentConfig, AgentError, DynamicBackend, DynamicRendezvous, Placement, RunOutcome,
+    process, start_store, worker_specs, AgentConfig, Ctx, AgentError, DynamicBackend, DynamicRendezvous, Placement, RunOutcome,
     SignalEvent, Signals,
 };
 
@@ -34,12 +31,6 @@ const ELECTION_ALLOWANCE: Duration = Duration::from_secs(2);
 /// How long a node whose workers all succeeded keeps trying to reach a vanished rendezvous.
 const UNREACHABLE_AFTER_SUCCESS: Duration = Duration::from_secs(10);
 
-pub(crate) struct Ctx<'a> {
-    pub host: &'a str,
-    pub agent_env: &'a BTreeMap<String, String>,
-    pub console: &'a Console,
-    pub log_root: &'a Path,
-}
 
 /// When this agent last heard from the rendezvous (any successful call), to fence itself when
 /// it has been cut off for longer than the node TTL.
@@ -91,7 +82,7 @@ fn rdzv_err(e: RdzvError) -> AgentError {
 pub(crate) async fn run(
     config: &AgentConfig,
     d: &DynamicRendezvous,
-    ctx: Ctx<'_>,
+    ctx: &Ctx<'_>,
     signals: &mut Signals,
 ) -> Result<RunOutcome, AgentError> {
     let advertise = advertise_addr(config, d);
@@ -119,7 +110,7 @@ pub(crate) async fn run(
     contact.heard();
     let heartbeats =
         AbortOnDrop(tokio::spawn(heartbeat_loop(client.clone(), node.node_id.clone(), d.heartbeat_interval, contact.clone())));
-    let outcome = agent_loop(config, d, &ctx, &client, &node, &store, &contact, signals).await;
+    let outcome = agent_loop(config, d, ctx, &client, &node, &store, &contact, signals).await;
     drop(heartbeats);
     if hosted.is_some() {
         // The other agents learn that the job ended from this process: give their long-polls

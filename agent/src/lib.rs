@@ -140,13 +140,38 @@ async fn run_inner(config: AgentConfig) -> Result<RunOutcome, AgentError> {
     let mut signals = Signals::install().map_err(AgentError::Signals)?;
     let console = Console::start();
     let (log_root, temp_logs) = log_root(&config)?;
+    let ctx = Ctx { host: &host, agent_env: &agent_env, console: &console, log_root: &log_root };
+    let outcome = match &config.rendezvous {
+        RendezvousConfig::Dynamic(d) => elastic::run(&config, d, &ctx, &mut signals).await,
+        RendezvousConfig::Standalone | RendezvousConfig::Static { .. } => run_fixed(&config, &ctx, &mut signals).await,
+    };
+    console.flush();
+    if let Ok(RunOutcome::Failed { root_cause, .. }) = &outcome {
+        eprint!("{}", root_cause.render());
+        write_agent_error_file(&log_root, root_cause, &agent_env);
+    }
+    if temp_logs && matches!(outcome, Ok(RunOutcome::Succeeded { .. })) {
+        let _ = std::fs::remove_dir_all(&log_root);
+    }
+    outcome
+}
 
+/// What every way of running a node shares: where it runs, its environment, console and logs.
+pub(crate) struct Ctx<'a> {
+    pub host: &'a str,
+    pub agent_env: &'a BTreeMap<String, String>,
+    pub console: &'a Console,
+    pub log_root: &'a std::path::Path,
+}
+
+/// A job of fixed membership (standalone, or static): restarts are this agent's own.
+async fn run_fixed(config: &AgentConfig, ctx: &Ctx<'_>, signals: &mut Signals) -> Result<RunOutcome, AgentError> {
     // The workers' store: hosted by group rank 0's agent for the whole job, across restarts.
     let (placement, store) = match &config.rendezvous {
         RendezvousConfig::Standalone => {
             let store = start_store("127.0.0.1:0").await?;
             let port = store.local_addr().port();
-            (single_node(&config, "127.0.0.1".into(), port), Some(store))
+            (single_node(config, "127.0.0.1".into(), port), Some(store))
         }
         RendezvousConfig::Static { node_rank, nnodes, master_addr, master_port } => {
             let store = if *node_rank == 0 {
@@ -167,25 +192,13 @@ async fn run_inner(config: AgentConfig) -> Result<RunOutcome, AgentError> {
             };
             (placement, store)
         }
-        RendezvousConfig::Dynamic(d) => {
-            let ctx = elastic::Ctx { host: &host, agent_env: &agent_env, console: &console, log_root: &log_root };
-            let outcome = elastic::run(&config, d, ctx, &mut signals).await;
-            console.flush();
-            if let Ok(RunOutcome::Failed { root_cause, .. }) = &outcome {
-                eprint!("{}", root_cause.render());
-                write_agent_error_file(&log_root, root_cause, &agent_env);
-            }
-            if temp_logs && matches!(outcome, Ok(RunOutcome::Succeeded { .. })) {
-                let _ = std::fs::remove_dir_all(&log_root);
-            }
-            return outcome;
-        }
+        RendezvousConfig::Dynamic(_) => unreachable!("elastic jobs run in elastic::run"),
     };
     info!(
         nproc_per_node = config.nproc_per_node,
         world_size = placement.world_size,
         master = %format!("{}:{}", placement.master_addr, placement.master_port),
-        logs = %log_root.display(),
+        logs = %ctx.log_root.display(),
         "starting workers"
     );
 
@@ -197,9 +210,8 @@ async fn run_inner(config: AgentConfig) -> Result<RunOutcome, AgentError> {
                 info!(removed, "cleared the workers' store for the new attempt");
             }
         }
-        let specs = worker_specs(&config, &placement, restart_count, &log_root, &host);
-        let mut group = WorkerGroup::start(&config.program, specs, &agent_env, &console, &host)?;
-        let mut tick = tokio::time::interval(config.monitor_interval);
+        let specs = worker_specs(config, &placement, restart_count, ctx.log_root, ctx.host);
+        let mut group = WorkerGroup::start(&config.program, specs, ctx.agent_env, ctx.console, ctx.host)?;
         let result = loop {
             tokio::select! {
                 outcome = group.wait() => break Ok(outcome),
@@ -210,7 +222,6 @@ async fn run_inner(config: AgentConfig) -> Result<RunOutcome, AgentError> {
                     }
                     SignalEvent::Stop(sig) => break Err(sig),
                 },
-                _ = tick.tick() => {}
             }
         };
         match result {
@@ -226,7 +237,7 @@ async fn run_inner(config: AgentConfig) -> Result<RunOutcome, AgentError> {
             }
             Ok(GroupOutcome::Failed(root_cause)) => {
                 group.stop(config.stop_grace).await;
-                console.flush();
+                ctx.console.flush();
                 if restart_count < config.max_restarts {
                     restart_count += 1;
                     warn!(
@@ -243,14 +254,6 @@ async fn run_inner(config: AgentConfig) -> Result<RunOutcome, AgentError> {
             }
         }
     };
-    console.flush();
-    if let RunOutcome::Failed { root_cause, .. } = &outcome {
-        eprint!("{}", root_cause.render());
-        write_agent_error_file(&log_root, root_cause, &agent_env);
-    }
-    if temp_logs && matches!(outcome, RunOutcome::Succeeded { .. }) {
-        let _ = std::fs::remove_dir_all(&log_root);
-    }
     Ok(outcome)
 }
 

@@ -50,7 +50,8 @@ pub struct Args {
     #[arg(long = "max-restarts", alias = "max_restarts", env = "PET_MAX_RESTARTS", default_value_t = 0)]
     pub max_restarts: u32,
 
-    /// Seconds between supervision ticks (worker exits are noticed at once regardless).
+    /// Accepted and validated for torchrun compatibility: worker exits are noticed the moment
+    /// they happen, so there is nothing to poll.
     #[arg(long = "monitor-interval", alias = "monitor_interval", env = "PET_MONITOR_INTERVAL", default_value = "0.1")]
     pub monitor_interval: String,
 
@@ -312,7 +313,7 @@ impl Args {
     pub fn into_config(self, python: &OsString) -> Result<AgentConfig, UsageError> {
         let (min_nodes, max_nodes) = parse_nnodes(&self.nnodes)?;
         let nproc_per_node = parse_nproc(&self.nproc_per_node)?;
-        let monitor_interval = parse_seconds("--monitor-interval", &self.monitor_interval)?;
+        parse_seconds("--monitor-interval", &self.monitor_interval)?;
         let stop_grace = parse_seconds("--shutdown-timeout", &self.shutdown_timeout)?;
         let redirects = parse_std("--redirects", &self.redirects)?;
         let tee = parse_std("--tee", &self.tee)?;
@@ -399,7 +400,6 @@ impl Args {
             role: self.role,
             run_id,
             max_restarts: self.max_restarts,
-            monitor_interval,
             stop_grace,
             log_dir: self.log_dir,
             redirects,

@@ -145,33 +145,17 @@ impl TcpRing {
         while sent < send.len() || got < recv.len() {
             let mut moved = false;
             if sent < send.len() {
-                match next.write(&send[sent..]) {
-                    Ok(0) => return Err(CommError::PeerIo { op: dl.op, rank: nr, source: ErrorKind::WriteZero.into() }),
-                    Ok(k) => {
-                        sent += k;
-                        moved = true;
-                    }
-                    Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => {}
-                    Err(e) => return Err(CommError::PeerIo { op: dl.op, rank: nr, source: e }),
-                }
+                let k = write_some(next, &send[sent..], dl.op, nr)?;
+                sent += k;
+                moved |= k > 0;
             }
             if got < recv.len() {
                 let end = (got + READ_BYTES).min(recv.len());
-                match prev.read(&mut recv[got..end]) {
-                    Ok(0) => {
-                        return Err(CommError::PeerIo {
-                            op: dl.op,
-                            rank: pr,
-                            source: std::io::Error::new(ErrorKind::UnexpectedEof, "connection closed"),
-                        })
-                    }
-                    Ok(k) => {
-                        got += k;
-                        moved = true;
-                        progress(recv, got);
-                    }
-                    Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => {}
-                    Err(e) => return Err(CommError::PeerIo { op: dl.op, rank: pr, source: e }),
+                let k = read_some(prev, &mut recv[got..end], dl.op, pr)?;
+                if k > 0 {
+                    got += k;
+                    moved = true;
+                    progress(recv, got);
                 }
             }
             if !moved {
@@ -352,33 +336,15 @@ impl TcpRing {
         while got < total || sent < total {
             let mut moved = false;
             if sent < got {
-                match next.write(&bytes[sent..got]) {
-                    Ok(0) => return Err(CommError::PeerIo { op: dl.op, rank: nr, source: ErrorKind::WriteZero.into() }),
-                    Ok(k) => {
-                        sent += k;
-                        moved = true;
-                    }
-                    Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => {}
-                    Err(e) => return Err(CommError::PeerIo { op: dl.op, rank: nr, source: e }),
-                }
+                let k = write_some(next, &bytes[sent..got], dl.op, nr)?;
+                sent += k;
+                moved |= k > 0;
             }
             if got < total {
                 let end = (got + READ_BYTES).min(total);
-                match prev.read(&mut bytes[got..end]) {
-                    Ok(0) => {
-                        return Err(CommError::PeerIo {
-                            op: dl.op,
-                            rank: pr,
-                            source: std::io::Error::new(ErrorKind::UnexpectedEof, "connection closed"),
-                        })
-                    }
-                    Ok(k) => {
-                        got += k;
-                        moved = true;
-                    }
-                    Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => {}
-                    Err(e) => return Err(CommError::PeerIo { op: dl.op, rank: pr, source: e }),
-                }
+                let k = read_some(prev, &mut bytes[got..end], dl.op, pr)?;
+                got += k;
+                moved |= k > 0;
             }
             if !moved {
                 let waiting_on = if got < total { pr } else { nr };
@@ -386,6 +352,32 @@ impl TcpRing {
             }
         }
         Ok(())
+    }
+}
+
+/// One non-blocking write to the ring neighbour `rank`: the bytes written, 0 when the socket
+/// would block.
+fn write_some(sock: &mut TcpStream, buf: &[u8], op: &'static str, rank: usize) -> Result<usize, CommError> {
+    match sock.write(buf) {
+        Ok(0) => Err(CommError::PeerIo { op, rank, source: ErrorKind::WriteZero.into() }),
+        Ok(k) => Ok(k),
+        Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => Ok(0),
+        Err(e) => Err(CommError::PeerIo { op, rank, source: e }),
+    }
+}
+
+/// One non-blocking read from the ring neighbour `rank`: the bytes read, 0 when nothing is
+/// there yet; the peer closing the connection is an error naming it.
+fn read_some(sock: &mut TcpStream, buf: &mut [u8], op: &'static str, rank: usize) -> Result<usize, CommError> {
+    match sock.read(buf) {
+        Ok(0) => Err(CommError::PeerIo {
+            op,
+            rank,
+            source: std::io::Error::new(ErrorKind::UnexpectedEof, "connection closed"),
+        }),
+        Ok(k) => Ok(k),
+        Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => Ok(0),
+        Err(e) => Err(CommError::PeerIo { op, rank, source: e }),
     }
 }
 
