@@ -19,9 +19,7 @@ fn main() -> Result<()> {
     if args.first().map(String::as_str) == Some("serve") {
         let port: u16 = args.get(1).map(|p| p.parse()).transpose()?.unwrap_or(0);
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
-        let multi = tokio::runtime::Builder::new_multi_thread()
-            .enable_all()
-            .build()?;
+        let multi = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
         let handle = match std::env::var("STORE_BENCH_RT").as_deref() {
             Ok("multi") => multi.block_on(StoreServer::start(addr))?,
             _ => StoreServer::start_dedicated(addr, ServerConfig::default())?,
@@ -42,10 +40,7 @@ fn repo_root() -> PathBuf {
 fn python() -> Result<PathBuf> {
     let python = repo_root().join(".venv/bin/python");
     if !python.exists() {
-        bail!(
-            "{} is missing: run scripts/install-deps.sh",
-            python.display()
-        );
+        bail!("{} is missing: run scripts/install-deps.sh", python.display());
     }
     Ok(python)
 }
@@ -59,13 +54,7 @@ struct Options {
 }
 
 fn parse(args: &[String]) -> Result<Options> {
-    let mut o = Options {
-        repeat: 3,
-        rounds: 3,
-        ops: 3000,
-        procs: 4,
-        write: true,
-    };
+    let mut o = Options { repeat: 3, rounds: 3, ops: 3000, procs: 4, write: true };
     let mut it = args.iter();
     while let Some(flag) = it.next() {
         let mut value = || it.next().context("flag needs a value");
@@ -75,9 +64,7 @@ fn parse(args: &[String]) -> Result<Options> {
             "--ops" => o.ops = value()?.parse()?,
             "--procs" => o.procs = value()?.parse()?,
             "--no-write" => o.write = false,
-            other => bail!(
-                "unknown flag {other} (use --repeat N --rounds N --ops N --procs N --no-write)"
-            ),
+            other => bail!("unknown flag {other} (use --repeat N --rounds N --ops N --procs N --no-write)"),
         }
     }
     Ok(o)
@@ -124,9 +111,7 @@ fn bench(args: &[String]) -> Result<()> {
     // multi-thread runtime (one worker per core), as an agent's own runtime would host it.
     let flavor = std::env::var("STORE_BENCH_RT").unwrap_or_else(|_| "dedicated".into());
     let any: SocketAddr = "127.0.0.1:0".parse()?;
-    let multi = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
+    let multi = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let ours = match flavor.as_str() {
         "multi" => multi.block_on(StoreServer::start(any))?,
         "dedicated" => StoreServer::start_dedicated(any, ServerConfig::default())?,
@@ -142,17 +127,11 @@ fn bench(args: &[String]) -> Result<()> {
         .context("start torch's TCPStore server")?;
     let mut line = String::new();
     BufReader::new(torch_server.stdout.take().context("piped stdout")?).read_line(&mut line)?;
-    let torch_port: u16 = line
-        .trim()
-        .parse()
-        .with_context(|| format!("torch server printed {line:?}"))?;
+    let torch_port: u16 = line.trim().parse().with_context(|| format!("torch server printed {line:?}"))?;
 
     let mut results = [Vec::new(), Vec::new()];
     for run in 1..=o.repeat {
-        eprintln!(
-            "run {run}/{}: rlaunch (port {our_port}) and torch (port {torch_port}) side by side",
-            o.repeat
-        );
+        eprintln!("run {run}/{}: rlaunch (port {our_port}) and torch (port {torch_port}) side by side", o.repeat);
         let (ours_m, torch_m) = drive(&o, our_port, torch_port, run)?;
         results[0].push(ours_m);
         results[1].push(torch_m);
@@ -161,16 +140,8 @@ fn bench(args: &[String]) -> Result<()> {
     let _ = torch_server.wait();
     multi.block_on(ours.shutdown())?;
 
-    let torch_version = results[1][0]
-        .get("torch")
-        .and_then(|v| v.as_str())
-        .unwrap_or("?")
-        .to_string();
-    let metrics: Vec<String> = results[0][0]
-        .keys()
-        .filter(|k| results[0][0][*k].is_number())
-        .cloned()
-        .collect();
+    let torch_version = results[1][0].get("torch").and_then(|v| v.as_str()).unwrap_or("?").to_string();
+    let metrics: Vec<String> = results[0][0].keys().filter(|k| results[0][0][*k].is_number()).cloned().collect();
     let order = [
         "set_p50_us",
         "set_p99_us",
@@ -188,29 +159,17 @@ fn bench(args: &[String]) -> Result<()> {
         "get_1MiB_p50_us",
     ];
     let mut rows = Vec::new();
-    for m in order.iter().map(|s| s.to_string()).chain(
-        metrics
-            .iter()
-            .filter(|m| !order.contains(&m.as_str()))
-            .cloned(),
-    ) {
+    for m in order.iter().map(|s| s.to_string()).chain(metrics.iter().filter(|m| !order.contains(&m.as_str())).cloned())
+    {
         if !metrics.contains(&m) {
             continue;
         }
-        let values = |i: usize| -> Vec<f64> {
-            results[i]
-                .iter()
-                .filter_map(|r| r.get(&m)?.as_f64())
-                .collect()
-        };
+        let values = |i: usize| -> Vec<f64> { results[i].iter().filter_map(|r| r.get(&m)?.as_f64()).collect() };
         let (ours_v, torch_v) = (values(0), values(1));
         let latency = m.ends_with("_us");
         // Speed-up per run (both servers measured side by side in it), then the median.
-        let speedups: Vec<f64> = ours_v
-            .iter()
-            .zip(&torch_v)
-            .map(|(o, t)| if latency { t / o } else { o / t })
-            .collect();
+        let speedups: Vec<f64> =
+            ours_v.iter().zip(&torch_v).map(|(o, t)| if latency { t / o } else { o / t }).collect();
         let range = |v: &[f64]| {
             let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
             let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
@@ -227,11 +186,7 @@ fn bench(args: &[String]) -> Result<()> {
         } else {
             (m.trim_end_matches("_ops_s").replace('_', " "), "ops/s")
         };
-        rows.push(format!(
-            "| {label} ({unit}) | {} | {} | {speedup_range} |",
-            range(&ours_v),
-            range(&torch_v)
-        ));
+        rows.push(format!("| {label} ({unit}) | {} | {} | {speedup_range} |", range(&ours_v), range(&torch_v)));
     }
     let table = format!(
         "| metric | rlaunch store | torch TCPStore | rlaunch speed-up |\n|---|---|---|---|\n{}\n\n\

@@ -193,7 +193,11 @@ fn main() -> Result<()> {
             worker.restart_count,
             model.params.len(),
             ckpath.as_ref().map_or("off".to_string(), |p| p.display().to_string()),
-            if counters[0] == 1 { format!("resumed at step {step} (epoch {start_epoch}, batch {start_pos})") } else { "fresh start".into() }
+            if counters[0] == 1 {
+                format!("resumed at step {step} (epoch {start_epoch}, batch {start_pos})")
+            } else {
+                "fresh start".into()
+            }
         );
     }
 
@@ -269,7 +273,10 @@ fn main() -> Result<()> {
                         epoch: e,
                         sampler_pos: p as u64,
                         meta: meta.clone(),
-                        tensors: vec![("params".into(), model.params.clone()), ("momentum".into(), opt.velocity.clone())],
+                        tensors: vec![
+                            ("params".into(), model.params.clone()),
+                            ("momentum".into(), opt.velocity.clone()),
+                        ],
                     };
                     let fault = args.fault_checkpoint_step == Some(step) && worker.restart_count == 0;
                     dir.save_with(&ck, |tmp| {
@@ -323,7 +330,12 @@ fn main() -> Result<()> {
 
 /// The GPU trainer for `--device cuda|auto` (None: train on the CPU).
 #[cfg(feature = "cuda")]
-fn gpu_trainer(args: &Args, worker: &rlaunch::env::WorkerEnv, model: &Mlp, opt: &Sgd) -> Result<Option<rlaunch::gpu::GpuTrainer>> {
+fn gpu_trainer(
+    args: &Args,
+    worker: &rlaunch::env::WorkerEnv,
+    model: &Mlp,
+    opt: &Sgd,
+) -> Result<Option<rlaunch::gpu::GpuTrainer>> {
     use rlaunch::gpu::{select, Device, GpuTrainer, Precision, SearchPath, Selected};
     let device: Device = args.device.parse().map_err(anyhow::Error::msg)?;
     let precision: Precision = args.precision.parse().map_err(anyhow::Error::msg)?;
@@ -351,7 +363,9 @@ fn gpu_trainer(args: &Args, _: &rlaunch::env::WorkerEnv, _: &Mlp, _: &Sgd) -> Re
     match args.device.as_str() {
         "cpu" => Ok(None),
         "auto" => {
-            eprintln!("--device auto: training on the CPU; this build has no GPU support (cargo build --features cuda)");
+            eprintln!(
+                "--device auto: training on the CPU; this build has no GPU support (cargo build --features cuda)"
+            );
             Ok(None)
         }
         other => bail!("--device {other}: this build has no GPU support (rebuild with `cargo build --features cuda`)"),

@@ -18,7 +18,11 @@ const MAGIC: &[u8; 8] = b"RLCKPT1\n";
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
     #[error("checkpoint I/O on {path}")]
-    Io { path: PathBuf, #[source] source: std::io::Error },
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("checkpoint {path} is invalid: {reason}")]
     Corrupt { path: PathBuf, reason: String },
 }
@@ -91,10 +95,8 @@ pub fn decode(path: &Path, data: &[u8]) -> Result<Checkpoint, CheckpointError> {
         return Err(bad("checksum mismatch (incomplete or damaged)"));
     }
     let hlen = u64::from_le_bytes(body[8..16].try_into().expect("8 bytes")) as usize;
-    let header: serde_json::Value = body
-        .get(16..16 + hlen)
-        .and_then(|h| serde_json::from_slice(h).ok())
-        .ok_or_else(|| bad("header"))?;
+    let header: serde_json::Value =
+        body.get(16..16 + hlen).and_then(|h| serde_json::from_slice(h).ok()).ok_or_else(|| bad("header"))?;
     let num = |k: &str| header[k].as_u64().ok_or_else(|| bad(&format!("header field {k}")));
     let mut at = 16 + hlen;
     let mut tensors = Vec::new();
@@ -102,13 +104,20 @@ pub fn decode(path: &Path, data: &[u8]) -> Result<Checkpoint, CheckpointError> {
         let name = t["name"].as_str().ok_or_else(|| bad("tensor name"))?.to_string();
         let len = t["len"].as_u64().ok_or_else(|| bad("tensor len"))? as usize;
         let bytes = body.get(at..at + len * 4).ok_or_else(|| bad("tensor data truncated"))?;
-        tensors.push((name, bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect()));
+        tensors
+            .push((name, bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect()));
         at += len * 4;
     }
     if at != body.len() {
         return Err(bad("trailing bytes"));
     }
-    Ok(Checkpoint { step: num("step")?, epoch: num("epoch")?, sampler_pos: num("sampler_pos")?, meta: header["meta"].clone(), tensors })
+    Ok(Checkpoint {
+        step: num("step")?,
+        epoch: num("epoch")?,
+        sampler_pos: num("sampler_pos")?,
+        meta: header["meta"].clone(),
+        tensors,
+    })
 }
 
 /// Checkpoints of one run in one directory.
@@ -163,7 +172,9 @@ impl CheckpointDir {
         for e in fs::read_dir(&self.dir).map_err(io(&self.dir))? {
             let e = e.map_err(io(&self.dir))?;
             let name = e.file_name().to_string_lossy().to_string();
-            if let Some(step) = name.strip_prefix("ckpt-").and_then(|s| s.strip_suffix(".bin")).and_then(|s| s.parse::<u64>().ok()) {
+            if let Some(step) =
+                name.strip_prefix("ckpt-").and_then(|s| s.strip_suffix(".bin")).and_then(|s| s.parse::<u64>().ok())
+            {
                 v.push((step, e.path()));
             }
         }

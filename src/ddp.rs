@@ -33,7 +33,11 @@ impl Default for DdpConfig {
 #[derive(Debug, thiserror::Error)]
 pub enum DdpError {
     #[error("gradient all-reduce of bucket {bucket} failed")]
-    Bucket { bucket: usize, #[source] source: CommError },
+    Bucket {
+        bucket: usize,
+        #[source]
+        source: CommError,
+    },
     #[error("collective on the communication thread failed")]
     Comm(#[from] CommError),
     #[error("the communication thread is gone (it panicked or the group was dropped)")]

@@ -124,11 +124,7 @@ impl WorkerEnv {
             expected: "TCP port",
         })?;
         if rank >= world_size {
-            return Err(EnvError::Invalid {
-                name: RANK,
-                value: rank.to_string(),
-                expected: "rank below WORLD_SIZE",
-            });
+            return Err(EnvError::Invalid { name: RANK, value: rank.to_string(), expected: "rank below WORLD_SIZE" });
         }
         Ok(Self {
             rank,

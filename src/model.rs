@@ -271,7 +271,8 @@ mod simd {
             for (k, acc) in acc.iter_mut().enumerate() {
                 // SAFETY: i + 8k + 8 <= n, so both unaligned loads are in bounds.
                 unsafe {
-                    *acc = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8 * k)), _mm256_loadu_ps(pb.add(i + 8 * k)), *acc);
+                    *acc =
+                        _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8 * k)), _mm256_loadu_ps(pb.add(i + 8 * k)), *acc);
                 }
             }
             i += 32;
@@ -303,7 +304,9 @@ mod simd {
         let mut i = 0;
         while i + 8 <= n {
             // SAFETY: i + 8 <= n for both slices.
-            unsafe { _mm256_storeu_ps(py.add(i), _mm256_fmadd_ps(va, _mm256_loadu_ps(px.add(i)), _mm256_loadu_ps(py.add(i)))) };
+            unsafe {
+                _mm256_storeu_ps(py.add(i), _mm256_fmadd_ps(va, _mm256_loadu_ps(px.add(i)), _mm256_loadu_ps(py.add(i))))
+            };
             i += 8;
         }
         while i < n {
@@ -363,7 +366,11 @@ mod tests {
             a.params[i] -= 2.0 * eps;
             let lm = a.loss_and_backward(&x, &y, &mut sink);
             let num = (lp - lm) / (2.0 * eps);
-            assert!((num - g.data[i]).abs() < 1e-3 + 0.02 * g.data[i].abs(), "param {i}: numeric {num} analytic {}", g.data[i]);
+            assert!(
+                (num - g.data[i]).abs() < 1e-3 + 0.02 * g.data[i].abs(),
+                "param {i}: numeric {num} analytic {}",
+                g.data[i]
+            );
         }
     }
 }

@@ -53,7 +53,8 @@ pub fn options_from(env: &WorkerEnv, get: impl Fn(&str) -> Option<String>) -> Re
     let n = GROUPS_FORMED.fetch_add(1, Ordering::Relaxed);
     o.namespace = format!("rlaunch/{}/{}/pg{n}", env.run_id, env.restart_count);
     o.master_addr = Some(env.master_addr.clone());
-    let bad = |name: &'static str, value: String, reason: &str| InitError::Config { name, value, reason: reason.into() };
+    let bad =
+        |name: &'static str, value: String, reason: &str| InitError::Config { name, value, reason: reason.into() };
     if let Some(v) = get(COLLECTIVE_TIMEOUT) {
         let secs: f64 = v.trim().parse().map_err(|_| bad(COLLECTIVE_TIMEOUT, v.clone(), "expected seconds"))?;
         if !(secs > 0.0 && secs.is_finite()) {

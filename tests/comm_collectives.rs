@@ -64,8 +64,15 @@ fn worker_entry() {
                     // The group is now unusable: later calls fail at once, not after a timeout.
                     let t = Instant::now();
                     match pg.barrier() {
-                        Err(e) if t.elapsed() < Duration::from_millis(100) && e.to_string().contains("failed earlier") => {}
-                        other => return Err(format!("a failed group must refuse further collectives at once, got {other:?} after {:?}", t.elapsed())),
+                        Err(e)
+                            if t.elapsed() < Duration::from_millis(100) && e.to_string().contains("failed earlier") => {
+                        }
+                        other => {
+                            return Err(format!(
+                                "a failed group must refuse further collectives at once, got {other:?} after {:?}",
+                                t.elapsed()
+                            ))
+                        }
                     }
                 }
                 r
@@ -118,7 +125,11 @@ fn assert_reference(hosts: &[usize], backend: &str, big: usize) {
 }
 
 fn backend_name(b: &str) -> &str {
-    if b == "hier" { "hierarchical" } else { b }
+    if b == "hier" {
+        "hierarchical"
+    } else {
+        b
+    }
 }
 
 #[test]
@@ -149,7 +160,12 @@ fn assert_all_fail_mentioning(f: &common::Finished, needle: &str) {
 #[test]
 fn mismatched_sizes_are_reported_on_shm_and_tcp() {
     for backend in ["shm", "tcp"] {
-        let f = run(&[0, 0, 0], "mismatch", &[("RLAUNCH_BACKEND", backend.into()), ("RLAUNCH_COLLECTIVE_TIMEOUT", "3".into())], Duration::from_secs(20));
+        let f = run(
+            &[0, 0, 0],
+            "mismatch",
+            &[("RLAUNCH_BACKEND", backend.into()), ("RLAUNCH_COLLECTIVE_TIMEOUT", "3".into())],
+            Duration::from_secs(20),
+        );
         assert_all_fail_mentioning(&f, "collective mismatch");
         assert!(f.logs.iter().any(|l| l.contains("all_reduce of 100 f32")), "{}", f.dump());
     }

@@ -16,7 +16,10 @@ struct Netns {
 }
 
 fn ip(args: &[&str]) {
-    let o = Command::new("ip").args(args).output().unwrap_or_else(|e| panic!("running ip {args:?}: {e} (iproute2 is required)"));
+    let o = Command::new("ip")
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("running ip {args:?}: {e} (iproute2 is required)"));
     assert!(o.status.success(), "ip {args:?} failed (root is required): {}", String::from_utf8_lossy(&o.stderr));
 }
 
@@ -83,7 +86,11 @@ fn hierarchical_collectives_across_two_namespace_hosts_match_reference() {
     let dir = tempfile::tempdir().expect("tempdir");
     let seed = fresh_seed();
     let hosts = [0usize, 0, 1, 1];
-    let env = vec![(WORKER.to_string(), "1".to_string()), (SEED.to_string(), seed.to_string()), ("RLAUNCH_COLLECTIVE_TIMEOUT".into(), "60".into())];
+    let env = vec![
+        (WORKER.to_string(), "1".to_string()),
+        (SEED.to_string(), seed.to_string()),
+        ("RLAUNCH_COLLECTIVE_TIMEOUT".into(), "60".into()),
+    ];
     let s = spawn_wrapped(&self_exe(), &self_args("worker_entry"), &hosts, dir.path(), &env, |r| {
         let h = hosts[r];
         (

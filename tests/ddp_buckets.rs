@@ -105,7 +105,10 @@ fn bucketed_gradients_are_averaged_and_no_sync_accumulates() {
         let dir = tempfile::tempdir().expect("tempdir");
         let seed = fresh_seed();
         let env = vec![(WORKER.to_string(), "1".to_string()), (SEED.to_string(), seed.to_string())];
-        let f = wait(spawn(&self_exe(), &self_args("worker_entry"), &vec![0; w], dir.path(), &env), Duration::from_secs(120));
+        let f = wait(
+            spawn(&self_exe(), &self_args("worker_entry"), &vec![0; w], dir.path(), &env),
+            Duration::from_secs(120),
+        );
         assert!(f.all_ok() && f.logs.iter().all(|l| l.contains("OK")), "world {w} seed {seed}:\n{}", f.dump());
     }
 }

@@ -15,10 +15,25 @@ use common::{example, spawn, wait, Finished, Spawned};
 
 /// A small, quick configuration (the tests run the example in the test profile).
 fn base_args(extra: &[&str]) -> Vec<String> {
-    let mut v: Vec<String> = ["--samples", "2048", "--dim", "16", "--hidden", "32", "--classes", "4", "--epochs", "3", "--log-every", "8", "--lr", "0.05"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+    let mut v: Vec<String> = [
+        "--samples",
+        "2048",
+        "--dim",
+        "16",
+        "--hidden",
+        "32",
+        "--classes",
+        "4",
+        "--epochs",
+        "3",
+        "--log-every",
+        "8",
+        "--lr",
+        "0.05",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
     v.extend(extra.iter().map(|s| s.to_string()));
     v
 }
@@ -44,9 +59,35 @@ fn data_parallel_matches_single_process_with_the_global_batch() {
         let b = 16;
         let out_w = dir.path().join(format!("w{w}.bin"));
         let out_1 = dir.path().join(format!("single{w}.bin"));
-        let f = run_train(w, &base_args(&["--batch-size", &b.to_string(), "--steps", "40", "--no-checkpoint", "--save-final", out_w.to_str().expect("utf8")]), &dir.path().join(format!("a{w}")), 0);
+        let f = run_train(
+            w,
+            &base_args(&[
+                "--batch-size",
+                &b.to_string(),
+                "--steps",
+                "40",
+                "--no-checkpoint",
+                "--save-final",
+                out_w.to_str().expect("utf8"),
+            ]),
+            &dir.path().join(format!("a{w}")),
+            0,
+        );
         assert!(f.all_ok(), "{}", f.dump());
-        let f = run_train(1, &base_args(&["--batch-size", &(b * w).to_string(), "--steps", "40", "--no-checkpoint", "--save-final", out_1.to_str().expect("utf8")]), &dir.path().join(format!("b{w}")), 0);
+        let f = run_train(
+            1,
+            &base_args(&[
+                "--batch-size",
+                &(b * w).to_string(),
+                "--steps",
+                "40",
+                "--no-checkpoint",
+                "--save-final",
+                out_1.to_str().expect("utf8"),
+            ]),
+            &dir.path().join(format!("b{w}")),
+            0,
+        );
         assert!(f.all_ok(), "{}", f.dump());
         let (pw, p1) = (read_params(&out_w), read_params(&out_1));
         assert_eq!(pw.len(), p1.len());
@@ -60,7 +101,12 @@ fn data_parallel_matches_single_process_with_the_global_batch() {
 fn undisturbed(dir: &Path, args: &[String]) -> Vec<f32> {
     let out = dir.join("undisturbed.bin");
     let mut a = args.to_vec();
-    a.extend(["--checkpoint-dir".into(), dir.join("ck-undisturbed").to_string_lossy().to_string(), "--save-final".into(), out.to_string_lossy().to_string()]);
+    a.extend([
+        "--checkpoint-dir".into(),
+        dir.join("ck-undisturbed").to_string_lossy().to_string(),
+        "--save-final".into(),
+        out.to_string_lossy().to_string(),
+    ]);
     let f = run_train(4, &a, &dir.join("u"), 0);
     assert!(f.all_ok(), "{}", f.dump());
     read_params(&out)
@@ -73,7 +119,13 @@ fn wait_for_checkpoint(ck: &Path, step: u64, s: &mut Spawned) {
         let newest = std::fs::read_dir(ck)
             .map(|d| {
                 d.flatten()
-                    .filter_map(|e| e.file_name().to_string_lossy().strip_prefix("ckpt-").and_then(|s| s.strip_suffix(".bin")).and_then(|s| s.parse::<u64>().ok()))
+                    .filter_map(|e| {
+                        e.file_name()
+                            .to_string_lossy()
+                            .strip_prefix("ckpt-")
+                            .and_then(|s| s.strip_suffix(".bin"))
+                            .and_then(|s| s.parse::<u64>().ok())
+                    })
                     .max()
                     .unwrap_or(0)
             })
@@ -98,8 +150,16 @@ fn sigkilled_worker_restart_resumes_from_checkpoint_and_ends_at_the_undisturbed_
     let ck = dir.path().join("ck");
     let out = dir.path().join("disturbed.bin");
     let mut a = args.clone();
-    a.extend(["--checkpoint-dir".into(), ck.to_string_lossy().to_string(), "--save-final".into(), out.to_string_lossy().to_string()]);
-    let env = vec![("TORCHELASTIC_RESTART_COUNT".to_string(), "0".to_string()), ("RLAUNCH_COLLECTIVE_TIMEOUT".to_string(), "10".to_string())];
+    a.extend([
+        "--checkpoint-dir".into(),
+        ck.to_string_lossy().to_string(),
+        "--save-final".into(),
+        out.to_string_lossy().to_string(),
+    ]);
+    let env = vec![
+        ("TORCHELASTIC_RESTART_COUNT".to_string(), "0".to_string()),
+        ("RLAUNCH_COLLECTIVE_TIMEOUT".to_string(), "10".to_string()),
+    ];
     let mut s = spawn(&example("train"), &a, &[0, 0, 0, 0], &dir.path().join("attempt0"), &env);
     wait_for_checkpoint(&ck, 20, &mut s);
     let killed_at = Instant::now();
@@ -145,8 +205,15 @@ fn kill_during_checkpoint_write_resumes_from_the_previous_checkpoint() {
     let f = run_train(4, &a, &dir.path().join("attempt0"), 0);
     assert_ne!(f.codes[0], Some(0), "rank 0 dies writing checkpoint 30:\n{}", f.dump());
     assert!(f.codes.iter().all(|c| *c != Some(0)), "every rank of the attempt fails:\n{}", f.dump());
-    let leftovers: Vec<String> = std::fs::read_dir(&ck).expect("ck dir").flatten().map(|e| e.file_name().to_string_lossy().to_string()).collect();
-    assert!(leftovers.iter().any(|n| n.starts_with(".tmp-ckpt-30")), "the interrupted write left its temporary file: {leftovers:?}");
+    let leftovers: Vec<String> = std::fs::read_dir(&ck)
+        .expect("ck dir")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().to_string())
+        .collect();
+    assert!(
+        leftovers.iter().any(|n| n.starts_with(".tmp-ckpt-30")),
+        "the interrupted write left its temporary file: {leftovers:?}"
+    );
     assert!(!leftovers.iter().any(|n| n == "ckpt-000000000030.bin"), "{leftovers:?}");
 
     let f = run_train(4, &a, &dir.path().join("attempt1"), 1);

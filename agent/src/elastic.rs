@@ -13,13 +13,15 @@ use tokio::task::JoinHandle;
 use tracing::{info, info_span, warn, Instrument};
 
 use rlaunch_rendezvous::api::{serve as serve_api, AppState};
-use rlaunch_rendezvous::{Backend, JobSettings, NodeInfo, RdzvError, Rendezvous, RendezvousClient, RoundInfo, WatchEvent};
+use rlaunch_rendezvous::{
+    Backend, JobSettings, NodeInfo, RdzvError, Rendezvous, RendezvousClient, RoundInfo, WatchEvent,
+};
 
 use crate::report::RootCause;
 use crate::workers::{GroupOutcome, WorkerGroup};
 use crate::{
-    process, start_store, worker_specs, AgentConfig, Ctx, AgentError, DynamicBackend, DynamicRendezvous, Placement, RunOutcome,
-    SignalEvent, Signals,
+    process, start_store, worker_specs, AgentConfig, AgentError, Ctx, DynamicBackend, DynamicRendezvous, Placement,
+    RunOutcome, SignalEvent, Signals,
 };
 
 /// Extra silence tolerated past the node TTL before a node fences itself: an etcd leader
@@ -30,7 +32,6 @@ const ELECTION_ALLOWANCE: Duration = Duration::from_secs(2);
 
 /// How long a node whose workers all succeeded keeps trying to reach a vanished rendezvous.
 const UNREACHABLE_AFTER_SUCCESS: Duration = Duration::from_secs(10);
-
 
 /// When this agent last heard from the rendezvous (any successful call), to fence itself when
 /// it has been cut off for longer than the node TTL.
@@ -108,8 +109,12 @@ pub(crate) async fn run(
     info!(node_id = %node.node_id, store = %node.store_addr, endpoints = ?d.endpoints, min = d.min_nodes, max = d.max_nodes, "joining the rendezvous");
     let contact = Contact::new();
     contact.heard();
-    let heartbeats =
-        AbortOnDrop(tokio::spawn(heartbeat_loop(client.clone(), node.node_id.clone(), d.heartbeat_interval, contact.clone())));
+    let heartbeats = AbortOnDrop(tokio::spawn(heartbeat_loop(
+        client.clone(),
+        node.node_id.clone(),
+        d.heartbeat_interval,
+        contact.clone(),
+    )));
     let outcome = agent_loop(config, d, ctx, &client, &node, &store, &contact, signals).await;
     drop(heartbeats);
     if hosted.is_some() {
@@ -400,10 +405,7 @@ async fn backend(d: &DynamicRendezvous) -> Result<(Backend, Option<AbortOnDrop>)
 
 async fn answers(endpoint: &str) -> bool {
     let e = strip_scheme(endpoint).to_string();
-    matches!(
-        tokio::time::timeout(Duration::from_millis(700), tokio::net::TcpStream::connect(e)).await,
-        Ok(Ok(_))
-    )
+    matches!(tokio::time::timeout(Duration::from_millis(700), tokio::net::TcpStream::connect(e)).await, Ok(Ok(_)))
 }
 
 fn strip_scheme(e: &str) -> &str {
@@ -460,4 +462,3 @@ fn rand_u32() -> u32 {
     }
     u32::from_le_bytes(b)
 }
-

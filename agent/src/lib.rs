@@ -32,11 +32,24 @@ use workers::{worker_dir, GroupOutcome, WorkerGroup, WorkerSpec};
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
     #[error("failed to spawn local rank {local_rank} (`{program}`)")]
-    Spawn { local_rank: u32, program: String, #[source] source: std::io::Error },
+    Spawn {
+        local_rank: u32,
+        program: String,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("cannot create log directory {path}")]
-    LogDir { path: PathBuf, #[source] source: std::io::Error },
+    LogDir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("cannot serve the workers' store on {addr}")]
-    Store { addr: String, #[source] source: std::io::Error },
+    Store {
+        addr: String,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("cannot install signal handlers")]
     Signals(#[source] std::io::Error),
     #[error("rendezvous failed: {0}")]
@@ -46,11 +59,18 @@ pub enum AgentError {
 /// How a job ended on this node.
 #[derive(Debug)]
 pub enum RunOutcome {
-    Succeeded { restarts: u32 },
+    Succeeded {
+        restarts: u32,
+    },
     /// Workers failed and the restart budget is spent.
-    Failed { root_cause: Box<RootCause>, restarts: u32 },
+    Failed {
+        root_cause: Box<RootCause>,
+        restarts: u32,
+    },
     /// The agent was told to stop (SIGTERM, SIGINT, SIGHUP, SIGQUIT).
-    Interrupted { signal: i32 },
+    Interrupted {
+        signal: i32,
+    },
 }
 
 impl RunOutcome {
@@ -175,7 +195,11 @@ async fn run_fixed(config: &AgentConfig, ctx: &Ctx<'_>, signals: &mut Signals) -
         }
         RendezvousConfig::Static { node_rank, nnodes, master_addr, master_port } => {
             let store = if *node_rank == 0 {
-                let bind = if *nnodes == 1 { format!("{master_addr}:{master_port}") } else { format!("0.0.0.0:{master_port}") };
+                let bind = if *nnodes == 1 {
+                    format!("{master_addr}:{master_port}")
+                } else {
+                    format!("0.0.0.0:{master_port}")
+                };
                 Some(start_store(&bind).await?)
             } else {
                 None
@@ -258,13 +282,12 @@ async fn run_fixed(config: &AgentConfig, ctx: &Ctx<'_>, signals: &mut Signals) -
 }
 
 pub(crate) async fn start_store(bind: &str) -> Result<StoreHandle, AgentError> {
-    let addr: SocketAddr = tokio::net::lookup_host(bind)
-        .await
-        .ok()
-        .and_then(|mut it| it.next())
-        .ok_or_else(|| AgentError::Store { addr: bind.into(), source: std::io::Error::other("cannot resolve address") })?;
+    let addr: SocketAddr = tokio::net::lookup_host(bind).await.ok().and_then(|mut it| it.next()).ok_or_else(|| {
+        AgentError::Store { addr: bind.into(), source: std::io::Error::other("cannot resolve address") }
+    })?;
     // On a thread of its own, so the workers' bootstrap never waits behind the agent's work.
-    StoreServer::start_dedicated(addr, ServerConfig::default()).map_err(|source| AgentError::Store { addr: bind.into(), source })
+    StoreServer::start_dedicated(addr, ServerConfig::default())
+        .map_err(|source| AgentError::Store { addr: bind.into(), source })
 }
 
 fn single_node(config: &AgentConfig, master_addr: String, master_port: u16) -> Placement {
@@ -294,7 +317,13 @@ fn sanitize(s: &str) -> String {
     s.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect()
 }
 
-pub(crate) fn worker_specs(config: &AgentConfig, p: &Placement, restart_count: u32, log_root: &std::path::Path, host: &str) -> Vec<WorkerSpec> {
+pub(crate) fn worker_specs(
+    config: &AgentConfig,
+    p: &Placement,
+    restart_count: u32,
+    log_root: &std::path::Path,
+    host: &str,
+) -> Vec<WorkerSpec> {
     (0..config.nproc_per_node)
         .map(|local_rank| {
             let rank = p.rank_offset + local_rank;

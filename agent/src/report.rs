@@ -85,11 +85,9 @@ pub fn read_error_file(path: &Path) -> Option<ErrorFileData> {
     let message = v.get("message")?;
     let as_u64 = |x: &serde_json::Value| x.as_u64().or_else(|| x.as_str().and_then(|s| s.trim().parse().ok()));
     match message {
-        serde_json::Value::String(s) => Some(ErrorFileData {
-            message: s.clone(),
-            traceback: None,
-            timestamp: v.get("timestamp").and_then(as_u64),
-        }),
+        serde_json::Value::String(s) => {
+            Some(ErrorFileData { message: s.clone(), traceback: None, timestamp: v.get("timestamp").and_then(as_u64) })
+        }
         serde_json::Value::Object(m) => {
             let extra = m.get("extraInfo");
             Some(ErrorFileData {

@@ -84,8 +84,7 @@ impl WorkerGroup {
         tx: mpsc::UnboundedSender<(usize, Exit, u64)>,
     ) -> Result<(), AgentError> {
         let local_rank = spec.env.local_rank;
-        std::fs::create_dir_all(&spec.dir)
-            .map_err(|source| AgentError::LogDir { path: spec.dir.clone(), source })?;
+        std::fs::create_dir_all(&spec.dir).map_err(|source| AgentError::LogDir { path: spec.dir.clone(), source })?;
         let (exe, args) = program.split_first().expect("the launcher never passes an empty program");
         let mut cmd = Command::new(exe);
         cmd.args(args);

@@ -9,10 +9,27 @@ use std::time::Duration;
 use integration_tests::{bin, rlaunch, run_deadline, tempdir};
 
 fn train_args(extra: &[&str]) -> Vec<String> {
-    let mut v: Vec<String> = ["--samples", "4096", "--dim", "16", "--hidden", "64", "--classes", "4", "--epochs", "3", "--batch-size", "16", "--log-every", "8", "--checkpoint-every", "10"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+    let mut v: Vec<String> = [
+        "--samples",
+        "4096",
+        "--dim",
+        "16",
+        "--hidden",
+        "64",
+        "--classes",
+        "4",
+        "--epochs",
+        "3",
+        "--batch-size",
+        "16",
+        "--log-every",
+        "8",
+        "--checkpoint-every",
+        "10",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
     v.extend(extra.iter().map(|s| s.to_string()));
     v
 }
@@ -21,10 +38,19 @@ fn run(dir: &Path, name: &str, extra: &[&str], rlaunch_flags: &[&str]) -> (std::
     let ck = dir.join(format!("ck-{name}"));
     let out = dir.join(format!("{name}.bin"));
     let mut args = train_args(extra);
-    args.extend(["--checkpoint-dir".into(), ck.display().to_string(), "--save-final".into(), out.display().to_string()]);
+    args.extend([
+        "--checkpoint-dir".into(),
+        ck.display().to_string(),
+        "--save-final".into(),
+        out.display().to_string(),
+    ]);
     let train = bin("examples/train");
     let mut cmd = rlaunch();
-    cmd.args(["--standalone", "--nproc-per-node", "4"]).args(rlaunch_flags).arg(&train).args(&args).env("RLAUNCH_COLLECTIVE_TIMEOUT", "10");
+    cmd.args(["--standalone", "--nproc-per-node", "4"])
+        .args(rlaunch_flags)
+        .arg(&train)
+        .args(&args)
+        .env("RLAUNCH_COLLECTIVE_TIMEOUT", "10");
     let o = run_deadline(&mut cmd, Duration::from_secs(300));
     let params = std::fs::read(&out).unwrap_or_default();
     (o, params)

@@ -20,7 +20,11 @@ impl Drop for Cleanup {
         for c in &self.containers {
             let _ = Command::new("docker").args(["rm", "-f", c]).stdout(Stdio::null()).stderr(Stdio::null()).status();
         }
-        let _ = Command::new("docker").args(["network", "rm", &self.network]).stdout(Stdio::null()).stderr(Stdio::null()).status();
+        let _ = Command::new("docker")
+            .args(["network", "rm", &self.network])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
         for i in &self.images {
             let _ = Command::new("docker").args(["rmi", "-f", i]).stdout(Stdio::null()).stderr(Stdio::null()).status();
         }
@@ -83,9 +87,19 @@ fn replicated_rendezvous_in_containers_survives_losing_a_replica() {
     let etcd_name = format!("rlaunch-it-{id}-etcd");
     cleanup.containers.push(etcd_name.clone());
     docker(&[
-        "run", "-d", "--name", &etcd_name, "--network", &cleanup.network, &format!("{tag}etcd"),
-        "--data-dir", "/data", "--listen-client-urls", "http://0.0.0.0:2379",
-        "--advertise-client-urls", &format!("http://{etcd_name}:2379"),
+        "run",
+        "-d",
+        "--name",
+        &etcd_name,
+        "--network",
+        &cleanup.network,
+        &format!("{tag}etcd"),
+        "--data-dir",
+        "/data",
+        "--listen-client-urls",
+        "http://0.0.0.0:2379",
+        "--advertise-client-urls",
+        &format!("http://{etcd_name}:2379"),
     ]);
     let mut endpoints = Vec::new();
     let mut replicas = Vec::new();
@@ -93,8 +107,19 @@ fn replicated_rendezvous_in_containers_survives_losing_a_replica() {
         let name = format!("rlaunch-it-{id}-rdzv{r}");
         cleanup.containers.push(name.clone());
         docker(&[
-            "run", "-d", "--name", &name, "--network", &cleanup.network, "-p", "127.0.0.1::29400",
-            &format!("{tag}rlaunch-rendezvous"), "--store", "etcd", "--etcd-endpoints", &format!("http://{etcd_name}:2379"),
+            "run",
+            "-d",
+            "--name",
+            &name,
+            "--network",
+            &cleanup.network,
+            "-p",
+            "127.0.0.1::29400",
+            &format!("{tag}rlaunch-rendezvous"),
+            "--store",
+            "etcd",
+            "--etcd-endpoints",
+            &format!("http://{etcd_name}:2379"),
         ]);
         endpoints.push(host_port(&name));
         replicas.push(name);
@@ -109,7 +134,16 @@ fn replicated_rendezvous_in_containers_survives_losing_a_replica() {
     let agents: Vec<_> = (0..2)
         .map(|_| {
             let mut cmd = rlaunch();
-            cmd.args(["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "rlaunch", "--rdzv-endpoint", &endpoint_list]);
+            cmd.args([
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "2",
+                "--rdzv-backend",
+                "rlaunch",
+                "--rdzv-endpoint",
+                &endpoint_list,
+            ]);
             cmd.args(["--rdzv-id", "docker-job", "--rdzv-conf", "heartbeat_interval=0.5,node_ttl=3"]);
             cmd.arg(worker()).arg("--out").arg(out.path()).args(["dump-env", "pidfile", "sleep", "6"]);
             cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn agent")

@@ -134,7 +134,12 @@ fn device_auto_falls_back_to_the_cpu_with_a_notice_and_cuda_fails_with_the_reaso
     }
     let err = select(Device::Cuda, 0, true, &search).expect_err("no driver here");
     let chain = format!("{:#}", anyhow::Error::from(err));
-    assert!(chain.starts_with("--device cuda: ") && chain.contains("CUDA libraries missing") && chain.contains("libcuda.so.1"), "{chain}");
+    assert!(
+        chain.starts_with("--device cuda: ")
+            && chain.contains("CUDA libraries missing")
+            && chain.contains("libcuda.so.1"),
+        "{chain}"
+    );
     assert_eq!(select(Device::Cpu, 0, true, &search).expect("cpu"), Selected::Cpu { notice: None });
 }
 
@@ -145,7 +150,8 @@ fn device_auto_falls_back_to_the_cpu_with_a_notice_and_cuda_fails_with_the_reaso
 fn gpu_check() -> anyhow::Result<()> {
     use anyhow::Context;
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    let out = std::env::var("RLAUNCH_GPU_CHECK_OUT").map(PathBuf::from).unwrap_or_else(|_| root.join("bench/gpu/RESULTS.md"));
+    let out =
+        std::env::var("RLAUNCH_GPU_CHECK_OUT").map(PathBuf::from).unwrap_or_else(|_| root.join("bench/gpu/RESULTS.md"));
     let date = std::env::var("RLAUNCH_GPU_CHECK_DATE").unwrap_or_else(|_| "(date not given)".into());
     // scripts/gpu-check.sh passes the toolkit and wheel directories it found.
     let mut search = SearchPath::system();
@@ -161,7 +167,12 @@ fn gpu_check() -> anyhow::Result<()> {
     let report = rlaunch::gpu::check::run(&search, &date).context("the GPU path could not start")?;
     println!("{}", report.markdown);
     std::fs::write(&out, &report.markdown).with_context(|| format!("writing {}", out.display()))?;
-    anyhow::ensure!(report.failures.is_empty(), "{} GPU check(s) failed:\n{}", report.failures.len(), report.failures.join("\n"));
+    anyhow::ensure!(
+        report.failures.is_empty(),
+        "{} GPU check(s) failed:\n{}",
+        report.failures.len(),
+        report.failures.join("\n")
+    );
     Ok(())
 }
 
@@ -182,7 +193,8 @@ fn nccl_unique_id_reaches_every_rank_through_the_store_and_a_missing_rank_is_a_t
                 let (addr, prefix) = (addr.clone(), prefix.clone());
                 std::thread::spawn(move || -> Result<[u8; 128], String> {
                     let mut c = StoreClient::connect(&addr, Duration::from_secs(10)).map_err(|e| e.to_string())?;
-                    exchange_unique_id(&mut c, &prefix, rank, world, timeout).map(|id| id.internal).map_err(|e| match e {
+                    exchange_unique_id(&mut c, &prefix, rank, world, timeout).map(|id| id.internal).map_err(|e| match e
+                    {
                         GpuError::Store { step, .. } => format!("store step {step}"),
                         other => other.to_string(),
                     })

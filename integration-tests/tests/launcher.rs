@@ -90,7 +90,11 @@ fn restarts_the_whole_group_and_counts_attempts() {
 #[test]
 fn exits_with_the_failing_workers_code_when_the_budget_is_spent() {
     let dir = tempdir();
-    let o = launch(&["--standalone", "--nproc-per-node", "2", "--max-restarts", "1"], &["dump-env", "fail-rank", "1", "7", "hang"], dir.path());
+    let o = launch(
+        &["--standalone", "--nproc-per-node", "2", "--max-restarts", "1"],
+        &["dump-env", "fail-rank", "1", "7", "hang"],
+        dir.path(),
+    );
     assert_eq!(o.status.code(), Some(7), "{}", stderr_of(&o));
     let err = stderr_of(&o);
     assert!(err.contains("Root Cause"), "{err}");
@@ -118,7 +122,13 @@ fn error_file_message_and_traceback_reach_the_report_and_agent_error_file() {
     let mut cmd = rlaunch();
     cmd.env("TORCHELASTIC_ERROR_FILE", &agent_err);
     cmd.args(["--standalone", "--nproc-per-node", "2", "--log-dir"]).arg(logs.path());
-    cmd.arg(worker()).arg("--out").arg(dir.path()).args(["fail-rank", "0", "0", "error-file", "ValueError: planted failure"]);
+    cmd.arg(worker()).arg("--out").arg(dir.path()).args([
+        "fail-rank",
+        "0",
+        "0",
+        "error-file",
+        "ValueError: planted failure",
+    ]);
     let o = run_deadline(&mut cmd, DEADLINE);
     assert_eq!(o.status.code(), Some(1));
     let err = stderr_of(&o);
@@ -136,7 +146,11 @@ fn error_file_message_and_traceback_reach_the_report_and_agent_error_file() {
 fn killing_the_agent_with_sigkill_leaves_no_worker_alive() {
     let dir = tempdir();
     let mut cmd = rlaunch();
-    cmd.args(["--standalone", "--nproc-per-node", "3"]).arg(worker()).arg("--out").arg(dir.path()).args(["pidfile", "hang"]);
+    cmd.args(["--standalone", "--nproc-per-node", "3"])
+        .arg(worker())
+        .arg("--out")
+        .arg(dir.path())
+        .args(["pidfile", "hang"]);
     let mut agent = cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
     let pid_path = |r: u32| dir.path().join(format!("pid_rank{r}_attempt0"));
     wait_until("workers to start", Duration::from_secs(20), || (0..3).all(|r| pid_path(r).exists()));
@@ -151,7 +165,9 @@ fn spawn_and_wait_for_workers(args: &[&str], worker_args: &[&str], dir: &Path, n
     let mut cmd = rlaunch();
     cmd.args(args).arg(worker()).arg("--out").arg(dir).args(worker_args);
     let child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-    wait_until("workers to start", Duration::from_secs(20), || (0..n).all(|r| dir.join(format!("pid_rank{r}_attempt0")).exists()));
+    wait_until("workers to start", Duration::from_secs(20), || {
+        (0..n).all(|r| dir.join(format!("pid_rank{r}_attempt0")).exists())
+    });
     child
 }
 
@@ -163,7 +179,12 @@ fn kill(pid: u32, sig: i32) {
 #[test]
 fn sigterm_stops_the_workers_gracefully_and_exits_143() {
     let dir = tempdir();
-    let agent = spawn_and_wait_for_workers(&["--standalone", "--nproc-per-node", "2"], &["record-signals", "pidfile", "hang"], dir.path(), 2);
+    let agent = spawn_and_wait_for_workers(
+        &["--standalone", "--nproc-per-node", "2"],
+        &["record-signals", "pidfile", "hang"],
+        dir.path(),
+        2,
+    );
     kill(agent.id(), libc::SIGTERM);
     let o = wait_deadline(agent, Duration::from_secs(20));
     assert_eq!(o.status.code(), Some(143), "{}", stderr_of(&o));
@@ -182,8 +203,9 @@ fn a_worker_ignoring_sigterm_is_killed_after_the_grace() {
         dir.path(),
         2,
     );
-    let pids: Vec<i32> =
-        (0..2).map(|r| std::fs::read_to_string(dir.path().join(format!("pid_rank{r}_attempt0"))).unwrap().parse().unwrap()).collect();
+    let pids: Vec<i32> = (0..2)
+        .map(|r| std::fs::read_to_string(dir.path().join(format!("pid_rank{r}_attempt0"))).unwrap().parse().unwrap())
+        .collect();
     kill(agent.id(), libc::SIGINT);
     let o = wait_deadline(agent, Duration::from_secs(15));
     assert_eq!(o.status.code(), Some(128 + libc::SIGINT));
@@ -194,7 +216,12 @@ fn a_worker_ignoring_sigterm_is_killed_after_the_grace() {
 #[test]
 fn sigusr1_and_sigusr2_are_relayed_to_every_worker() {
     let dir = tempdir();
-    let agent = spawn_and_wait_for_workers(&["--standalone", "--nproc-per-node", "2"], &["record-signals", "pidfile", "hang"], dir.path(), 2);
+    let agent = spawn_and_wait_for_workers(
+        &["--standalone", "--nproc-per-node", "2"],
+        &["record-signals", "pidfile", "hang"],
+        dir.path(),
+        2,
+    );
     let file = |r: u32| std::fs::read_to_string(dir.path().join(format!("signals_rank{r}.txt"))).unwrap_or_default();
     kill(agent.id(), libc::SIGUSR1);
     wait_until("SIGUSR1 at every worker", Duration::from_secs(10), || (0..2).all(|r| file(r).contains("SIGUSR1")));
@@ -231,7 +258,17 @@ fn log_dir_keeps_per_attempt_per_rank_files() {
     let logs = tempdir();
     let mut cmd = rlaunch();
     cmd.args(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir"]).arg(logs.path());
-    cmd.arg(worker()).arg("--out").arg(dir.path()).args(["print", "hello-out", "eprint", "hello-err", "sleep", "1", "fail-until-attempt", "1", "4"]);
+    cmd.arg(worker()).arg("--out").arg(dir.path()).args([
+        "print",
+        "hello-out",
+        "eprint",
+        "hello-err",
+        "sleep",
+        "1",
+        "fail-until-attempt",
+        "1",
+        "4",
+    ]);
     let o = run_deadline(&mut cmd, DEADLINE);
     assert!(o.status.success(), "{}", stderr_of(&o));
     let run_dir = std::fs::read_dir(logs.path()).unwrap().next().unwrap().unwrap().path();
@@ -252,7 +289,19 @@ fn redirects_tee_and_rank_filter_route_streams_like_torchrun() {
     let logs = tempdir();
     // Local rank 0: stdout redirected (file only); local rank 1: stderr teed. Console shows rank 1 only.
     let mut cmd = rlaunch();
-    cmd.args(["--standalone", "--nproc-per-node", "3", "-r", "0:1", "-t", "1:2", "--local-ranks-filter", "1,2", "--log-dir"]).arg(logs.path());
+    cmd.args([
+        "--standalone",
+        "--nproc-per-node",
+        "3",
+        "-r",
+        "0:1",
+        "-t",
+        "1:2",
+        "--local-ranks-filter",
+        "1,2",
+        "--log-dir",
+    ])
+    .arg(logs.path());
     cmd.arg(worker()).arg("--out").arg(dir.path()).args(["print", "out-line", "eprint", "err-line"]);
     let o = run_deadline(&mut cmd, DEADLINE);
     assert!(o.status.success());
@@ -291,7 +340,11 @@ fn a_missing_program_exits_127_with_a_clear_message() {
 fn python_scripts_run_under_python3_unbuffered() {
     let dir = tempdir();
     let script = dir.path().join("hello.py");
-    std::fs::write(&script, "import os, sys\nprint('py', os.environ['RANK'], 'unbuffered' if '-u' in sys.orig_argv else 'buffered')\n").unwrap();
+    std::fs::write(
+        &script,
+        "import os, sys\nprint('py', os.environ['RANK'], 'unbuffered' if '-u' in sys.orig_argv else 'buffered')\n",
+    )
+    .unwrap();
     let mut cmd = rlaunch();
     // Only the launcher's `-u` may make the worker unbuffered here.
     cmd.env_remove("PYTHONUNBUFFERED").args(["--standalone", "--nproc-per-node", "2"]).arg(&script);
@@ -338,11 +391,31 @@ fn bad_arguments_exit_2_with_a_message() {
         (&["--rdzv-conf", "node_ttl=5,heartbeat_interval=9", "x"], "must be shorter than node_ttl"),
         (&["--rdzv-conf", "nonsense", "x"], "is not key=value"),
         (
-            &["--rdzv-backend", "rlaunch", "--rdzv-endpoint", "h:1", "--rdzv-conf", "node_ttl=3", "--shutdown-timeout", "2", "x"],
+            &[
+                "--rdzv-backend",
+                "rlaunch",
+                "--rdzv-endpoint",
+                "h:1",
+                "--rdzv-conf",
+                "node_ttl=3",
+                "--shutdown-timeout",
+                "2",
+                "x",
+            ],
             "must be longer than the node TTL",
         ),
         (
-            &["--rdzv-backend", "rlaunch", "--rdzv-endpoint", "h:1", "--rdzv-conf", "join_timeout=5", "--shutdown-timeout", "6", "x"],
+            &[
+                "--rdzv-backend",
+                "rlaunch",
+                "--rdzv-endpoint",
+                "h:1",
+                "--rdzv-conf",
+                "join_timeout=5",
+                "--shutdown-timeout",
+                "6",
+                "x",
+            ],
             "must be shorter than the join timeout",
         ),
         (&["--nnodes", "2", "x"], "needs --master-port"),

@@ -487,8 +487,22 @@ fn static_rendezvous_runs_two_hosts_with_fixed_ranks_and_node_0s_store() {
     let agents: Vec<Proc> = (0..2)
         .map(|node_rank| {
             let args: Vec<String> = [
-                "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", &node_rank.to_string(), "--master-addr", &master,
-                "--master-port", "29511", "--rdzv-id", "static-job", &w, "--out", dir.path().to_str().expect("utf-8"), "dump-env",
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "2",
+                "--node-rank",
+                &node_rank.to_string(),
+                "--master-addr",
+                &master,
+                "--master-port",
+                "29511",
+                "--rdzv-id",
+                "static-job",
+                &w,
+                "--out",
+                dir.path().to_str().expect("utf-8"),
+                "dump-env",
             ]
             .iter()
             .map(|s| s.to_string())
@@ -501,7 +515,8 @@ fn static_rendezvous_runs_two_hosts_with_fixed_ranks_and_node_0s_store() {
         assert!(status.success(), "{} failed ({status}):\n{}", a.name, a.log_tail(3000));
     }
     for rank in 0..4u32 {
-        let text = std::fs::read_to_string(dir.path().join(format!("env_rank{rank}_attempt0.json"))).expect("env written");
+        let text =
+            std::fs::read_to_string(dir.path().join(format!("env_rank{rank}_attempt0.json"))).expect("env written");
         let env: serde_json::Map<String, serde_json::Value> = serde_json::from_str(&text).expect("env json");
         let get = |k: &str| env.get(k).and_then(|v| v.as_str()).unwrap_or_default().to_string();
         assert_eq!(get("WORLD_SIZE"), "4");

@@ -50,13 +50,8 @@ impl OurServer {
             .build()
             .expect("tokio runtime builds");
         let any: SocketAddr = "127.0.0.1:0".parse().expect("valid address");
-        let handle = rt
-            .block_on(StoreServer::start(any))
-            .expect("store binds loopback");
-        OurServer {
-            handle: Some(handle),
-            rt,
-        }
+        let handle = rt.block_on(StoreServer::start(any)).expect("store binds loopback");
+        OurServer { handle: Some(handle), rt }
     }
 
     fn handle(&self) -> &StoreHandle {
@@ -71,9 +66,7 @@ impl OurServer {
 impl Drop for OurServer {
     fn drop(&mut self) {
         if let Some(handle) = self.handle.take() {
-            let _ = self.rt.block_on(async {
-                tokio::time::timeout(Duration::from_secs(10), handle.shutdown()).await
-            });
+            let _ = self.rt.block_on(async { tokio::time::timeout(Duration::from_secs(10), handle.shutdown()).await });
         }
     }
 }
@@ -126,15 +119,9 @@ impl Running {
         let stdout = self.out.join().expect("stdout reader");
         let stderr = self.err.join().expect("stderr reader");
         let Some(status) = status else {
-            panic!(
-                "{what} did not finish within {deadline:?}\nstdout:\n{stdout}\nstderr:\n{stderr}"
-            );
+            panic!("{what} did not finish within {deadline:?}\nstdout:\n{stdout}\nstderr:\n{stderr}");
         };
-        Finished {
-            success: status.success(),
-            stdout,
-            stderr,
-        }
+        Finished { success: status.success(), stdout, stderr }
     }
 }
 
@@ -147,8 +134,7 @@ fn torch_tcpstore_client_runs_every_query_against_our_server() {
     let python = python();
     let server = OurServer::start();
     let addr = format!("127.0.0.1:{}", server.port());
-    let mut ours =
-        StoreClient::connect(&addr, Duration::from_secs(10)).expect("rust client connects");
+    let mut ours = StoreClient::connect(&addr, Duration::from_secs(10)).expect("rust client connects");
     ours.set("from_rust", b"hello from rust").expect("set");
 
     let child = Command::new(&python)
@@ -165,15 +151,8 @@ fn torch_tcpstore_client_runs_every_query_against_our_server() {
         run.stdout,
         run.stderr
     );
-    assert_eq!(
-        ours.get("from_py").expect("key set by torch"),
-        b"hello from python"
-    );
-    assert_eq!(
-        server.handle().pending_waits(),
-        0,
-        "torch's cancelled waits left nothing behind"
-    );
+    assert_eq!(ours.get("from_py").expect("key set by torch"), b"hello from python");
+    assert_eq!(server.handle().pending_waits(), 0, "torch's cancelled waits left nothing behind");
 }
 
 #[test]
@@ -185,10 +164,7 @@ fn torch_init_process_group_env_with_agent_store_all_reduces_over_our_server() {
     // cleared between attempts, as the agent must do.
     for (attempt, world) in [(0, 2), (1, 4)] {
         if attempt > 0 {
-            assert!(
-                server.handle().clear() > 0,
-                "attempt {attempt}: previous keys removed"
-            );
+            assert!(server.handle().clear() > 0, "attempt {attempt}: previous keys removed");
         }
         let children: Vec<Running> = (0..world)
             .map(|rank| {
@@ -220,20 +196,14 @@ fn torch_init_process_group_env_with_agent_store_all_reduces_over_our_server() {
         let expected_sum = (world * (world + 1) / 2) as f64;
         for (rank, run) in runs.iter().enumerate() {
             assert!(
-                run.success
-                    && run.stdout.contains(&format!(
-                        "DDP_OK rank={rank} world={world} sum={expected_sum}"
-                    )),
+                run.success && run.stdout.contains(&format!("DDP_OK rank={rank} world={world} sum={expected_sum}")),
                 "attempt {attempt} rank {rank} of {world} failed\nstdout:\n{}\nstderr:\n{}",
                 run.stdout,
                 run.stderr
             );
         }
     }
-    assert!(
-        server.handle().num_keys() > 0,
-        "torch stored its rendezvous keys with us"
-    );
+    assert!(server.handle().num_keys() > 0, "torch stored its rendezvous keys with us");
     assert_eq!(server.handle().pending_waits(), 0);
 }
 
@@ -273,8 +243,7 @@ fn our_rust_client_runs_every_query_against_torch_tcpstore_server() {
     let addr = format!("127.0.0.1:{port}");
 
     let result = std::panic::catch_unwind(|| {
-        let mut c =
-            StoreClient::connect(&addr, Duration::from_secs(10)).expect("connects to torch");
+        let mut c = StoreClient::connect(&addr, Duration::from_secs(10)).expect("connects to torch");
         c.ping().expect("ping");
         c.set("k", b"v1").expect("set");
         assert_eq!(c.get("k").expect("get"), b"v1");
@@ -285,9 +254,7 @@ fn our_rust_client_runs_every_query_against_torch_tcpstore_server() {
         assert!(c.check(&["k", "n"]).expect("check"));
         assert!(!c.check(&["missing"]).expect("check"));
         c.wait(&["k"], Duration::from_secs(1)).expect("wait");
-        let err = c
-            .wait(&["never"], Duration::from_millis(200))
-            .expect_err("timeout");
+        let err = c.wait(&["never"], Duration::from_millis(200)).expect_err("timeout");
         assert!(err.is_timeout(), "{err}");
         c.ping().expect("in step after cancel-wait");
         let n = c.num_keys().expect("num_keys");
@@ -298,26 +265,15 @@ fn our_rust_client_runs_every_query_against_torch_tcpstore_server() {
         c.append("app", b"a").expect("append");
         c.append("app", b"b").expect("append");
         assert_eq!(c.get("app").expect("get"), b"ab");
-        c.multi_set(&[("m1", b"1".as_slice()), ("m2", b"2".as_slice())])
-            .expect("multi_set");
-        assert_eq!(
-            c.multi_get(&["m2", "m1"]).expect("multi_get"),
-            vec![b"2".to_vec(), b"1".to_vec()]
-        );
+        c.multi_set(&[("m1", b"1".as_slice()), ("m2", b"2".as_slice())]).expect("multi_set");
+        assert_eq!(c.multi_get(&["m2", "m1"]).expect("multi_get"), vec![b"2".to_vec(), b"1".to_vec()]);
         c.queue_push("q", b"x").expect("queue_push");
         assert_eq!(c.queue_len("q").expect("queue_len"), 1);
-        assert_eq!(
-            c.queue_pop("q", true).expect("queue_pop"),
-            Some(b"x".to_vec())
-        );
+        assert_eq!(c.queue_pop("q", true).expect("queue_pop"), Some(b"x".to_vec()));
         assert_eq!(c.queue_pop("q", false).expect("queue_pop"), None);
         let keys = c.list_keys().expect("list_keys");
-        assert!(
-            keys.contains(&"k".to_string()) && keys.contains(&"app".to_string()),
-            "{keys:?}"
-        );
-        c.barrier("solo", 1, Duration::from_secs(5))
-            .expect("barrier");
+        assert!(keys.contains(&"k".to_string()) && keys.contains(&"app".to_string()), "{keys:?}");
+        c.barrier("solo", 1, Duration::from_secs(5)).expect("barrier");
     });
     drop(child.stdin.take()); // torch server exits when stdin closes
     let _ = collect(child, "torch server", Duration::from_secs(30));

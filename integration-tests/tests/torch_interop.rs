@@ -52,7 +52,10 @@ fn record_decorated_exception_shows_message_and_traceback_in_the_report() {
 
 #[test]
 fn a_crash_on_the_first_attempt_restarts_and_reinitialises_the_process_group() {
-    let o = rlaunch_py(&["--standalone", "--nproc-per-node", "4", "--max-restarts", "1", "--shutdown-timeout", "3"], "crash_first_attempt.py");
+    let o = rlaunch_py(
+        &["--standalone", "--nproc-per-node", "4", "--max-restarts", "1", "--shutdown-timeout", "3"],
+        "crash_first_attempt.py",
+    );
     assert!(o.status.success(), "{}\n{}", stdout_of(&o), stderr_of(&o));
     let out = stdout_of(&o);
     assert!(out.contains("[default1]:crashing on purpose"), "{out}");

@@ -63,10 +63,18 @@ impl Blas {
         if a.len() < a_need || b.len() < b_need || c.len() < ldc * n {
             return Err(KernelError::InvalidArgument {
                 op: OP,
-                reason: format!("m {m} n {n} k {k}: A {} (< {a_need}?) B {} (< {b_need}?) C {} (< {}?)", a.len(), b.len(), c.len(), ldc * n),
+                reason: format!(
+                    "m {m} n {n} k {k}: A {} (< {a_need}?) B {} (< {b_need}?) C {} (< {}?)",
+                    a.len(),
+                    b.len(),
+                    c.len(),
+                    ldc * n
+                ),
             });
         }
-        let int = |v: usize| i32::try_from(v).map_err(|_| KernelError::InvalidArgument { op: OP, reason: format!("{v} exceeds i32") });
+        let int = |v: usize| {
+            i32::try_from(v).map_err(|_| KernelError::InvalidArgument { op: OP, reason: format!("{v} exceeds i32") })
+        };
         let op = |t: bool| if t { cublasOperation_t::CUBLAS_OP_T } else { cublasOperation_t::CUBLAS_OP_N };
         let (alpha, beta) = (1.0f32, beta);
         let (pa, _ra) = a.device_ptr(&self.stream);

@@ -61,7 +61,9 @@ fn compile_error(name: &str, e: CompileError) -> KernelError {
             reason: format!("{nvrtc:?}"),
             log: log.to_string_lossy().into_owned(),
         },
-        other => KernelError::Compile { source_name: name.to_string(), reason: format!("{other:?}"), log: String::new() },
+        other => {
+            KernelError::Compile { source_name: name.to_string(), reason: format!("{other:?}"), log: String::new() }
+        }
     }
 }
 
@@ -86,10 +88,15 @@ pub fn cubin_of_text(name: &str, text: &str, (major, minor): (u32, u32)) -> Resu
         return Ok(c.clone());
     }
     probe::ensure_default(Lib::Nvrtc)?;
-    let fail = |reason: String, log: String| KernelError::Compile { source_name: format!("{name} (sm_{major}{minor})"), reason, log };
+    let fail = |reason: String, log: String| KernelError::Compile {
+        source_name: format!("{name} (sm_{major}{minor})"),
+        reason,
+        log,
+    };
     let c_text = CString::new(text).map_err(|_| fail("the source contains a NUL byte".into(), String::new()))?;
     let c_name = CString::new(name).map_err(|_| fail("the name contains a NUL byte".into(), String::new()))?;
-    let prog = cudarc::nvrtc::result::create_program(&c_text, Some(&c_name)).map_err(|e| fail(format!("{e:?}"), String::new()))?;
+    let prog = cudarc::nvrtc::result::create_program(&c_text, Some(&c_name))
+        .map_err(|e| fail(format!("{e:?}"), String::new()))?;
     let opts = [format!("--gpu-architecture=sm_{major}{minor}"), "--std=c++17".to_string()];
     // SAFETY: prog was created above and is destroyed exactly once, below, on every path;
     // the CUBIN buffer is sized by nvrtcGetCUBINSize before nvrtcGetCUBIN fills it.
@@ -97,9 +104,7 @@ pub fn cubin_of_text(name: &str, text: &str, (major, minor): (u32, u32)) -> Resu
         let compiled = cudarc::nvrtc::result::compile_program(prog, &opts);
         let result = match compiled {
             Err(e) => {
-                let log = cudarc::nvrtc::result::get_program_log(prog)
-                    .map(|l| log_text(&l))
-                    .unwrap_or_default();
+                let log = cudarc::nvrtc::result::get_program_log(prog).map(|l| log_text(&l)).unwrap_or_default();
                 Err(fail(format!("{e:?}"), log))
             }
             Ok(()) => {

@@ -101,7 +101,12 @@ fn api() -> Result<&'static Api, KernelError> {
     }
     match API.get().expect("set above") {
         Ok(a) => Ok(a),
-        Err(e) => Err(KernelError::Nccl { call: "dlsym", code: -1, code_name: "missing symbol".into(), detail: format!(": {e}") }),
+        Err(e) => Err(KernelError::Nccl {
+            call: "dlsym",
+            code: -1,
+            code_name: "missing symbol".into(),
+            detail: format!(": {e}"),
+        }),
     }
 }
 
@@ -201,7 +206,10 @@ impl Comm {
     pub fn init_rank(id: &UniqueId, rank: usize, world: usize) -> Result<Self, KernelError> {
         let api = api()?;
         if rank >= world {
-            return Err(KernelError::InvalidArgument { op: "ncclCommInitRank", reason: format!("rank {rank} of world {world}") });
+            return Err(KernelError::InvalidArgument {
+                op: "ncclCommInitRank",
+                reason: format!("rank {rank} of world {world}"),
+            });
         }
         let mut raw: RawComm = std::ptr::null_mut();
         // SAFETY: raw receives the new communicator; id is passed by value as nccl.h says.
@@ -219,7 +227,12 @@ impl Comm {
 
     fn live(&self, call: &'static str) -> Result<&'static Api, KernelError> {
         if self.aborted {
-            return Err(KernelError::Nccl { call, code: -1, code_name: "communicator aborted".into(), detail: String::new() });
+            return Err(KernelError::Nccl {
+                call,
+                code: -1,
+                code_name: "communicator aborted".into(),
+                detail: String::new(),
+            });
         }
         api()
     }
@@ -227,13 +240,28 @@ impl Comm {
     /// In-place all-reduce of `buf` enqueued on `stream`; returns once enqueued. `stream`
     /// first waits for the last writer of `buf` on any stream (cudarc's tracking), and later
     /// users of `buf` wait for this reduction.
-    pub fn all_reduce_in_place<T: NcclType, B: DevicePtrMut<T>>(&self, buf: &mut B, op: RedOp, stream: &Arc<CudaStream>) -> Result<(), KernelError> {
+    pub fn all_reduce_in_place<T: NcclType, B: DevicePtrMut<T>>(
+        &self,
+        buf: &mut B,
+        op: RedOp,
+        stream: &Arc<CudaStream>,
+    ) -> Result<(), KernelError> {
         let api = self.live("ncclAllReduce")?;
         let count = buf.len();
         let (ptr, _record) = buf.device_ptr_mut(stream);
         // SAFETY: ptr addresses `count` elements of T on this communicator's GPU, alive for the
         // call (the guard records the access on `stream` when dropped after the enqueue).
-        let r = unsafe { (api.all_reduce)(ptr as *const c_void, ptr as *mut c_void, count, T::DTYPE, op as c_int, self.raw, stream.cu_stream()) };
+        let r = unsafe {
+            (api.all_reduce)(
+                ptr as *const c_void,
+                ptr as *mut c_void,
+                count,
+                T::DTYPE,
+                op as c_int,
+                self.raw,
+                stream.cu_stream(),
+            )
+        };
         check(api, "ncclAllReduce", self.raw, r)
     }
 
@@ -242,20 +270,44 @@ impl Comm {
     /// # Safety
     /// `send` and `recv` must address `count` elements of `T` on this communicator's GPU that
     /// stay alive and unused by other streams until the reduction on `stream` completes.
-    pub unsafe fn all_reduce_raw<T: NcclType>(&self, send: u64, recv: u64, count: usize, op: RedOp, stream: CUstream) -> Result<(), KernelError> {
+    pub unsafe fn all_reduce_raw<T: NcclType>(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        op: RedOp,
+        stream: CUstream,
+    ) -> Result<(), KernelError> {
         let api = self.live("ncclAllReduce")?;
         // SAFETY: guaranteed by the caller.
-        let r = unsafe { (api.all_reduce)(send as *const c_void, recv as *mut c_void, count, T::DTYPE, op as c_int, self.raw, stream) };
+        let r = unsafe {
+            (api.all_reduce)(send as *const c_void, recv as *mut c_void, count, T::DTYPE, op as c_int, self.raw, stream)
+        };
         check(api, "ncclAllReduce", self.raw, r)
     }
 
     /// In-place broadcast of `buf` from `root`, enqueued on `stream`.
-    pub fn broadcast_in_place<T: NcclType, B: DevicePtrMut<T>>(&self, buf: &mut B, root: usize, stream: &Arc<CudaStream>) -> Result<(), KernelError> {
+    pub fn broadcast_in_place<T: NcclType, B: DevicePtrMut<T>>(
+        &self,
+        buf: &mut B,
+        root: usize,
+        stream: &Arc<CudaStream>,
+    ) -> Result<(), KernelError> {
         let api = self.live("ncclBroadcast")?;
         let count = buf.len();
         let (ptr, _record) = buf.device_ptr_mut(stream);
         // SAFETY: as in all_reduce_in_place.
-        let r = unsafe { (api.broadcast)(ptr as *const c_void, ptr as *mut c_void, count, T::DTYPE, root as c_int, self.raw, stream.cu_stream()) };
+        let r = unsafe {
+            (api.broadcast)(
+                ptr as *const c_void,
+                ptr as *mut c_void,
+                count,
+                T::DTYPE,
+                root as c_int,
+                self.raw,
+                stream.cu_stream(),
+            )
+        };
         check(api, "ncclBroadcast", self.raw, r)
     }
 

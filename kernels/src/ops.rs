@@ -160,7 +160,9 @@ impl Kernels {
     ) -> Result<(), KernelError> {
         const OP: &str = "bias_gelu_fwd";
         let n = rows * cols;
-        check(OP, y.len() >= n && pre.len() >= n && b.len() >= cols, || format!("buffers too small for {rows}x{cols}"))?;
+        check(OP, y.len() >= n && pre.len() >= n && b.len() >= cols, || {
+            format!("buffers too small for {rows}x{cols}")
+        })?;
         let (r, c) = (i32_of(OP, "rows", rows)?, i32_of(OP, "cols", cols)?);
         let mut l = stream.launch_builder(self.f(OP));
         l.arg(y).arg(b).arg(pre).arg(&r).arg(&c);
@@ -169,7 +171,12 @@ impl Kernels {
         Ok(())
     }
 
-    pub fn gelu_bwd(&self, stream: &Arc<CudaStream>, dx: &mut CudaSlice<f32>, pre: &CudaSlice<f32>) -> Result<(), KernelError> {
+    pub fn gelu_bwd(
+        &self,
+        stream: &Arc<CudaStream>,
+        dx: &mut CudaSlice<f32>,
+        pre: &CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
         const OP: &str = "gelu_bwd";
         let n = dx.len();
         check(OP, pre.len() >= n, || format!("pre has {} < {n}", pre.len()))?;
@@ -192,7 +199,9 @@ impl Kernels {
         beta: f32,
     ) -> Result<(), KernelError> {
         const OP: &str = "bias_grad";
-        check(OP, dy.len() >= rows * cols && gb.len() >= cols, || format!("dy {} gb {} for {rows}x{cols}", dy.len(), gb.len()))?;
+        check(OP, dy.len() >= rows * cols && gb.len() >= cols, || {
+            format!("dy {} gb {} for {rows}x{cols}", dy.len(), gb.len())
+        })?;
         let (r, c) = (i32_of(OP, "rows", rows)?, i32_of(OP, "cols", cols)?);
         let mut l = stream.launch_builder(self.f(OP));
         l.arg(dy).arg(gb).arg(&r).arg(&c).arg(&beta);
@@ -202,7 +211,13 @@ impl Kernels {
     }
 
     /// `out[0] = scale * sum(x)` in a fixed order.
-    pub fn sum_scaled(&self, stream: &Arc<CudaStream>, x: &CudaSlice<f32>, out: &mut CudaSlice<f32>, scale: f32) -> Result<(), KernelError> {
+    pub fn sum_scaled(
+        &self,
+        stream: &Arc<CudaStream>,
+        x: &CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        scale: f32,
+    ) -> Result<(), KernelError> {
         const OP: &str = "sum_scaled";
         check(OP, !out.is_empty(), || "out is empty".into())?;
         let n = i32_of(OP, "n", x.len())?;
@@ -292,7 +307,9 @@ impl Kernels {
     ) -> Result<(), KernelError> {
         const OP: &str = "adam";
         let n = p.len();
-        check(OP, m.len() == n && v.len() == n && g.len() == n, || format!("p {n} m {} v {} g {}", m.len(), v.len(), g.len()))?;
+        check(OP, m.len() == n && v.len() == n && g.len() == n, || {
+            format!("p {n} m {} v {} g {}", m.len(), v.len(), g.len())
+        })?;
         let n64 = n as i64;
         let null = 0u64;
         let mut l = stream.launch_builder(self.f(OP));
@@ -319,7 +336,12 @@ impl Kernels {
         Ok(())
     }
 
-    pub fn f32_to_bf16(&self, stream: &Arc<CudaStream>, x: &CudaSlice<f32>, y: &mut CudaSlice<u16>) -> Result<(), KernelError> {
+    pub fn f32_to_bf16(
+        &self,
+        stream: &Arc<CudaStream>,
+        x: &CudaSlice<f32>,
+        y: &mut CudaSlice<u16>,
+    ) -> Result<(), KernelError> {
         const OP: &str = "f32_to_bf16_kernel";
         let n = x.len();
         check(OP, y.len() >= n, || format!("y has {} < {n}", y.len()))?;
@@ -331,7 +353,12 @@ impl Kernels {
         Ok(())
     }
 
-    pub fn bf16_to_f32(&self, stream: &Arc<CudaStream>, x: &CudaSlice<u16>, y: &mut CudaSlice<f32>) -> Result<(), KernelError> {
+    pub fn bf16_to_f32(
+        &self,
+        stream: &Arc<CudaStream>,
+        x: &CudaSlice<u16>,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
         const OP: &str = "bf16_to_f32_kernel";
         let n = x.len();
         check(OP, y.len() >= n, || format!("y has {} < {n}", y.len()))?;
@@ -344,7 +371,13 @@ impl Kernels {
     }
 
     /// `y += a * x`.
-    pub fn axpy(&self, stream: &Arc<CudaStream>, y: &mut CudaSlice<f32>, x: &CudaSlice<f32>, a: f32) -> Result<(), KernelError> {
+    pub fn axpy(
+        &self,
+        stream: &Arc<CudaStream>,
+        y: &mut CudaSlice<f32>,
+        x: &CudaSlice<f32>,
+        a: f32,
+    ) -> Result<(), KernelError> {
         const OP: &str = "axpy_f32";
         let n = y.len();
         check(OP, x.len() >= n, || format!("x has {} < {n}", x.len()))?;

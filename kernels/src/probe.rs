@@ -93,7 +93,8 @@ impl SearchPath {
     pub fn venv(mut self, venv: &Path) -> Self {
         for nvidia in venv_nvidia_dirs(venv) {
             let Ok(entries) = std::fs::read_dir(&nvidia) else { continue };
-            let mut libs: Vec<PathBuf> = entries.flatten().map(|e| e.path().join("lib")).filter(|p| p.is_dir()).collect();
+            let mut libs: Vec<PathBuf> =
+                entries.flatten().map(|e| e.path().join("lib")).filter(|p| p.is_dir()).collect();
             libs.sort();
             for l in libs {
                 self = self.dir(l);

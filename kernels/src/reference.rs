@@ -166,7 +166,13 @@ pub fn max_rel_err(got: &[f32], want: &[f32], floor: f32) -> (f32, usize) {
     assert_eq!(got.len(), want.len(), "compared buffers differ in length");
     let mut worst = (0.0f32, 0usize);
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        let e = if g.is_nan() != w.is_nan() { f32::INFINITY } else if g.is_nan() { 0.0 } else { (g - w).abs() / w.abs().max(floor) };
+        let e = if g.is_nan() != w.is_nan() {
+            f32::INFINITY
+        } else if g.is_nan() {
+            0.0
+        } else {
+            (g - w).abs() / w.abs().max(floor)
+        };
         if e > worst.0 {
             worst = (e, i);
         }

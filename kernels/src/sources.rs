@@ -28,21 +28,12 @@ pub const ACTIVATION: Source = Source {
     text: include_str!("../cu/activation.cu"),
     kernels: &["bias_act_fwd", "relu_bwd", "bias_gelu_fwd", "gelu_bwd"],
 };
-pub const REDUCE: Source = Source {
-    name: "reduce.cu",
-    text: include_str!("../cu/reduce.cu"),
-    kernels: &["bias_grad", "sum_scaled"],
-};
-pub const SOFTMAX_XENT: Source = Source {
-    name: "softmax_xent.cu",
-    text: include_str!("../cu/softmax_xent.cu"),
-    kernels: &["softmax_xent"],
-};
-pub const OPTIM: Source = Source {
-    name: "optim.cu",
-    text: include_str!("../cu/optim.cu"),
-    kernels: &["sgd_momentum", "adam"],
-};
+pub const REDUCE: Source =
+    Source { name: "reduce.cu", text: include_str!("../cu/reduce.cu"), kernels: &["bias_grad", "sum_scaled"] };
+pub const SOFTMAX_XENT: Source =
+    Source { name: "softmax_xent.cu", text: include_str!("../cu/softmax_xent.cu"), kernels: &["softmax_xent"] };
+pub const OPTIM: Source =
+    Source { name: "optim.cu", text: include_str!("../cu/optim.cu"), kernels: &["sgd_momentum", "adam"] };
 pub const CAST: Source = Source {
     name: "cast.cu",
     text: include_str!("../cu/cast.cu"),

@@ -60,7 +60,13 @@ pub struct Args {
     pub shutdown_timeout: String,
 
     /// Accepted for torchrun compatibility; workers are always started as new processes.
-    #[arg(long = "start-method", alias = "start_method", env = "PET_START_METHOD", default_value = "spawn", hide = true)]
+    #[arg(
+        long = "start-method",
+        alias = "start_method",
+        env = "PET_START_METHOD",
+        default_value = "spawn",
+        hide = true
+    )]
     pub start_method: String,
 
     /// The workers' role name.
@@ -96,7 +102,12 @@ pub struct Args {
     pub log_line_prefix_template: String,
 
     /// Show only these local ranks' output on the console, e.g. `0` or `0,2`.
-    #[arg(long = "local-ranks-filter", alias = "local_ranks_filter", env = "PET_LOCAL_RANKS_FILTER", default_value = "")]
+    #[arg(
+        long = "local-ranks-filter",
+        alias = "local_ranks_filter",
+        env = "PET_LOCAL_RANKS_FILTER",
+        default_value = ""
+    )]
     pub local_ranks_filter: String,
 
     /// This node's rank (static rendezvous only).
@@ -188,7 +199,11 @@ fn gpu_count() -> u32 {
 /// torchrun's `Std` grammar: `3`, or `0:1,1:2` rank by rank.
 pub fn parse_std(flag: &str, s: &str) -> Result<PerRank<StdSet>, UsageError> {
     let code = |t: &str| t.trim().parse::<u8>().ok().and_then(StdSet::from_code);
-    let bad = || UsageError(format!("{flag} {s}: expected 0 (none), 1 (stdout), 2 (stderr), 3 (both), or per local rank like 0:1,1:2"));
+    let bad = || {
+        UsageError(format!(
+            "{flag} {s}: expected 0 (none), 1 (stdout), 2 (stderr), 3 (both), or per local rank like 0:1,1:2"
+        ))
+    };
     if !s.contains(':') {
         return code(s).map(PerRank::All).ok_or_else(bad);
     }
@@ -214,7 +229,11 @@ pub fn parse_ranks_filter(s: &str) -> Result<Option<BTreeSet<u32>>, UsageError> 
         return Ok(None);
     }
     s.split(',')
-        .map(|t| t.trim().parse::<u32>().map_err(|_| UsageError(format!("--local-ranks-filter {s}: expected local ranks like 0 or 0,2"))))
+        .map(|t| {
+            t.trim()
+                .parse::<u32>()
+                .map_err(|_| UsageError(format!("--local-ranks-filter {s}: expected local ranks like 0 or 0,2")))
+        })
         .collect::<Result<BTreeSet<_>, _>>()
         .map(Some)
 }
@@ -242,7 +261,8 @@ impl Default for RdzvConf {
 }
 
 /// torchrun keys rlaunch has no use for; accepted so torchrun command lines keep working.
-const IGNORED_TORCHRUN_KEYS: &[&str] = &["read_timeout", "close_timeout", "is_host", "keep_alive_max_attempt", "timeout", "use_libuv"];
+const IGNORED_TORCHRUN_KEYS: &[&str] =
+    &["read_timeout", "close_timeout", "is_host", "keep_alive_max_attempt", "timeout", "use_libuv"];
 
 pub fn parse_rdzv_conf(s: &str) -> Result<RdzvConf, UsageError> {
     let mut conf = RdzvConf::default();
@@ -273,7 +293,10 @@ pub fn parse_rdzv_conf(s: &str) -> Result<RdzvConf, UsageError> {
         ));
     }
     if conf.node_ttl >= conf.join_timeout {
-        return usage(format!("--rdzv-conf: node_ttl ({:?}) must be shorter than join_timeout ({:?})", conf.node_ttl, conf.join_timeout));
+        return usage(format!(
+            "--rdzv-conf: node_ttl ({:?}) must be shorter than join_timeout ({:?})",
+            conf.node_ttl, conf.join_timeout
+        ));
     }
     Ok(conf)
 }
@@ -322,7 +345,9 @@ impl Args {
         let program = worker_program(&self, python)?;
         if let Some(f) = &local_ranks_filter {
             if let Some(r) = f.iter().find(|r| **r >= nproc_per_node) {
-                return usage(format!("--local-ranks-filter: local rank {r} does not exist with --nproc-per-node {nproc_per_node}"));
+                return usage(format!(
+                    "--local-ranks-filter: local rank {r} does not exist with --nproc-per-node {nproc_per_node}"
+                ));
             }
         }
         let endpoints: Vec<String> =
@@ -336,7 +361,10 @@ impl Args {
         }
         let rendezvous = if self.standalone {
             if max_nodes > 1 {
-                return usage(format!("--standalone runs a single node, but --nnodes is {}; drop one of them", self.nnodes));
+                return usage(format!(
+                    "--standalone runs a single node, but --nnodes is {}; drop one of them",
+                    self.nnodes
+                ));
             }
             run_id = random_run_id();
             RendezvousConfig::Standalone
@@ -344,13 +372,18 @@ impl Args {
             match self.rdzv_backend.as_str() {
                 "static" => {
                     if min_nodes != max_nodes {
-                        return usage(format!("--rdzv-backend static needs a fixed --nnodes, not the range {}", self.nnodes));
+                        return usage(format!(
+                            "--rdzv-backend static needs a fixed --nnodes, not the range {}",
+                            self.nnodes
+                        ));
                     }
                     if self.node_rank >= max_nodes {
                         return usage(format!("--node-rank {} must be below --nnodes {max_nodes}", self.node_rank));
                     }
                     if max_nodes > 1 && self.master_port.is_none() {
-                        return usage("a static multi-node job needs --master-port (and --master-addr) naming node 0's store");
+                        return usage(
+                            "a static multi-node job needs --master-port (and --master-addr) naming node 0's store",
+                        );
                     }
                     RendezvousConfig::Static {
                         node_rank: self.node_rank,
@@ -377,7 +410,11 @@ impl Args {
                             conf.join_timeout
                         ));
                     }
-                    let backend = if self.rdzv_backend.starts_with("etcd") { DynamicBackend::Etcd } else { DynamicBackend::Server };
+                    let backend = if self.rdzv_backend.starts_with("etcd") {
+                        DynamicBackend::Etcd
+                    } else {
+                        DynamicBackend::Server
+                    };
                     RendezvousConfig::Dynamic(DynamicRendezvous {
                         backend,
                         endpoints,
@@ -390,7 +427,11 @@ impl Args {
                         node_ttl: conf.node_ttl,
                     })
                 }
-                "etcd-v2" => return usage("--rdzv-backend etcd-v2: the etcd v2 API was removed in etcd 3.6; use --rdzv-backend etcd (v3)"),
+                "etcd-v2" => {
+                    return usage(
+                        "--rdzv-backend etcd-v2: the etcd v2 API was removed in etcd 3.6; use --rdzv-backend etcd (v3)",
+                    )
+                }
                 other => return usage(format!("--rdzv-backend {other}: expected static, rlaunch (or c10d), or etcd")),
             }
         };

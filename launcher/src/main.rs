@@ -40,7 +40,10 @@ fn main() -> ExitCode {
         Ok(outcome) => outcome.exit_code(),
         Err(e) => {
             let code = agent_error_code(&e);
-            eprintln!("rlaunch: {}", anyhow::Error::from(e).chain().map(|c| c.to_string()).collect::<Vec<_>>().join(": "));
+            eprintln!(
+                "rlaunch: {}",
+                anyhow::Error::from(e).chain().map(|c| c.to_string()).collect::<Vec<_>>().join(": ")
+            );
             code
         }
     };

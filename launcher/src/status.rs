@@ -27,7 +27,8 @@ pub struct StatusArgs {
 }
 
 pub async fn run(args: StatusArgs) -> Result<String, String> {
-    let endpoints: Vec<String> = args.rdzv_endpoint.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
+    let endpoints: Vec<String> =
+        args.rdzv_endpoint.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
     if endpoints.is_empty() {
         return Err("--rdzv-endpoint is empty".into());
     }
@@ -36,7 +37,8 @@ pub async fn run(args: StatusArgs) -> Result<String, String> {
         "etcd" | "etcd-v3" => Backend::Etcd { endpoints },
         other => return Err(format!("--rdzv-backend {other}: expected rlaunch or etcd")),
     };
-    let client = RendezvousClient::connect(backend, &args.rdzv_id, JobSettings::default()).await.map_err(|e| e.to_string())?;
+    let client =
+        RendezvousClient::connect(backend, &args.rdzv_id, JobSettings::default()).await.map_err(|e| e.to_string())?;
     let status = client.status().await.map_err(|e| e.to_string())?;
     if args.json {
         return serde_json::to_string_pretty(&status).map_err(|e| e.to_string());
@@ -58,7 +60,8 @@ pub fn render(s: &JobStatus) -> String {
     for m in &s.members {
         let ranks = format!("{}-{}", offset, offset + m.local_world_size.saturating_sub(1));
         offset += m.local_world_size;
-        let hb = m.last_heartbeat_ago_ms.map(|ms| format!("{:.1} s ago", ms as f64 / 1000.0)).unwrap_or_else(|| "-".into());
+        let hb =
+            m.last_heartbeat_ago_ms.map(|ms| format!("{:.1} s ago", ms as f64 / 1000.0)).unwrap_or_else(|| "-".into());
         let rank = m.group_rank.map(|r| r.to_string()).unwrap_or_else(|| "-".into());
         let done = if m.succeeded { " (succeeded)" } else { "" };
         out += &format!("  {rank:<10}  {:<7}  {ranks:<9}  {hb:<14}  {}{done}\n", m.local_world_size, m.node_id);

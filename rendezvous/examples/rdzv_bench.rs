@@ -32,10 +32,15 @@ async fn one(rdzv: Arc<Rendezvous>, n: u32, run_id: &str) -> Result<Duration> {
     let server = tokio::spawn(api::serve(listener, AppState::new(rdzv.clone(), None), async move {
         let _ = stopped.await;
     }));
-    let client = RendezvousClient::connect(Backend::Http { endpoints: vec![endpoint], token: None }, run_id, settings(n))
-        .await
-        .context("client")?;
-    let node = |i: u32| NodeInfo { node_id: format!("agent-{i:05}"), local_world_size: 8, store_addr: format!("10.0.0.1:{}", 20000 + i) };
+    let client =
+        RendezvousClient::connect(Backend::Http { endpoints: vec![endpoint], token: None }, run_id, settings(n))
+            .await
+            .context("client")?;
+    let node = |i: u32| NodeInfo {
+        node_id: format!("agent-{i:05}"),
+        local_world_size: 8,
+        store_addr: format!("10.0.0.1:{}", 20000 + i),
+    };
     let mut joins: Vec<tokio::task::JoinHandle<Result<_, rlaunch_rendezvous::RdzvError>>> = Vec::new();
     for i in 0..n - 1 {
         let c = client.clone();
@@ -58,7 +63,11 @@ async fn one(rdzv: Arc<Rendezvous>, n: u32, run_id: &str) -> Result<Duration> {
                 }
             }
             eprintln!("first errors: {:?}", &failed[..failed.len().min(3)]);
-            bail!("the first {} agents did not all join in time ({pending} pending, {} join tasks ended)", n - 1, failed.len());
+            bail!(
+                "the first {} agents did not all join in time ({pending} pending, {} join tasks ended)",
+                n - 1,
+                failed.len()
+            );
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }

@@ -112,9 +112,7 @@ impl From<RdzvError> for ApiError {
             RdzvError::Unauthorized => StatusCode::UNAUTHORIZED,
             RdzvError::UnknownJob { .. } | RdzvError::UnknownNode { .. } => StatusCode::NOT_FOUND,
             RdzvError::NotMember { .. } | RdzvError::SettingsMismatch { .. } => StatusCode::CONFLICT,
-            RdzvError::JobFinished | RdzvError::JobFailed { .. } | RdzvError::JoinTimeout { .. } => {
-                StatusCode::GONE
-            }
+            RdzvError::JobFinished | RdzvError::JobFailed { .. } | RdzvError::JoinTimeout { .. } => StatusCode::GONE,
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         };
         if status.is_server_error() {
@@ -238,10 +236,7 @@ async fn healthz() -> &'static str {
 }
 
 async fn metrics(State(app): State<AppState>) -> impl IntoResponse {
-    (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
-        app.rdzv.metrics_text().await,
-    )
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], app.rdzv.metrics_text().await)
 }
 
 /// Constant-time comparison, so the token cannot be guessed byte by byte from timings.

@@ -181,7 +181,10 @@ impl RendezvousClient {
                     .connect_timeout(CONNECT_TIMEOUT)
                     .tcp_nodelay(true)
                     .build()
-                    .map_err(|e| RdzvError::Unavailable { tried: "building the HTTP client".to_owned(), source: Some(e) })?;
+                    .map_err(|e| RdzvError::Unavailable {
+                        tried: "building the HTTP client".to_owned(),
+                        source: Some(e),
+                    })?;
                 Transport::Http(HttpTransport {
                     http,
                     endpoints: endpoints.iter().map(|e| normalize(e)).collect(),
@@ -308,7 +311,12 @@ impl RendezvousClient {
     }
 
     /// Reports a worker failure in `round`; counted once per round in the global budget.
-    pub async fn report_failure(&self, node_id: &str, round: u64, root_cause: serde_json::Value) -> Result<(), RdzvError> {
+    pub async fn report_failure(
+        &self,
+        node_id: &str,
+        round: u64,
+        root_cause: serde_json::Value,
+    ) -> Result<(), RdzvError> {
         match &self.inner.transport {
             Transport::Http(h) => {
                 let body = FailureRequest { node_id: node_id.to_owned(), round, root_cause };
@@ -345,9 +353,7 @@ impl RendezvousClient {
 
     pub async fn status(&self) -> Result<JobStatus, RdzvError> {
         match &self.inner.transport {
-            Transport::Http(h) => {
-                h.call(Method::GET, &format!("/v1/jobs/{}", self.run_id), None, SHORT_TIMEOUT).await
-            }
+            Transport::Http(h) => h.call(Method::GET, &format!("/v1/jobs/{}", self.run_id), None, SHORT_TIMEOUT).await,
             Transport::Local { rdzv, .. } => rdzv.status(&self.run_id).await,
         }
     }

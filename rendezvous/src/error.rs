@@ -110,12 +110,8 @@ impl From<Rejection> for RdzvError {
             Rejection::UnknownNode { node_id } => RdzvError::UnknownNode { node_id },
             Rejection::NotMember { node_id, round } => RdzvError::NotMember { node_id, round },
             Rejection::JobFinished => RdzvError::JobFinished,
-            Rejection::JobFailed { kind: FailureKind::JoinTimeout, reason } => {
-                RdzvError::JoinTimeout { reason }
-            }
-            Rejection::JobFailed { kind: FailureKind::RestartBudget, reason } => {
-                RdzvError::JobFailed { reason }
-            }
+            Rejection::JobFailed { kind: FailureKind::JoinTimeout, reason } => RdzvError::JoinTimeout { reason },
+            Rejection::JobFailed { kind: FailureKind::RestartBudget, reason } => RdzvError::JobFailed { reason },
         }
     }
 }

@@ -82,8 +82,6 @@ pub mod store;
 
 pub use client::{Backend, RendezvousClient};
 pub use error::RdzvError;
-pub use round::{
-    apply, check_nesting, Job, JobSettings, JobStatus, Member, NodeInfo, RoundInfo, SettingsError,
-};
+pub use round::{apply, check_nesting, Job, JobSettings, JobStatus, Member, NodeInfo, RoundInfo, SettingsError};
 pub use service::{JoinAnswer, Rendezvous, WatchEvent};
 pub use store::Store;

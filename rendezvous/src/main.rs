@@ -69,9 +69,7 @@ async fn connect_etcd(endpoints: &[String], patience: Duration) -> Result<EtcdSt
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(2));
             }
-            Err(error) => {
-                return Err(error).with_context(|| format!("connecting to etcd at {}", endpoints.join(",")))
-            }
+            Err(error) => return Err(error).with_context(|| format!("connecting to etcd at {}", endpoints.join(","))),
         }
     }
 }
@@ -89,15 +87,16 @@ async fn main() -> Result<()> {
 
     let store = match args.store {
         StoreKind::Memory => Store::memory(),
-        StoreKind::Etcd => Store::Etcd(connect_etcd(&args.etcd_endpoints, Duration::from_millis(args.etcd_wait_ms)).await?),
+        StoreKind::Etcd => {
+            Store::Etcd(connect_etcd(&args.etcd_endpoints, Duration::from_millis(args.etcd_wait_ms)).await?)
+        }
     };
     let rdzv = Rendezvous::new(store);
     let mut state = AppState::new(rdzv, args.token.clone());
     state.body_limit = args.body_limit;
 
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
-        .with_context(|| format!("binding {}", args.listen))?;
+    let listener =
+        tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("binding {}", args.listen))?;
     let local = listener.local_addr().context("reading the bound address")?;
     info!(listen = %local, store = ?args.store, auth = args.token.is_some(), "rlaunch-rendezvous serving");
 

@@ -74,12 +74,7 @@ pub enum SettingsError {
     #[error("{name} must be greater than zero")]
     Zero { name: &'static str },
     #[error("timeouts must nest: {smaller} ({smaller_value:?}) must be less than {larger} ({larger_value:?})")]
-    NotNested {
-        smaller: &'static str,
-        smaller_value: Duration,
-        larger: &'static str,
-        larger_value: Duration,
-    },
+    NotNested { smaller: &'static str, smaller_value: Duration, larger: &'static str, larger_value: Duration },
 }
 
 /// Checks that each timeout in `chain` is strictly less than the next one. The launcher passes
@@ -89,12 +84,7 @@ pub fn check_nesting(chain: &[(&'static str, Duration)]) -> Result<(), SettingsE
     for pair in chain.windows(2) {
         let ((smaller, smaller_value), (larger, larger_value)) = (pair[0], pair[1]);
         if smaller_value >= larger_value {
-            return Err(SettingsError::NotNested {
-                smaller,
-                smaller_value,
-                larger,
-                larger_value,
-            });
+            return Err(SettingsError::NotNested { smaller, smaller_value, larger, larger_value });
         }
     }
     Ok(())
@@ -118,10 +108,7 @@ impl JobSettings {
             ("node TTL", self.node_ttl),
             ("join timeout", self.join_timeout),
         ])?;
-        check_nesting(&[
-            ("last-call timeout", self.last_call_timeout),
-            ("join timeout", self.join_timeout),
-        ])
+        check_nesting(&[("last-call timeout", self.last_call_timeout), ("join timeout", self.join_timeout)])
     }
 
     fn ms(d: Duration) -> Millis {
@@ -262,9 +249,14 @@ pub enum Action {
     /// noted, a node left a forming round, a last call started).
     Updated,
     /// The running round was torn down and round `round` opened.
-    RoundOpened { round: u64, cause: RoundCause },
+    RoundOpened {
+        round: u64,
+        cause: RoundCause,
+    },
     /// Round `round` closed with its members.
-    RoundClosed { round: u64 },
+    RoundClosed {
+        round: u64,
+    },
     Finished,
     Failed,
     /// The event was refused; the job is untouched.
@@ -291,12 +283,23 @@ pub enum Rejection {
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum Event {
     Join(NodeInfo),
-    Heartbeat { node_id: String },
+    Heartbeat {
+        node_id: String,
+    },
     /// Time passed: check heartbeats, the last call and the join timeout.
     Tick,
-    ReportFailure { node_id: String, round: u64, root_cause: serde_json::Value },
-    NodeSucceeded { node_id: String, round: u64 },
-    Leave { node_id: String },
+    ReportFailure {
+        node_id: String,
+        round: u64,
+        root_cause: serde_json::Value,
+    },
+    NodeSucceeded {
+        node_id: String,
+        round: u64,
+    },
+    Leave {
+        node_id: String,
+    },
 }
 
 /// What one member learns when its round closes.
@@ -445,9 +448,7 @@ impl Job {
     fn rejection_if_terminal(&self) -> Option<Rejection> {
         match &self.phase {
             Phase::Finished { .. } => Some(Rejection::JobFinished),
-            Phase::Failed { kind, reason, .. } => {
-                Some(Rejection::JobFailed { kind: *kind, reason: reason.clone() })
-            }
+            Phase::Failed { kind, reason, .. } => Some(Rejection::JobFailed { kind: *kind, reason: reason.clone() }),
             _ => None,
         }
     }
@@ -498,9 +499,7 @@ pub fn apply_in_place(job: &mut Job, ev: Event, now: Millis) -> Decision {
         Event::Join(node) => join(next, node, now),
         Event::Heartbeat { node_id } => heartbeat(next, &node_id, now),
         Event::Tick => tick(next, now),
-        Event::ReportFailure { node_id, round, root_cause } => {
-            report_failure(next, &node_id, round, root_cause, now)
-        }
+        Event::ReportFailure { node_id, round, root_cause } => report_failure(next, &node_id, round, root_cause, now),
         Event::NodeSucceeded { node_id, round } => node_succeeded(next, &node_id, round, now),
         Event::Leave { node_id } => leave(next, &node_id, now),
     };
@@ -535,10 +534,8 @@ fn validate_node(node: &NodeInfo) -> Result<(), Rejection> {
     if node.local_world_size == 0 {
         return invalid("local_world_size must be at least 1");
     }
-    let port_ok = node
-        .store_addr
-        .rsplit_once(':')
-        .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+    let port_ok =
+        node.store_addr.rsplit_once(':').is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
     if !port_ok {
         return invalid("store_addr must be host:port");
     }
@@ -617,16 +614,11 @@ fn tick(job: &mut Job, now: Millis) -> Decision {
         return decide(Action::Nothing, "job is over");
     }
     let before = (job.pending.len(), job.previous.len());
-    let lapsed_pending: Vec<String> = job
-        .pending
-        .iter()
-        .map(|p| p.node.node_id.clone())
-        .filter(|id| job.lapsed(id, now))
-        .collect();
+    let lapsed_pending: Vec<String> =
+        job.pending.iter().map(|p| p.node.node_id.clone()).filter(|id| job.lapsed(id, now)).collect();
     job.pending.retain(|p| !lapsed_pending.contains(&p.node.node_id));
     let mut dropped = lapsed_pending;
-    let lapsed_previous: Vec<String> =
-        job.previous.iter().filter(|id| job.lapsed(id, now)).cloned().collect();
+    let lapsed_previous: Vec<String> = job.previous.iter().filter(|id| job.lapsed(id, now)).cloned().collect();
     job.previous.retain(|id| !lapsed_previous.contains(id));
     dropped.extend(lapsed_previous.into_iter().filter(|id| !dropped.contains(id)).collect::<Vec<_>>());
     let dropped_note = if dropped.is_empty() {
@@ -653,8 +645,7 @@ fn tick(job: &mut Job, now: Millis) -> Decision {
                 return open_round(job, now, RoundCause::NodeLost { nodes: lost.clone() }, &lost, reason);
             }
             // Succeeded members may go quiet; forget them without disturbing the round.
-            let quiet: Vec<String> =
-                job.succeeded.iter().filter(|id| job.lapsed(id, now)).cloned().collect();
+            let quiet: Vec<String> = job.succeeded.iter().filter(|id| job.lapsed(id, now)).cloned().collect();
             for id in &quiet {
                 job.last_seen.remove(id);
             }
@@ -679,13 +670,7 @@ fn tick(job: &mut Job, now: Millis) -> Decision {
     }
 }
 
-fn report_failure(
-    job: &mut Job,
-    node_id: &str,
-    round: u64,
-    root_cause: serde_json::Value,
-    now: Millis,
-) -> Decision {
+fn report_failure(job: &mut Job, node_id: &str, round: u64, root_cause: serde_json::Value, now: Millis) -> Decision {
     if job.phase.is_terminal() {
         return decide(Action::Nothing, format!("failure report from {node_id} ignored: the job is over"));
     }
@@ -741,7 +726,11 @@ fn node_succeeded(job: &mut Job, node_id: &str, round: u64, now: Millis) -> Deci
     if round != job.round || !matches!(job.phase, Phase::Running { .. }) {
         return decide(
             Action::Nothing,
-            format!("success report from {node_id} for round {round} ignored: round {} is {}", job.round, job.phase.name()),
+            format!(
+                "success report from {node_id} for round {round} ignored: round {} is {}",
+                job.round,
+                job.phase.name()
+            ),
         );
     }
     if !job.is_member(node_id) {
@@ -754,10 +743,7 @@ fn node_succeeded(job: &mut Job, node_id: &str, round: u64, now: Millis) -> Deci
     if job.members.iter().all(|m| job.succeeded.contains(&m.node_id)) {
         job.phase = Phase::Finished { at: now };
         job.pending.clear();
-        return decide(
-            Action::Finished,
-            format!("every member of round {} succeeded: job finished", job.round),
-        );
+        return decide(Action::Finished, format!("every member of round {} succeeded: job finished", job.round));
     }
     decide(
         Action::Updated,
@@ -806,12 +792,8 @@ fn leave(job: &mut Job, node_id: &str, now: Millis) -> Decision {
 /// expected back; surviving members are, in their old rank order.
 fn open_round(job: &mut Job, now: Millis, cause: RoundCause, gone: &[String], reason: String) -> Decision {
     job.round += 1;
-    let survivors: Vec<String> = job
-        .members
-        .iter()
-        .map(|m| m.node_id.clone())
-        .filter(|id| !gone.contains(id) && !job.lapsed(id, now))
-        .collect();
+    let survivors: Vec<String> =
+        job.members.iter().map(|m| m.node_id.clone()).filter(|id| !gone.contains(id) && !job.lapsed(id, now)).collect();
     job.previous = survivors;
     job.succeeded.clear();
     for id in gone {
@@ -852,9 +834,7 @@ fn evaluate_forming(job: &mut Job, now: Millis, base: String) -> Decision {
     }
     if n >= min {
         match job.phase {
-            Phase::LastCall { deadline, .. } if now >= deadline => {
-                close_round(job, now, with("last call over"))
-            }
+            Phase::LastCall { deadline, .. } if now >= deadline => close_round(job, now, with("last call over")),
             Phase::LastCall { .. } => {
                 if base.is_empty() {
                     decide(Action::Nothing, "last call runs")
@@ -870,10 +850,7 @@ fn evaluate_forming(job: &mut Job, now: Millis, base: String) -> Decision {
                 job.phase = Phase::LastCall { since, deadline };
                 decide(
                     Action::Updated,
-                    with(&format!(
-                        "MIN ({min}) nodes are in: last call for {:?}",
-                        job.settings.last_call_timeout
-                    )),
+                    with(&format!("MIN ({min}) nodes are in: last call for {:?}", job.settings.last_call_timeout)),
                 )
             }
         }

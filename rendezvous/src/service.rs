@@ -15,7 +15,9 @@ use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
 use crate::error::RdzvError;
-use crate::round::{Action, Decision, Event, Job, JobSettings, JobStatus, Millis, NodeInfo, Phase, RoundCause, RoundInfo};
+use crate::round::{
+    Action, Decision, Event, Job, JobSettings, JobStatus, Millis, NodeInfo, Phase, RoundCause, RoundInfo,
+};
 use crate::store::Store;
 
 /// The longest a long-poll may be asked to wait.
@@ -161,9 +163,9 @@ impl Rendezvous {
     fn terminal_error(job: &Job) -> Option<RdzvError> {
         match &job.phase {
             Phase::Finished { .. } => Some(RdzvError::JobFinished),
-            Phase::Failed { kind, reason, .. } => Some(
-                crate::round::Rejection::JobFailed { kind: *kind, reason: reason.clone() }.into(),
-            ),
+            Phase::Failed { kind, reason, .. } => {
+                Some(crate::round::Rejection::JobFailed { kind: *kind, reason: reason.clone() }.into())
+            }
             _ => None,
         }
     }
@@ -256,11 +258,8 @@ impl Rendezvous {
     pub async fn status(&self, run_id: &str) -> Result<JobStatus, RdzvError> {
         validate_run_id(run_id)?;
         let now = now_ms();
-        let job = self
-            .store
-            .load(run_id, now)
-            .await?
-            .ok_or_else(|| RdzvError::UnknownJob { run_id: run_id.to_owned() })?;
+        let job =
+            self.store.load(run_id, now).await?.ok_or_else(|| RdzvError::UnknownJob { run_id: run_id.to_owned() })?;
         Ok(job.status(run_id, now))
     }
 
@@ -308,7 +307,10 @@ impl Rendezvous {
             }
             Err(error) => warn!(error = %error, "metrics could not list jobs"),
         }
-        let _ = writeln!(out, "# HELP rlaunch_rdzv_store_info Which store backs this process.\n# TYPE rlaunch_rdzv_store_info gauge");
+        let _ = writeln!(
+            out,
+            "# HELP rlaunch_rdzv_store_info Which store backs this process.\n# TYPE rlaunch_rdzv_store_info gauge"
+        );
         let _ = writeln!(out, "rlaunch_rdzv_store_info{{store=\"{}\"}} 1", self.store.name());
         out
     }

@@ -79,10 +79,7 @@ async fn job(rdzv: &Rendezvous, run_id: &str) -> Option<Job> {
 async fn app_with_waiting_job(token: Option<&str>) -> (axum::Router, Arc<Rendezvous>) {
     let rdzv = Rendezvous::in_memory();
     let app = api::router(AppState::new(rdzv.clone(), token.map(str::to_owned)));
-    let mut req = post_json(
-        "/v1/jobs/j1/join",
-        &json!({"settings": calm(2, 2), "node": node("a"), "wait_ms": 0}),
-    );
+    let mut req = post_json("/v1/jobs/j1/join", &json!({"settings": calm(2, 2), "node": node("a"), "wait_ms": 0}));
     if let Some(t) = token {
         req.headers_mut().insert(header::AUTHORIZATION, format!("Bearer {t}").parse().expect("header value"));
     }
@@ -173,9 +170,23 @@ async fn malformed_json_is_400_and_leaves_the_job_untouched() {
         assert!(status.is_client_error(), "{path} {body}: {status} {v}");
         assert!(v["error"].is_string() && v["message"].is_string(), "{v}");
     }
-    let (status, v) = send(&app, post_json("/v1/jobs/j1/join", &json!({"settings": calm(1,1), "node": {"node_id": "", "local_world_size": 1, "store_addr": "h:1"}}))).await;
+    let (status, v) = send(
+        &app,
+        post_json(
+            "/v1/jobs/j1/join",
+            &json!({"settings": calm(1,1), "node": {"node_id": "", "local_world_size": 1, "store_addr": "h:1"}}),
+        ),
+    )
+    .await;
     assert_eq!(status, StatusCode::CONFLICT, "different settings: {v}");
-    let (status, v) = send(&app, post_json("/v1/jobs/j1/join", &json!({"settings": calm(2,2), "node": {"node_id": "", "local_world_size": 1, "store_addr": "h:1"}}))).await;
+    let (status, v) = send(
+        &app,
+        post_json(
+            "/v1/jobs/j1/join",
+            &json!({"settings": calm(2,2), "node": {"node_id": "", "local_world_size": 1, "store_addr": "h:1"}}),
+        ),
+    )
+    .await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
     assert!(v["message"].as_str().is_some_and(|m| m.contains("node_id")), "{v}");
     assert_eq!(job(&rdzv, "j1").await, before);
@@ -273,7 +284,7 @@ async fn two_nodes_join_a_real_server_and_get_contiguous_ranks() {
     let server = Server::start(Rendezvous::in_memory(), None).await;
     let a = http_client(vec![server.endpoint()], "job2", fast(2, 2)).await;
     let b = http_client(vec![server.endpoint()], "job2", fast(2, 2)).await;
-    let (ra, rb) = within("two joins", async { tokio::join!(a.join(node("a")), b.join(node("bb")) ) }).await;
+    let (ra, rb) = within("two joins", async { tokio::join!(a.join(node("a")), b.join(node("bb"))) }).await;
     let (ra, rb) = (ra.expect("a joins"), rb.expect("b joins"));
     assert_eq!(ra.round, 1);
     assert_eq!(ra.group_world_size, 2);
@@ -458,10 +469,8 @@ async fn in_process_backend_runs_a_standalone_job() {
 async fn connect_rejects_timeouts_that_do_not_nest() {
     let mut s = fast(1, 1);
     s.heartbeat_interval = Duration::from_secs(1);
-    let err = RendezvousClient::connect(Backend::InProcess(Rendezvous::in_memory()), "x", s)
-        .await
-        .err()
-        .expect("rejected");
+    let err =
+        RendezvousClient::connect(Backend::InProcess(Rendezvous::in_memory()), "x", s).await.err().expect("rejected");
     assert!(matches!(err, RdzvError::InvalidSettings(_)), "{err}");
     assert_eq!(
         err.to_string(),
@@ -484,13 +493,18 @@ async fn client_rebuilds_unknown_job_errors() {
 async fn failure_report_from_a_non_member_is_409_and_leaves_the_job_untouched() {
     let rdzv = Rendezvous::in_memory();
     let app = api::router(AppState::new(rdzv.clone(), None));
-    let (status, _) = send(&app, post_json("/v1/jobs/nm/join", &json!({"settings": calm(1, 2), "node": node("a"), "wait_ms": 0}))).await;
+    let (status, _) =
+        send(&app, post_json("/v1/jobs/nm/join", &json!({"settings": calm(1, 2), "node": node("a"), "wait_ms": 0})))
+            .await;
     assert_eq!(status, StatusCode::OK);
-    let (status, _) = send(&app, post_json("/v1/jobs/nm/join", &json!({"settings": calm(1, 2), "node": node("bb"), "wait_ms": 0}))).await;
+    let (status, _) =
+        send(&app, post_json("/v1/jobs/nm/join", &json!({"settings": calm(1, 2), "node": node("bb"), "wait_ms": 0})))
+            .await;
     assert_eq!(status, StatusCode::OK);
     let before = job(&rdzv, "nm").await.expect("job exists");
     assert_eq!(before.phase.name(), "running");
-    let (status, v) = send(&app, post_json("/v1/jobs/nm/failure", &json!({"node_id": "zz", "round": 1, "root_cause": {}}))).await;
+    let (status, v) =
+        send(&app, post_json("/v1/jobs/nm/failure", &json!({"node_id": "zz", "round": 1, "root_cause": {}}))).await;
     assert_eq!(status, StatusCode::CONFLICT, "{v}");
     assert_eq!(v["error"], "not_member");
     assert_eq!(job(&rdzv, "nm").await, Some(before));
@@ -509,7 +523,13 @@ async fn a_member_leaving_opens_a_new_round_and_metrics_count_it() {
     assert_eq!(again.group_world_size, 1);
     let http = reqwest::Client::builder().no_proxy().build().expect("http client");
     let text = within("metrics", async {
-        http.get(format!("http://{}/metrics", server.endpoint())).send().await.expect("metrics").text().await.expect("text")
+        http.get(format!("http://{}/metrics", server.endpoint()))
+            .send()
+            .await
+            .expect("metrics")
+            .text()
+            .await
+            .expect("text")
     })
     .await;
     assert!(text.contains("rlaunch_rdzv_rounds_opened_total{cause=\"member_left\"} 1"), "{text}");

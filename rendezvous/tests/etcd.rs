@@ -87,7 +87,10 @@ impl Etcd {
             for i in 0..n {
                 let log = std::fs::read_to_string(etcd.dir.path().join(format!("etcd-m{i}.log"))).unwrap_or_default();
                 let tail: Vec<&str> = log.lines().rev().take(15).collect();
-                logs.push_str(&format!("--- member {i}, last lines:\n{}\n", tail.into_iter().rev().collect::<Vec<_>>().join("\n")));
+                logs.push_str(&format!(
+                    "--- member {i}, last lines:\n{}\n",
+                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                ));
             }
             panic!("etcd did not become ready:\n{logs}");
         }
@@ -112,11 +115,7 @@ impl Drop for Etcd {
 }
 
 fn which(name: &str) -> Option<std::path::PathBuf> {
-    std::env::var_os("PATH")?
-        .to_str()?
-        .split(':')
-        .map(|d| std::path::Path::new(d).join(name))
-        .find(|p| p.is_file())
+    std::env::var_os("PATH")?.to_str()?.split(':').map(|d| std::path::Path::new(d).join(name)).find(|p| p.is_file())
 }
 
 /// An `rlaunch-rendezvous` process on etcd; killed (SIGKILL) when dropped.

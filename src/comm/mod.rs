@@ -28,13 +28,23 @@ pub enum CommError {
     #[error("rank {rank} died during {op} (process {pid} is gone)")]
     PeerDied { op: &'static str, rank: usize, pid: i32 },
     #[error("connection to rank {rank} failed during {op}")]
-    PeerIo { op: &'static str, rank: usize, #[source] source: std::io::Error },
+    PeerIo {
+        op: &'static str,
+        rank: usize,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("collective mismatch: this rank {me} called {mine} but rank {rank} called {theirs}")]
     Mismatch { me: usize, rank: usize, mine: String, theirs: String },
     #[error("invalid arguments to {op}: {reason}")]
     InvalidArgument { op: &'static str, reason: String },
     #[error("shared memory segment {path}: {what}")]
-    Shm { path: String, what: String, #[source] source: std::io::Error },
+    Shm {
+        path: String,
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("store operation {what} on key {key:?} failed: {reason}")]
     Store { what: &'static str, key: String, reason: String },
     #[error("bootstrap of the process group failed: {reason}")]
@@ -42,7 +52,11 @@ pub enum CommError {
     #[error("the process group failed earlier and cannot be used: {first}")]
     Poisoned { first: String },
     #[error("socket setup for the TCP ring failed: {what}")]
-    Socket { what: String, #[source] source: std::io::Error },
+    Socket {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// Which transport a process group uses for its collectives.
@@ -138,7 +152,13 @@ impl Desc {
         ]
     }
     pub fn from_words(w: [u64; 2]) -> Self {
-        Self { kind: w[0] as u8, dtype: (w[0] >> 8) as u8, op: (w[0] >> 16) as u8, root: (w[0] >> 32) as u32, count: w[1] }
+        Self {
+            kind: w[0] as u8,
+            dtype: (w[0] >> 8) as u8,
+            op: (w[0] >> 16) as u8,
+            root: (w[0] >> 32) as u32,
+            count: w[1],
+        }
     }
     pub fn describe(&self) -> String {
         let kind = match self.kind {
@@ -305,7 +325,16 @@ impl ProcessGroup {
             }
         };
         tracing::debug!(rank, world_size, local_rank, local_world_size, backend = backend_name, "process group formed");
-        Ok(Self { rank, world_size, local_rank, local_world_size, timeout: opts.timeout, backend, backend_name, poisoned: None })
+        Ok(Self {
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            timeout: opts.timeout,
+            backend,
+            backend_name,
+            poisoned: None,
+        })
     }
 
     pub fn rank(&self) -> usize {
@@ -378,11 +407,16 @@ impl ProcessGroup {
             Backend::Shm(g) => g.broadcast(buf, root, desc),
             Backend::Tcp(t) => t.broadcast(buf, root, desc),
             Backend::Hier { local, leaders, hosts, my_host } => {
-                let root_host = hosts.iter().position(|h| root >= h.first && root < h.first + h.len).expect("root in a host");
+                let root_host =
+                    hosts.iter().position(|h| root >= h.first && root < h.first + h.len).expect("root in a host");
                 if *my_host == root_host {
                     let local_root = root - hosts[root_host].first;
                     if local_root != 0 {
-                        local.broadcast(buf, local_root, Desc::new(K_BROADCAST, T::DTYPE, None, local_root, buf.len()))?;
+                        local.broadcast(
+                            buf,
+                            local_root,
+                            Desc::new(K_BROADCAST, T::DTYPE, None, local_root, buf.len()),
+                        )?;
                     }
                 }
                 if let Some(ring) = leaders {
@@ -423,7 +457,12 @@ impl ProcessGroup {
         }
     }
 
-    fn reduce_scatter_inner<T: Element>(&mut self, input: &[T], output: &mut [T], op: ReduceOp) -> Result<(), CommError> {
+    fn reduce_scatter_inner<T: Element>(
+        &mut self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
         if input.len() != output.len() * self.world_size {
             return Err(CommError::InvalidArgument {
                 op: "reduce_scatter",
@@ -533,7 +572,10 @@ impl ProcessGroup {
 
     fn check_root(&self, root: usize, op: &'static str) -> Result<(), CommError> {
         if root >= self.world_size {
-            return Err(CommError::InvalidArgument { op, reason: format!("root {root} outside world size {}", self.world_size) });
+            return Err(CommError::InvalidArgument {
+                op,
+                reason: format!("root {root} outside world size {}", self.world_size),
+            });
         }
         Ok(())
     }
@@ -541,5 +583,9 @@ impl ProcessGroup {
 
 /// Time left before `deadline`, or a timeout error naming `rank` (the peer being waited for).
 pub(crate) fn remaining(deadline: &Deadline, rank: usize) -> Result<Duration, CommError> {
-    deadline.at.checked_duration_since(Instant::now()).filter(|d| !d.is_zero()).ok_or_else(|| deadline.timeout_err(rank))
+    deadline
+        .at
+        .checked_duration_since(Instant::now())
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| deadline.timeout_err(rank))
 }

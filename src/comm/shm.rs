@@ -107,7 +107,8 @@ impl ShmGroup {
             let path = format!("/dev/shm/rlaunch-{}-{nanos:x}", std::process::id());
             let c = CString::new(path.clone()).expect("path has no NUL");
             // SAFETY: plain open(2) with a NUL-terminated path.
-            let fd = unsafe { libc::open(c.as_ptr(), libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC, 0o600) };
+            let fd =
+                unsafe { libc::open(c.as_ptr(), libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC, 0o600) };
             if fd < 0 {
                 return Err(shm_err(&path, "create", std::io::Error::last_os_error()));
             }
@@ -125,8 +126,10 @@ impl ShmGroup {
             (path, fd, chunk)
         } else {
             let v = store.get(&name_key, super::remaining(&deadline, ranks[0])?)?;
-            let path = String::from_utf8(v).map_err(|_| CommError::Bootstrap { reason: "malformed shm name".into() })?;
-            let c = CString::new(path.clone()).map_err(|_| CommError::Bootstrap { reason: "shm name has NUL".into() })?;
+            let path =
+                String::from_utf8(v).map_err(|_| CommError::Bootstrap { reason: "malformed shm name".into() })?;
+            let c =
+                CString::new(path.clone()).map_err(|_| CommError::Bootstrap { reason: "shm name has NUL".into() })?;
             // SAFETY: plain open(2) with a NUL-terminated path.
             let fd = unsafe { libc::open(c.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
             if fd < 0 {
@@ -145,7 +148,9 @@ impl ShmGroup {
         }
         let len = st.st_size as usize;
         // SAFETY: mapping the whole file shared read-write; checked against MAP_FAILED below.
-        let base = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0) };
+        let base = unsafe {
+            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0)
+        };
         // SAFETY: the mapping keeps the file referenced; the descriptor is no longer needed.
         unsafe { libc::close(fd) };
         if base == libc::MAP_FAILED {
@@ -181,8 +186,13 @@ impl ShmGroup {
             store.set(&name_key, path.as_bytes())?;
         } else {
             let h = g.header();
-            if len < HEADER_BYTES || h.magic.load(Ordering::Acquire) != MAGIC || h.ranks.load(Ordering::Relaxed) != n as u64 {
-                return Err(CommError::Bootstrap { reason: format!("shm segment {path} does not match a group of {n} ranks") });
+            if len < HEADER_BYTES
+                || h.magic.load(Ordering::Acquire) != MAGIC
+                || h.ranks.load(Ordering::Relaxed) != n as u64
+            {
+                return Err(CommError::Bootstrap {
+                    reason: format!("shm segment {path} does not match a group of {n} ranks"),
+                });
             }
             g.chunk = h.chunk.load(Ordering::Relaxed) as usize;
             if segment_len(n, g.chunk) > len {
@@ -480,7 +490,12 @@ impl ShmGroup {
     }
 
     /// Concatenates every local rank's `input` into `output` in local order.
-    pub(crate) fn all_gather<T: Element>(&mut self, input: &[T], output: &mut [T], desc: Desc) -> Result<(), CommError> {
+    pub(crate) fn all_gather<T: Element>(
+        &mut self,
+        input: &[T],
+        output: &mut [T],
+        desc: Desc,
+    ) -> Result<(), CommError> {
         let dl = Deadline::new(self.timeout, "all_gather");
         let per = self.elems_per_chunk::<T>();
         let m = input.len();
@@ -526,9 +541,16 @@ impl ShmGroup {
             }
             self.arrive(k);
             self.wait_all_check(k, desc, &dl)?;
-            let srcs: Vec<&[T]> = (0..n)
-                .map(|q| if q == self.me { &input[q * m + c0..q * m + c1] } else { self.peer::<T>(q, p, self.me * per, l) })
-                .collect();
+            let srcs: Vec<&[T]> =
+                (0..n)
+                    .map(|q| {
+                        if q == self.me {
+                            &input[q * m + c0..q * m + c1]
+                        } else {
+                            self.peer::<T>(q, p, self.me * per, l)
+                        }
+                    })
+                    .collect();
             T::reduce_many(&mut output[c0..c1], &srcs, op);
             c0 = c1;
             if c0 >= m {
@@ -585,12 +607,21 @@ fn copy_out<T: Element>(dst: &mut [T], src: &[T], streaming: bool) {
 }
 
 fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
-    let ts = libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as libc::c_long };
+    let ts =
+        libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as libc::c_long };
     // SAFETY: FUTEX_WAIT (shared, not PRIVATE: the word lives in memory mapped by several
     // processes) on a valid, aligned u32 with a relative timeout; returns on wake, timeout,
     // value change or signal, all of which the caller handles by re-checking.
     unsafe {
-        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAIT, expected, &ts as *const libc::timespec, 0usize, 0u32);
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &ts as *const libc::timespec,
+            0usize,
+            0u32,
+        );
     }
 }
 

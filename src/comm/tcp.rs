@@ -44,7 +44,8 @@ fn local_ip_towards(master: Option<&str>) -> IpAddr {
         let target = std::net::ToSocketAddrs::to_socket_addrs(&(m, 9))?
             .next()
             .ok_or_else(|| std::io::Error::new(ErrorKind::NotFound, "master address does not resolve"))?;
-        let bind: SocketAddr = if target.is_ipv4() { "0.0.0.0:0".parse().expect("literal") } else { "[::]:0".parse().expect("literal") };
+        let bind: SocketAddr =
+            if target.is_ipv4() { "0.0.0.0:0".parse().expect("literal") } else { "[::]:0".parse().expect("literal") };
         let s = UdpSocket::bind(bind)?;
         s.connect(target)?;
         Ok(s.local_addr()?.ip())
@@ -62,7 +63,15 @@ impl TcpRing {
         opts: &PgOptions,
     ) -> Result<Self, CommError> {
         let n = ranks.len();
-        let mut ring = TcpRing { n, me, ranks: ranks.to_vec(), next: None, prev: None, scratch: Vec::new(), timeout: opts.timeout };
+        let mut ring = TcpRing {
+            n,
+            me,
+            ranks: ranks.to_vec(),
+            next: None,
+            prev: None,
+            scratch: Vec::new(),
+            timeout: opts.timeout,
+        };
         if n == 1 {
             return Ok(ring);
         }
@@ -74,15 +83,16 @@ impl TcpRing {
         let ni = (me + 1) % n;
         let pi = (me + n - 1) % n;
         let v = store.get(&format!("{ns}/addr/{ni}"), super::remaining(&deadline, ranks[ni])?)?;
-        let next_addr: SocketAddr = std::str::from_utf8(&v)
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .ok_or_else(|| CommError::Bootstrap { reason: format!("rank {} published a malformed address", ranks[ni]) })?;
+        let next_addr: SocketAddr = std::str::from_utf8(&v).ok().and_then(|s| s.parse().ok()).ok_or_else(|| {
+            CommError::Bootstrap { reason: format!("rank {} published a malformed address", ranks[ni]) }
+        })?;
         // Connect to the next member (its listener's backlog completes this before it accepts).
         let mut next = loop {
             match TcpStream::connect_timeout(&next_addr, Duration::from_secs(1)) {
                 Ok(s) => break s,
-                Err(e) if deadline.expired() => return Err(sock_err(format!("connect to rank {} at {next_addr}", ranks[ni]), e)),
+                Err(e) if deadline.expired() => {
+                    return Err(sock_err(format!("connect to rank {} at {next_addr}", ranks[ni]), e))
+                }
                 Err(_) => std::thread::sleep(Duration::from_millis(20)),
             }
         };
@@ -95,7 +105,8 @@ impl TcpRing {
             match listener.accept() {
                 Ok((mut s, _)) => {
                     s.set_nonblocking(false).map_err(|e| sock_err("accepted socket", e))?;
-                    s.set_read_timeout(Some(super::remaining(&deadline, ranks[pi])?)).map_err(|e| sock_err("timeout", e))?;
+                    s.set_read_timeout(Some(super::remaining(&deadline, ranks[pi])?))
+                        .map_err(|e| sock_err("timeout", e))?;
                     let mut b = [0u8; 8];
                     if s.read_exact(&mut b).is_ok()
                         && b[..4] == HELLO.to_le_bytes()
@@ -291,7 +302,12 @@ impl TcpRing {
         Ok(())
     }
 
-    pub(crate) fn all_gather<T: Element>(&mut self, input: &[T], output: &mut [T], desc: Desc) -> Result<(), CommError> {
+    pub(crate) fn all_gather<T: Element>(
+        &mut self,
+        input: &[T],
+        output: &mut [T],
+        desc: Desc,
+    ) -> Result<(), CommError> {
         let m = input.len();
         output[self.me * m..(self.me + 1) * m].copy_from_slice(input);
         let spans: Vec<(usize, usize)> = (0..self.n).map(|i| (i * m, m)).collect();

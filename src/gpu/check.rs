@@ -51,7 +51,10 @@ impl Ctx {
     fn up<T: rlaunch_kernels::cudarc::driver::DeviceRepr>(&self, v: &[T]) -> Result<CudaSlice<T>, GpuError> {
         self.s.clone_htod(v).map_err(derr("uploading"))
     }
-    fn down<T: rlaunch_kernels::cudarc::driver::DeviceRepr + Default + Clone>(&self, d: &CudaSlice<T>) -> Result<Vec<T>, GpuError> {
+    fn down<T: rlaunch_kernels::cudarc::driver::DeviceRepr + Default + Clone>(
+        &self,
+        d: &CudaSlice<T>,
+    ) -> Result<Vec<T>, GpuError> {
         let v = self.s.clone_dtoh(d).map_err(derr("downloading"))?;
         self.s.synchronize().map_err(derr("synchronising"))?;
         Ok(v)
@@ -67,7 +70,10 @@ impl Ctx {
             if ok { "pass" } else { "**FAIL**" }
         );
         if !ok {
-            self.failures.push(format!("{what}: max relative error {err:.3e} > {bound:.0e} at {at} (got {} want {})", got[at], want[at]));
+            self.failures.push(format!(
+                "{what}: max relative error {err:.3e} > {bound:.0e} at {at} (got {} want {})",
+                got[at], want[at]
+            ));
         }
     }
     fn fail(&mut self, what: String) {
@@ -94,12 +100,15 @@ pub fn run(search: &SearchPath, date: &str) -> Result<CheckReport, GpuError> {
     let (cc_major, cc_minor) = ctx.compute_capability().unwrap_or((0, 0));
     let mem_gib = ctx.total_mem().map_or(0.0, |b| b as f64 / (1u64 << 30) as f64);
     let nccl_version = match &nccl {
-        Ok(()) => rlaunch_kernels::nccl::version().map(|(a, b, c)| format!("NCCL {a}.{b}.{c}")).unwrap_or_else(|e| format!("NCCL unusable: {e}")),
+        Ok(()) => rlaunch_kernels::nccl::version()
+            .map(|(a, b, c)| format!("NCCL {a}.{b}.{c}"))
+            .unwrap_or_else(|e| format!("NCCL unusable: {e}")),
         Err(e) => format!("NCCL missing: {e}"),
     };
     let mut c = Ctx { ctx: ctx.clone(), s, k, blas, rng: SplitMix(seed), md: String::new(), failures: vec![] };
     let _ = writeln!(c.md, "# GPU checks and benchmarks\n");
-    let _ = writeln!(c.md, "- date: {date}\n- device: {name} (compute capability {cc_major}.{cc_minor}, {mem_gib:.0} GiB)");
+    let _ =
+        writeln!(c.md, "- date: {date}\n- device: {name} (compute capability {cc_major}.{cc_minor}, {mem_gib:.0} GiB)");
     let _ = writeln!(c.md, "- {nccl_version}\n- random seed {seed}; written by `scripts/gpu-check.sh`\n");
     for (lib, st) in &probe.libs {
         if let rlaunch_kernels::probe::LibState::Loaded { from } = st {
@@ -143,7 +152,11 @@ pub fn run(search: &SearchPath, date: &str) -> Result<CheckReport, GpuError> {
     let _ = writeln!(
         c.md,
         "\n## Verdict\n\n{}",
-        if c.failures.is_empty() { "Every check passed.".to_string() } else { format!("{} check(s) FAILED:\n\n- {}", c.failures.len(), c.failures.join("\n- ")) }
+        if c.failures.is_empty() {
+            "Every check passed.".to_string()
+        } else {
+            format!("{} check(s) FAILED:\n\n- {}", c.failures.len(), c.failures.join("\n- "))
+        }
     );
     Ok(CheckReport { markdown: c.md, failures: c.failures })
 }
@@ -177,7 +190,13 @@ fn kernels_vs_reference(c: &mut Ctx) -> Result<(), GpuError> {
         let mut want = y0.clone();
         r::bias_act_fwd(&mut want, &b, cols, relu);
         let got = c.down(&dy)?;
-        c.cmp(if relu { "bias_act_fwd (ReLU), fp32" } else { "bias_act_fwd (identity), fp32" }, &got, &want, 1e-6, 1e-6);
+        c.cmp(
+            if relu { "bias_act_fwd (ReLU), fp32" } else { "bias_act_fwd (identity), fp32" },
+            &got,
+            &want,
+            1e-6,
+            1e-6,
+        );
         let goth: Vec<f32> = c.down(&dh)?.into_iter().map(r::bf16_to_f32).collect();
         let wanth: Vec<f32> = want.iter().map(|&v| r::bf16_to_f32(r::f32_to_bf16(v))).collect();
         c.cmp("bias_act_fwd, fused bf16 copy", &goth, &wanth, 1e-6, 1e-6);
@@ -251,7 +270,8 @@ fn kernels_vs_reference(c: &mut Ctx) -> Result<(), GpuError> {
         let (p0, v0, g) = (c.randn(n, 1.0), c.randn(n, 0.1), c.randn(n, 0.1));
         let (mut dp, mut dv, dg) = (c.up(&p0)?, c.up(&v0)?, c.up(&g)?);
         let mut dh = c.s.alloc_zeros::<u16>(n).map_err(derr("alloc"))?;
-        c.k.sgd_momentum(&c.s, &mut dp, &mut dv, &dg, Some(&mut dh), 0.05, 0.9, 1e-4, 0.5).map_err(kerr("sgd_momentum"))?;
+        c.k.sgd_momentum(&c.s, &mut dp, &mut dv, &dg, Some(&mut dh), 0.05, 0.9, 1e-4, 0.5)
+            .map_err(kerr("sgd_momentum"))?;
         let (mut wp, mut wv) = (p0.clone(), v0.clone());
         r::sgd_momentum(&mut wp, &mut wv, &g, 0.05, 0.9, 1e-4, 0.5);
         let (gp, gv) = (c.down(&dp)?, c.down(&dv)?);
@@ -286,13 +306,18 @@ fn kernels_vs_reference(c: &mut Ctx) -> Result<(), GpuError> {
         let gh = c.down(&dh)?;
         let wh: Vec<u16> = x.iter().map(|&v| r::f32_to_bf16(v)).collect();
         let mism = gh.iter().zip(&wh).filter(|(a, b)| a != b).count();
-        let _ = writeln!(c.md, "| f32_to_bf16 (bit-exact) | {n} | {mism} mismatches | 0 | {} |", if mism == 0 { "pass" } else { "**FAIL**" });
+        let _ = writeln!(
+            c.md,
+            "| f32_to_bf16 (bit-exact) | {n} | {mism} mismatches | 0 | {} |",
+            if mism == 0 { "pass" } else { "**FAIL**" }
+        );
         if mism != 0 {
             c.failures.push(format!("f32_to_bf16: {mism} of {n} values rounded differently from the reference"));
         }
         let gb = c.down(&back)?;
         let wb: Vec<f32> = wh.iter().map(|&h| r::bf16_to_f32(h)).collect();
-        let (gbf, wbf): (Vec<f32>, Vec<f32>) = gb.iter().zip(&wb).filter(|(_, w)| w.is_finite()).map(|(a, b)| (*a, *b)).unzip();
+        let (gbf, wbf): (Vec<f32>, Vec<f32>) =
+            gb.iter().zip(&wb).filter(|(_, w)| w.is_finite()).map(|(a, b)| (*a, *b)).unzip();
         c.cmp("bf16_to_f32 (exact)", &gbf, &wbf, 1e-30, 0.0);
     }
     // GEMMs (cuBLAS), fp32 and bf16 inputs, against f64 references
@@ -308,7 +333,11 @@ fn kernels_vs_reference(c: &mut Ctx) -> Result<(), GpuError> {
         c.blas.linear_fwd(&dx_, &dw, &mut out, rows, din, dout).map_err(kerr("gemm"))?;
         c.blas.linear_bwd_weight(&dx_, &ddy, &mut gw, rows, din, dout, 0.0).map_err(kerr("gemm"))?;
         c.blas.linear_bwd_input(&ddy, &dw, &mut gx, rows, din, dout).map_err(kerr("gemm"))?;
-        let (wo, wgw, wgx) = (r::linear_fwd(&x, &w, din, dout), r::linear_bwd_weight(&x, &dy, din, dout), r::linear_bwd_input(&dy, &w, din, dout));
+        let (wo, wgw, wgx) = (
+            r::linear_fwd(&x, &w, din, dout),
+            r::linear_bwd_weight(&x, &dy, din, dout),
+            r::linear_bwd_input(&dy, &w, din, dout),
+        );
         let (go, ggw, ggx) = (c.down(&out)?, c.down(&gw)?, c.down(&gx)?);
         c.cmp("cuBLAS linear forward, fp32", &go, &wo, 1.0, 2e-5);
         c.cmp("cuBLAS weight gradient, fp32", &ggw, &wgw, 1.0, 2e-5);
@@ -322,7 +351,11 @@ fn kernels_vs_reference(c: &mut Ctx) -> Result<(), GpuError> {
         c.blas.linear_bwd_weight(&dxh, &ddyh, &mut gw, rows, din, dout, 0.0).map_err(kerr("gemm bf16"))?;
         c.blas.linear_bwd_input(&ddyh, &dwh, &mut gx, rows, din, dout).map_err(kerr("gemm bf16"))?;
         let (xq, wq, dyq) = (dq(&xh), dq(&wh), dq(&dyh));
-        let (wo, wgw, wgx) = (r::linear_fwd(&xq, &wq, din, dout), r::linear_bwd_weight(&xq, &dyq, din, dout), r::linear_bwd_input(&dyq, &wq, din, dout));
+        let (wo, wgw, wgx) = (
+            r::linear_fwd(&xq, &wq, din, dout),
+            r::linear_bwd_weight(&xq, &dyq, din, dout),
+            r::linear_bwd_input(&dyq, &wq, din, dout),
+        );
         let (go, ggw, ggx) = (c.down(&out)?, c.down(&gw)?, c.down(&gx)?);
         // Inputs rounded alike: only fp32 accumulation differs.
         // (tensor-core accumulation may truncate rather than round: a looser fp32 bound)
@@ -358,7 +391,12 @@ fn training_vs_cpu(c: &mut Ctx, mut group: Option<&mut NcclGroup>) -> Result<(),
 
     // Gradients of one batch, fp32, against the CPU model's backward pass.
     {
-        let mut g = GpuMlp::new(&c.ctx, &model, &[], GpuMlpConfig { precision: Precision::F32, optimizer: Optimizer::Sgd { lr, momentum, weight_decay: 0.0 } })?;
+        let mut g = GpuMlp::new(
+            &c.ctx,
+            &model,
+            &[],
+            GpuMlpConfig { precision: Precision::F32, optimizer: Optimizer::Sgd { lr, momentum, weight_decay: 0.0 } },
+        )?;
         let lg = g.forward_backward(&x[..batch * dim], &y[..batch], None)?;
         let gg = g.grads_to_host()?;
         let mut cg = FlatGrads::new(&model.param_sizes());
@@ -378,7 +416,11 @@ fn training_vs_cpu(c: &mut Ctx, mut group: Option<&mut NcclGroup>) -> Result<(),
         for st in 0..steps {
             let b = st % (y.len() / batch);
             grads.zero();
-            losses.push(m.loss_and_backward(&x[b * batch * dim..(b + 1) * batch * dim], &y[b * batch..(b + 1) * batch], &mut grads));
+            losses.push(m.loss_and_backward(
+                &x[b * batch * dim..(b + 1) * batch * dim],
+                &y[b * batch..(b + 1) * batch],
+                &mut grads,
+            ));
             for p in 0..m.param_sizes().len() {
                 let range = m.param_range(p);
                 opt.step_slice(&mut m.params, range, grads.grad(p));
@@ -389,22 +431,50 @@ fn training_vs_cpu(c: &mut Ctx, mut group: Option<&mut NcclGroup>) -> Result<(),
     // GPU runs through a one-rank NCCL group when NCCL is there (the data-parallel path,
     // overlap included), else without one.
     for precision in [Precision::F32, Precision::Bf16] {
-        let mut g = GpuMlp::new(&c.ctx, &model, &[], GpuMlpConfig { precision, optimizer: Optimizer::Sgd { lr, momentum, weight_decay: 0.0 } })?;
+        let mut g = GpuMlp::new(
+            &c.ctx,
+            &model,
+            &[],
+            GpuMlpConfig { precision, optimizer: Optimizer::Sgd { lr, momentum, weight_decay: 0.0 } },
+        )?;
         let mut losses = Vec::with_capacity(steps);
         let t = Instant::now();
         for st in 0..steps {
             let b = st % (y.len() / batch);
-            losses.push(g.step(&x[b * batch * dim..(b + 1) * batch * dim], &y[b * batch..(b + 1) * batch], group.as_deref_mut())?);
+            losses.push(g.step(
+                &x[b * batch * dim..(b + 1) * batch * dim],
+                &y[b * batch..(b + 1) * batch],
+                group.as_deref_mut(),
+            )?);
         }
         g.synchronize()?;
         let secs = t.elapsed().as_secs_f64();
         let via = if group.is_some() { "1-rank NCCL group" } else { "no NCCL" };
-        curves.push((format!("gpu {} ({via}, {:.0} steps/s)", if precision == Precision::F32 { "fp32" } else { "bf16" }, steps as f64 / secs), losses));
+        curves.push((
+            format!(
+                "gpu {} ({via}, {:.0} steps/s)",
+                if precision == Precision::F32 { "fp32" } else { "bf16" },
+                steps as f64 / secs
+            ),
+            losses,
+        ));
     }
     let avg = |v: &[f32], a: usize, b: usize| v[a..b].iter().sum::<f32>() / (b - a) as f32;
-    let _ = writeln!(c.md, "\n| run | loss, steps 0-9 | 50-59 | 140-149 | {}-{} |\n|---|---|---|---|---|", steps - 10, steps - 1);
+    let _ = writeln!(
+        c.md,
+        "\n| run | loss, steps 0-9 | 50-59 | 140-149 | {}-{} |\n|---|---|---|---|---|",
+        steps - 10,
+        steps - 1
+    );
     for (name, l) in &curves {
-        let _ = writeln!(c.md, "| {name} | {:.4} | {:.4} | {:.4} | {:.4} |", avg(l, 0, 10), avg(l, 50, 60), avg(l, 140, 150), avg(l, steps - 10, steps));
+        let _ = writeln!(
+            c.md,
+            "| {name} | {:.4} | {:.4} | {:.4} | {:.4} |",
+            avg(l, 0, 10),
+            avg(l, 50, 60),
+            avg(l, 140, 150),
+            avg(l, steps - 10, steps)
+        );
     }
     let cpu = &curves[0].1;
     let (f32c, bf16c) = (&curves[1].1, &curves[2].1);
@@ -421,9 +491,14 @@ fn training_vs_cpu(c: &mut Ctx, mut group: Option<&mut NcclGroup>) -> Result<(),
     }
     let drop_bf16 = avg(bf16c, steps - 10, steps) / avg(bf16c, 0, 10);
     let drop_cpu = avg(cpu, steps - 10, steps) / avg(cpu, 0, 10);
-    let _ = writeln!(c.md, "bf16: final/initial loss {drop_bf16:.3} against the CPU's {drop_cpu:.3} (bound: within 0.05 absolute).");
+    let _ = writeln!(
+        c.md,
+        "bf16: final/initial loss {drop_bf16:.3} against the CPU's {drop_cpu:.3} (bound: within 0.05 absolute)."
+    );
     if (drop_bf16 - drop_cpu).abs() > 0.05 {
-        c.fail(format!("bf16 mixed precision converges differently: final/initial {drop_bf16:.3} vs CPU {drop_cpu:.3}"));
+        c.fail(format!(
+            "bf16 mixed precision converges differently: final/initial {drop_bf16:.3} vs CPU {drop_cpu:.3}"
+        ));
     }
     if let Some(g) = group {
         g.wait()?;
@@ -445,7 +520,8 @@ fn single_rank_group(ctx: &Arc<CudaContext>) -> Result<(NcclGroup, StoreKeepAliv
     let mut client = crate::store::StoreClient::connect(&addr, Duration::from_secs(10))
         .map_err(|source| GpuError::Store { step: "connect", key: String::new(), source: Box::new(source) })?;
     let prefix = super::group::key_prefix("gpu-check", 0);
-    let group = NcclGroup::init(&mut client, &prefix, 0, 1, ctx, NcclGroupOptions { timeout: Duration::from_secs(60) })?;
+    let group =
+        NcclGroup::init(&mut client, &prefix, 0, 1, ctx, NcclGroupOptions { timeout: Duration::from_secs(60) })?;
     Ok((group, StoreKeepAlive { _rt: rt, _handle: handle }))
 }
 
@@ -567,10 +643,13 @@ fn bench_update(c: &mut Ctx) -> Result<(), GpuError> {
     let mut v = s.alloc_zeros::<f32>(n).map_err(derr("alloc"))?;
     let g = s.alloc_zeros::<f32>(n).map_err(derr("alloc"))?;
     let k = c.k.clone();
-    let sgd = time_gpu(&s, iters, || k.sgd_momentum(&s, &mut p, &mut v, &g, None, 0.01, 0.9, 0.0, 1.0).map_err(kerr("sgd")))?;
+    let sgd =
+        time_gpu(&s, iters, || k.sgd_momentum(&s, &mut p, &mut v, &g, None, 0.01, 0.9, 0.0, 1.0).map_err(kerr("sgd")))?;
     let sgd_bw = (5 * 4 * n) as f64 / sgd / 1e9; // read p, v, g; write p, v
     let mut h = s.alloc_zeros::<u16>(n).map_err(derr("alloc"))?;
-    let sgdh = time_gpu(&s, iters, || k.sgd_momentum(&s, &mut p, &mut v, &g, Some(&mut h), 0.01, 0.9, 0.0, 1.0).map_err(kerr("sgd")))?;
+    let sgdh = time_gpu(&s, iters, || {
+        k.sgd_momentum(&s, &mut p, &mut v, &g, Some(&mut h), 0.01, 0.9, 0.0, 1.0).map_err(kerr("sgd"))
+    })?;
     let sgdh_bw = (5 * 4 * n + 2 * n) as f64 / sgdh / 1e9;
     let mut m2 = s.alloc_zeros::<f32>(n).map_err(derr("alloc"))?;
     let hyper = r::AdamStep::at(1, 1e-3, 0.9, 0.999, 1e-8, 0.0, 1.0);
@@ -584,7 +663,13 @@ fn bench_update(c: &mut Ctx) -> Result<(), GpuError> {
         ("sgd_momentum + bf16 copy", 22 * n, sgdh, sgdh_bw),
         ("adam (fp32)", 28 * n, adam, adam_bw),
     ] {
-        let _ = writeln!(c.md, "| {name} | {} MiB | {:.3} ms | {bw:.0} GB/s | {:.0}% |", bytes >> 20, t * 1e3, bw / copy_bw * 100.0);
+        let _ = writeln!(
+            c.md,
+            "| {name} | {} MiB | {:.3} ms | {bw:.0} GB/s | {:.0}% |",
+            bytes >> 20,
+            t * 1e3,
+            bw / copy_bw * 100.0
+        );
     }
     Ok(())
 }

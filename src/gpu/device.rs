@@ -47,10 +47,8 @@ pub fn select(device: Device, local_rank: usize, need_nccl: bool, search: &Searc
     if need_nccl {
         libs.push(Lib::Nccl);
     }
-    let outcome = p
-        .require(&libs, true)
-        .map_err(|source| GpuError::Unavailable { device: name, source })
-        .and_then(|()| {
+    let outcome =
+        p.require(&libs, true).map_err(|source| GpuError::Unavailable { device: name, source }).and_then(|()| {
             let devices = p.devices.clone().unwrap_or(0);
             if local_rank < devices {
                 Ok(local_rank)

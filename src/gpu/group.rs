@@ -56,7 +56,13 @@ pub fn key_prefix(run_id: &str, restart_count: u32) -> String {
 /// The store half of the bootstrap (no GPU involved): rank 0 makes the NCCL unique id and
 /// publishes it under `{prefix}id`; every rank reads it, counts itself in under
 /// `{prefix}joined`, and waits (at most `timeout`) until all `world` ranks have.
-pub fn exchange_unique_id(store: &mut StoreClient, prefix: &str, rank: usize, world: usize, timeout: Duration) -> Result<UniqueId, GpuError> {
+pub fn exchange_unique_id(
+    store: &mut StoreClient,
+    prefix: &str,
+    rank: usize,
+    world: usize,
+    timeout: Duration,
+) -> Result<UniqueId, GpuError> {
     if world == 0 || rank >= world {
         return Err(GpuError::Invalid { op: "exchange_unique_id", reason: format!("rank {rank} of world {world}") });
     }
@@ -91,8 +97,11 @@ impl NcclGroup {
     /// from `LOCAL_RANK`), through the store at `MASTER_ADDR:MASTER_PORT`.
     pub fn from_env(env: &WorkerEnv, ctx: &Arc<CudaContext>, opts: NcclGroupOptions) -> Result<Self, GpuError> {
         let addr = format!("{}:{}", env.master_addr, env.master_port);
-        let mut store = StoreClient::connect(&addr, opts.timeout)
-            .map_err(|source| GpuError::Store { step: "connect", key: String::new(), source: Box::new(source) })?;
+        let mut store = StoreClient::connect(&addr, opts.timeout).map_err(|source| GpuError::Store {
+            step: "connect",
+            key: String::new(),
+            source: Box::new(source),
+        })?;
         Self::init(
             &mut store,
             &key_prefix(&env.run_id, env.restart_count),
@@ -149,7 +158,11 @@ impl NcclGroup {
     }
 
     /// Enqueues an in-place all-reduce of `buf` on the group's stream; returns at once.
-    pub fn all_reduce_async<T: NcclType, B: DevicePtrMut<T>>(&mut self, buf: &mut B, op: RedOp) -> Result<(), GpuError> {
+    pub fn all_reduce_async<T: NcclType, B: DevicePtrMut<T>>(
+        &mut self,
+        buf: &mut B,
+        op: RedOp,
+    ) -> Result<(), GpuError> {
         let stream = self.stream.clone();
         match self.comm.all_reduce_in_place(buf, op, &stream) {
             Ok(()) => {
@@ -161,7 +174,11 @@ impl NcclGroup {
     }
 
     /// Enqueues an in-place broadcast of `buf` from `root`.
-    pub fn broadcast_async<T: NcclType, B: DevicePtrMut<T>>(&mut self, buf: &mut B, root: usize) -> Result<(), GpuError> {
+    pub fn broadcast_async<T: NcclType, B: DevicePtrMut<T>>(
+        &mut self,
+        buf: &mut B,
+        root: usize,
+    ) -> Result<(), GpuError> {
         let stream = self.stream.clone();
         match self.comm.broadcast_in_place(buf, root, &stream) {
             Ok(()) => {

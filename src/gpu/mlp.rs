@@ -152,16 +152,24 @@ impl GpuMlp {
     /// Replaces parameters and optimizer state with `model`'s and `state` (see [`Self::new`]).
     pub fn upload(&mut self, model: &Mlp, state: &[f32]) -> Result<(), GpuError> {
         if model.sizes != self.sizes {
-            return Err(GpuError::Invalid { op: "upload", reason: format!("sizes {:?} vs {:?}", model.sizes, self.sizes) });
+            return Err(GpuError::Invalid {
+                op: "upload",
+                reason: format!("sizes {:?} vs {:?}", model.sizes, self.sizes),
+            });
         }
         let total = model.params.len();
         let moments = if self.state2.is_empty() { 1 } else { 2 };
         if !state.is_empty() && state.len() != moments * total {
-            return Err(GpuError::Invalid { op: "upload", reason: format!("state has {} floats, expected {}", state.len(), moments * total) });
+            return Err(GpuError::Invalid {
+                op: "upload",
+                reason: format!("state has {} floats, expected {}", state.len(), moments * total),
+            });
         }
         for p in 0..self.params.len() {
             let r = model.param_range(p);
-            self.stream.memcpy_htod(&model.params[r.clone()], &mut self.params[p]).map_err(derr("uploading parameters"))?;
+            self.stream
+                .memcpy_htod(&model.params[r.clone()], &mut self.params[p])
+                .map_err(derr("uploading parameters"))?;
             if state.is_empty() {
                 self.stream.memset_zeros(&mut self.state1[p]).map_err(derr("zeroing state"))?;
                 if let Some(s2) = self.state2.get_mut(p) {
@@ -189,10 +197,14 @@ impl GpuMlp {
         state.resize(moments * total, 0.0);
         for p in 0..self.params.len() {
             let r = model.param_range(p);
-            self.stream.memcpy_dtoh(&self.params[p], &mut model.params[r.clone()]).map_err(derr("downloading parameters"))?;
+            self.stream
+                .memcpy_dtoh(&self.params[p], &mut model.params[r.clone()])
+                .map_err(derr("downloading parameters"))?;
             self.stream.memcpy_dtoh(&self.state1[p], &mut state[r.clone()]).map_err(derr("downloading state"))?;
             if let Some(s2) = self.state2.get(p) {
-                self.stream.memcpy_dtoh(s2, &mut state[total + r.start..total + r.end]).map_err(derr("downloading state"))?;
+                self.stream
+                    .memcpy_dtoh(s2, &mut state[total + r.start..total + r.end])
+                    .map_err(derr("downloading state"))?;
             }
         }
         self.stream.synchronize().map_err(derr("synchronising the compute stream"))
@@ -242,7 +254,10 @@ impl GpuMlp {
 
     fn forward(&mut self, x: &[f32], batch: usize) -> Result<(), GpuError> {
         if batch == 0 || x.len() != batch * self.sizes[0] {
-            return Err(GpuError::Invalid { op: "forward", reason: format!("{} inputs for batch {batch} of width {}", x.len(), self.sizes[0]) });
+            return Err(GpuError::Invalid {
+                op: "forward",
+                reason: format!("{} inputs for batch {batch} of width {}", x.len(), self.sizes[0]),
+            });
         }
         self.ensure_batch(batch)?;
         let mixed = self.cfg.precision == Precision::Bf16;
@@ -251,7 +266,8 @@ impl GpuMlp {
         let xs = a.x.as_mut().expect("allocated by ensure_batch");
         s.memcpy_htod(x, xs).map_err(derr("uploading the batch"))?;
         if mixed {
-            k.f32_to_bf16(s, xs, a.x_bf16.as_mut().expect("allocated when mixed")).map_err(kerr("casting the batch"))?;
+            k.f32_to_bf16(s, xs, a.x_bf16.as_mut().expect("allocated when mixed"))
+                .map_err(kerr("casting the batch"))?;
         }
         let layers = self.sizes.len() - 1;
         for l in 0..layers {
@@ -287,18 +303,31 @@ impl GpuMlp {
     /// device buffers. With `group`, each gradient's all-reduce (sum) is enqueued as soon as
     /// it is computed; the caller must [`NcclGroup::wait`] before reading them (the update
     /// in [`Self::step`] does).
-    pub fn forward_backward(&mut self, x: &[f32], labels: &[u32], group: Option<&mut NcclGroup>) -> Result<f32, GpuError> {
+    pub fn forward_backward(
+        &mut self,
+        x: &[f32],
+        labels: &[u32],
+        group: Option<&mut NcclGroup>,
+    ) -> Result<f32, GpuError> {
         self.enqueue_forward_backward(x, labels, group)?;
         self.read_loss()
     }
 
     /// The loss of the last forward pass (waits for the compute stream up to its kernel).
     fn read_loss(&self) -> Result<f32, GpuError> {
-        let loss = self.stream.clone_dtoh(self.act.loss.as_ref().expect("a forward pass ran")).map_err(derr("downloading the loss"))?;
+        let loss = self
+            .stream
+            .clone_dtoh(self.act.loss.as_ref().expect("a forward pass ran"))
+            .map_err(derr("downloading the loss"))?;
         Ok(loss[0])
     }
 
-    fn enqueue_forward_backward(&mut self, x: &[f32], labels: &[u32], mut group: Option<&mut NcclGroup>) -> Result<(), GpuError> {
+    fn enqueue_forward_backward(
+        &mut self,
+        x: &[f32],
+        labels: &[u32],
+        mut group: Option<&mut NcclGroup>,
+    ) -> Result<(), GpuError> {
         let batch = labels.len();
         self.forward(x, batch)?;
         let mixed = self.cfg.precision == Precision::Bf16;
@@ -309,12 +338,22 @@ impl GpuMlp {
         let lab = a.labels.as_mut().expect("allocated");
         s.memcpy_htod(labels, lab).map_err(derr("uploading labels"))?;
         let scale = 1.0 / batch as f32;
-        k.softmax_xent(s, &a.out[layers - 1], lab, &mut a.d[layers - 1], a.row_loss.as_mut().expect("allocated"), batch, kcls, scale)
-            .map_err(kerr("softmax cross-entropy"))?;
+        k.softmax_xent(
+            s,
+            &a.out[layers - 1],
+            lab,
+            &mut a.d[layers - 1],
+            a.row_loss.as_mut().expect("allocated"),
+            batch,
+            kcls,
+            scale,
+        )
+        .map_err(kerr("softmax cross-entropy"))?;
         k.sum_scaled(s, a.row_loss.as_ref().expect("allocated"), a.loss.as_mut().expect("allocated"), scale)
             .map_err(kerr("summing the loss"))?;
         if mixed {
-            k.f32_to_bf16(s, &a.d[layers - 1], &mut a.d_bf16[layers - 1]).map_err(kerr("casting the logits' gradient"))?;
+            k.f32_to_bf16(s, &a.d[layers - 1], &mut a.d_bf16[layers - 1])
+                .map_err(kerr("casting the logits' gradient"))?;
         }
         for l in (0..layers).rev() {
             let (din, dout) = (self.sizes[l], self.sizes[l + 1]);

@@ -26,9 +26,9 @@ use std::time::Duration;
 pub use device::{select, Device, Selected};
 pub use group::{exchange_unique_id, key_prefix, NcclGroup, NcclGroupOptions};
 pub use mlp::{GpuMlp, GpuMlpConfig, Optimizer, Precision};
-pub use trainer::GpuTrainer;
 pub use rlaunch_kernels::probe::{Probe, ProbeError, SearchPath};
 pub use rlaunch_kernels::KernelError;
+pub use trainer::GpuTrainer;
 
 /// Why the GPU path failed.
 #[derive(Debug, thiserror::Error)]

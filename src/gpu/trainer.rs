@@ -22,9 +22,16 @@ pub struct GpuTrainer {
 impl GpuTrainer {
     /// On GPU `ordinal` (from [`super::select`]), joins the NCCL group of the job described by
     /// `env` when it has more than one rank, and uploads `model` and `opt`'s velocity.
-    pub fn new(ordinal: usize, env: &WorkerEnv, model: &Mlp, opt: &Sgd, precision: Precision) -> Result<Self, GpuError> {
+    pub fn new(
+        ordinal: usize,
+        env: &WorkerEnv,
+        model: &Mlp,
+        opt: &Sgd,
+        precision: Precision,
+    ) -> Result<Self, GpuError> {
         let ctx = CudaContext::new(ordinal).map_err(derr(format!("opening GPU {ordinal}")))?;
-        let group = if env.world_size > 1 { Some(NcclGroup::from_env(env, &ctx, NcclGroupOptions::default())?) } else { None };
+        let group =
+            if env.world_size > 1 { Some(NcclGroup::from_env(env, &ctx, NcclGroupOptions::default())?) } else { None };
         let cfg = GpuMlpConfig {
             precision,
             optimizer: Optimizer::Sgd { lr: opt.lr, momentum: opt.momentum, weight_decay: opt.weight_decay },

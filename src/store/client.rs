@@ -10,8 +10,7 @@ use std::net::{TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 use super::protocol::{
-    Limits, Request, CHECK_NOT_READY, CHECK_READY, VALIDATION_MAGIC, WAIT_CANCELED,
-    WAIT_STOP_WAITING,
+    Limits, Request, CHECK_NOT_READY, CHECK_READY, VALIDATION_MAGIC, WAIT_CANCELED, WAIT_STOP_WAITING,
 };
 use super::StoreError;
 
@@ -37,10 +36,7 @@ fn wire_key(key: &str) -> Vec<u8> {
 }
 
 fn is_timeout(err: &io::Error) -> bool {
-    matches!(
-        err.kind(),
-        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-    )
+    matches!(err.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut)
 }
 
 /// Socket timeouts must be non-zero, and finite enough for `timeval`.
@@ -71,11 +67,7 @@ impl StoreClient {
             match connect_once(addr, left) {
                 Ok(stream) => break stream,
                 Err(source) if Instant::now() + backoff >= deadline => {
-                    return Err(StoreError::Connect {
-                        address: addr.to_string(),
-                        timeout,
-                        source,
-                    });
+                    return Err(StoreError::Connect { address: addr.to_string(), timeout, source });
                 }
                 Err(_) => {
                     std::thread::sleep(backoff);
@@ -83,19 +75,10 @@ impl StoreClient {
                 }
             }
         };
-        let io_err = |source| StoreError::Io {
-            address: addr.to_string(),
-            op: "connect",
-            key: String::new(),
-            source,
-        };
+        let io_err = |source| StoreError::Io { address: addr.to_string(), op: "connect", key: String::new(), source };
         stream.set_nodelay(true).map_err(io_err)?;
-        stream
-            .set_read_timeout(Some(at_least_1ms(timeout)))
-            .map_err(io_err)?;
-        stream
-            .set_write_timeout(Some(at_least_1ms(timeout)))
-            .map_err(io_err)?;
+        stream.set_read_timeout(Some(at_least_1ms(timeout))).map_err(io_err)?;
+        stream.set_write_timeout(Some(at_least_1ms(timeout))).map_err(io_err)?;
         let reader = BufReader::new(stream.try_clone().map_err(io_err)?);
         let mut client = StoreClient {
             address: addr.to_string(),
@@ -106,13 +89,7 @@ impl StoreClient {
             broken: false,
             nonce: std::process::id(),
         };
-        client.send(
-            "validate",
-            "",
-            &Request::Validate {
-                magic: VALIDATION_MAGIC,
-            },
-        )?;
+        client.send("validate", "", &Request::Validate { magic: VALIDATION_MAGIC })?;
         client.ping()?;
         Ok(client)
     }
@@ -129,14 +106,7 @@ impl StoreClient {
 
     pub fn set(&mut self, key: &str, value: &[u8]) -> Result<(), StoreError> {
         self.check_sizes(key, Some(value))?;
-        self.send(
-            "set",
-            key,
-            &Request::Set {
-                key: wire_key(key),
-                value: value.to_vec(),
-            },
-        )
+        self.send("set", key, &Request::Set { key: wire_key(key), value: value.to_vec() })
     }
 
     /// Waits for `key` up to the client timeout, then reads it, like torch's `get`.
@@ -151,33 +121,18 @@ impl StoreClient {
     /// Adds `delta` to the integer at `key` (missing = 0) and returns the new value.
     pub fn add(&mut self, key: &str, delta: i64) -> Result<i64, StoreError> {
         self.check_sizes(key, None)?;
-        self.send(
-            "add",
-            key,
-            &Request::Add {
-                key: wire_key(key),
-                delta,
-            },
-        )?;
+        self.send("add", key, &Request::Add { key: wire_key(key), delta })?;
         self.read_i64("add", key)
     }
 
     /// Stores `desired` if the current value equals `expected` (an empty `expected` also
     /// matches a missing key) and returns the value now stored (torch semantics: for a missing
     /// key and a non-empty `expected`, `expected` itself).
-    pub fn compare_set(
-        &mut self,
-        key: &str,
-        expected: &[u8],
-        desired: &[u8],
-    ) -> Result<Vec<u8>, StoreError> {
+    pub fn compare_set(&mut self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>, StoreError> {
         self.check_sizes(key, Some(expected))?;
         self.check_sizes(key, Some(desired))?;
-        let request = Request::CompareSet {
-            key: wire_key(key),
-            expected: expected.to_vec(),
-            desired: desired.to_vec(),
-        };
+        let request =
+            Request::CompareSet { key: wire_key(key), expected: expected.to_vec(), desired: desired.to_vec() };
         self.send("compare_set", key, &request)?;
         self.read_bytes("compare_set", key)
     }
@@ -193,9 +148,7 @@ impl StoreClient {
         for key in keys {
             self.check_sizes(key, None)?;
         }
-        let request = Request::Check {
-            keys: keys.iter().map(|k| wire_key(k)).collect(),
-        };
+        let request = Request::Check { keys: keys.iter().map(|k| wire_key(k)).collect() };
         self.send("check", &shown, &request)?;
         match self.read_u8("check", &shown)? {
             CHECK_READY => Ok(true),
@@ -207,11 +160,7 @@ impl StoreClient {
     /// Deletes `key`; whether it existed.
     pub fn delete_key(&mut self, key: &str) -> Result<bool, StoreError> {
         self.check_sizes(key, None)?;
-        self.send(
-            "delete_key",
-            key,
-            &Request::DeleteKey { key: wire_key(key) },
-        )?;
+        self.send("delete_key", key, &Request::DeleteKey { key: wire_key(key) })?;
         Ok(self.read_i64("delete_key", key)? == 1)
     }
 
@@ -224,14 +173,7 @@ impl StoreClient {
     /// Appends `value` to the value at `key` (creating it).
     pub fn append(&mut self, key: &str, value: &[u8]) -> Result<(), StoreError> {
         self.check_sizes(key, Some(value))?;
-        self.send(
-            "append",
-            key,
-            &Request::Append {
-                key: wire_key(key),
-                value: value.to_vec(),
-            },
-        )
+        self.send("append", key, &Request::Append { key: wire_key(key), value: value.to_vec() })
     }
 
     /// Waits for every key up to the client timeout, then reads them all in one round trip.
@@ -242,13 +184,9 @@ impl StoreClient {
         }
         let timeout = self.timeout;
         self.wait_as("multi_get", keys, timeout)?;
-        let request = Request::MultiGet {
-            keys: keys.iter().map(|k| wire_key(k)).collect(),
-        };
+        let request = Request::MultiGet { keys: keys.iter().map(|k| wire_key(k)).collect() };
         self.send("multi_get", &shown, &request)?;
-        keys.iter()
-            .map(|_| self.read_bytes("multi_get", &shown))
-            .collect()
+        keys.iter().map(|_| self.read_bytes("multi_get", &shown)).collect()
     }
 
     pub fn multi_set(&mut self, kvs: &[(&str, &[u8])]) -> Result<(), StoreError> {
@@ -256,9 +194,7 @@ impl StoreClient {
             self.check_sizes(key, Some(value))?;
         }
         let shown = kvs.iter().map(|(k, _)| *k).collect::<Vec<_>>().join(",");
-        let request = Request::MultiSet {
-            kvs: kvs.iter().map(|(k, v)| (wire_key(k), v.to_vec())).collect(),
-        };
+        let request = Request::MultiSet { kvs: kvs.iter().map(|(k, v)| (wire_key(k), v.to_vec())).collect() };
         self.send("multi_set", &shown, &request)
     }
 
@@ -279,14 +215,7 @@ impl StoreClient {
     /// Pushes `value` to the back of the queue `key`.
     pub fn queue_push(&mut self, key: &str, value: &[u8]) -> Result<(), StoreError> {
         self.check_sizes(key, Some(value))?;
-        self.send(
-            "queue_push",
-            key,
-            &Request::QueuePush {
-                key: wire_key(key),
-                value: value.to_vec(),
-            },
-        )
+        self.send("queue_push", key, &Request::QueuePush { key: wire_key(key), value: value.to_vec() })
     }
 
     /// Pops the front of the queue `key`; with `block`, waits for an item up to the client
@@ -325,49 +254,25 @@ impl StoreClient {
     }
 
     /// Arrives at the barrier `key` and waits until `world_size` callers have arrived.
-    pub fn barrier(
-        &mut self,
-        key: &str,
-        world_size: i64,
-        timeout: Duration,
-    ) -> Result<(), StoreError> {
+    pub fn barrier(&mut self, key: &str, world_size: i64, timeout: Duration) -> Result<(), StoreError> {
         self.check_sizes(key, None)?;
-        self.send(
-            "barrier",
-            key,
-            &Request::Barrier {
-                key: wire_key(key),
-                world_size,
-            },
-        )?;
+        self.send("barrier", key, &Request::Barrier { key: wire_key(key), world_size })?;
         self.await_release("barrier", key, timeout)
     }
 
-    fn wait_as(
-        &mut self,
-        op: &'static str,
-        keys: &[&str],
-        timeout: Duration,
-    ) -> Result<(), StoreError> {
+    fn wait_as(&mut self, op: &'static str, keys: &[&str], timeout: Duration) -> Result<(), StoreError> {
         let shown = keys.join(",");
         for key in keys {
             self.check_sizes(key, None)?;
         }
-        let request = Request::Wait {
-            keys: keys.iter().map(|k| wire_key(k)).collect(),
-        };
+        let request = Request::Wait { keys: keys.iter().map(|k| wire_key(k)).collect() };
         self.send(op, &shown, &request)?;
         self.await_release(op, &shown, timeout)
     }
 
     /// Reads `STOP_WAITING` within `timeout`; on timeout cancels the wait as torch does and
     /// drains the server's answer, so the connection stays usable.
-    fn await_release(
-        &mut self,
-        op: &'static str,
-        key: &str,
-        timeout: Duration,
-    ) -> Result<(), StoreError> {
+    fn await_release(&mut self, op: &'static str, key: &str, timeout: Duration) -> Result<(), StoreError> {
         self.set_read_timeout(op, key, timeout)?;
         let mut b = [0u8; 1];
         let first = self.reader.read_exact(&mut b);
@@ -387,12 +292,7 @@ impl StoreClient {
         if status != WAIT_CANCELED {
             return Err(self.protocol(op, key, format!("cancel status byte {status}")));
         }
-        Err(StoreError::Timeout {
-            address: self.address.clone(),
-            op,
-            key: key.to_string(),
-            timeout,
-        })
+        Err(StoreError::Timeout { address: self.address.clone(), op, key: key.to_string(), timeout })
     }
 
     fn check_sizes(&self, key: &str, value: Option<&[u8]>) -> Result<(), StoreError> {
@@ -428,60 +328,30 @@ impl StoreClient {
                 timeout: self.timeout,
             };
         }
-        StoreError::Io {
-            address: self.address.clone(),
-            op,
-            key: key.to_string(),
-            source,
-        }
+        StoreError::Io { address: self.address.clone(), op, key: key.to_string(), source }
     }
 
     fn protocol(&mut self, op: &'static str, key: &str, detail: String) -> StoreError {
         self.broken = true;
-        StoreError::Protocol {
-            address: self.address.clone(),
-            op,
-            key: key.to_string(),
-            detail,
-        }
+        StoreError::Protocol { address: self.address.clone(), op, key: key.to_string(), detail }
     }
 
-    fn set_read_timeout(
-        &mut self,
-        op: &'static str,
-        key: &str,
-        d: Duration,
-    ) -> Result<(), StoreError> {
-        self.writer
-            .set_read_timeout(Some(at_least_1ms(d)))
-            .map_err(|source| self.io(op, key, source))
+    fn set_read_timeout(&mut self, op: &'static str, key: &str, d: Duration) -> Result<(), StoreError> {
+        self.writer.set_read_timeout(Some(at_least_1ms(d))).map_err(|source| self.io(op, key, source))
     }
 
     fn send(&mut self, op: &'static str, key: &str, request: &Request) -> Result<(), StoreError> {
         if self.broken {
-            return Err(StoreError::Broken {
-                address: self.address.clone(),
-                op,
-            });
+            return Err(StoreError::Broken { address: self.address.clone(), op });
         }
         let mut frame = Vec::new();
         request.encode(&mut frame);
-        let result = self
-            .writer
-            .write_all(&frame)
-            .and_then(|()| self.writer.flush());
+        let result = self.writer.write_all(&frame).and_then(|()| self.writer.flush());
         result.map_err(|source| self.io(op, key, source))
     }
 
-    fn read_exact(
-        &mut self,
-        op: &'static str,
-        key: &str,
-        buf: &mut [u8],
-    ) -> Result<(), StoreError> {
-        self.reader
-            .read_exact(buf)
-            .map_err(|source| self.io(op, key, source))
+    fn read_exact(&mut self, op: &'static str, key: &str, buf: &mut [u8]) -> Result<(), StoreError> {
+        self.reader.read_exact(buf).map_err(|source| self.io(op, key, source))
     }
 
     fn read_u8(&mut self, op: &'static str, key: &str) -> Result<u8, StoreError> {
@@ -524,10 +394,7 @@ pub struct PrefixStore {
 
 impl PrefixStore {
     pub fn new(prefix: impl Into<String>, inner: StoreClient) -> Self {
-        PrefixStore {
-            inner,
-            prefix: prefix.into(),
-        }
+        PrefixStore { inner, prefix: prefix.into() }
     }
 
     fn key(&self, key: &str) -> String {
@@ -549,12 +416,7 @@ impl PrefixStore {
         self.inner.add(&key, delta)
     }
 
-    pub fn compare_set(
-        &mut self,
-        key: &str,
-        expected: &[u8],
-        desired: &[u8],
-    ) -> Result<Vec<u8>, StoreError> {
+    pub fn compare_set(&mut self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>, StoreError> {
         let key = self.key(key);
         self.inner.compare_set(&key, expected, desired)
     }

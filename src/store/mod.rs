@@ -43,26 +43,11 @@ pub enum StoreError {
         source: std::io::Error,
     },
     #[error("store at {address}: {op} of key {key:?} timed out after {timeout:?}")]
-    Timeout {
-        address: String,
-        op: &'static str,
-        key: String,
-        timeout: Duration,
-    },
+    Timeout { address: String, op: &'static str, key: String, timeout: Duration },
     #[error("store at {address}: unexpected reply to {op} of key {key:?}: {detail}")]
-    Protocol {
-        address: String,
-        op: &'static str,
-        key: String,
-        detail: String,
-    },
+    Protocol { address: String, op: &'static str, key: String, detail: String },
     #[error("{what} of {len} bytes for key {key:?} exceeds the store limit of {limit} bytes")]
-    TooLarge {
-        key: String,
-        what: &'static str,
-        len: u64,
-        limit: u64,
-    },
+    TooLarge { key: String, what: &'static str, len: u64, limit: u64 },
     #[error("store at {address}: cannot {op}, the connection failed earlier")]
     Broken { address: String, op: &'static str },
 }

@@ -76,64 +76,25 @@ impl Default for Limits {
 /// One request frame, as a client sends it. Keys are raw bytes: torch keys are C++ strings.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Request {
-    Validate {
-        magic: u32,
-    },
-    Set {
-        key: Vec<u8>,
-        value: Vec<u8>,
-    },
-    CompareSet {
-        key: Vec<u8>,
-        expected: Vec<u8>,
-        desired: Vec<u8>,
-    },
-    Get {
-        key: Vec<u8>,
-    },
-    Add {
-        key: Vec<u8>,
-        delta: i64,
-    },
-    Check {
-        keys: Vec<Vec<u8>>,
-    },
-    Wait {
-        keys: Vec<Vec<u8>>,
-    },
+    Validate { magic: u32 },
+    Set { key: Vec<u8>, value: Vec<u8> },
+    CompareSet { key: Vec<u8>, expected: Vec<u8>, desired: Vec<u8> },
+    Get { key: Vec<u8> },
+    Add { key: Vec<u8>, delta: i64 },
+    Check { keys: Vec<Vec<u8>> },
+    Wait { keys: Vec<Vec<u8>> },
     NumKeys,
-    DeleteKey {
-        key: Vec<u8>,
-    },
-    Append {
-        key: Vec<u8>,
-        value: Vec<u8>,
-    },
-    MultiGet {
-        keys: Vec<Vec<u8>>,
-    },
-    MultiSet {
-        kvs: Vec<(Vec<u8>, Vec<u8>)>,
-    },
+    DeleteKey { key: Vec<u8> },
+    Append { key: Vec<u8>, value: Vec<u8> },
+    MultiGet { keys: Vec<Vec<u8>> },
+    MultiSet { kvs: Vec<(Vec<u8>, Vec<u8>)> },
     CancelWait,
-    Ping {
-        nonce: u32,
-    },
-    QueuePush {
-        key: Vec<u8>,
-        value: Vec<u8>,
-    },
-    QueuePop {
-        key: Vec<u8>,
-    },
-    QueueLen {
-        key: Vec<u8>,
-    },
+    Ping { nonce: u32 },
+    QueuePush { key: Vec<u8>, value: Vec<u8> },
+    QueuePop { key: Vec<u8> },
+    QueueLen { key: Vec<u8> },
     ListKeys,
-    Barrier {
-        key: Vec<u8>,
-        world_size: i64,
-    },
+    Barrier { key: Vec<u8>, world_size: i64 },
 }
 
 impl Request {
@@ -173,17 +134,11 @@ impl Request {
         match self {
             Request::Validate { magic } => out.extend_from_slice(&magic.to_le_bytes()),
             Request::Ping { nonce } => out.extend_from_slice(&nonce.to_le_bytes()),
-            Request::Set { key, value }
-            | Request::Append { key, value }
-            | Request::QueuePush { key, value } => {
+            Request::Set { key, value } | Request::Append { key, value } | Request::QueuePush { key, value } => {
                 put_bytes(out, key);
                 put_bytes(out, value);
             }
-            Request::CompareSet {
-                key,
-                expected,
-                desired,
-            } => {
+            Request::CompareSet { key, expected, desired } => {
                 put_bytes(out, key);
                 put_bytes(out, expected);
                 put_bytes(out, desired);
@@ -256,11 +211,7 @@ pub enum ProtocolError {
     #[error("unknown query type {query_type}")]
     UnknownQuery { query_type: u8 },
     #[error("{what} length {len} exceeds the limit of {limit} bytes")]
-    TooLong {
-        what: &'static str,
-        len: u64,
-        limit: u64,
-    },
+    TooLong { what: &'static str, len: u64, limit: u64 },
     #[error("{count} keys in one request exceed the limit of {limit}")]
     TooManyKeys { count: u64, limit: u64 },
     #[error("request carries more than {limit} bytes in all")]
@@ -268,10 +219,7 @@ pub enum ProtocolError {
     #[error("connection closed in the middle of a {query} frame")]
     Truncated { query: &'static str },
     #[error("no byte of the {query} frame arrived for {stalled:?}")]
-    Stalled {
-        query: &'static str,
-        stalled: Duration,
-    },
+    Stalled { query: &'static str, stalled: Duration },
     #[error("i/o error while reading a request")]
     Io(#[source] std::io::Error),
 }
@@ -293,84 +241,45 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     /// `inner` should be buffered (e.g. a `tokio::io::BufReader`): fields are read a few bytes
     /// at a time.
     pub fn new(inner: R, limits: Limits, stall: Option<Duration>) -> Self {
-        FrameReader {
-            inner,
-            stall,
-            limits,
-        }
+        FrameReader { inner, stall, limits }
     }
 
     /// Reads the next request. `Ok(None)`: the peer closed the stream between frames.
     pub async fn next_request(&mut self) -> Result<Option<Request>, ProtocolError> {
         let mut first = [0u8; 1];
-        let n = self
-            .inner
-            .read(&mut first)
-            .await
-            .map_err(ProtocolError::Io)?;
+        let n = self.inner.read(&mut first).await.map_err(ProtocolError::Io)?;
         if n == 0 {
             return Ok(None);
         }
         let query_type = first[0];
-        let mut frame = Frame {
-            reader: self,
-            query: query_name(query_type),
-            budget: 0,
-        };
+        let mut frame = Frame { reader: self, query: query_name(query_type), budget: 0 };
         frame.budget = frame.reader.limits.max_request_bytes;
         let request = match query_type {
-            query::VALIDATE => Request::Validate {
-                magic: frame.u32().await?,
-            },
-            query::PING => Request::Ping {
-                nonce: frame.u32().await?,
-            },
+            query::VALIDATE => Request::Validate { magic: frame.u32().await? },
+            query::PING => Request::Ping { nonce: frame.u32().await? },
             query::SET => {
                 let key = frame.key().await?;
-                Request::Set {
-                    key,
-                    value: frame.value().await?,
-                }
+                Request::Set { key, value: frame.value().await? }
             }
             query::COMPARE_SET => {
                 let key = frame.key().await?;
                 let expected = frame.value().await?;
-                Request::CompareSet {
-                    key,
-                    expected,
-                    desired: frame.value().await?,
-                }
+                Request::CompareSet { key, expected, desired: frame.value().await? }
             }
-            query::GET => Request::Get {
-                key: frame.key().await?,
-            },
+            query::GET => Request::Get { key: frame.key().await? },
             query::ADD => {
                 let key = frame.key().await?;
-                Request::Add {
-                    key,
-                    delta: frame.u64().await? as i64,
-                }
+                Request::Add { key, delta: frame.u64().await? as i64 }
             }
-            query::CHECK => Request::Check {
-                keys: frame.keys().await?,
-            },
-            query::WAIT => Request::Wait {
-                keys: frame.keys().await?,
-            },
+            query::CHECK => Request::Check { keys: frame.keys().await? },
+            query::WAIT => Request::Wait { keys: frame.keys().await? },
             query::GETNUMKEYS => Request::NumKeys,
-            query::DELETE_KEY => Request::DeleteKey {
-                key: frame.key().await?,
-            },
+            query::DELETE_KEY => Request::DeleteKey { key: frame.key().await? },
             query::APPEND => {
                 let key = frame.key().await?;
-                Request::Append {
-                    key,
-                    value: frame.value().await?,
-                }
+                Request::Append { key, value: frame.value().await? }
             }
-            query::MULTI_GET => Request::MultiGet {
-                keys: frame.keys().await?,
-            },
+            query::MULTI_GET => Request::MultiGet { keys: frame.keys().await? },
             query::MULTI_SET => {
                 let count = frame.count().await?;
                 let mut kvs = Vec::with_capacity(count.min(1024) as usize);
@@ -383,24 +292,14 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             query::CANCEL_WAIT => Request::CancelWait,
             query::QUEUE_PUSH => {
                 let key = frame.key().await?;
-                Request::QueuePush {
-                    key,
-                    value: frame.value().await?,
-                }
+                Request::QueuePush { key, value: frame.value().await? }
             }
-            query::QUEUE_POP => Request::QueuePop {
-                key: frame.key().await?,
-            },
-            query::QUEUE_LEN => Request::QueueLen {
-                key: frame.key().await?,
-            },
+            query::QUEUE_POP => Request::QueuePop { key: frame.key().await? },
+            query::QUEUE_LEN => Request::QueueLen { key: frame.key().await? },
             query::LIST_KEYS => Request::ListKeys,
             query::BARRIER => {
                 let key = frame.key().await?;
-                Request::Barrier {
-                    key,
-                    world_size: frame.u64().await? as i64,
-                }
+                Request::Barrier { key, world_size: frame.u64().await? as i64 }
             }
             other => return Err(ProtocolError::UnknownQuery { query_type: other }),
         };
@@ -419,14 +318,9 @@ impl<R: AsyncRead + Unpin> Frame<'_, R> {
     async fn read_some(&mut self, buf: &mut [u8]) -> Result<usize, ProtocolError> {
         let read = self.reader.inner.read(buf);
         let n = match self.reader.stall {
-            Some(stall) => {
-                tokio::time::timeout(stall, read)
-                    .await
-                    .map_err(|_| ProtocolError::Stalled {
-                        query: self.query,
-                        stalled: stall,
-                    })?
-            }
+            Some(stall) => tokio::time::timeout(stall, read)
+                .await
+                .map_err(|_| ProtocolError::Stalled { query: self.query, stalled: stall })?,
             None => read.await,
         }
         .map_err(ProtocolError::Io)?;
@@ -491,9 +385,7 @@ impl<R: AsyncRead + Unpin> Frame<'_, R> {
             return Err(ProtocolError::TooLong { what, len, limit });
         }
         if len > self.budget {
-            return Err(ProtocolError::RequestTooLarge {
-                limit: self.reader.limits.max_request_bytes,
-            });
+            return Err(ProtocolError::RequestTooLarge { limit: self.reader.limits.max_request_bytes });
         }
         self.budget -= len;
         let len = len as usize;
@@ -504,9 +396,7 @@ impl<R: AsyncRead + Unpin> Frame<'_, R> {
             out.resize(start + step, 0);
             let mut filled = 0;
             while filled < step {
-                filled += self
-                    .read_some(&mut out[start + filled..start + step])
-                    .await?;
+                filled += self.read_some(&mut out[start + filled..start + step]).await?;
             }
         }
         Ok(out)
@@ -533,10 +423,7 @@ mod tests {
     }
 
     fn hex(s: &str) -> Vec<u8> {
-        (0..s.len())
-            .step_by(2)
-            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("test hex is valid"))
-            .collect()
+        (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("test hex is valid")).collect()
     }
 
     fn k(s: &str) -> Vec<u8> {
@@ -545,54 +432,25 @@ mod tests {
 
     fn all_requests() -> Vec<Request> {
         vec![
-            Request::Validate {
-                magic: VALIDATION_MAGIC,
-            },
-            Request::Set {
-                key: k("/k"),
-                value: k("v1"),
-            },
-            Request::CompareSet {
-                key: k("/k"),
-                expected: k("v1"),
-                desired: k("v2"),
-            },
+            Request::Validate { magic: VALIDATION_MAGIC },
+            Request::Set { key: k("/k"), value: k("v1") },
+            Request::CompareSet { key: k("/k"), expected: k("v1"), desired: k("v2") },
             Request::Get { key: k("/k") },
-            Request::Add {
-                key: k("/n"),
-                delta: -5,
-            },
-            Request::Check {
-                keys: vec![k("/k"), k("/zz")],
-            },
-            Request::Wait {
-                keys: vec![k("/k")],
-            },
+            Request::Add { key: k("/n"), delta: -5 },
+            Request::Check { keys: vec![k("/k"), k("/zz")] },
+            Request::Wait { keys: vec![k("/k")] },
             Request::NumKeys,
             Request::DeleteKey { key: k("/n") },
-            Request::Append {
-                key: k("/k"),
-                value: k("xx"),
-            },
-            Request::MultiGet {
-                keys: vec![k("/a"), k("/b")],
-            },
-            Request::MultiSet {
-                kvs: vec![(k("/a"), k("1")), (k("/b"), Vec::new())],
-            },
+            Request::Append { key: k("/k"), value: k("xx") },
+            Request::MultiGet { keys: vec![k("/a"), k("/b")] },
+            Request::MultiSet { kvs: vec![(k("/a"), k("1")), (k("/b"), Vec::new())] },
             Request::CancelWait,
             Request::Ping { nonce: 0x2153 },
-            Request::QueuePush {
-                key: k("/q"),
-                value: k("x"),
-            },
+            Request::QueuePush { key: k("/q"), value: k("x") },
             Request::QueuePop { key: k("/q") },
             Request::QueueLen { key: k("/q") },
             Request::ListKeys,
-            Request::Barrier {
-                key: k("/bar"),
-                world_size: 4,
-            },
+            Request::Barrier { key: k("/bar"), world_size: 4 },
         ]
     }
 
@@ -612,10 +470,7 @@ mod tests {
         let cases: Vec<(Request, &str)> = vec![
             (Request::Validate { magic: VALIDATION_MAGIC }, "00cef7853c"),
             (Request::Ping { nonce: 0x2153 }, "0d53210000"),
-            (
-                Request::Set { key: k("/k"), value: k("v1") },
-                "0102000000000000002f6b02000000000000007631",
-            ),
+            (Request::Set { key: k("/k"), value: k("v1") }, "0102000000000000002f6b02000000000000007631"),
             (Request::Get { key: k("/k") }, "0302000000000000002f6b"),
             (Request::Add { key: k("/n"), delta: 5 }, "0402000000000000002f6e0500000000000000"),
             (
@@ -630,10 +485,7 @@ mod tests {
             (Request::CancelWait, "0c"),
             (Request::NumKeys, "07"),
             (Request::DeleteKey { key: k("/n") }, "0802000000000000002f6e"),
-            (
-                Request::Append { key: k("/k"), value: k("xx") },
-                "0902000000000000002f6b02000000000000007878",
-            ),
+            (Request::Append { key: k("/k"), value: k("xx") }, "0902000000000000002f6b02000000000000007878"),
             (Request::MultiGet { keys: vec![k("/k")] }, "0a010000000000000002000000000000002f6b"),
             (
                 Request::MultiSet { kvs: vec![(k("/a"), k("1")), (k("/b"), k("2"))] },
@@ -643,10 +495,7 @@ mod tests {
             (Request::QueuePop { key: k("/q") }, "0f02000000000000002f71"),
             (Request::QueueLen { key: k("/q") }, "1002000000000000002f71"),
             (Request::ListKeys, "11"),
-            (
-                Request::Barrier { key: k("/bar"), world_size: 1 },
-                "1204000000000000002f6261720100000000000000",
-            ),
+            (Request::Barrier { key: k("/bar"), world_size: 1 }, "1204000000000000002f6261720100000000000000"),
         ];
         for (request, wire) in cases {
             let mut bytes = Vec::new();
@@ -664,15 +513,9 @@ mod tests {
     #[test]
     fn rejects_unknown_query_type() {
         let err = decode(&[19]).expect_err("19 is not a query");
-        assert!(
-            matches!(err, ProtocolError::UnknownQuery { query_type: 19 }),
-            "{err}"
-        );
+        assert!(matches!(err, ProtocolError::UnknownQuery { query_type: 19 }), "{err}");
         let err = decode(&[0xff, 1, 2]).expect_err("0xff is not a query");
-        assert!(
-            matches!(err, ProtocolError::UnknownQuery { query_type: 0xff }),
-            "{err}"
-        );
+        assert!(matches!(err, ProtocolError::UnknownQuery { query_type: 0xff }), "{err}");
     }
 
     #[test]
@@ -680,10 +523,7 @@ mod tests {
         let mut bytes = vec![query::GET];
         bytes.extend_from_slice(&u64::MAX.to_le_bytes());
         let err = decode(&bytes).expect_err("too long");
-        assert!(
-            matches!(err, ProtocolError::TooLong { what: "key", .. }),
-            "{err}"
-        );
+        assert!(matches!(err, ProtocolError::TooLong { what: "key", .. }), "{err}");
     }
 
     #[test]
@@ -692,10 +532,7 @@ mod tests {
         put_bytes(&mut bytes, b"/k");
         bytes.extend_from_slice(&((1u64 << 30) + 1).to_le_bytes());
         let err = decode(&bytes).expect_err("too long");
-        assert!(
-            matches!(err, ProtocolError::TooLong { what: "value", .. }),
-            "{err}"
-        );
+        assert!(matches!(err, ProtocolError::TooLong { what: "value", .. }), "{err}");
     }
 
     #[test]
@@ -708,36 +545,21 @@ mod tests {
 
     #[test]
     fn rejects_request_whose_fields_together_exceed_the_budget() {
-        let limits = Limits {
-            max_request_bytes: 10,
-            ..Limits::default()
-        };
-        let request = Request::MultiSet {
-            kvs: vec![(k("/a"), k("12345")), (k("/b"), k("6789"))],
-        };
+        let limits = Limits { max_request_bytes: 10, ..Limits::default() };
+        let request = Request::MultiSet { kvs: vec![(k("/a"), k("12345")), (k("/b"), k("6789"))] };
         let mut bytes = Vec::new();
         request.encode(&mut bytes);
         let err = decode_with(&bytes, limits).expect_err("over budget");
-        assert!(
-            matches!(err, ProtocolError::RequestTooLarge { limit: 10 }),
-            "{err}"
-        );
+        assert!(matches!(err, ProtocolError::RequestTooLarge { limit: 10 }), "{err}");
     }
 
     #[test]
     fn reports_truncated_frame() {
         let mut bytes = Vec::new();
-        Request::Set {
-            key: k("/k"),
-            value: k("value"),
-        }
-        .encode(&mut bytes);
+        Request::Set { key: k("/k"), value: k("value") }.encode(&mut bytes);
         for cut in 1..bytes.len() {
             let err = decode(&bytes[..cut]).expect_err("truncated");
-            assert!(
-                matches!(err, ProtocolError::Truncated { query: "set" }),
-                "cut {cut}: {err}"
-            );
+            assert!(matches!(err, ProtocolError::Truncated { query: "set" }), "cut {cut}: {err}");
         }
     }
 
@@ -749,16 +571,10 @@ mod tests {
             .expect("a current-thread runtime builds");
         rt.block_on(async {
             let (mut client, server) = tokio::io::duplex(64);
-            tokio::io::AsyncWriteExt::write_all(&mut client, &[query::GET, 2, 0])
-                .await
-                .expect("duplex write");
-            let mut reader =
-                FrameReader::new(server, Limits::default(), Some(Duration::from_millis(50)));
+            tokio::io::AsyncWriteExt::write_all(&mut client, &[query::GET, 2, 0]).await.expect("duplex write");
+            let mut reader = FrameReader::new(server, Limits::default(), Some(Duration::from_millis(50)));
             let err = reader.next_request().await.expect_err("stalls");
-            assert!(
-                matches!(err, ProtocolError::Stalled { query: "get", .. }),
-                "{err}"
-            );
+            assert!(matches!(err, ProtocolError::Stalled { query: "get", .. }), "{err}");
             drop(client);
         });
     }

@@ -19,8 +19,8 @@ use tokio::task::JoinSet;
 use tracing::{debug, error, warn};
 
 use super::protocol::{
-    put_bytes, FrameReader, Limits, ProtocolError, Request, CHECK_NOT_READY, CHECK_READY,
-    VALIDATION_MAGIC, WAIT_CANCELED, WAIT_STOP_WAITING,
+    put_bytes, FrameReader, Limits, ProtocolError, Request, CHECK_NOT_READY, CHECK_READY, VALIDATION_MAGIC,
+    WAIT_CANCELED, WAIT_STOP_WAITING,
 };
 use super::state::{ConnId, StateError, StoreState, WaitOutcome, WaiterId, Wake};
 
@@ -38,11 +38,7 @@ pub struct ServerConfig {
 
 impl Default for ServerConfig {
     fn default() -> Self {
-        ServerConfig {
-            limits: Limits::default(),
-            stall_timeout: Duration::from_secs(30),
-            max_pending_waits: 1024,
-        }
+        ServerConfig { limits: Limits::default(), stall_timeout: Duration::from_secs(30), max_pending_waits: 1024 }
     }
 }
 
@@ -93,11 +89,9 @@ impl StoreHandle {
     pub async fn shutdown(mut self) -> io::Result<()> {
         drop(self.stop.take());
         match self.done.take() {
-            Some(done) => done.await.unwrap_or_else(|_| {
-                Err(io::Error::other(
-                    "store server task ended without a result (panic?)",
-                ))
-            }),
+            Some(done) => done
+                .await
+                .unwrap_or_else(|_| Err(io::Error::other("store server task ended without a result (panic?)"))),
             None => Ok(()),
         }
     }
@@ -112,10 +106,7 @@ impl Drop for StoreHandle {
 
 impl StoreServer {
     /// Serves on an already-bound listener until `shutdown` resolves.
-    pub async fn serve(
-        listener: TcpListener,
-        shutdown: impl Future<Output = ()> + Send + 'static,
-    ) -> io::Result<()> {
+    pub async fn serve(listener: TcpListener, shutdown: impl Future<Output = ()> + Send + 'static) -> io::Result<()> {
         Self::serve_with_config(listener, ServerConfig::default(), shutdown).await
     }
 
@@ -126,10 +117,7 @@ impl StoreServer {
     }
 
     /// [`StoreServer::start`] with explicit tunables.
-    pub async fn start_with_config(
-        addr: SocketAddr,
-        config: ServerConfig,
-    ) -> io::Result<StoreHandle> {
+    pub async fn start_with_config(addr: SocketAddr, config: ServerConfig) -> io::Result<StoreHandle> {
         let listener = TcpListener::bind(addr).await?;
         let (handle, serving) = prepare(listener, config)?;
         tokio::spawn(serving);
@@ -141,9 +129,7 @@ impl StoreServer {
     /// change are then answered without waking a second worker thread, which keeps wake-up tail
     /// latency low on busy machines (see bench/store/RESULTS.md).
     pub fn start_dedicated(addr: SocketAddr, config: ServerConfig) -> io::Result<StoreHandle> {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()?;
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         let listener = std::net::TcpListener::bind(addr)?;
         listener.set_nonblocking(true)?;
         let listener = {
@@ -151,9 +137,7 @@ impl StoreServer {
             TcpListener::from_std(listener)?
         };
         let (handle, serving) = prepare(listener, config)?;
-        std::thread::Builder::new()
-            .name("rlaunch-store".into())
-            .spawn(move || rt.block_on(serving))?;
+        std::thread::Builder::new().name("rlaunch-store".into()).spawn(move || rt.block_on(serving))?;
         Ok(handle)
     }
 
@@ -182,12 +166,7 @@ fn prepare(
     let serving = async move {
         let _ = done_tx.send(serving.await);
     };
-    let handle = StoreHandle {
-        local_addr,
-        shared,
-        stop: Some(stop),
-        done: Some(done),
-    };
+    let handle = StoreHandle { local_addr, shared, stop: Some(stop), done: Some(done) };
     Ok((handle, serving))
 }
 
@@ -248,9 +227,7 @@ impl Shared {
     fn lock(&self) -> MutexGuard<'_, Inner> {
         // A panic while holding the lock cannot leave `StoreState` half-updated in a way that
         // loses values (each operation is a few map updates), so keep serving.
-        self.inner
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
 
@@ -310,28 +287,14 @@ async fn serve_connection(
     let (read_half, write_half) = stream.into_split();
     let (wake_tx, wake_rx) = mpsc::unbounded_channel();
     shared.lock().wakers.insert(conn, wake_tx);
-    let _guard = ConnGuard {
-        shared: shared.clone(),
-        conn,
-    };
+    let _guard = ConnGuard { shared: shared.clone(), conn };
 
     // One task per connection: the frame being read stays alive (pinned) while released waits
     // are answered, so no reader task or channel hop sits on the request path, and a client that
     // never reads its replies is throttled by TCP, not buffered here.
-    let mut frames = FrameReader::new(
-        BufReader::with_capacity(64 * 1024, read_half),
-        config.limits,
-        Some(config.stall_timeout),
-    );
-    let mut session = Session {
-        shared,
-        config,
-        conn,
-        out: write_half,
-        wake_rx,
-        pending: 0,
-        validated: false,
-    };
+    let mut frames =
+        FrameReader::new(BufReader::with_capacity(64 * 1024, read_half), config.limits, Some(config.stall_timeout));
+    let mut session = Session { shared, config, conn, out: write_half, wake_rx, pending: 0, validated: false };
     match session.run(&mut frames).await {
         Close::Eof => debug!(%peer, conn, "store: client disconnected"),
         close => {
@@ -399,8 +362,7 @@ impl Reply {
         if v.len() <= INLINE_VALUE {
             return self.bytes(&v);
         }
-        self.tail()
-            .extend_from_slice(&(v.len() as u64).to_le_bytes());
+        self.tail().extend_from_slice(&(v.len() as u64).to_le_bytes());
         self.parts.push(Part::Shared(v));
         self
     }
@@ -451,11 +413,8 @@ impl<W: AsyncWrite + Unpin> Session<W> {
             .collect();
         let mut first = 0;
         while first < parts.len() {
-            let slices: Vec<IoSlice<'_>> = parts[first..]
-                .iter()
-                .take(MAX_IOV)
-                .map(|b| IoSlice::new(&b[..b.len().min(WRITE_CHUNK)]))
-                .collect();
+            let slices: Vec<IoSlice<'_>> =
+                parts[first..].iter().take(MAX_IOV).map(|b| IoSlice::new(&b[..b.len().min(WRITE_CHUNK)])).collect();
             let mut written = tokio::time::timeout(stall, self.out.write_vectored(&slices))
                 .await
                 .map_err(|_| Close::WriteStalled(stall))?
@@ -483,9 +442,7 @@ impl<W: AsyncWrite + Unpin> Session<W> {
             WaitOutcome::Registered(_) => {
                 self.pending += 1;
                 if self.pending > self.config.max_pending_waits {
-                    return Err(Close::TooManyWaits {
-                        limit: self.config.max_pending_waits,
-                    });
+                    return Err(Close::TooManyWaits { limit: self.config.max_pending_waits });
                 }
                 Ok(None)
             }
@@ -500,9 +457,7 @@ impl<W: AsyncWrite + Unpin> Session<W> {
                     Ok(())
                 }
                 Request::Validate { magic } => Err(Close::BadMagic { magic }),
-                other => Err(Close::NotValidated {
-                    query: other.name(),
-                }),
+                other => Err(Close::NotValidated { query: other.name() }),
             };
         }
         let conn = self.conn;
@@ -522,49 +477,35 @@ impl<W: AsyncWrite + Unpin> Session<W> {
                     inner.deliver(wakes);
                     None
                 }
-                Request::CompareSet {
-                    key,
-                    expected,
-                    desired,
-                } => {
+                Request::CompareSet { key, expected, desired } => {
                     let (current, wakes) = inner.state.compare_set(key, expected, desired);
                     inner.deliver(wakes);
                     Some(Reply::default().value(current))
                 }
-                Request::Get { key } => {
-                    Some(Reply::default().value(inner.state.get(&key).unwrap_or_default()))
-                }
+                Request::Get { key } => Some(Reply::default().value(inner.state.get(&key).unwrap_or_default())),
                 Request::Add { key, delta } => {
                     let (sum, wakes) = inner.state.add(key, delta).map_err(Close::State)?;
                     inner.deliver(wakes);
                     Some(Reply::default().i64(sum))
                 }
-                Request::Check { keys } => Some(Reply::default().u8(if inner.state.check(&keys) {
-                    CHECK_READY
-                } else {
-                    CHECK_NOT_READY
-                })),
+                Request::Check { keys } => {
+                    Some(Reply::default().u8(if inner.state.check(&keys) { CHECK_READY } else { CHECK_NOT_READY }))
+                }
                 Request::Wait { keys } => {
                     let outcome = inner.state.wait(conn, keys);
                     drop(inner);
                     self.register_wait(outcome)?
                 }
                 Request::NumKeys => Some(Reply::default().i64(inner.state.num_keys())),
-                Request::DeleteKey { key } => {
-                    Some(Reply::default().i64(i64::from(inner.state.delete_key(&key))))
-                }
+                Request::DeleteKey { key } => Some(Reply::default().i64(i64::from(inner.state.delete_key(&key)))),
                 Request::Append { key, value } => {
                     let wakes = inner.state.append(key, &value);
                     inner.deliver(wakes);
                     None
                 }
-                Request::MultiGet { keys } => Some(
-                    inner
-                        .state
-                        .multi_get(&keys)
-                        .into_iter()
-                        .fold(Reply::default(), Reply::value),
-                ),
+                Request::MultiGet { keys } => {
+                    Some(inner.state.multi_get(&keys).into_iter().fold(Reply::default(), Reply::value))
+                }
                 Request::MultiSet { kvs } => {
                     let wakes = inner.state.multi_set(kvs);
                     inner.deliver(wakes);
@@ -598,19 +539,14 @@ impl<W: AsyncWrite + Unpin> Session<W> {
                         None => reply,
                     })
                 }
-                Request::QueueLen { key } => {
-                    Some(Reply::default().i64(inner.state.queue_len(&key)))
-                }
+                Request::QueueLen { key } => Some(Reply::default().i64(inner.state.queue_len(&key))),
                 Request::ListKeys => {
                     let keys = inner.state.list_keys();
                     let reply = Reply::default().i64(keys.len() as i64);
                     Some(keys.iter().fold(reply, |r, k| r.bytes(k)))
                 }
                 Request::Barrier { key, world_size } => {
-                    let (outcome, wakes) = inner
-                        .state
-                        .barrier(conn, key, world_size)
-                        .map_err(Close::State)?;
+                    let (outcome, wakes) = inner.state.barrier(conn, key, world_size).map_err(Close::State)?;
                     inner.deliver(wakes);
                     drop(inner);
                     self.register_wait(outcome)?

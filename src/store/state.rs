@@ -77,10 +77,7 @@ pub fn parse_counter(value: &[u8]) -> Option<i64> {
     let start = value.iter().position(|b| !b.is_ascii_whitespace())?;
     let rest = &value[start..];
     let sign_len = usize::from(matches!(rest.first(), Some(b'+' | b'-')));
-    let digits = rest[sign_len..]
-        .iter()
-        .take_while(|b| b.is_ascii_digit())
-        .count();
+    let digits = rest[sign_len..].iter().take_while(|b| b.is_ascii_digit()).count();
     if digits == 0 {
         return None;
     }
@@ -121,12 +118,7 @@ impl StoreState {
     /// torch semantics: a missing key is created only when `expected` is empty; the reply is
     /// the value now stored, or `expected` itself when the key is missing and `expected` is not
     /// empty.
-    pub fn compare_set(
-        &mut self,
-        key: Vec<u8>,
-        expected: Vec<u8>,
-        desired: Vec<u8>,
-    ) -> (Arc<Vec<u8>>, Vec<Wake>) {
+    pub fn compare_set(&mut self, key: Vec<u8>, expected: Vec<u8>, desired: Vec<u8>) -> (Arc<Vec<u8>>, Vec<Wake>) {
         let mut wakes = Vec::new();
         let reply = match self.kv.get_mut(&key) {
             None if expected.is_empty() => {
@@ -150,16 +142,9 @@ impl StoreState {
     pub fn add(&mut self, key: Vec<u8>, delta: i64) -> Result<(i64, Vec<Wake>), StateError> {
         let current = match self.kv.get(&key) {
             None => 0,
-            Some(v) => {
-                parse_counter(v).ok_or_else(|| StateError::NotAnInteger { key: lossy(&key) })?
-            }
+            Some(v) => parse_counter(v).ok_or_else(|| StateError::NotAnInteger { key: lossy(&key) })?,
         };
-        let sum = current
-            .checked_add(delta)
-            .ok_or_else(|| StateError::Overflow {
-                key: lossy(&key),
-                delta,
-            })?;
+        let sum = current.checked_add(delta).ok_or_else(|| StateError::Overflow { key: lossy(&key), delta })?;
         let mut wakes = Vec::new();
         self.store(key, Arc::new(sum.to_string().into_bytes()), &mut wakes);
         Ok((sum, wakes))
@@ -177,11 +162,9 @@ impl StoreState {
     fn holds(&self, cond: &Cond) -> bool {
         match cond {
             Cond::AllPresent(keys) => self.check(keys),
-            Cond::CounterAtLeast { key, target } => self
-                .kv
-                .get(key)
-                .and_then(|v| parse_counter(v))
-                .is_some_and(|count| count >= *target),
+            Cond::CounterAtLeast { key, target } => {
+                self.kv.get(key).and_then(|v| parse_counter(v)).is_some_and(|count| count >= *target)
+            }
         }
     }
 
@@ -229,10 +212,7 @@ impl StoreState {
             .collect();
         for id in ready {
             if let Some(waiter) = self.unregister(id) {
-                wakes.push(Wake {
-                    conn: waiter.conn,
-                    waiter: id,
-                });
+                wakes.push(Wake { conn: waiter.conn, waiter: id });
             }
         }
     }
@@ -248,11 +228,7 @@ impl StoreState {
     /// Drops every pending wait of `conn` (cancel-wait, or the connection went away) and says
     /// how many there were.
     pub fn cancel_waits(&mut self, conn: ConnId) -> usize {
-        let ids: Vec<WaiterId> = self
-            .by_conn
-            .get(&conn)
-            .map(|set| set.iter().copied().collect())
-            .unwrap_or_default();
+        let ids: Vec<WaiterId> = self.by_conn.get(&conn).map(|set| set.iter().copied().collect()).unwrap_or_default();
         ids.into_iter().filter_map(|id| self.unregister(id)).count()
     }
 
@@ -278,9 +254,7 @@ impl StoreState {
 
     /// Values of the keys, in order; a missing key reads as empty (torch clients wait first).
     pub fn multi_get(&self, keys: &[Vec<u8>]) -> Vec<Arc<Vec<u8>>> {
-        keys.iter()
-            .map(|k| self.get(k).unwrap_or_default())
-            .collect()
+        keys.iter().map(|k| self.get(k).unwrap_or_default()).collect()
     }
 
     pub fn multi_set(&mut self, kvs: Vec<(Vec<u8>, Vec<u8>)>) -> Vec<Wake> {
@@ -330,13 +304,7 @@ impl StoreState {
         if count >= world_size {
             return Ok((WaitOutcome::Ready, wakes));
         }
-        let id = self.register(
-            conn,
-            Cond::CounterAtLeast {
-                key,
-                target: world_size,
-            },
-        );
+        let id = self.register(conn, Cond::CounterAtLeast { key, target: world_size });
         Ok((WaitOutcome::Registered(id), wakes))
     }
 
@@ -386,20 +354,11 @@ mod tests {
     fn add_to_non_integer_or_overflowing_value_leaves_the_value_alone() {
         let mut s = StoreState::new();
         s.set(k("t"), k("text"));
-        assert!(matches!(
-            s.add(k("t"), 1),
-            Err(StateError::NotAnInteger { .. })
-        ));
+        assert!(matches!(s.add(k("t"), 1), Err(StateError::NotAnInteger { .. })));
         assert_eq!(s.get(b"t").expect("kept").as_slice(), b"text");
         s.set(k("big"), i64::MAX.to_string().into_bytes());
-        assert!(matches!(
-            s.add(k("big"), 1),
-            Err(StateError::Overflow { .. })
-        ));
-        assert_eq!(
-            s.get(b"big").expect("kept").as_slice(),
-            i64::MAX.to_string().as_bytes()
-        );
+        assert!(matches!(s.add(k("big"), 1), Err(StateError::Overflow { .. })));
+        assert_eq!(s.get(b"big").expect("kept").as_slice(), i64::MAX.to_string().as_bytes());
     }
 
     #[test]
@@ -409,37 +368,20 @@ mod tests {
         assert_eq!(s.compare_set(k("c"), k("x"), k("y")).0.as_slice(), b"x");
         assert!(s.get(b"c").is_none());
         // Missing key, empty expected: created.
-        assert_eq!(
-            s.compare_set(k("c"), k(""), k("first")).0.as_slice(),
-            b"first"
-        );
+        assert_eq!(s.compare_set(k("c"), k(""), k("first")).0.as_slice(), b"first");
         // Mismatch: current value returned, unchanged.
-        assert_eq!(
-            s.compare_set(k("c"), k("nope"), k("z")).0.as_slice(),
-            b"first"
-        );
+        assert_eq!(s.compare_set(k("c"), k("nope"), k("z")).0.as_slice(), b"first");
         // Match: swapped.
-        assert_eq!(
-            s.compare_set(k("c"), k("first"), k("second")).0.as_slice(),
-            b"second"
-        );
+        assert_eq!(s.compare_set(k("c"), k("first"), k("second")).0.as_slice(), b"second");
     }
 
     #[test]
     fn wait_wakes_only_when_all_its_keys_are_set() {
         let mut s = StoreState::new();
-        let WaitOutcome::Registered(id) = s.wait(7, vec![k("a"), k("b")]) else {
-            panic!("nothing is set yet")
-        };
+        let WaitOutcome::Registered(id) = s.wait(7, vec![k("a"), k("b")]) else { panic!("nothing is set yet") };
         assert!(s.set(k("unrelated"), k("1")).is_empty());
         assert!(s.set(k("a"), k("1")).is_empty());
-        assert_eq!(
-            s.set(k("b"), k("2")),
-            vec![Wake {
-                conn: 7,
-                waiter: id
-            }]
-        );
+        assert_eq!(s.set(k("b"), k("2")), vec![Wake { conn: 7, waiter: id }]);
         assert_eq!(s.pending_waits(), 0);
         assert_eq!(s.wait(7, vec![k("a"), k("b")]), WaitOutcome::Ready);
     }
@@ -448,14 +390,9 @@ mod tests {
     fn wait_re_evaluates_after_a_delete() {
         let mut s = StoreState::new();
         s.set(k("a"), k("1"));
-        let WaitOutcome::Registered(_) = s.wait(1, vec![k("a"), k("b")]) else {
-            panic!()
-        };
+        let WaitOutcome::Registered(_) = s.wait(1, vec![k("a"), k("b")]) else { panic!() };
         s.delete_key(b"a");
-        assert!(
-            s.set(k("b"), k("1")).is_empty(),
-            "a was deleted, the wait must go on"
-        );
+        assert!(s.set(k("b"), k("1")).is_empty(), "a was deleted, the wait must go on");
         assert_eq!(s.set(k("a"), k("1")).len(), 1);
     }
 
@@ -467,11 +404,7 @@ mod tests {
         }
         assert_eq!(s.add(k("w1"), 1).expect("add").1.len(), 1);
         assert_eq!(s.append(k("w2"), b"x").len(), 1);
-        assert_eq!(
-            s.multi_set(vec![(k("w3"), k("v")), (k("zz"), k("v"))])
-                .len(),
-            1
-        );
+        assert_eq!(s.multi_set(vec![(k("w3"), k("v")), (k("zz"), k("v"))]).len(), 1);
         assert_eq!(s.compare_set(k("w4"), k(""), k("v")).1.len(), 1);
         assert_eq!(s.pending_waits(), 0);
     }
@@ -487,10 +420,7 @@ mod tests {
         let wakes = s.set(k("a"), k("v"));
         assert_eq!(wakes.len(), 1);
         assert_eq!(wakes[0].conn, 2);
-        assert!(
-            s.by_key.is_empty() && s.by_conn.is_empty(),
-            "no index entries leak"
-        );
+        assert!(s.by_key.is_empty() && s.by_conn.is_empty(), "no index entries leak");
     }
 
     #[test]
@@ -503,10 +433,7 @@ mod tests {
         assert_eq!(s.queue_len(b"q"), 1);
         assert_eq!(s.queue_pop(b"q"), (1, Some(k("x"))));
         assert_eq!(s.queue_pop(b"q"), (0, None));
-        assert_eq!(
-            s.queue_push(k("q"), k("y")),
-            vec![Wake { conn: 2, waiter: 1 }]
-        );
+        assert_eq!(s.queue_push(k("q"), k("y")), vec![Wake { conn: 2, waiter: 1 }]);
         assert_eq!(s.num_keys(), 0, "queues are not keys");
     }
 
@@ -531,10 +458,7 @@ mod tests {
         s.queue_push(k("q"), k("x"));
         s.wait(1, vec![k("b")]);
         assert_eq!(s.clear(), 1);
-        assert_eq!(
-            (s.num_keys(), s.queue_len(b"q"), s.pending_waits()),
-            (0, 0, 1)
-        );
+        assert_eq!((s.num_keys(), s.queue_len(b"q"), s.pending_waits()), (0, 0, 1));
         assert_eq!(s.set(k("b"), k("1")).len(), 1);
     }
 
@@ -548,9 +472,6 @@ mod tests {
         assert_eq!(s.num_keys(), 2);
         assert!(s.delete_key(b"a"));
         assert!(!s.delete_key(b"a"));
-        assert_eq!(
-            s.multi_get(&[k("b"), k("a")]),
-            vec![Arc::new(k("2")), Arc::new(Vec::new())]
-        );
+        assert_eq!(s.multi_get(&[k("b"), k("a")]), vec![Arc::new(k("2")), Arc::new(Vec::new())]);
     }
 }

@@ -30,15 +30,9 @@ impl TestServer {
             .build()
             .expect("tokio runtime builds");
         let any: SocketAddr = "127.0.0.1:0".parse().expect("valid address");
-        let handle = rt
-            .block_on(StoreServer::start_with_config(any, config))
-            .expect("server binds loopback");
+        let handle = rt.block_on(StoreServer::start_with_config(any, config)).expect("server binds loopback");
         let addr = handle.local_addr().to_string();
-        TestServer {
-            handle: Some(handle),
-            addr,
-            rt,
-        }
+        TestServer { handle: Some(handle), addr, rt }
     }
 
     fn handle(&self) -> &StoreHandle {
@@ -54,10 +48,7 @@ impl TestServer {
         let mut s = TcpStream::connect(&self.addr).expect("raw connect");
         s.set_read_timeout(Some(DEADLINE)).expect("read timeout");
         let mut frame = Vec::new();
-        Request::Validate {
-            magic: VALIDATION_MAGIC,
-        }
-        .encode(&mut frame);
+        Request::Validate { magic: VALIDATION_MAGIC }.encode(&mut frame);
         s.write_all(&frame).expect("validate");
         s
     }
@@ -75,9 +66,7 @@ impl TestServer {
 impl Drop for TestServer {
     fn drop(&mut self) {
         if let Some(handle) = self.handle.take() {
-            let _ = self
-                .rt
-                .block_on(async { tokio::time::timeout(DEADLINE, handle.shutdown()).await });
+            let _ = self.rt.block_on(async { tokio::time::timeout(DEADLINE, handle.shutdown()).await });
         }
     }
 }
@@ -96,10 +85,7 @@ fn assert_closed_by_server(s: &mut TcpStream) {
         match s.read(&mut buf) {
             Ok(0) => return,
             Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return,
-            Err(e)
-                if e.kind() == std::io::ErrorKind::WouldBlock
-                    || e.kind() == std::io::ErrorKind::TimedOut =>
-            {
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock || e.kind() == std::io::ErrorKind::TimedOut => {
                 panic!("server did not close the connection within {DEADLINE:?}")
             }
             Err(e) => panic!("unexpected error {e}"),
@@ -108,19 +94,14 @@ fn assert_closed_by_server(s: &mut TcpStream) {
     }
 }
 
-fn spawn_with_deadline<T: Send + 'static>(
-    f: impl FnOnce() -> T + Send + 'static,
-) -> thread::JoinHandle<T> {
+fn spawn_with_deadline<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> thread::JoinHandle<T> {
     thread::spawn(f)
 }
 
 fn join<T>(h: thread::JoinHandle<T>) -> T {
     let start = Instant::now();
     while !h.is_finished() {
-        assert!(
-            start.elapsed() < DEADLINE,
-            "thread did not finish within {DEADLINE:?}"
-        );
+        assert!(start.elapsed() < DEADLINE, "thread did not finish within {DEADLINE:?}");
         thread::sleep(Duration::from_millis(2));
     }
     h.join().expect("thread did not panic")
@@ -138,30 +119,19 @@ fn store_every_query_round_trips_between_client_and_server() {
     assert_eq!(c.get("n").expect("get counter"), b"3");
     assert_eq!(c.compare_set("k", b"v1", b"v2").expect("cas hit"), b"v2");
     assert_eq!(c.compare_set("k", b"zz", b"v3").expect("cas miss"), b"v2");
-    assert_eq!(
-        c.compare_set("fresh", b"", b"new").expect("cas create"),
-        b"new"
-    );
-    assert_eq!(
-        c.compare_set("absent", b"x", b"y").expect("cas absent"),
-        b"x"
-    );
+    assert_eq!(c.compare_set("fresh", b"", b"new").expect("cas create"), b"new");
+    assert_eq!(c.compare_set("absent", b"x", b"y").expect("cas absent"), b"x");
     assert!(c.check(&["k", "n"]).expect("check"));
     assert!(!c.check(&["k", "absent"]).expect("check"));
-    c.wait(&["k", "n"], Duration::from_millis(100))
-        .expect("wait on present keys");
+    c.wait(&["k", "n"], Duration::from_millis(100)).expect("wait on present keys");
     assert_eq!(c.num_keys().expect("num_keys"), 3);
     assert!(c.delete_key("fresh").expect("delete"));
     assert!(!c.delete_key("fresh").expect("delete again"));
     c.append("k", b"++").expect("append");
     c.append("new", b"a").expect("append creates");
     assert_eq!(c.get("k").expect("get"), b"v2++");
-    c.multi_set(&[("a", b"1".as_slice()), ("b", b"".as_slice())])
-        .expect("multi_set");
-    assert_eq!(
-        c.multi_get(&["b", "a", "k"]).expect("multi_get"),
-        vec![b"".to_vec(), b"1".to_vec(), b"v2++".to_vec()]
-    );
+    c.multi_set(&[("a", b"1".as_slice()), ("b", b"".as_slice())]).expect("multi_set");
+    assert_eq!(c.multi_get(&["b", "a", "k"]).expect("multi_get"), vec![b"".to_vec(), b"1".to_vec(), b"v2++".to_vec()]);
     let mut keys = c.list_keys().expect("list_keys");
     keys.sort();
     assert_eq!(keys, vec!["a", "b", "k", "n", "new"]);
@@ -171,8 +141,7 @@ fn store_every_query_round_trips_between_client_and_server() {
     assert_eq!(c.queue_pop("q", true).expect("pop"), Some(b"x".to_vec()));
     assert_eq!(c.queue_pop("q", false).expect("pop"), Some(b"y".to_vec()));
     assert_eq!(c.queue_pop("q", false).expect("pop empty"), None);
-    c.barrier("bar", 1, Duration::from_secs(1))
-        .expect("barrier of one");
+    c.barrier("bar", 1, Duration::from_secs(1)).expect("barrier of one");
     assert_eq!(server.handle().num_keys(), 6);
 }
 
@@ -184,10 +153,7 @@ fn store_large_value_round_trips_intact() {
     c.set("big", &value).expect("set 8 MiB");
     assert!(c.get("big").expect("get 8 MiB") == value);
     c.append("big", b"tail").expect("append");
-    assert_eq!(
-        c.multi_get(&["big"]).expect("multi_get")[0].len(),
-        value.len() + 4
-    );
+    assert_eq!(c.multi_get(&["big"]).expect("multi_get")[0].len(), value.len() + 4);
 }
 
 #[test]
@@ -213,11 +179,7 @@ fn store_concurrent_waits_are_woken_by_sets_and_adds_from_other_clients() {
             let ready = ready.clone();
             spawn_with_deadline(move || {
                 ready.wait();
-                let keys = if i % 2 == 0 {
-                    vec!["go", "counter"]
-                } else {
-                    vec!["go"]
-                };
+                let keys = if i % 2 == 0 { vec!["go", "counter"] } else { vec!["go"] };
                 let start = Instant::now();
                 c.wait(&keys, DEADLINE).expect("woken before the deadline");
                 start.elapsed()
@@ -228,9 +190,7 @@ fn store_concurrent_waits_are_woken_by_sets_and_adds_from_other_clients() {
     server.eventually("all waits are registered", |h| h.pending_waits() == n);
     let mut setter = server.client();
     setter.set("go", b"1").expect("set");
-    server.eventually("odd waiters are released by the set", |h| {
-        h.pending_waits() == n / 2
-    });
+    server.eventually("odd waiters are released by the set", |h| h.pending_waits() == n / 2);
     setter.add("counter", 1).expect("add");
     for w in waiters {
         join(w);
@@ -243,20 +203,11 @@ fn store_wait_times_out_with_timeout_error_and_connection_stays_usable() {
     let server = TestServer::start();
     let mut c = server.client();
     let start = Instant::now();
-    let err = c
-        .wait(&["never"], Duration::from_millis(150))
-        .expect_err("times out");
+    let err = c.wait(&["never"], Duration::from_millis(150)).expect_err("times out");
     let took = start.elapsed();
     assert!(err.is_timeout(), "{err}");
-    assert!(
-        took >= Duration::from_millis(150) && took < Duration::from_secs(3),
-        "{took:?}"
-    );
-    assert_eq!(
-        server.handle().pending_waits(),
-        0,
-        "cancel-wait removed the waiter"
-    );
+    assert!(took >= Duration::from_millis(150) && took < Duration::from_secs(3), "{took:?}");
+    assert_eq!(server.handle().pending_waits(), 0, "cancel-wait removed the waiter");
     c.set("after", b"ok").expect("set after timeout");
     assert_eq!(c.get("after").expect("get after timeout"), b"ok");
 }
@@ -266,20 +217,14 @@ fn store_get_times_out_on_missing_key_with_client_timeout() {
     let server = TestServer::start();
     let mut c = StoreClient::connect(&server.addr, Duration::from_millis(200)).expect("connect");
     let err = c.get("missing").expect_err("times out");
-    assert!(
-        matches!(&err, StoreError::Timeout { op: "get", key, .. } if key == "missing"),
-        "{err}"
-    );
+    assert!(matches!(&err, StoreError::Timeout { op: "get", key, .. } if key == "missing"), "{err}");
 }
 
 #[test]
 fn store_cancel_after_release_answers_stop_waiting_then_wait_canceled() {
     let server = TestServer::start();
     let mut raw = server.raw();
-    raw.write_all(&encode(Request::Wait {
-        keys: vec![b"/race".to_vec()],
-    }))
-    .expect("wait");
+    raw.write_all(&encode(Request::Wait { keys: vec![b"/race".to_vec()] })).expect("wait");
     server.eventually("wait registered", |h| h.pending_waits() == 1);
     server.client().set("race", b"1").expect("set");
     server.eventually("wait released", |h| h.pending_waits() == 0);
@@ -302,10 +247,7 @@ fn store_barrier_releases_all_participants_together() {
     for p in parties {
         join(p);
     }
-    let err = server
-        .client()
-        .barrier("lonely", 2, Duration::from_millis(100))
-        .expect_err("alone");
+    let err = server.client().barrier("lonely", 2, Duration::from_millis(100)).expect_err("alone");
     assert!(err.is_timeout(), "{err}");
 }
 
@@ -340,10 +282,7 @@ fn store_many_clients_adding_concurrently_lose_no_increment() {
 
 #[test]
 fn store_connect_retries_until_the_server_appears() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("free port")
-        .port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("free port").port();
     let addr = format!("127.0.0.1:{port}");
     let connecting = {
         let addr = addr.clone();
@@ -351,9 +290,7 @@ fn store_connect_retries_until_the_server_appears() {
     };
     thread::sleep(Duration::from_millis(300));
     let rt = tokio::runtime::Runtime::new().expect("runtime");
-    let handle = rt
-        .block_on(StoreServer::start(addr.parse().expect("addr")))
-        .expect("bind the same port");
+    let handle = rt.block_on(StoreServer::start(addr.parse().expect("addr"))).expect("bind the same port");
     let mut client = join(connecting).expect("connected after retrying");
     client.set("x", b"y").expect("usable");
     rt.block_on(handle.shutdown()).expect("clean shutdown");
@@ -361,14 +298,10 @@ fn store_connect_retries_until_the_server_appears() {
 
 #[test]
 fn store_connect_gives_up_with_connect_error_after_timeout() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("free port")
-        .port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("free port").port();
     let start = Instant::now();
-    let err = StoreClient::connect(&format!("127.0.0.1:{port}"), Duration::from_millis(300))
-        .err()
-        .expect("nothing listens");
+    let err =
+        StoreClient::connect(&format!("127.0.0.1:{port}"), Duration::from_millis(300)).err().expect("nothing listens");
     assert!(matches!(err, StoreError::Connect { .. }), "{err}");
     assert!(start.elapsed() < Duration::from_secs(3));
 }
@@ -378,13 +311,7 @@ fn store_prefix_store_namespaces_keys_like_torch() {
     let server = TestServer::start();
     let mut p = PrefixStore::new("default_pg", server.client());
     p.set("rank0", b"addr").expect("set");
-    assert_eq!(
-        server
-            .client()
-            .get("default_pg/rank0")
-            .expect("visible unprefixed"),
-        b"addr"
-    );
+    assert_eq!(server.client().get("default_pg/rank0").expect("visible unprefixed"), b"addr");
     assert_eq!(p.add("ctr", 2).expect("add"), 2);
     assert!(p.check(&["rank0", "ctr"]).expect("check"));
 }
@@ -394,22 +321,14 @@ fn store_prefix_store_namespaces_keys_like_torch() {
 /// Sets a value through a well-behaved client, runs `abuse` on a raw socket, then checks the
 /// server still serves a fresh client and the value survived.
 fn survives(abuse: impl FnOnce(&TestServer)) {
-    let server = TestServer::start_with(ServerConfig {
-        stall_timeout: Duration::from_millis(300),
-        ..ServerConfig::default()
-    });
+    let server =
+        TestServer::start_with(ServerConfig { stall_timeout: Duration::from_millis(300), ..ServerConfig::default() });
     let mut good = server.client();
     good.set("precious", b"keep me").expect("set");
     abuse(&server);
-    assert_eq!(
-        good.get("precious").expect("old client still served"),
-        b"keep me"
-    );
+    assert_eq!(good.get("precious").expect("old client still served"), b"keep me");
     let mut fresh = server.client();
-    assert_eq!(
-        fresh.get("precious").expect("new client served"),
-        b"keep me"
-    );
+    assert_eq!(fresh.get("precious").expect("new client served"), b"keep me");
     fresh.set("after", b"1").expect("writes still work");
 }
 
@@ -436,10 +355,7 @@ fn store_client_that_skips_validation_is_refused() {
     survives(|server| {
         let mut raw = TcpStream::connect(&server.addr).expect("connect");
         raw.set_read_timeout(Some(DEADLINE)).expect("timeout");
-        raw.write_all(&encode(Request::Get {
-            key: b"/precious".to_vec(),
-        }))
-        .expect("get");
+        raw.write_all(&encode(Request::Get { key: b"/precious".to_vec() })).expect("get");
         assert_closed_by_server(&mut raw);
     });
 }
@@ -449,8 +365,7 @@ fn store_wrong_magic_number_is_refused() {
     survives(|server| {
         let mut raw = TcpStream::connect(&server.addr).expect("connect");
         raw.set_read_timeout(Some(DEADLINE)).expect("timeout");
-        raw.write_all(&encode(Request::Validate { magic: 0xdead_beef }))
-            .expect("bad magic");
+        raw.write_all(&encode(Request::Validate { magic: 0xdead_beef })).expect("bad magic");
         assert_closed_by_server(&mut raw);
     });
 }
@@ -460,13 +375,7 @@ fn store_absurd_key_and_value_lengths_are_refused_without_allocating() {
     survives(|server| {
         for frame in [
             [&[query::GET][..], &u64::MAX.to_le_bytes()].concat(),
-            [
-                &[query::SET][..],
-                &2u64.to_le_bytes(),
-                b"/k",
-                &(1u64 << 62).to_le_bytes(),
-            ]
-            .concat(),
+            [&[query::SET][..], &2u64.to_le_bytes(), b"/k", &(1u64 << 62).to_le_bytes()].concat(),
             [&[query::WAIT][..], &(1u64 << 50).to_le_bytes()].concat(),
             [&[query::MULTI_SET][..], &u64::MAX.to_le_bytes()].concat(),
         ] {
@@ -481,19 +390,12 @@ fn store_absurd_key_and_value_lengths_are_refused_without_allocating() {
 fn store_half_frame_then_close_applies_nothing() {
     survives(|server| {
         let mut raw = server.raw();
-        let frame = encode(Request::Set {
-            key: b"/half".to_vec(),
-            value: vec![7; 1000],
-        });
-        raw.write_all(&frame[..frame.len() / 2])
-            .expect("half a frame");
+        let frame = encode(Request::Set { key: b"/half".to_vec(), value: vec![7; 1000] });
+        raw.write_all(&frame[..frame.len() / 2]).expect("half a frame");
         drop(raw);
         let mut c = server.client();
         thread::sleep(Duration::from_millis(50));
-        assert!(
-            !c.check(&["half"]).expect("check"),
-            "a half frame must not be applied"
-        );
+        assert!(!c.check(&["half"]).expect("check"), "a half frame must not be applied");
     });
 }
 
@@ -501,32 +403,23 @@ fn store_half_frame_then_close_applies_nothing() {
 fn store_client_stalling_mid_frame_is_disconnected_after_the_stall_timeout() {
     survives(|server| {
         let mut raw = server.raw();
-        let frame = encode(Request::Set {
-            key: b"/stall".to_vec(),
-            value: vec![1; 100],
-        });
+        let frame = encode(Request::Set { key: b"/stall".to_vec(), value: vec![1; 100] });
         raw.write_all(&frame[..20]).expect("part of a frame");
         let start = Instant::now();
         assert_closed_by_server(&mut raw);
         let took = start.elapsed();
-        assert!(
-            took >= Duration::from_millis(250) && took < Duration::from_secs(5),
-            "{took:?}"
-        );
+        assert!(took >= Duration::from_millis(250) && took < Duration::from_secs(5), "{took:?}");
     });
 }
 
 #[test]
 fn store_idle_client_between_frames_is_not_disconnected() {
-    let server = TestServer::start_with(ServerConfig {
-        stall_timeout: Duration::from_millis(100),
-        ..ServerConfig::default()
-    });
+    let server =
+        TestServer::start_with(ServerConfig { stall_timeout: Duration::from_millis(100), ..ServerConfig::default() });
     let mut c = server.client();
     thread::sleep(Duration::from_millis(400));
     c.set("still", b"here").expect("idle connection still open");
-    c.wait(&["never"], Duration::from_millis(300))
-        .expect_err("a long wait is not a stall");
+    c.wait(&["never"], Duration::from_millis(300)).expect_err("a long wait is not a stall");
     c.ping().expect("still usable");
 }
 
@@ -534,25 +427,13 @@ fn store_idle_client_between_frames_is_not_disconnected() {
 fn store_waiters_of_a_vanished_client_are_cleaned_up() {
     survives(|server| {
         let mut raw = server.raw();
-        raw.write_all(&encode(Request::Wait {
-            keys: vec![b"/ghost".to_vec()],
-        }))
-        .expect("wait");
-        raw.write_all(&encode(Request::Barrier {
-            key: b"/gb".to_vec(),
-            world_size: 9,
-        }))
-        .expect("barrier");
+        raw.write_all(&encode(Request::Wait { keys: vec![b"/ghost".to_vec()] })).expect("wait");
+        raw.write_all(&encode(Request::Barrier { key: b"/gb".to_vec(), world_size: 9 })).expect("barrier");
         server.eventually("both waits registered", |h| h.pending_waits() == 2);
         drop(raw);
-        server.eventually("waits of the vanished client removed", |h| {
-            h.pending_waits() == 0
-        });
+        server.eventually("waits of the vanished client removed", |h| h.pending_waits() == 0);
         server.eventually("connection unregistered", |h| h.connections() == 1);
-        server
-            .client()
-            .set("ghost", b"nobody listens")
-            .expect("set wakes nobody");
+        server.client().set("ghost", b"nobody listens").expect("set wakes nobody");
     });
 }
 
@@ -571,10 +452,7 @@ fn store_too_large_key_is_rejected_by_the_client_before_sending() {
     let server = TestServer::start();
     let mut c = server.client();
     let key = "k".repeat(64 * 1024);
-    assert!(matches!(
-        c.set(&key, b"v"),
-        Err(StoreError::TooLarge { what: "key", .. })
-    ));
+    assert!(matches!(c.set(&key, b"v"), Err(StoreError::TooLarge { what: "key", .. })));
     c.ping().expect("connection untouched");
 }
 
@@ -593,17 +471,13 @@ fn store_hundred_concurrent_waiters_on_one_key_are_all_released_by_one_set() {
     for w in waiters {
         assert_eq!(join(w), b"all");
     }
-    server.eventually("finished clients are unregistered", |h| {
-        h.connections() == 0
-    });
+    server.eventually("finished clients are unregistered", |h| h.connections() == 0);
 }
 
 #[test]
 fn store_serve_on_injected_listener_stops_when_shutdown_resolves() {
     let rt = tokio::runtime::Runtime::new().expect("runtime");
-    let listener = rt
-        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-        .expect("bind");
+    let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).expect("bind");
     let addr = listener.local_addr().expect("local addr").to_string();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let serving = rt.spawn(StoreServer::serve(listener, async move {
@@ -628,10 +502,7 @@ fn store_dropping_the_handle_stops_the_server() {
     drop(server.handle.take());
     let start = Instant::now();
     while c.ping().is_ok() {
-        assert!(
-            start.elapsed() < DEADLINE,
-            "server still serving after its handle was dropped"
-        );
+        assert!(start.elapsed() < DEADLINE, "server still serving after its handle was dropped");
         thread::sleep(Duration::from_millis(10));
     }
 }
@@ -646,10 +517,7 @@ fn store_dedicated_server_runs_on_its_own_thread_without_a_caller_runtime() {
     let waiter = spawn_with_deadline(move || b.get("k").expect("released"));
     a.set("k", b"v").expect("set");
     assert_eq!(join(waiter), b"v");
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     rt.block_on(async { tokio::time::timeout(DEADLINE, handle.shutdown()).await })
         .expect("shuts down before the deadline")
         .expect("clean shutdown");
@@ -658,16 +526,10 @@ fn store_dedicated_server_runs_on_its_own_thread_without_a_caller_runtime() {
 
 #[test]
 fn store_client_piling_up_waits_beyond_the_limit_is_disconnected() {
-    let server = TestServer::start_with(ServerConfig {
-        max_pending_waits: 2,
-        ..ServerConfig::default()
-    });
+    let server = TestServer::start_with(ServerConfig { max_pending_waits: 2, ..ServerConfig::default() });
     let mut raw = server.raw();
     for key in ["/w1", "/w2", "/w3"] {
-        raw.write_all(&encode(Request::Wait {
-            keys: vec![key.as_bytes().to_vec()],
-        }))
-        .expect("wait");
+        raw.write_all(&encode(Request::Wait { keys: vec![key.as_bytes().to_vec()] })).expect("wait");
     }
     assert_closed_by_server(&mut raw);
     server.eventually("its waits are removed", |h| h.pending_waits() == 0);

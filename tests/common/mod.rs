@@ -36,13 +36,7 @@ impl Finished {
 
 /// Spawns `world` processes of `cmd` (program + args) with ranks and the store set;
 /// `hosts[r]` is the GROUP_RANK of rank r (ranks of a host are contiguous).
-pub fn spawn(
-    program: &Path,
-    args: &[String],
-    hosts: &[usize],
-    dir: &Path,
-    extra: &[(String, String)],
-) -> Spawned {
+pub fn spawn(program: &Path, args: &[String], hosts: &[usize], dir: &Path, extra: &[(String, String)]) -> Spawned {
     spawn_wrapped(program, args, hosts, dir, extra, |_| (Vec::new(), Vec::new()))
 }
 
@@ -64,7 +58,11 @@ pub fn spawn_wrapped(
     for r in 0..world {
         let local: Vec<usize> = (0..world).filter(|&q| hosts[q] == hosts[r]).collect();
         let local_rank = local.iter().position(|&q| q == r).expect("in own host");
-        let n_hosts = { let mut h = hosts.to_vec(); h.dedup(); h.len() };
+        let n_hosts = {
+            let mut h = hosts.to_vec();
+            h.dedup();
+            h.len()
+        };
         let log = dir.join(format!("rank{r}.log"));
         let f = std::fs::File::create(&log).expect("create log file");
         let f2 = f.try_clone().expect("clone log file");

@@ -37,7 +37,11 @@ pub fn reference_worker(pg: &mut ProcessGroup, seed: u64) -> Result<(), String> 
     for (case, &n) in sizes.iter().enumerate() {
         let all: Vec<Vec<f32>> = (0..w).map(|r| gen(seed, case, r, n)).collect();
         let scale: Vec<f32> = (0..n).map(|i| all.iter().map(|v| v[i].abs()).sum()).collect();
-        let ops: &[ReduceOp] = if n > 1_100_000 { &[ReduceOp::Sum] } else { &[ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Min, ReduceOp::Max] };
+        let ops: &[ReduceOp] = if n > 1_100_000 {
+            &[ReduceOp::Sum]
+        } else {
+            &[ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Min, ReduceOp::Max]
+        };
         for &op in ops {
             let want: Vec<f32> = (0..n)
                 .map(|i| {
@@ -100,4 +104,3 @@ pub fn reference_worker(pg: &mut ProcessGroup, seed: u64) -> Result<(), String> 
     }
     Ok(())
 }
-

@@ -125,7 +125,8 @@ fn main() {
                 std::fs::write(out.join(format!("{name}_rank{rank}_attempt{attempt}")), b"").unwrap();
             }
             "pidfile" => {
-                std::fs::write(out.join(format!("pid_rank{rank}_attempt{attempt}")), std::process::id().to_string()).unwrap();
+                std::fs::write(out.join(format!("pid_rank{rank}_attempt{attempt}")), std::process::id().to_string())
+                    .unwrap();
             }
             other => panic!("unknown action {other}"),
         }
@@ -143,7 +144,11 @@ fn flush_signal(out: &std::path::Path, rank: &str) {
         libc::SIGTERM => "SIGTERM",
         _ => "other",
     };
-    let mut f = std::fs::OpenOptions::new().create(true).append(true).open(out.join(format!("signals_rank{rank}.txt"))).unwrap();
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(out.join(format!("signals_rank{rank}.txt")))
+        .unwrap();
     writeln!(f, "{name}").unwrap();
     if s == libc::SIGTERM {
         std::process::exit(0);

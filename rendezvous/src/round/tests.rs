@@ -108,10 +108,7 @@ fn check_nesting_names_the_offending_pair() {
         ("stop grace", Duration::from_secs(10)),
     ])
     .unwrap_err();
-    assert_eq!(
-        err.to_string(),
-        "timeouts must nest: collective timeout (30s) must be less than stop grace (10s)"
-    );
+    assert_eq!(err.to_string(), "timeouts must nest: collective timeout (30s) must be less than stop grace (10s)");
 }
 
 #[test]
@@ -244,10 +241,7 @@ fn node_loss_opens_a_new_round_with_the_survivors() {
     let (job, d) = tick(&job, 2099);
     assert_eq!(d.action, Action::Nothing, "b's TTL has not run out yet");
     let (job, d) = tick(&job, 2100);
-    assert_eq!(
-        d.action,
-        Action::RoundOpened { round: 2, cause: RoundCause::NodeLost { nodes: vec!["b".into()] } }
-    );
+    assert_eq!(d.action, Action::RoundOpened { round: 2, cause: RoundCause::NodeLost { nodes: vec!["b".into()] } });
     assert!(d.reason.contains("missed heartbeats"), "{}", d.reason);
     assert_eq!(job.previous, ["a", "c"]);
     assert!(!job.last_seen.contains_key("b"));
@@ -366,7 +360,8 @@ fn spent_budget_fails_the_job_with_the_root_cause() {
     assert!(matches!(d.action, Action::RoundOpened { round: 2, .. }));
     job = join(&j, "a", 2001).0;
     assert_eq!(job.round, 2);
-    let (job, d) = step(&job, Event::ReportFailure { node_id: "a".into(), round: 2, root_cause: json!("segfault") }, 3000);
+    let (job, d) =
+        step(&job, Event::ReportFailure { node_id: "a".into(), round: 2, root_cause: json!("segfault") }, 3000);
     assert_eq!(d.action, Action::Failed);
     let Phase::Failed { kind, reason, .. } = &job.phase else { panic!("{job:?}") };
     assert_eq!(*kind, FailureKind::RestartBudget);
@@ -548,7 +543,8 @@ fn status_shows_round_ranks_heartbeats_and_restarts() {
 #[test]
 fn job_round_trips_through_json() {
     let job = running(&["a", "b"], settings(2, 3));
-    let (job, _) = step(&job, Event::ReportFailure { node_id: "a".into(), round: 1, root_cause: json!({"x": [1, 2]}) }, 1500);
+    let (job, _) =
+        step(&job, Event::ReportFailure { node_id: "a".into(), round: 1, root_cause: json!({"x": [1, 2]}) }, 1500);
     let text = serde_json::to_string(&job).unwrap();
     assert!(text.contains("\"node_ttl_ms\":2000"), "{text}");
     let back: Job = serde_json::from_str(&text).unwrap();
@@ -632,14 +628,21 @@ fn random_event_sequences_keep_the_invariants() {
                 0..=2 => Event::Join(node(&id)),
                 3..=5 => Event::Heartbeat { node_id: id },
                 6 => Event::Tick,
-                7 => Event::ReportFailure { node_id: id, round: job.round - rng.below(2).min(job.round - 1), root_cause: json!(step_no) },
+                7 => Event::ReportFailure {
+                    node_id: id,
+                    round: job.round - rng.below(2).min(job.round - 1),
+                    root_cause: json!(step_no),
+                },
                 8 => Event::NodeSucceeded { node_id: id, round: job.round },
                 _ => Event::Leave { node_id: id },
             };
             let (next, d) = step(&job, ev, now);
             check_invariants(&next, &job, &d, seed, step_no);
             seen.insert(match &d.action {
-                Action::RoundOpened { cause, .. } => format!("opened:{}", serde_json::to_value(cause).unwrap().as_object().unwrap().keys().next().unwrap()),
+                Action::RoundOpened { cause, .. } => format!(
+                    "opened:{}",
+                    serde_json::to_value(cause).unwrap().as_object().unwrap().keys().next().unwrap()
+                ),
                 Action::Rejected(_) => "rejected".to_owned(),
                 other => format!("{other:?}").split([' ', '{']).next().unwrap().to_owned(),
             });
@@ -647,7 +650,16 @@ fn random_event_sequences_keep_the_invariants() {
         }
     }
     // The walk must reach every kind of transition, or it proves little.
-    for kind in ["opened:node_lost", "opened:failure", "opened:scale_up", "opened:member_left", "RoundClosed", "Finished", "Failed", "rejected"] {
+    for kind in [
+        "opened:node_lost",
+        "opened:failure",
+        "opened:scale_up",
+        "opened:member_left",
+        "RoundClosed",
+        "Finished",
+        "Failed",
+        "rejected",
+    ] {
         assert!(seen.contains(kind), "never saw {kind}: {seen:?}");
     }
 }

@@ -18,8 +18,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, DeleteOptions, EventType, GetOptions, LeaseKeepAliveStream, LeaseKeeper,
-    PutOptions, Txn, TxnOp, WatchOptions,
+    Client, Compare, CompareOp, ConnectOptions, DeleteOptions, EventType, GetOptions, LeaseKeepAliveStream,
+    LeaseKeeper, PutOptions, Txn, TxnOp, WatchOptions,
 };
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -155,10 +155,7 @@ fn is_unavailable(e: &etcd_client::Error) -> bool {
 }
 
 fn timed_out(op: &'static str) -> RdzvError {
-    RdzvError::Etcd {
-        op,
-        source: etcd_client::Error::InvalidArgs(format!("no answer within {OP_TIMEOUT:?}")),
-    }
+    RdzvError::Etcd { op, source: etcd_client::Error::InvalidArgs(format!("no answer within {OP_TIMEOUT:?}")) }
 }
 
 impl EtcdStore {
@@ -186,8 +183,7 @@ impl EtcdStore {
         let (changes, _) = watch::channel(0u64);
         let expired = Arc::new(Notify::new());
         let versions = Arc::new(std::sync::Mutex::new(HashMap::new()));
-        let watcher =
-            tokio::spawn(watch_loop(clients.clone(), changes.clone(), expired.clone(), versions.clone()));
+        let watcher = tokio::spawn(watch_loop(clients.clone(), changes.clone(), expired.clone(), versions.clone()));
         let inner = Inner {
             clients,
             current: AtomicUsize::new(0),
@@ -293,7 +289,8 @@ impl EtcdStore {
             // the callers queued behind it.
             tokio::spawn(self.clone().drain(run_id.to_owned()));
         }
-        rx.await.unwrap_or_else(|_| Err(RdzvError::Store { message: "the update task ended without an answer".to_owned() }))
+        rx.await
+            .unwrap_or_else(|_| Err(RdzvError::Store { message: "the update task ended without an answer".to_owned() }))
     }
 
     async fn drain(self, run_id: String) {

@@ -93,12 +93,8 @@ impl MemoryStore {
     pub fn tick_all(&self, now: Millis) -> Vec<(String, Decision)> {
         // Dropping an entry closes its channel, which ends the wait of any long-poll on it.
         self.lock().retain(|_, e| !super::outlived(&e.job, now));
-        let ids: Vec<String> = self
-            .lock()
-            .iter()
-            .filter(|(_, e)| !e.job.phase.is_terminal())
-            .map(|(k, _)| k.clone())
-            .collect();
+        let ids: Vec<String> =
+            self.lock().iter().filter(|(_, e)| !e.job.phase.is_terminal()).map(|(k, _)| k.clone()).collect();
         let mut out = Vec::new();
         for id in ids {
             if let Ok(((), d)) = self.apply_view(&id, None, Event::Tick, now, |_| ()) {
