@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the rlaunch images without pulling anything: stages each binary, the shared libraries
 # `ldd` says it loads, and a minimal /etc into docker/rootfs-*/, then `docker build`s the
-# Dockerfile's targets from scratch.
+# root Dockerfile's targets from scratch (build context docker/).
 #
 # usage: docker/build.sh [--profile release|debug] [--tag-prefix PREFIX]
 set -euo pipefail
@@ -38,6 +38,6 @@ stage() { # stage ROOTFS BINARY
 stage docker/rootfs-rendezvous rlaunch-rendezvous
 stage docker/rootfs-launcher rlaunch
 
-docker build -q --target rendezvous -t "${prefix}rlaunch-rendezvous" docker
-docker build -q --target launcher -t "${prefix}rlaunch" docker
+docker build -q --target rendezvous -t "${prefix}rlaunch-rendezvous" -f Dockerfile docker
+docker build -q --target launcher -t "${prefix}rlaunch" -f Dockerfile docker
 docker image ls --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep -E "^${prefix}rlaunch" || true

@@ -1,23 +1,32 @@
 #!/usr/bin/env bash
-# Installs what the test suite needs on a fresh machine, and nothing when it is already there:
-# Debian packages (protoc for etcd-client, etcd for the etcd backend, iproute2 for netns hosts)
-# and a Python virtualenv with PyTorch from PyPI (the interoperability peer) in .venv/.
+# Installs what the project needs on a fresh machine, and nothing when it is already there.
+#
+#   scripts/install-deps.sh --build   what `cargo build` needs: protoc and protoc's well-known
+#                                     types (etcd-client's build script compiles etcd's protos)
+#   scripts/install-deps.sh           the above, plus what the tests need: etcd (the etcd
+#                                     backend), iproute2 (network-namespace hosts) and a Python
+#                                     virtualenv with PyTorch from PyPI (the interop peer) in .venv/
 set -euo pipefail
 cd "$(dirname "$0")/.."
+build_only=false
+[ "${1:-}" = --build ] && build_only=true
 
 need_apt=()
 command -v protoc >/dev/null || need_apt+=(protobuf-compiler)
 # protoc's well-known types (google/protobuf/*.proto), which etcd-client's protos import
 [ -f /usr/include/google/protobuf/descriptor.proto ] || need_apt+=(libprotobuf-dev)
-command -v etcd >/dev/null || need_apt+=(etcd-server)
-command -v ip >/dev/null || need_apt+=(iproute2)
-command -v python3 >/dev/null || need_apt+=(python3 python3-venv)
+if ! $build_only; then
+  command -v etcd >/dev/null || need_apt+=(etcd-server)
+  command -v ip >/dev/null || need_apt+=(iproute2)
+  command -v python3 >/dev/null || need_apt+=(python3 python3-venv)
+fi
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "install-deps: apt-get install ${need_apt[*]}"
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
 fi
+$build_only && exit 0
 
 VENV=${RLAUNCH_VENV:-.venv}
 if ! "$VENV/bin/python" -c 'import torch, numpy' 2>/dev/null; then

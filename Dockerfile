@@ -1,5 +1,6 @@
 # rlaunch as images, built FROM scratch: no base image is pulled. `docker/build.sh` stages the
-# binaries with the shared libraries they load into docker/rootfs-*/ first.
+# binaries with the shared libraries they load into docker/rootfs-*/ first; the build context
+# is docker/ (`docker build -f Dockerfile --target rendezvous docker`).
 #
 #   docker/build.sh                      # release binaries, images rlaunch-rendezvous and rlaunch
 #   docker run -p 29400:29400 rlaunch-rendezvous --store etcd --etcd-endpoints http://etcd:2379
