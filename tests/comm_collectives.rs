@@ -6,18 +6,17 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::reference::reference_worker;
-use common::{fresh_seed, self_args, self_exe, spawn, wait, wait_for, WORKER};
+use common::{fresh_seed, require_worker_env, self_args, self_exe, spawn, wait, wait_for, WORKER};
 use rlaunch::comm::ReduceOp;
 
 const SCENARIO: &str = "RLAUNCH_TEST_SCENARIO";
 use common::reference::SEED;
 
-/// The worker side: runs the scenario named in the environment (no-op in a normal test run).
+/// The worker side: runs the scenario named in the environment (ignored in a normal test run).
 #[test]
+#[ignore = "worker entry point: this file's tests run it in child processes (--ignored --exact)"]
 fn worker_entry() {
-    if std::env::var(WORKER).is_err() {
-        return;
-    }
+    require_worker_env();
     let scenario = std::env::var(SCENARIO).expect("scenario set by the parent");
     let mut pg = match rlaunch::worker::init_from_env() {
         Ok(pg) => pg,

@@ -9,7 +9,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::reference::{reference_worker, SEED};
-use common::{fresh_seed, self_args, self_exe, spawn_wrapped, wait, WORKER};
+use common::{fresh_seed, require_worker_env, self_args, self_exe, spawn_wrapped, wait, WORKER};
 
 struct Netns {
     names: [String; 2],
@@ -58,10 +58,9 @@ impl Drop for Netns {
 }
 
 #[test]
+#[ignore = "worker entry point: this file's tests run it in child processes (--ignored --exact)"]
 fn worker_entry() {
-    if std::env::var(WORKER).is_err() {
-        return;
-    }
+    require_worker_env();
     let seed: u64 = std::env::var(SEED).ok().and_then(|v| v.parse().ok()).expect("seed");
     let mut pg = match rlaunch::worker::init_from_env() {
         Ok(pg) => pg,

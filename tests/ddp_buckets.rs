@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{fresh_seed, self_args, self_exe, spawn, wait, Mix, WORKER};
+use common::{fresh_seed, require_worker_env, self_args, self_exe, spawn, wait, Mix, WORKER};
 use rlaunch::ddp::{Ddp, DdpConfig};
 use rlaunch::model::{FlatGrads, Mlp};
 
@@ -85,10 +85,9 @@ fn worker(seed: u64) -> Result<(), String> {
 }
 
 #[test]
+#[ignore = "worker entry point: this file's tests run it in child processes (--ignored --exact)"]
 fn worker_entry() {
-    if std::env::var(WORKER).is_err() {
-        return;
-    }
+    require_worker_env();
     let seed: u64 = std::env::var(SEED).ok().and_then(|v| v.parse().ok()).expect("seed");
     match worker(seed) {
         Ok(()) => eprintln!("OK"),

@@ -120,27 +120,59 @@ fn probe_names_what_is_missing_instead_of_panicking() {
 
 #[test]
 fn device_auto_falls_back_to_the_cpu_with_a_notice_and_cuda_fails_with_the_reason_here() {
-    use rlaunch::gpu::{select, Device, Selected};
+    use rlaunch::gpu::{select, Device, GpuError, Selected};
     let search = venv_search();
-    let cpu_machine = !probe::probe(&search).state(Lib::Driver).is_loaded();
-    if !cpu_machine {
-        return; // a GPU machine: gpu_check below covers it
-    }
-    match select(Device::Auto, 0, true, &search).expect("auto never fails") {
-        Selected::Cpu { notice: Some(n) } => {
-            assert!(n.contains("training on the CPU") && n.contains("CUDA driver (libcuda)"), "{n}")
-        }
-        other => panic!("expected the CPU with a notice, got {other:?}"),
-    }
-    let err = select(Device::Cuda, 0, true, &search).expect_err("no driver here");
-    let chain = format!("{:#}", anyhow::Error::from(err));
-    assert!(
-        chain.starts_with("--device cuda: ")
-            && chain.contains("CUDA libraries missing")
-            && chain.contains("libcuda.so.1"),
-        "{chain}"
-    );
     assert_eq!(select(Device::Cpu, 0, true, &search).expect("cpu"), Selected::Cpu { notice: None });
+    let p = probe::probe(&search);
+    match (p.state(Lib::Driver), p.devices.clone()) {
+        // This CPU-only machine: no driver, so auto falls back and cuda names libcuda.
+        (LibState::Missing { .. }, _) => {
+            match select(Device::Auto, 0, true, &search).expect("auto never fails") {
+                Selected::Cpu { notice: Some(n) } => {
+                    assert!(n.contains("training on the CPU") && n.contains("CUDA driver (libcuda)"), "{n}")
+                }
+                other => panic!("expected the CPU with a notice, got {other:?}"),
+            }
+            let err = select(Device::Cuda, 0, true, &search).expect_err("no driver here");
+            let chain = format!("{:#}", anyhow::Error::from(err));
+            assert!(
+                chain.starts_with("--device cuda: ")
+                    && chain.contains("CUDA libraries missing")
+                    && chain.contains("libcuda.so.1"),
+                "{chain}"
+            );
+        }
+        // A GPU machine with n GPUs: local rank 0 gets GPU 0; local rank n has no GPU of its
+        // own, so auto falls back with the reason and cuda fails with it.
+        (LibState::Loaded { .. }, Ok(n)) if n > 0 => {
+            match select(Device::Cuda, 0, true, &search).expect("GPU 0 with the venv's libraries") {
+                Selected::Cuda { ordinal, .. } => assert_eq!(ordinal, 0),
+                other => panic!("--device cuda never falls back: {other:?}"),
+            }
+            match select(Device::Auto, n, true, &search).expect("auto never fails") {
+                Selected::Cpu { notice: Some(msg) } => {
+                    assert!(msg.contains("training on the CPU") && msg.contains(&format!("needs GPU {n}")), "{msg}")
+                }
+                other => panic!("local rank {n} of {n} GPUs: expected the CPU with a notice, got {other:?}"),
+            }
+            match select(Device::Cuda, n, true, &search) {
+                Err(GpuError::NotEnoughGpus { local_rank, devices }) => assert_eq!((local_rank, devices), (n, n)),
+                other => panic!("local rank {n} of {n} GPUs: expected NotEnoughGpus, got {other:?}"),
+            }
+        }
+        // A driver but no usable GPU: auto falls back and cuda fails, both saying so.
+        (LibState::Loaded { .. }, devices) => {
+            match select(Device::Auto, 0, true, &search).expect("auto never fails") {
+                Selected::Cpu { notice: Some(n) } => {
+                    assert!(n.contains("training on the CPU") && n.contains("no GPU is usable"), "{n} ({devices:?})")
+                }
+                other => panic!("expected the CPU with a notice, got {other:?}"),
+            }
+            let err = select(Device::Cuda, 0, true, &search).expect_err("no usable GPU here");
+            let chain = format!("{:#}", anyhow::Error::from(err));
+            assert!(chain.starts_with("--device cuda: ") && chain.contains("no GPU is usable"), "{chain}");
+        }
+    }
 }
 
 /// The GPU checks and benchmarks; `scripts/gpu-check.sh` runs this on a GPU machine and

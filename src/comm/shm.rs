@@ -203,14 +203,14 @@ impl ShmGroup {
         c.pid.store(std::process::id() as i32, Ordering::Relaxed);
         c.attached.store(1, Ordering::Release);
         // Wait until everyone has mapped the segment; then its name can go.
-        for q in 0..n {
+        for (q, &rank) in ranks.iter().enumerate() {
             loop {
                 if g.ctrl(q).attached.load(Ordering::Acquire) == 1 {
                     g.pids[q] = g.ctrl(q).pid.load(Ordering::Relaxed);
                     break;
                 }
                 if deadline.expired() {
-                    return Err(deadline.timeout_err(ranks[q]));
+                    return Err(deadline.timeout_err(rank));
                 }
                 std::thread::sleep(Duration::from_micros(100));
             }

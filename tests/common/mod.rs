@@ -11,6 +11,16 @@ use std::time::{Duration, Instant};
 /// Env var that turns the test binary into a worker (re-exec of `current_exe`).
 pub const WORKER: &str = "RLAUNCH_TEST_WORKER";
 
+/// First line of a worker entry point (an `#[ignore]`d test that the parent test runs in child
+/// processes through [`self_args`], so it is never counted as a passing test): outside a
+/// re-executed worker (e.g. under `--include-ignored`) it fails loudly instead of passing.
+pub fn require_worker_env() {
+    assert!(
+        std::env::var_os(WORKER).is_some(),
+        "this is a worker entry point, not a test: the tests of this file run it in child processes with {WORKER} set"
+    );
+}
+
 pub struct Spawned {
     pub children: Vec<Child>,
     pub logs: Vec<PathBuf>,
@@ -150,9 +160,10 @@ pub fn wait_for(mut s: Spawned, which: &[usize], timeout: Duration) -> Finished 
     Finished { codes, logs }
 }
 
-/// Args that make the current test binary run only `test_name`, with output.
+/// Args that make the current test binary run only the ignored worker entry point
+/// `test_name`, with output.
 pub fn self_args(test_name: &str) -> Vec<String> {
-    vec![test_name.into(), "--exact".into(), "--nocapture".into(), "--test-threads=1".into()]
+    vec![test_name.into(), "--exact".into(), "--ignored".into(), "--nocapture".into(), "--test-threads=1".into()]
 }
 
 pub fn self_exe() -> PathBuf {
