@@ -3,6 +3,7 @@
 
 pub mod checkpoint;
 pub mod comm;
+pub mod contract;
 pub mod ddp;
 pub mod env;
 #[cfg(feature = "cuda")]

@@ -5,6 +5,8 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use rlaunch_rendezvous::JobSettings;
+
 use crate::output::StdSet;
 
 /// A setting given for all local ranks at once (`3`) or rank by rank (`0:1,1:2`).
@@ -48,12 +50,9 @@ pub struct DynamicRendezvous {
     pub backend: DynamicBackend,
     pub endpoints: Vec<String>,
     pub token: Option<String>,
-    pub min_nodes: u32,
-    pub max_nodes: u32,
-    pub join_timeout: Duration,
-    pub last_call_timeout: Duration,
-    pub heartbeat_interval: Duration,
-    pub node_ttl: Duration,
+    /// The job's settings, as every node of the job must give them (validated once, by the
+    /// launcher, with [`JobSettings::validate`]).
+    pub settings: JobSettings,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -7,6 +7,8 @@
 //! outcomes to the launcher's exit code.
 
 pub mod config;
+pub mod core;
+mod driver;
 mod elastic;
 pub mod output;
 pub mod process;
@@ -18,15 +20,16 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use tokio::signal::unix::{signal, Signal, SignalKind};
-use tracing::{error, info, info_span, warn, Instrument};
+use tracing::{info_span, warn, Instrument};
 
+use rlaunch::contract::HostPort;
 use rlaunch::env::WorkerEnv;
 use rlaunch::store::{ServerConfig, StoreHandle, StoreServer};
 
 pub use config::{AgentConfig, DynamicBackend, DynamicRendezvous, PerRank, RendezvousConfig};
 use output::{render_prefix, Console, StdSet};
 pub use report::{Exit, RootCause};
-use workers::{worker_dir, GroupOutcome, WorkerGroup, WorkerSpec};
+use workers::{worker_dir, WorkerSpec};
 
 /// Why the agent itself (not a worker) could not go on.
 #[derive(Debug, thiserror::Error)]
@@ -52,8 +55,12 @@ pub enum AgentError {
     },
     #[error("cannot install signal handlers")]
     Signals(#[source] std::io::Error),
-    #[error("rendezvous failed: {0}")]
-    Rendezvous(String),
+    #[error("rendezvous failed: {message}")]
+    Rendezvous {
+        message: String,
+        #[source]
+        source: Option<Box<rlaunch_rendezvous::RdzvError>>,
+    },
 }
 
 /// How a job ended on this node.
@@ -97,11 +104,6 @@ pub(crate) struct Signals {
     usr2: Signal,
 }
 
-pub(crate) enum SignalEvent {
-    Stop(i32),
-    Relay(i32),
-}
-
 impl Signals {
     pub(crate) fn install() -> std::io::Result<Signals> {
         Ok(Signals {
@@ -114,29 +116,17 @@ impl Signals {
         })
     }
 
-    pub(crate) async fn next(&mut self) -> SignalEvent {
+    /// The next signal; the core decides which stop the job and which are relayed.
+    pub(crate) async fn next(&mut self) -> i32 {
         tokio::select! {
-            _ = self.term.recv() => SignalEvent::Stop(libc::SIGTERM),
-            _ = self.int.recv() => SignalEvent::Stop(libc::SIGINT),
-            _ = self.hup.recv() => SignalEvent::Stop(libc::SIGHUP),
-            _ = self.quit.recv() => SignalEvent::Stop(libc::SIGQUIT),
-            _ = self.usr1.recv() => SignalEvent::Relay(libc::SIGUSR1),
-            _ = self.usr2.recv() => SignalEvent::Relay(libc::SIGUSR2),
+            _ = self.term.recv() => libc::SIGTERM,
+            _ = self.int.recv() => libc::SIGINT,
+            _ = self.hup.recv() => libc::SIGHUP,
+            _ = self.quit.recv() => libc::SIGQUIT,
+            _ = self.usr1.recv() => libc::SIGUSR1,
+            _ = self.usr2.recv() => libc::SIGUSR2,
         }
     }
-}
-
-/// This node's place in the current round of the job.
-#[derive(Debug, Clone)]
-pub(crate) struct Placement {
-    group_rank: u32,
-    group_world_size: u32,
-    /// Global rank of this node's local rank 0 (prefix sum of earlier nodes' workers).
-    rank_offset: u32,
-    world_size: u32,
-    master_addr: String,
-    master_port: u16,
-    use_agent_store: bool,
 }
 
 /// The name this host goes by, for reports.
@@ -161,10 +151,7 @@ async fn run_inner(config: AgentConfig) -> Result<RunOutcome, AgentError> {
     let console = Console::start();
     let (log_root, temp_logs) = log_root(&config)?;
     let ctx = Ctx { host: &host, agent_env: &agent_env, console: &console, log_root: &log_root };
-    let outcome = match &config.rendezvous {
-        RendezvousConfig::Dynamic(d) => elastic::run(&config, d, &ctx, &mut signals).await,
-        RendezvousConfig::Standalone | RendezvousConfig::Static { .. } => run_fixed(&config, &ctx, &mut signals).await,
-    };
+    let outcome = driver::run(&config, &ctx, &mut signals).await;
     console.flush();
     if let Ok(RunOutcome::Failed { root_cause, .. }) = &outcome {
         eprint!("{}", root_cause.render());
@@ -184,103 +171,6 @@ pub(crate) struct Ctx<'a> {
     pub log_root: &'a std::path::Path,
 }
 
-/// A job of fixed membership (standalone, or static): restarts are this agent's own.
-async fn run_fixed(config: &AgentConfig, ctx: &Ctx<'_>, signals: &mut Signals) -> Result<RunOutcome, AgentError> {
-    // The workers' store: hosted by group rank 0's agent for the whole job, across restarts.
-    let (placement, store) = match &config.rendezvous {
-        RendezvousConfig::Standalone => {
-            let store = start_store("127.0.0.1:0").await?;
-            let port = store.local_addr().port();
-            (single_node(config, "127.0.0.1".into(), port), Some(store))
-        }
-        RendezvousConfig::Static { node_rank, nnodes, master_addr, master_port } => {
-            let store = if *node_rank == 0 {
-                let bind = if *nnodes == 1 {
-                    format!("{master_addr}:{master_port}")
-                } else {
-                    format!("0.0.0.0:{master_port}")
-                };
-                Some(start_store(&bind).await?)
-            } else {
-                None
-            };
-            let port = store.as_ref().map(|s| s.local_addr().port()).unwrap_or(*master_port);
-            let placement = Placement {
-                group_rank: *node_rank,
-                group_world_size: *nnodes,
-                rank_offset: node_rank * config.nproc_per_node,
-                world_size: nnodes * config.nproc_per_node,
-                master_addr: master_addr.clone(),
-                master_port: port,
-                use_agent_store: true,
-            };
-            (placement, store)
-        }
-        RendezvousConfig::Dynamic(_) => unreachable!("elastic jobs run in elastic::run"),
-    };
-    info!(
-        nproc_per_node = config.nproc_per_node,
-        world_size = placement.world_size,
-        master = %format!("{}:{}", placement.master_addr, placement.master_port),
-        logs = %ctx.log_root.display(),
-        "starting workers"
-    );
-
-    let mut restart_count = 0u32;
-    let outcome = loop {
-        if restart_count > 0 {
-            if let Some(store) = &store {
-                let removed = store.clear();
-                info!(removed, "cleared the workers' store for the new attempt");
-            }
-        }
-        let specs = worker_specs(config, &placement, restart_count, ctx.log_root, ctx.host);
-        let mut group = WorkerGroup::start(&config.program, specs, ctx.agent_env, ctx.console, ctx.host)?;
-        let result = loop {
-            tokio::select! {
-                outcome = group.wait() => break Ok(outcome),
-                ev = signals.next() => match ev {
-                    SignalEvent::Relay(sig) => {
-                        info!(signal = %process::signal_name(sig), "relaying signal to workers");
-                        group.signal_all(sig);
-                    }
-                    SignalEvent::Stop(sig) => break Err(sig),
-                },
-            }
-        };
-        match result {
-            Err(sig) => {
-                warn!(signal = %process::signal_name(sig), "stopping workers");
-                group.stop(config.stop_grace).await;
-                break RunOutcome::Interrupted { signal: sig };
-            }
-            Ok(GroupOutcome::Succeeded) => {
-                group.reap_stragglers().await;
-                info!(restarts = restart_count, "all workers succeeded");
-                break RunOutcome::Succeeded { restarts: restart_count };
-            }
-            Ok(GroupOutcome::Failed(root_cause)) => {
-                group.stop(config.stop_grace).await;
-                ctx.console.flush();
-                if restart_count < config.max_restarts {
-                    restart_count += 1;
-                    warn!(
-                        rank = root_cause.rank,
-                        exit = %root_cause.exit.describe(),
-                        restart = restart_count,
-                        max_restarts = config.max_restarts,
-                        "worker group failed; restarting"
-                    );
-                    continue;
-                }
-                error!(restarts = restart_count, "worker group failed and the restart budget is spent");
-                break RunOutcome::Failed { root_cause, restarts: restart_count };
-            }
-        }
-    };
-    Ok(outcome)
-}
-
 pub(crate) async fn start_store(bind: &str) -> Result<StoreHandle, AgentError> {
     let addr: SocketAddr = tokio::net::lookup_host(bind).await.ok().and_then(|mut it| it.next()).ok_or_else(|| {
         AgentError::Store { addr: bind.into(), source: std::io::Error::other("cannot resolve address") }
@@ -288,18 +178,6 @@ pub(crate) async fn start_store(bind: &str) -> Result<StoreHandle, AgentError> {
     // On a thread of its own, so the workers' bootstrap never waits behind the agent's work.
     StoreServer::start_dedicated(addr, ServerConfig::default())
         .map_err(|source| AgentError::Store { addr: bind.into(), source })
-}
-
-fn single_node(config: &AgentConfig, master_addr: String, master_port: u16) -> Placement {
-    Placement {
-        group_rank: 0,
-        group_world_size: 1,
-        rank_offset: 0,
-        world_size: config.nproc_per_node,
-        master_addr,
-        master_port,
-        use_agent_store: true,
-    }
 }
 
 /// `--log-dir/{run_id}_{pid}`, or a temporary directory removed after a successful run.
@@ -319,11 +197,12 @@ fn sanitize(s: &str) -> String {
 
 pub(crate) fn worker_specs(
     config: &AgentConfig,
-    p: &Placement,
-    restart_count: u32,
+    p: &core::Placement,
+    master: &HostPort,
     log_root: &std::path::Path,
     host: &str,
 ) -> Vec<WorkerSpec> {
+    let restart_count = p.restart_count;
     (0..config.nproc_per_node)
         .map(|local_rank| {
             let rank = p.rank_offset + local_rank;
@@ -353,12 +232,12 @@ pub(crate) fn worker_specs(
                     world_size: p.world_size,
                     group_world_size: p.group_world_size,
                     role_world_size: p.world_size,
-                    master_addr: p.master_addr.clone(),
-                    master_port: p.master_port,
+                    master_addr: master.host().to_owned(),
+                    master_port: master.port(),
                     restart_count,
                     max_restarts: config.max_restarts,
                     run_id: config.run_id.clone(),
-                    use_agent_store: p.use_agent_store,
+                    use_agent_store: true,
                     error_file: Some(dir.join("error.json").to_string_lossy().into_owned()),
                 },
                 prefix: render_prefix(&config.log_line_prefix_template, &config.role, rank, local_rank, host),

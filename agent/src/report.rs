@@ -1,72 +1,13 @@
 //! Failure reports: reading a worker's error file (torchrun's JSON schema, as written by
 //! PyTorch's `@record`), choosing the root cause, printing it, and writing the agent's own file.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use serde::{Deserialize, Serialize};
+pub use rlaunch::contract::{format_time, Exit, RootCause};
 
-use crate::process::signal_name;
-
-/// How a worker process ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Exit {
-    Code(i32),
-    Signal(i32),
-}
-
-impl Exit {
-    pub fn from_status(status: std::process::ExitStatus) -> Exit {
-        use std::os::unix::process::ExitStatusExt;
-        match (status.code(), status.signal()) {
-            (Some(c), _) => Exit::Code(c),
-            (None, Some(s)) => Exit::Signal(s),
-            (None, None) => Exit::Code(1),
-        }
-    }
-
-    pub fn success(self) -> bool {
-        self == Exit::Code(0)
-    }
-
-    /// The launcher's exit code for this ending: the worker's own code, or 128+signal as a shell
-    /// reports it.
-    pub fn shell_code(self) -> i32 {
-        match self {
-            Exit::Code(c) => c,
-            Exit::Signal(s) => 128 + s,
-        }
-    }
-
-    pub fn describe(self) -> String {
-        match self {
-            Exit::Code(c) => format!("exit code {c}"),
-            Exit::Signal(s) => format!("signal {s} ({})", signal_name(s)),
-        }
-    }
-}
-
-/// The first failure of a worker group, with everything a person needs to start debugging.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct RootCause {
-    pub rank: u32,
-    pub local_rank: u32,
-    pub role: String,
-    pub host: String,
-    pub pid: u32,
-    pub exit: Exit,
-    /// Seconds since the Unix epoch: the error file's timestamp, else when the agent saw it.
-    pub timestamp: u64,
-    pub restart_count: u32,
-    /// The error file's message, else a description of the exit.
-    pub message: String,
-    /// The Python traceback from the error file, if there was one.
-    pub traceback: Option<String>,
-    pub error_file: Option<PathBuf>,
-    /// The last lines of the worker's stderr, when it wrote no error file.
-    pub stderr_tail: Vec<String>,
-}
+/// The most of a worker's error file the agent reads.
+pub const ERROR_FILE_CAP: usize = 1 << 20;
 
 /// What a worker's error file said.
 #[derive(Debug, Clone, PartialEq)]
@@ -80,7 +21,21 @@ pub struct ErrorFileData {
 /// `{"message": {"message": "...", "extraInfo": {"py_callstack": "...", "timestamp": "..."}}}`
 /// or the older `{"message": "...", "timestamp": ...}`. `None` when absent or unreadable.
 pub fn read_error_file(path: &Path) -> Option<ErrorFileData> {
-    let text = std::fs::read_to_string(path).ok()?;
+    use std::io::Read as _;
+    // A worker may write anything there: read at most the cap, and treat a larger file as one
+    // that says only that.
+    let mut text = String::new();
+    let file = std::fs::File::open(path).ok()?;
+    let read = file.take(ERROR_FILE_CAP as u64 + 1).read_to_string(&mut text);
+    if read.is_err() || text.len() > ERROR_FILE_CAP {
+        return Some(ErrorFileData {
+            message: format!(
+                "the worker's error file is larger than {ERROR_FILE_CAP} bytes or not UTF-8; see it on the host"
+            ),
+            traceback: None,
+            timestamp: None,
+        });
+    }
     let v: serde_json::Value = serde_json::from_str(&text).ok()?;
     let message = v.get("message")?;
     let as_u64 = |x: &serde_json::Value| x.as_u64().or_else(|| x.as_str().and_then(|s| s.trim().parse().ok()));
@@ -104,78 +59,21 @@ pub fn now_unix() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
-impl RootCause {
-    /// The human summary printed by the agent, in the spirit of torchrun's `ChildFailedError`.
-    pub fn render(&self) -> String {
-        let bar = "=".repeat(72);
-        let mut s = format!("{bar}\n{} FAILED\n{}\nRoot Cause (first observed failure):\n", self.role, "-".repeat(72));
-        s += &format!("  time        : {}\n", format_time(self.timestamp));
-        s += &format!("  host        : {}\n", self.host);
-        s += &format!("  rank        : {} (local_rank: {})\n", self.rank, self.local_rank);
-        s += &format!("  pid         : {}\n", self.pid);
-        s += &format!("  exit        : {}\n", self.exit.describe());
-        s += &format!("  attempt     : {} (TORCHELASTIC_RESTART_COUNT)\n", self.restart_count);
-        match &self.error_file {
-            Some(p) => s += &format!("  error_file  : {}\n", p.display()),
-            None => s += "  error_file  : <N/A>\n",
-        }
-        s += &format!("  message     : {}\n", self.message);
-        if let Some(tb) = &self.traceback {
-            s += "  traceback   :\n";
-            for l in tb.lines() {
-                s += &format!("    {l}\n");
-            }
-        } else if !self.stderr_tail.is_empty() {
-            s += &format!("  stderr (last {} lines):\n", self.stderr_tail.len());
-            for l in &self.stderr_tail {
-                s += &format!("    {l}\n");
-            }
-        }
-        s += &bar;
-        s.push('\n');
-        s
-    }
-
-    /// The root cause in torchrun's error-file schema, so tools that read torchrun's agent error
-    /// file read ours.
-    pub fn to_error_file_json(&self) -> serde_json::Value {
-        serde_json::json!({
-            "message": {
-                "message": self.message,
-                "extraInfo": {
-                    "py_callstack": self.traceback.clone().unwrap_or_else(|| self.stderr_tail.join("\n")),
-                    "timestamp": self.timestamp.to_string(),
-                    "rank": self.rank,
-                    "local_rank": self.local_rank,
-                    "host": self.host,
-                    "exit": self.exit.describe(),
-                }
-            }
-        })
-    }
-}
-
 /// Writes `value` to `path` through a temporary file and a rename, so a reader never sees half.
+/// The file's data is fsync'd before the rename, and the directory after it, so a crash leaves
+/// either the old file or the whole new one.
 pub fn write_json_atomically(path: &Path, value: &serde_json::Value) -> std::io::Result<()> {
+    use std::io::Write as _;
     let tmp = path.with_extension("json.tmp");
-    std::fs::write(&tmp, serde_json::to_vec_pretty(value).map_err(std::io::Error::other)?)?;
-    std::fs::rename(&tmp, path)
-}
-
-/// UTC `YYYY-MM-DD_HH:MM:SS` without a date library (civil-from-days, Howard Hinnant).
-pub fn format_time(unix: u64) -> String {
-    let days = (unix / 86_400) as i64;
-    let secs = unix % 86_400;
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!("{y:04}-{m:02}-{d:02}_{:02}:{:02}:{:02} UTC", secs / 3600, secs / 60 % 60, secs % 60)
+    let mut f = std::fs::File::create(&tmp)?;
+    f.write_all(&serde_json::to_vec_pretty(value).map_err(std::io::Error::other)?)?;
+    f.sync_all()?;
+    drop(f);
+    std::fs::rename(&tmp, path)?;
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::File::open(dir)?.sync_all()?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -184,7 +82,7 @@ mod tests {
 
     #[test]
     fn reads_torch_record_schema_and_legacy_schema() {
-        let dir = tempfile_dir();
+        let dir = tempfile_dir("schema");
         let p = dir.join("error.json");
         std::fs::write(
             &p,
@@ -203,22 +101,20 @@ mod tests {
         std::fs::remove_dir_all(dir).ok();
     }
 
-    fn tempfile_dir() -> PathBuf {
-        let d = std::env::temp_dir().join(format!("rlaunch-report-test-{}", std::process::id()));
+    #[test]
+    fn a_huge_error_file_is_not_read_whole() {
+        let dir = tempfile_dir("huge");
+        let p = dir.join("error.json");
+        let big = format!(r#"{{"message": "{}"}}"#, "x".repeat(ERROR_FILE_CAP + 10));
+        std::fs::write(&p, big).unwrap();
+        let d = read_error_file(&p).expect("a message saying the file is too large");
+        assert!(d.message.contains("larger than"), "{}", d.message);
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    fn tempfile_dir(name: &str) -> std::path::PathBuf {
+        let d = std::env::temp_dir().join(format!("rlaunch-report-test-{}-{name}", std::process::id()));
         std::fs::create_dir_all(&d).unwrap();
         d
-    }
-
-    #[test]
-    fn exit_codes_follow_the_shell_convention() {
-        assert_eq!(Exit::Code(3).shell_code(), 3);
-        assert_eq!(Exit::Signal(9).shell_code(), 137);
-        assert_eq!(Exit::Signal(11).describe(), "signal 11 (SIGSEGV)");
-    }
-
-    #[test]
-    fn formats_utc_time() {
-        assert_eq!(format_time(0), "1970-01-01_00:00:00 UTC");
-        assert_eq!(format_time(1_795_300_000), "2026-11-21_22:26:40 UTC");
     }
 }

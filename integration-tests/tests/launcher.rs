@@ -388,7 +388,10 @@ fn bad_arguments_exit_2_with_a_message() {
         (&["--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "h:1", "x"], "etcd v2 API was removed"),
         (&["--rdzv-backend", "rlaunch", "x"], "needs --rdzv-endpoint"),
         (&["--rdzv-backend", "rlaunch", "--rdzv-endpoint", "nohostport", "x"], "expected host:port"),
-        (&["--rdzv-conf", "node_ttl=5,heartbeat_interval=9", "x"], "must be shorter than node_ttl"),
+        (
+            &["--rdzv-conf", "node_ttl=5,heartbeat_interval=9", "x"],
+            "heartbeat_interval (9s) must be less than node_ttl (5s)",
+        ),
         (&["--rdzv-conf", "nonsense", "x"], "is not key=value"),
         (
             &[
@@ -402,7 +405,7 @@ fn bad_arguments_exit_2_with_a_message() {
                 "2",
                 "x",
             ],
-            "must be longer than the node TTL",
+            "node_ttl (3s) must be less than --shutdown-timeout (2s)",
         ),
         (
             &[
@@ -416,7 +419,7 @@ fn bad_arguments_exit_2_with_a_message() {
                 "6",
                 "x",
             ],
-            "must be shorter than the join timeout",
+            "--shutdown-timeout (6s) must be less than join_timeout (5s)",
         ),
         (&["--nnodes", "2", "x"], "needs --master-port"),
         (&["--nnodes", "2", "--node-rank", "2", "--master-port", "1", "x"], "--node-rank 2 must be below --nnodes 2"),

@@ -11,6 +11,7 @@ use clap::Parser;
 use rlaunch_agent::config::DEFAULT_PREFIX_TEMPLATE;
 use rlaunch_agent::output::StdSet;
 use rlaunch_agent::{AgentConfig, DynamicBackend, DynamicRendezvous, PerRank, RendezvousConfig};
+use rlaunch_rendezvous::JobSettings;
 
 /// Elastic launcher for distributed training: one worker per local rank with torchrun's
 /// environment, supervised, restarted on failure.
@@ -238,26 +239,12 @@ pub fn parse_ranks_filter(s: &str) -> Result<Option<BTreeSet<u32>>, UsageError> 
         .map(Some)
 }
 
-/// Rendezvous settings from `--rdzv-conf`.
-#[derive(Debug, Clone)]
+/// Rendezvous settings from `--rdzv-conf`: the job's timings (the rest of [`JobSettings`] comes
+/// from other flags) and the service's token.
+#[derive(Debug, Clone, Default)]
 pub struct RdzvConf {
-    pub join_timeout: Duration,
-    pub last_call_timeout: Duration,
-    pub heartbeat_interval: Duration,
-    pub node_ttl: Duration,
+    pub settings: JobSettings,
     pub token: Option<String>,
-}
-
-impl Default for RdzvConf {
-    fn default() -> Self {
-        RdzvConf {
-            join_timeout: Duration::from_secs(600),
-            last_call_timeout: Duration::from_secs(1),
-            heartbeat_interval: Duration::from_millis(500),
-            node_ttl: Duration::from_secs(2),
-            token: None,
-        }
-    }
 }
 
 /// torchrun keys rlaunch has no use for; accepted so torchrun command lines keep working.
@@ -265,7 +252,11 @@ const IGNORED_TORCHRUN_KEYS: &[&str] =
     &["read_timeout", "close_timeout", "is_host", "keep_alive_max_attempt", "timeout", "use_libuv"];
 
 pub fn parse_rdzv_conf(s: &str) -> Result<RdzvConf, UsageError> {
-    let mut conf = RdzvConf::default();
+    let mut conf = RdzvConf {
+        settings: JobSettings { join_timeout: Duration::from_secs(600), ..JobSettings::default() },
+        token: None,
+    };
+    let t = &mut conf.settings;
     for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         let Some((k, v)) = part.split_once('=') else {
             return usage(format!("--rdzv-conf: `{part}` is not key=value"));
@@ -273,10 +264,10 @@ pub fn parse_rdzv_conf(s: &str) -> Result<RdzvConf, UsageError> {
         let (k, v) = (k.trim(), v.trim());
         let flag = format!("--rdzv-conf {k}");
         match k {
-            "join_timeout" => conf.join_timeout = parse_seconds(&flag, v)?,
-            "last_call_timeout" => conf.last_call_timeout = parse_seconds(&flag, v)?,
-            "heartbeat_interval" | "keep_alive_interval" => conf.heartbeat_interval = parse_seconds(&flag, v)?,
-            "node_ttl" => conf.node_ttl = parse_seconds(&flag, v)?,
+            "join_timeout" => t.join_timeout = parse_seconds(&flag, v)?,
+            "last_call_timeout" => t.last_call_timeout = parse_seconds(&flag, v)?,
+            "heartbeat_interval" | "keep_alive_interval" => t.heartbeat_interval = parse_seconds(&flag, v)?,
+            "node_ttl" => t.node_ttl = parse_seconds(&flag, v)?,
             "token" => conf.token = Some(v.to_string()),
             k if IGNORED_TORCHRUN_KEYS.contains(&k) => {}
             _ => {
@@ -285,18 +276,6 @@ pub fn parse_rdzv_conf(s: &str) -> Result<RdzvConf, UsageError> {
                 ))
             }
         }
-    }
-    if conf.heartbeat_interval >= conf.node_ttl {
-        return usage(format!(
-            "--rdzv-conf: heartbeat_interval ({:?}) must be shorter than node_ttl ({:?})",
-            conf.heartbeat_interval, conf.node_ttl
-        ));
-    }
-    if conf.node_ttl >= conf.join_timeout {
-        return usage(format!(
-            "--rdzv-conf: node_ttl ({:?}) must be shorter than join_timeout ({:?})",
-            conf.node_ttl, conf.join_timeout
-        ));
     }
     Ok(conf)
 }
@@ -342,6 +321,18 @@ impl Args {
         let tee = parse_std("--tee", &self.tee)?;
         let local_ranks_filter = parse_ranks_filter(&self.local_ranks_filter)?;
         let conf = parse_rdzv_conf(&self.rdzv_conf)?;
+        let elastic = !self.standalone && self.rdzv_backend != "static";
+        // The job's settings, checked once here: timeouts must nest (heartbeat interval < node
+        // TTL < shutdown timeout < join timeout; the shutdown timeout only matters to elastic
+        // rounds, which wait for survivors still stopping their workers).
+        let settings = JobSettings {
+            min_nodes,
+            max_nodes,
+            max_restarts: self.max_restarts,
+            stop_grace: if elastic { stop_grace } else { Duration::ZERO },
+            ..conf.settings.clone()
+        };
+        settings.validate().map_err(|e| UsageError(format!("--rdzv-conf / --shutdown-timeout: {e}")))?;
         let program = worker_program(&self, python)?;
         if let Some(f) = &local_ranks_filter {
             if let Some(r) = f.iter().find(|r| **r >= nproc_per_node) {
@@ -396,20 +387,6 @@ impl Args {
                     if endpoints.is_empty() {
                         return usage(format!("--rdzv-backend {} needs --rdzv-endpoint host:port", self.rdzv_backend));
                     }
-                    // Timeouts must nest: heartbeat interval < node TTL < stop grace < join
-                    // timeout (the first two are checked with --rdzv-conf).
-                    if stop_grace <= conf.node_ttl {
-                        return usage(format!(
-                            "--shutdown-timeout ({stop_grace:?}) must be longer than the node TTL ({:?}; --rdzv-conf node_ttl)",
-                            conf.node_ttl
-                        ));
-                    }
-                    if stop_grace >= conf.join_timeout {
-                        return usage(format!(
-                            "--shutdown-timeout ({stop_grace:?}) must be shorter than the join timeout ({:?}; --rdzv-conf join_timeout)",
-                            conf.join_timeout
-                        ));
-                    }
                     let backend = if self.rdzv_backend.starts_with("etcd") {
                         DynamicBackend::Etcd
                     } else {
@@ -419,12 +396,7 @@ impl Args {
                         backend,
                         endpoints,
                         token: conf.token.clone(),
-                        min_nodes,
-                        max_nodes,
-                        join_timeout: conf.join_timeout,
-                        last_call_timeout: conf.last_call_timeout,
-                        heartbeat_interval: conf.heartbeat_interval,
-                        node_ttl: conf.node_ttl,
+                        settings: settings.clone(),
                     })
                 }
                 "etcd-v2" => {
@@ -492,12 +464,13 @@ mod tests {
     }
 
     #[test]
-    fn rdzv_conf_rejects_timeouts_that_do_not_nest() {
-        assert!(parse_rdzv_conf("heartbeat_interval=3,node_ttl=2").is_err());
-        assert!(parse_rdzv_conf("node_ttl=700").is_err());
+    fn rdzv_conf_reads_torchrun_keys_and_its_timeouts_must_nest() {
         assert!(parse_rdzv_conf("bogus=1").is_err());
         let c = parse_rdzv_conf("join_timeout=30,read_timeout=60,node_ttl=3,heartbeat_interval=1").unwrap();
-        assert_eq!(c.node_ttl, Duration::from_secs(3));
+        assert_eq!(c.settings.node_ttl, Duration::from_secs(3));
+        assert!(c.settings.validate().is_ok());
+        assert!(parse_rdzv_conf("heartbeat_interval=3,node_ttl=2").unwrap().settings.validate().is_err());
+        assert!(parse_rdzv_conf("node_ttl=700").unwrap().settings.validate().is_err());
     }
 
     #[test]

@@ -70,14 +70,7 @@ pub fn render(s: &JobStatus) -> String {
         out += &format!("  waiting     {:<7}  -          -               {}\n", p.local_world_size, p.node_id);
     }
     if let Some(rc) = &s.last_root_cause {
-        let get = |k: &str| rc.get(k).map(|v| v.to_string().trim_matches('"').to_string()).unwrap_or_default();
-        out += &format!(
-            "  last root cause: rank {} on {}, {} — {}\n",
-            get("rank"),
-            get("host"),
-            rc.get("exit").map(|e| e.to_string()).unwrap_or_default(),
-            get("message")
-        );
+        out += &format!("  last root cause: {}\n", rc.summary());
     }
     out
 }

@@ -22,6 +22,7 @@ fn settings(n: u32) -> JobSettings {
         heartbeat_interval: Duration::from_millis(500),
         node_ttl: Duration::from_secs(30),
         max_restarts: 0,
+        stop_grace: Duration::ZERO,
     }
 }
 
@@ -39,7 +40,7 @@ async fn one(rdzv: Arc<Rendezvous>, n: u32, run_id: &str) -> Result<Duration> {
     let node = |i: u32| NodeInfo {
         node_id: format!("agent-{i:05}"),
         local_world_size: 8,
-        store_addr: format!("10.0.0.1:{}", 20000 + i),
+        store_addr: format!("10.0.0.1:{}", 20000 + i).parse().expect("a valid address"),
     };
     let mut joins: Vec<tokio::task::JoinHandle<Result<_, rlaunch_rendezvous::RdzvError>>> = Vec::new();
     for i in 0..n - 1 {

@@ -82,7 +82,7 @@ pub struct WatchRequest {
 pub struct FailureRequest {
     pub node_id: String,
     pub round: u64,
-    pub root_cause: serde_json::Value,
+    pub root_cause: Box<crate::round::RootCause>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -315,7 +315,7 @@ impl RendezvousClient {
         &self,
         node_id: &str,
         round: u64,
-        root_cause: serde_json::Value,
+        root_cause: Box<crate::round::RootCause>,
     ) -> Result<(), RdzvError> {
         match &self.inner.transport {
             Transport::Http(h) => {

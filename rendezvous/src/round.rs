@@ -21,6 +21,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+pub use rlaunch::contract::{HostPort, Member, NodeInfo, RootCause, RoundInfo};
+
 /// Milliseconds: the machine's clock unit (wall-clock millis since the Unix epoch at the edges).
 pub type Millis = u64;
 
@@ -47,6 +49,12 @@ pub struct JobSettings {
     pub node_ttl: Duration,
     /// Global restart budget: how many reported failures the job survives.
     pub max_restarts: u32,
+    /// How long an agent may take to stop its workers (`--shutdown-timeout`). A forming round
+    /// waits up to this long past its last call for surviving members of the previous round
+    /// that are alive but still stopping their workers, so a slow stop does not leave a node
+    /// out (and its old workers running beside the new round). Zero: no such wait.
+    #[serde(rename = "stop_grace_ms", with = "duration_ms", default)]
+    pub stop_grace: Duration,
 }
 
 impl Default for JobSettings {
@@ -60,6 +68,7 @@ impl Default for JobSettings {
             heartbeat_interval: Duration::from_millis(500),
             node_ttl: Duration::from_secs(2),
             max_restarts: 0,
+            stop_grace: Duration::ZERO,
         }
     }
 }
@@ -101,30 +110,28 @@ impl JobSettings {
             return Err(SettingsError::MinAboveMax { min: self.min_nodes, max: self.max_nodes });
         }
         if self.heartbeat_interval.is_zero() {
-            return Err(SettingsError::Zero { name: "heartbeat interval" });
+            return Err(SettingsError::Zero { name: "heartbeat_interval" });
         }
         check_nesting(&[
-            ("heartbeat interval", self.heartbeat_interval),
-            ("node TTL", self.node_ttl),
-            ("join timeout", self.join_timeout),
+            ("heartbeat_interval", self.heartbeat_interval),
+            ("node_ttl", self.node_ttl),
+            ("join_timeout", self.join_timeout),
         ])?;
-        check_nesting(&[("last-call timeout", self.last_call_timeout), ("join timeout", self.join_timeout)])
+        if !self.stop_grace.is_zero() {
+            // A node stopping its workers keeps heartbeating, but the rendezvous must not wait
+            // on a stop for longer than a join may take.
+            check_nesting(&[
+                ("node_ttl", self.node_ttl),
+                ("--shutdown-timeout", self.stop_grace),
+                ("join_timeout", self.join_timeout),
+            ])?;
+        }
+        check_nesting(&[("last_call_timeout", self.last_call_timeout), ("join_timeout", self.join_timeout)])
     }
 
     fn ms(d: Duration) -> Millis {
         u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
     }
-}
-
-/// What an agent tells the rendezvous about its node when it joins.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct NodeInfo {
-    /// Unique per agent process (e.g. `host-pid-random`): a restarted agent is a new node.
-    pub node_id: String,
-    /// Workers this node runs (`--nproc-per-node`).
-    pub local_world_size: u32,
-    /// `host:port` of the TCPStore this node's agent hosts; group rank 0's is the master store.
-    pub store_addr: String,
 }
 
 /// A node that joined and waits for the next round to close, in join order.
@@ -133,17 +140,6 @@ pub struct Pending {
     #[serde(flatten)]
     pub node: NodeInfo,
     pub joined_at: Millis,
-}
-
-/// A member of a closed round.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Member {
-    pub node_id: String,
-    pub group_rank: u32,
-    pub local_world_size: u32,
-    /// Global rank of this node's local rank 0: the sum of local world sizes before it.
-    pub rank_offset: u32,
-    pub store_addr: String,
 }
 
 /// Why a job failed, for callers that treat a join timeout differently.
@@ -214,7 +210,7 @@ pub struct Job {
     /// Restarts spent from the global budget (failures only; node loss and scale-up are free).
     pub restart_count: u32,
     /// Root cause of the last reported failure, as the agent sent it.
-    pub last_root_cause: Option<serde_json::Value>,
+    pub last_root_cause: Option<RootCause>,
     /// Human reason of the last transition.
     pub last_reason: String,
     pub created_at: Millis,
@@ -291,7 +287,7 @@ pub enum Event {
     ReportFailure {
         node_id: String,
         round: u64,
-        root_cause: serde_json::Value,
+        root_cause: Box<RootCause>,
     },
     NodeSucceeded {
         node_id: String,
@@ -302,31 +298,13 @@ pub enum Event {
     },
 }
 
-/// What one member learns when its round closes.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RoundInfo {
-    pub round: u64,
-    pub group_rank: u32,
-    pub group_world_size: u32,
-    pub members: Vec<Member>,
-    /// `host:port` of group rank 0's store.
-    pub master_store_addr: String,
-    pub restart_count: u32,
-    pub max_restarts: u32,
-    /// Sum of every member's local world size.
-    pub world_size: u32,
-    /// Global rank of this node's local rank 0.
-    pub rank_offset: u32,
-    pub local_world_size: u32,
-}
-
 /// One node as `status` shows it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NodeStatus {
     pub node_id: String,
     pub group_rank: Option<u32>,
     pub local_world_size: u32,
-    pub store_addr: String,
+    pub store_addr: HostPort,
     /// Milliseconds since last heard from; `None` when not tracked (lost, left, succeeded and gone).
     pub last_heartbeat_ago_ms: Option<u64>,
     pub succeeded: bool,
@@ -343,7 +321,7 @@ pub struct JobStatus {
     pub world_size: u32,
     pub restart_count: u32,
     pub max_restarts: u32,
-    pub last_root_cause: Option<serde_json::Value>,
+    pub last_root_cause: Option<RootCause>,
     pub failure: Option<String>,
     pub last_reason: String,
     pub settings: JobSettings,
@@ -392,7 +370,11 @@ impl Job {
             group_rank: me.group_rank,
             group_world_size: u32::try_from(self.members.len()).unwrap_or(u32::MAX),
             members: self.members.clone(),
-            master_store_addr: self.members.first().map(|m| m.store_addr.clone()).unwrap_or_default(),
+            master_store_addr: self
+                .members
+                .first()
+                .map(|m| m.store_addr.clone())
+                .unwrap_or_else(|| me.store_addr.clone()),
             restart_count: self.restart_count,
             max_restarts: self.settings.max_restarts,
             world_size: self.world_size(),
@@ -534,11 +516,6 @@ fn validate_node(node: &NodeInfo) -> Result<(), Rejection> {
     if node.local_world_size == 0 {
         return invalid("local_world_size must be at least 1");
     }
-    let port_ok =
-        node.store_addr.rsplit_once(':').is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
-    if !port_ok {
-        return invalid("store_addr must be host:port");
-    }
     Ok(())
 }
 
@@ -670,7 +647,7 @@ fn tick(job: &mut Job, now: Millis) -> Decision {
     }
 }
 
-fn report_failure(job: &mut Job, node_id: &str, round: u64, root_cause: serde_json::Value, now: Millis) -> Decision {
+fn report_failure(job: &mut Job, node_id: &str, round: u64, root_cause: Box<RootCause>, now: Millis) -> Decision {
     if job.phase.is_terminal() {
         return decide(Action::Nothing, format!("failure report from {node_id} ignored: the job is over"));
     }
@@ -687,8 +664,8 @@ fn report_failure(job: &mut Job, node_id: &str, round: u64, root_cause: serde_js
     if !job.is_member(node_id) {
         return reject(Rejection::NotMember { node_id: node_id.to_owned(), round });
     }
-    let summary = summarize(&root_cause);
-    job.last_root_cause = Some(root_cause);
+    let summary = root_cause.summary();
+    job.last_root_cause = Some(*root_cause);
     let budget = job.settings.max_restarts;
     if job.restart_count < budget {
         job.restart_count += 1;
@@ -704,19 +681,6 @@ fn report_failure(job: &mut Job, node_id: &str, round: u64, root_cause: serde_js
         job.phase = Phase::Failed { at: now, kind: FailureKind::RestartBudget, reason: reason.clone() };
         decide(Action::Failed, reason)
     }
-}
-
-fn summarize(v: &serde_json::Value) -> String {
-    let mut s = v.to_string();
-    if s.len() > 300 {
-        let mut cut = 300;
-        while !s.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        s.truncate(cut);
-        s.push('…');
-    }
-    s
 }
 
 fn node_succeeded(job: &mut Job, node_id: &str, round: u64, now: Millis) -> Decision {
@@ -834,7 +798,28 @@ fn evaluate_forming(job: &mut Job, now: Millis, base: String) -> Decision {
     }
     if n >= min {
         match job.phase {
-            Phase::LastCall { deadline, .. } if now >= deadline => close_round(job, now, with("last call over")),
+            Phase::LastCall { deadline, since } if now >= deadline => {
+                // Survivors of the previous round still on their way back are alive (a lapsed
+                // one is dropped from `previous` by the tick) but still stopping their workers:
+                // wait for them up to the shutdown timeout rather than close without them.
+                let missing =
+                    job.previous.len() - job.pending.iter().filter(|p| job.previous.contains(&p.node.node_id)).count();
+                let survivors_due = since
+                    .saturating_add(JobSettings::ms(job.settings.stop_grace))
+                    .saturating_add(JobSettings::ms(job.settings.last_call_timeout));
+                if missing > 0 && now < survivors_due {
+                    let note = format!(
+                        "last call over; waiting for {missing} surviving member(s) still stopping their workers"
+                    );
+                    if base.is_empty() {
+                        decide(Action::Nothing, note)
+                    } else {
+                        decide(Action::Updated, with(&note))
+                    }
+                } else {
+                    close_round(job, now, with("last call over"))
+                }
+            }
             Phase::LastCall { .. } => {
                 if base.is_empty() {
                     decide(Action::Nothing, "last call runs")

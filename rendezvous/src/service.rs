@@ -239,7 +239,7 @@ impl Rendezvous {
         run_id: &str,
         node_id: &str,
         round: u64,
-        root_cause: serde_json::Value,
+        root_cause: Box<crate::round::RootCause>,
     ) -> Result<(), RdzvError> {
         let ev = Event::ReportFailure { node_id: node_id.to_owned(), round, root_cause };
         self.apply(run_id, None, ev).await.map(|_| ())

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::http::{header, Request, StatusCode};
+use rlaunch::contract::{Exit, RootCause};
 use rlaunch_rendezvous::api::{self, AppState};
 use rlaunch_rendezvous::round::{Job, JobSettings, NodeInfo};
 use rlaunch_rendezvous::{Backend, RdzvError, Rendezvous, RendezvousClient, WatchEvent};
@@ -14,6 +15,23 @@ use serde_json::{json, Value};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tower::ServiceExt;
+
+fn rc(message: impl ToString) -> Box<RootCause> {
+    Box::new(RootCause {
+        rank: 0,
+        local_rank: 0,
+        role: "default".into(),
+        host: "h".into(),
+        pid: 1,
+        exit: Exit::Code(1),
+        timestamp: 0,
+        restart_count: 0,
+        message: message.to_string(),
+        traceback: None,
+        error_file: None,
+        stderr_tail: Vec::new(),
+    })
+}
 
 /// Every await in these tests is bounded by this.
 const DEADLINE: Duration = Duration::from_secs(20);
@@ -35,6 +53,7 @@ fn calm(min: u32, max: u32) -> JobSettings {
         heartbeat_interval: Duration::from_secs(10),
         node_ttl: Duration::from_secs(60),
         max_restarts: 1,
+        stop_grace: Duration::ZERO,
     }
 }
 
@@ -48,11 +67,16 @@ fn fast(min: u32, max: u32) -> JobSettings {
         heartbeat_interval: Duration::from_millis(100),
         node_ttl: Duration::from_millis(500),
         max_restarts: 1,
+        stop_grace: Duration::ZERO,
     }
 }
 
 fn node(id: &str) -> NodeInfo {
-    NodeInfo { node_id: id.to_owned(), local_world_size: 2, store_addr: format!("127.0.0.1:{}", 29500 + id.len()) }
+    NodeInfo {
+        node_id: id.to_owned(),
+        local_world_size: 2,
+        store_addr: format!("127.0.0.1:{}", 29500 + id.len()).parse().unwrap(),
+    }
 }
 
 async fn send(app: &axum::Router, req: Request<Body>) -> (StatusCode, Value) {
@@ -208,7 +232,7 @@ async fn invalid_settings_are_400_with_a_clear_message() {
     s.node_ttl = Duration::from_secs(1);
     let (status, v) = send(&app, post_json("/v1/jobs/x/join", &json!({"settings": s, "node": node("a")}))).await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
-    assert!(v["message"].as_str().is_some_and(|m| m.contains("heartbeat interval") && m.contains("node TTL")), "{v}");
+    assert!(v["message"].as_str().is_some_and(|m| m.contains("heartbeat_interval") && m.contains("node_ttl")), "{v}");
     assert!(job(&rdzv, "x").await.is_none(), "no job is created by a rejected join");
 }
 
@@ -306,16 +330,16 @@ async fn failure_report_restarts_every_node_once_over_http() {
     let b = http_client(vec![server.endpoint()], "jf", fast(2, 2)).await;
     let (ra, _) = within("joins", async { tokio::join!(a.join(node("a")), b.join(node("bb"))) }).await;
     let round = ra.expect("a joins").round;
-    a.report_failure("a", round, json!({"exit_code": 3})).await.expect("report");
-    b.report_failure("bb", round, json!({"exit_code": 9})).await.expect("second report is accepted");
+    a.report_failure("a", round, rc(json!({"exit_code": 3}))).await.expect("report");
+    b.report_failure("bb", round, rc(json!({"exit_code": 9}))).await.expect("second report is accepted");
     assert_eq!(within("watch", b.watch(round)).await.expect("watch"), WatchEvent::NewRound(round + 1));
     let (ra, rb) = within("rejoin", async { tokio::join!(a.join(node("a")), b.join(node("bb"))) }).await;
     let (ra, rb) = (ra.expect("a rejoins"), rb.expect("b rejoins"));
     assert_eq!((ra.round, ra.restart_count, rb.restart_count), (round + 1, 1, 1));
     let st = a.status().await.expect("status");
-    assert_eq!(st.last_root_cause, Some(json!({"exit_code": 3})));
+    assert_eq!(st.last_root_cause, Some(*rc(json!({"exit_code": 3}))));
     // Budget is 1: the next failure fails the job for everyone.
-    a.report_failure("a", ra.round, json!("again")).await.expect("report");
+    a.report_failure("a", ra.round, rc(json!("again"))).await.expect("report");
     match within("watch", b.watch(ra.round)).await.expect("watch") {
         WatchEvent::Failed(reason) => assert!(reason.contains("restart budget exhausted"), "{reason}"),
         other => panic!("{other:?}"),

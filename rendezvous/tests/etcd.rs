@@ -8,11 +8,29 @@ use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use rlaunch::contract::{Exit, RootCause};
 use rlaunch_rendezvous::round::{JobSettings, NodeInfo};
 use rlaunch_rendezvous::{Backend, RdzvError, RendezvousClient, WatchEvent};
 use serde_json::json;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
+
+fn rc(message: impl ToString) -> Box<RootCause> {
+    Box::new(RootCause {
+        rank: 0,
+        local_rank: 0,
+        role: "default".into(),
+        host: "h".into(),
+        pid: 1,
+        exit: Exit::Code(1),
+        timestamp: 0,
+        restart_count: 0,
+        message: message.to_string(),
+        traceback: None,
+        error_file: None,
+        stderr_tail: Vec::new(),
+    })
+}
 
 const DEADLINE: Duration = Duration::from_secs(30);
 
@@ -171,11 +189,16 @@ fn settings(min: u32, max: u32) -> JobSettings {
         heartbeat_interval: Duration::from_millis(300),
         node_ttl: Duration::from_secs(2),
         max_restarts: 3,
+        stop_grace: Duration::ZERO,
     }
 }
 
 fn node(id: &str) -> NodeInfo {
-    NodeInfo { node_id: id.to_owned(), local_world_size: 1, store_addr: format!("127.0.0.1:{}", 30000 + id.len()) }
+    NodeInfo {
+        node_id: id.to_owned(),
+        local_world_size: 1,
+        store_addr: format!("127.0.0.1:{}", 30000 + id.len()).parse().unwrap(),
+    }
 }
 
 /// What an agent does between rounds: heartbeat every interval.
@@ -242,8 +265,8 @@ async fn etcd_backend_counts_a_failure_once_and_finishes_when_all_succeed() {
     let (ra, _) = within("joins", async { tokio::join!(a.join(node("a")), b.join(node("bb"))) }).await;
     let r = ra.expect("a joins").round;
     let (fa, fb) = tokio::join!(
-        a.report_failure("a", r, json!({"exit_code": 1})),
-        b.report_failure("bb", r, json!({"exit_code": 2}))
+        a.report_failure("a", r, rc(json!({"exit_code": 1}))),
+        b.report_failure("bb", r, rc(json!({"exit_code": 2})))
     );
     fa.expect("report a");
     fb.expect("report b");
@@ -290,7 +313,7 @@ async fn two_server_replicas_on_one_etcd_serve_the_same_job_and_survive_a_kill()
     assert_eq!((st.state.as_str(), st.round, st.members.len()), ("running", ra.round, 2));
 
     // The job still restarts through the surviving replica.
-    a.report_failure("a", ra.round, json!({"exit_code": 7})).await.expect("report via r2");
+    a.report_failure("a", ra.round, rc(json!({"exit_code": 7}))).await.expect("report via r2");
     assert_eq!(next_event(&b, ra.round).await, WatchEvent::NewRound(ra.round + 1));
     let (ra2, rb2) = within("rejoins", async { tokio::join!(a.join(node("a")), b.join(node("bb"))) }).await;
     assert_eq!(ra2.expect("a rejoins").round, ra.round + 1);
@@ -301,7 +324,7 @@ async fn two_server_replicas_on_one_etcd_serve_the_same_job_and_survive_a_kill()
     let c = http(vec![r3.endpoint.clone()]).await;
     let st = c.status().await.expect("status via r3");
     assert_eq!((st.round, st.restart_count), (ra.round + 1, 1));
-    assert_eq!(st.last_root_cause, Some(json!({"exit_code": 7})));
+    assert_eq!(st.last_root_cause, Some(*rc(json!({"exit_code": 7}))));
     ba.abort();
     bb.abort();
     drop((r2, r3));
@@ -382,7 +405,7 @@ async fn job_carries_on_when_one_of_three_etcd_members_is_killed() {
             Ok(other) => panic!("the job was disturbed by losing an etcd member: {other:?}"),
         }
     }
-    a.report_failure("a", ra.round, json!("crash")).await.expect("report on the surviving members");
+    a.report_failure("a", ra.round, rc(json!("crash"))).await.expect("report on the surviving members");
     assert_eq!(next_event(&b, ra.round).await, WatchEvent::NewRound(ra.round + 1));
     let (ra2, rb2) = within("rejoins", async { tokio::join!(a.join(node("a")), b.join(node("bb"))) }).await;
     assert_eq!(ra2.expect("a rejoins").round, ra.round + 1);

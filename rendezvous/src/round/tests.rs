@@ -5,6 +5,24 @@ use std::time::Duration;
 use serde_json::json;
 
 use super::*;
+use rlaunch::contract::Exit;
+
+fn rc(message: impl ToString) -> Box<RootCause> {
+    Box::new(RootCause {
+        rank: 0,
+        local_rank: 0,
+        role: "default".into(),
+        host: "h".into(),
+        pid: 1,
+        exit: Exit::Code(1),
+        timestamp: 0,
+        restart_count: 0,
+        message: message.to_string(),
+        traceback: None,
+        error_file: None,
+        stderr_tail: Vec::new(),
+    })
+}
 
 fn settings(min: u32, max: u32) -> JobSettings {
     JobSettings {
@@ -15,11 +33,12 @@ fn settings(min: u32, max: u32) -> JobSettings {
         heartbeat_interval: Duration::from_millis(500),
         node_ttl: Duration::from_secs(2),
         max_restarts: 2,
+        stop_grace: Duration::ZERO,
     }
 }
 
 fn node(id: &str) -> NodeInfo {
-    NodeInfo { node_id: id.to_owned(), local_world_size: 2, store_addr: format!("{id}:29500") }
+    NodeInfo { node_id: id.to_owned(), local_world_size: 2, store_addr: format!("{id}:29500").parse().unwrap() }
 }
 
 /// Applies an event, asserting that the version moves exactly when the decision says so.
@@ -85,16 +104,26 @@ fn rejects_timeouts_that_do_not_nest() {
     let mut s = settings(1, 1);
     s.node_ttl = Duration::from_millis(500);
     let err = s.validate().unwrap_err();
-    assert!(matches!(err, SettingsError::NotNested { smaller: "heartbeat interval", larger: "node TTL", .. }));
-    assert!(err.to_string().contains("must be less than node TTL"), "{err}");
+    assert!(matches!(err, SettingsError::NotNested { smaller: "heartbeat_interval", larger: "node_ttl", .. }));
+    assert!(err.to_string().contains("must be less than node_ttl"), "{err}");
+
+    // The shutdown timeout nests between the TTL and the join timeout when it is set.
+    let mut s = settings(1, 1);
+    s.stop_grace = s.node_ttl;
+    assert!(matches!(
+        s.validate(),
+        Err(SettingsError::NotNested { smaller: "node_ttl", larger: "--shutdown-timeout", .. })
+    ));
+    s.stop_grace = s.join_timeout;
+    assert!(matches!(s.validate(), Err(SettingsError::NotNested { smaller: "--shutdown-timeout", .. })));
 
     let mut s = settings(1, 1);
     s.join_timeout = Duration::from_secs(1);
-    assert!(matches!(s.validate(), Err(SettingsError::NotNested { larger: "join timeout", .. })));
+    assert!(matches!(s.validate(), Err(SettingsError::NotNested { larger: "join_timeout", .. })));
 
     let mut s = settings(1, 1);
     s.last_call_timeout = Duration::from_secs(61);
-    assert!(matches!(s.validate(), Err(SettingsError::NotNested { smaller: "last-call timeout", .. })));
+    assert!(matches!(s.validate(), Err(SettingsError::NotNested { smaller: "last_call_timeout", .. })));
 
     assert!(matches!(settings(0, 1).validate(), Err(SettingsError::MinNodesZero { .. })));
     assert!(matches!(settings(3, 2).validate(), Err(SettingsError::MinAboveMax { min: 3, max: 2 })));
@@ -103,7 +132,7 @@ fn rejects_timeouts_that_do_not_nest() {
 #[test]
 fn check_nesting_names_the_offending_pair() {
     let err = check_nesting(&[
-        ("node TTL", Duration::from_secs(2)),
+        ("node_ttl", Duration::from_secs(2)),
         ("collective timeout", Duration::from_secs(30)),
         ("stop grace", Duration::from_secs(10)),
     ])
@@ -119,7 +148,7 @@ fn single_node_job_closes_round_one_at_once() {
     let info = job.round_info("a").unwrap();
     assert_eq!((info.round, info.group_rank, info.group_world_size), (1, 0, 1));
     assert_eq!((info.world_size, info.rank_offset, info.local_world_size), (2, 0, 2));
-    assert_eq!(info.master_store_addr, "a:29500");
+    assert_eq!(info.master_store_addr.to_string(), "a:29500");
 }
 
 #[test]
@@ -138,7 +167,7 @@ fn waits_for_min_nodes_before_closing() {
 fn ranks_are_contiguous_with_prefix_sum_offsets() {
     let mut job = Job::new(settings(3, 3), 0);
     for (i, (id, lws)) in [("a", 4), ("b", 1), ("c", 3)].into_iter().enumerate() {
-        let n = NodeInfo { node_id: id.into(), local_world_size: lws, store_addr: format!("{id}:1") };
+        let n = NodeInfo { node_id: id.into(), local_world_size: lws, store_addr: format!("{id}:1").parse().unwrap() };
         job = step(&job, Event::Join(n), i as u64).0;
     }
     let ranks: Vec<(u32, u32)> = job.members.iter().map(|m| (m.group_rank, m.rank_offset)).collect();
@@ -206,10 +235,9 @@ fn repeated_join_of_a_running_member_returns_the_same_round() {
 fn join_with_bad_details_is_rejected_and_leaves_the_job_untouched() {
     let job = Job::new(settings(2, 2), 0);
     for bad in [
-        NodeInfo { node_id: String::new(), local_world_size: 1, store_addr: "h:1".into() },
-        NodeInfo { node_id: "a/b".into(), local_world_size: 1, store_addr: "h:1".into() },
-        NodeInfo { node_id: "a".into(), local_world_size: 0, store_addr: "h:1".into() },
-        NodeInfo { node_id: "a".into(), local_world_size: 1, store_addr: "nope".into() },
+        NodeInfo { node_id: String::new(), local_world_size: 1, store_addr: "h:1".parse().unwrap() },
+        NodeInfo { node_id: "a/b".into(), local_world_size: 1, store_addr: "h:1".parse().unwrap() },
+        NodeInfo { node_id: "a".into(), local_world_size: 0, store_addr: "h:1".parse().unwrap() },
     ] {
         let (after, d) = step(&job, Event::Join(bad), 5);
         assert!(matches!(d.action, Action::Rejected(Rejection::InvalidNode { .. })), "{d:?}");
@@ -322,26 +350,26 @@ fn first_round_fails_when_min_never_joins() {
 #[test]
 fn failure_opens_a_new_round_and_spends_one_restart() {
     let job = running(&["a", "b"], settings(2, 2));
-    let rc = json!({"rank": 3, "exit_code": 7});
+    let rc = rc(json!({"rank": 3, "exit_code": 7}));
     let (job, d) = step(&job, Event::ReportFailure { node_id: "b".into(), round: 1, root_cause: rc.clone() }, 1500);
     assert_eq!(d.action, Action::RoundOpened { round: 2, cause: RoundCause::Failure { node_id: "b".into() } });
     assert!(d.reason.contains("restart 1 of 2"), "{}", d.reason);
     assert_eq!(job.restart_count, 1);
-    assert_eq!(job.last_root_cause, Some(rc));
+    assert_eq!(job.last_root_cause, Some(*rc));
     assert_eq!(job.previous, ["a", "b"]);
 }
 
 #[test]
 fn failure_reported_by_several_nodes_counts_once() {
     let job = running(&["a", "b", "c"], settings(3, 3));
-    let fail = |id: &str| Event::ReportFailure { node_id: id.into(), round: 1, root_cause: json!({"node": id}) };
+    let fail = |id: &str| Event::ReportFailure { node_id: id.into(), round: 1, root_cause: rc(json!({"node": id})) };
     let (job, _) = step(&job, fail("a"), 1500);
     let (job, d) = step(&job, fail("b"), 1501);
     assert_eq!(d.action, Action::Nothing);
     assert!(d.reason.contains("counts once per round"), "{}", d.reason);
     let (job, _) = step(&job, fail("c"), 1502);
     assert_eq!(job.restart_count, 1);
-    assert_eq!(job.last_root_cause, Some(json!({"node": "a"})), "the first root cause is kept");
+    assert_eq!(job.last_root_cause, Some(*rc(json!({"node": "a"}))), "the first root cause is kept");
     // All three rejoin: round 2 closes without a last call, in the old order.
     let (job, _) = join(&job, "c", 1600);
     let (job, _) = join(&job, "a", 1601);
@@ -356,12 +384,12 @@ fn spent_budget_fails_the_job_with_the_root_cause() {
     let mut s = settings(1, 1);
     s.max_restarts = 1;
     let mut job = running(&["a"], s);
-    let (j, d) = step(&job, Event::ReportFailure { node_id: "a".into(), round: 1, root_cause: json!("oom") }, 2000);
+    let (j, d) = step(&job, Event::ReportFailure { node_id: "a".into(), round: 1, root_cause: rc(json!("oom")) }, 2000);
     assert!(matches!(d.action, Action::RoundOpened { round: 2, .. }));
     job = join(&j, "a", 2001).0;
     assert_eq!(job.round, 2);
     let (job, d) =
-        step(&job, Event::ReportFailure { node_id: "a".into(), round: 2, root_cause: json!("segfault") }, 3000);
+        step(&job, Event::ReportFailure { node_id: "a".into(), round: 2, root_cause: rc(json!("segfault")) }, 3000);
     assert_eq!(d.action, Action::Failed);
     let Phase::Failed { kind, reason, .. } = &job.phase else { panic!("{job:?}") };
     assert_eq!(*kind, FailureKind::RestartBudget);
@@ -369,7 +397,7 @@ fn spent_budget_fails_the_job_with_the_root_cause() {
     assert_eq!(job.restart_count, 1);
     let st = job.status("r", 3000);
     assert_eq!(st.state, "failed");
-    assert_eq!(st.last_root_cause, Some(json!("segfault")));
+    assert_eq!(st.last_root_cause, Some(*rc(json!("segfault"))));
 }
 
 #[test]
@@ -377,7 +405,7 @@ fn zero_budget_fails_on_the_first_failure() {
     let mut s = settings(1, 1);
     s.max_restarts = 0;
     let job = running(&["a"], s);
-    let (job, d) = step(&job, Event::ReportFailure { node_id: "a".into(), round: 1, root_cause: json!(1) }, 2000);
+    let (job, d) = step(&job, Event::ReportFailure { node_id: "a".into(), round: 1, root_cause: rc(json!(1)) }, 2000);
     assert_eq!(d.action, Action::Failed);
     assert!(job.phase.is_terminal());
 }
@@ -385,7 +413,7 @@ fn zero_budget_fails_on_the_first_failure() {
 #[test]
 fn failure_from_a_non_member_is_rejected() {
     let job = running(&["a"], settings(1, 2));
-    let (after, d) = step(&job, Event::ReportFailure { node_id: "x".into(), round: 1, root_cause: json!(1) }, 2000);
+    let (after, d) = step(&job, Event::ReportFailure { node_id: "x".into(), round: 1, root_cause: rc(json!(1)) }, 2000);
     assert!(matches!(d.action, Action::Rejected(Rejection::NotMember { .. })));
     assert_eq!(after, job);
 }
@@ -425,7 +453,7 @@ fn returning_members_keep_their_places_over_standbys_at_max() {
     job = join(&job, "x", 0).0; // last call
     job = join(&job, "y", 1).0; // closes at MAX
     job = join(&job, "z", 2).0; // standby
-    let (job, _) = step(&job, Event::ReportFailure { node_id: "x".into(), round: 1, root_cause: json!(1) }, 10);
+    let (job, _) = step(&job, Event::ReportFailure { node_id: "x".into(), round: 1, root_cause: rc(json!(1)) }, 10);
     let (job, d) = join(&job, "y", 11);
     // z and y make MAX, but x (a member of round 1) is still expected: last call.
     assert_eq!(d.action, Action::Updated, "{}", d.reason);
@@ -442,7 +470,7 @@ fn at_max_the_last_call_deadline_lets_standbys_replace_members_that_do_not_retur
     job = join(&job, "x", 0).0;
     job = join(&job, "y", 1).0;
     job = join(&job, "z", 2).0;
-    let (job, _) = step(&job, Event::ReportFailure { node_id: "x".into(), round: 1, root_cause: json!(1) }, 10);
+    let (job, _) = step(&job, Event::ReportFailure { node_id: "x".into(), round: 1, root_cause: rc(json!(1)) }, 10);
     let (job, _) = join(&job, "y", 11);
     let job = hb(&hb(&hb(&job, "x", 4000), "y", 4000), "z", 4000);
     // x heartbeats but never rejoins: at the deadline y keeps rank 0 and z takes the free place.
@@ -472,7 +500,7 @@ fn one_node_succeeding_does_not_tear_the_job_down() {
 #[test]
 fn stale_reports_from_an_old_round_are_ignored() {
     let job = running(&["a", "b"], settings(2, 2));
-    let (job, _) = step(&job, Event::ReportFailure { node_id: "a".into(), round: 1, root_cause: json!(1) }, 1500);
+    let (job, _) = step(&job, Event::ReportFailure { node_id: "a".into(), round: 1, root_cause: rc(json!(1)) }, 1500);
     let (after, d) = step(&job, Event::NodeSucceeded { node_id: "b".into(), round: 1 }, 1501);
     assert_eq!(d.action, Action::Nothing);
     assert_eq!(after, job);
@@ -514,7 +542,7 @@ fn a_pending_node_that_goes_silent_is_dropped() {
 #[test]
 fn a_lapsed_previous_member_no_longer_holds_the_round_back() {
     let job = running(&["a", "b", "c"], settings(2, 3));
-    let (job, _) = step(&job, Event::ReportFailure { node_id: "a".into(), round: 1, root_cause: json!(1) }, 1500);
+    let (job, _) = step(&job, Event::ReportFailure { node_id: "a".into(), round: 1, root_cause: rc(json!(1)) }, 1500);
     let job = hb(&hb(&job, "a", 3000), "b", 3000);
     let (job, _) = join(&job, "a", 3000);
     let (job, d) = join(&job, "b", 3000);
@@ -544,7 +572,7 @@ fn status_shows_round_ranks_heartbeats_and_restarts() {
 fn job_round_trips_through_json() {
     let job = running(&["a", "b"], settings(2, 3));
     let (job, _) =
-        step(&job, Event::ReportFailure { node_id: "a".into(), round: 1, root_cause: json!({"x": [1, 2]}) }, 1500);
+        step(&job, Event::ReportFailure { node_id: "a".into(), round: 1, root_cause: rc(json!({"x": [1, 2]})) }, 1500);
     let text = serde_json::to_string(&job).unwrap();
     assert!(text.contains("\"node_ttl_ms\":2000"), "{text}");
     let back: Job = serde_json::from_str(&text).unwrap();
@@ -556,7 +584,7 @@ fn terminal_jobs_reject_heartbeats_and_ignore_ticks() {
     let mut s = settings(1, 1);
     s.max_restarts = 0;
     let job = running(&["a"], s);
-    let (job, _) = step(&job, Event::ReportFailure { node_id: "a".into(), round: 1, root_cause: json!(1) }, 1500);
+    let (job, _) = step(&job, Event::ReportFailure { node_id: "a".into(), round: 1, root_cause: rc(json!(1)) }, 1500);
     let (_, d) = step(&job, Event::Heartbeat { node_id: "a".into() }, 1600);
     assert!(matches!(d.action, Action::Rejected(Rejection::JobFailed { .. })));
     let (after, d) = tick(&job, 1_000_000);
@@ -631,7 +659,7 @@ fn random_event_sequences_keep_the_invariants() {
                 7 => Event::ReportFailure {
                     node_id: id,
                     round: job.round - rng.below(2).min(job.round - 1),
-                    root_cause: json!(step_no),
+                    root_cause: rc(json!(step_no)),
                 },
                 8 => Event::NodeSucceeded { node_id: id, round: job.round },
                 _ => Event::Leave { node_id: id },
@@ -662,4 +690,69 @@ fn random_event_sequences_keep_the_invariants() {
     ] {
         assert!(seen.contains(kind), "never saw {kind}: {seen:?}");
     }
+}
+
+/// A survivor whose workers take longer than the last call to stop is not left out of the next
+/// round (its old workers would run beside it): the round waits for it, within the shutdown
+/// timeout, as long as it heartbeats.
+#[test]
+fn a_survivor_still_stopping_its_workers_is_waited_for_within_the_shutdown_timeout() {
+    let mut s = settings(1, 3);
+    s.last_call_timeout = Duration::from_secs(1);
+    s.stop_grace = Duration::from_secs(10);
+    let job = running(&["a", "b"], s);
+    let (job, d) = join(&job, "c", 1_000);
+    assert!(matches!(d.action, Action::RoundOpened { round: 2, .. }), "{d:?}");
+    let (job, _) = join(&job, "a", 1_100);
+    let mut job = hb(&job, "b", 1_500);
+    // The last call is over at 2 s; b is alive but still stopping: no close without it.
+    for t in [2_000, 2_500, 3_000, 3_500, 4_000, 4_500] {
+        for id in ["a", "b", "c"] {
+            job = hb(&job, id, t);
+        }
+        let (j, d) = tick(&job, t + 50);
+        assert!(!matches!(d.action, Action::RoundClosed { .. }), "closed without b at {t}: {d:?}");
+        job = j;
+    }
+    let (job, d) = join(&job, "b", 4_800);
+    assert_eq!(d.action, Action::RoundClosed { round: 2 });
+    assert_eq!(member_ids(&job), ["a", "b", "c"], "b keeps its place");
+
+    // A survivor that died instead is dropped once its heartbeats lapse, and the round closes.
+    let job = running(&["a", "b"], s_with_grace());
+    let job = hb(&job, "b", 1_000);
+    let (job, _) = join(&job, "c", 1_000);
+    let (job, _) = join(&job, "a", 1_100);
+    let job = hb(&hb(&job, "a", 2_000), "c", 2_000);
+    let (job, d) = tick(&job, 2_100);
+    assert!(!matches!(d.action, Action::RoundClosed { .. }), "b was last heard at 1 s: {d:?}");
+    let job = hb(&hb(&job, "a", 3_000), "c", 3_000);
+    let (job, d) = tick(&job, 3_100);
+    assert_eq!(d.action, Action::RoundClosed { round: 2 }, "{d:?}");
+    assert_eq!(member_ids(&job), ["a", "c"]);
+
+    // And one that heartbeats but never comes back is waited for no longer than the grace.
+    let job = running(&["a", "b"], s_with_grace());
+    let (job, _) = join(&job, "c", 1_000);
+    let (mut job, _) = join(&job, "a", 1_100);
+    let mut closed_at = None;
+    for t in (1_500..20_000).step_by(500) {
+        for id in ["a", "b", "c"] {
+            job = hb(&job, id, t);
+        }
+        let (j, d) = tick(&job, t + 10);
+        job = j;
+        if matches!(d.action, Action::RoundClosed { .. }) {
+            closed_at = Some(t + 10);
+            break;
+        }
+    }
+    assert_eq!(closed_at, Some(12_010), "closes at the round's start + grace + last call");
+}
+
+fn s_with_grace() -> JobSettings {
+    let mut s = settings(1, 3);
+    s.last_call_timeout = Duration::from_secs(1);
+    s.stop_grace = Duration::from_secs(10);
+    s
 }

@@ -1,0 +1,808 @@
+//! The agent's decisions, pure: [`Core::step`] takes one [`Event`] and the time, updates the
+//! core's state and returns the [`Action`]s to carry out. No I/O, no clock reads, no async: the
+//! driver (`driver.rs`) turns processes, signals and rendezvous calls into events and actions
+//! into effects; tests drive the core with made-up clocks.
+//!
+//! One core runs every mode. A fixed membership (`--standalone`, `--rdzv-backend static`) is a
+//! placement that never changes and a restart budget kept here; an elastic one joins rounds of
+//! a rendezvous, which keeps the budget for the whole job.
+//!
+//! Invariants (checked after every step in the tests):
+//! - workers are started only when none of this node's are running or stopping;
+//! - a failed worker group is restarted only after the rendezvous acknowledged its failure
+//!   report (elastic: the restart was counted, or the round had moved on anyway), or within the
+//!   local budget (fixed); a refused report ends the run with the worker's exit;
+//! - success, failure and leave reports are sent again until acknowledged or the job is known
+//!   to be over, bounded by the join timeout (leave: by the node TTL, heartbeats lapse anyway);
+//! - exactly one `Exit` ends a run, and nothing follows it.
+
+use std::time::Duration;
+
+use rlaunch::contract::{HostPort, RootCause, RoundInfo};
+
+/// Milliseconds on the driver's monotonic clock (made-up numbers in tests).
+pub type Millis = u64;
+
+/// Extra silence tolerated past the node TTL before a node fences itself: an etcd leader
+/// election (or a rendezvous replica failing over) stalls every request for a second or two
+/// while leases survive it, and a healthy node must not stop its workers for that.
+pub const ELECTION_ALLOWANCE: Duration = Duration::from_secs(2);
+/// How long a node whose success was acknowledged keeps watching a rendezvous that no longer
+/// answers before it ends (the job's end may have been missed while the rendezvous went away).
+pub const UNREACHABLE_AFTER_SUCCESS: Duration = Duration::from_secs(10);
+/// Delay before a failed join or watch is tried again.
+pub const RETRY_DELAY: Duration = Duration::from_millis(300);
+/// First and longest delay between tries of a report.
+pub const REPORT_BACKOFF_FIRST: Duration = Duration::from_millis(200);
+pub const REPORT_BACKOFF_MAX: Duration = Duration::from_secs(2);
+
+/// Where this node's workers run in the current round or attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    /// The rendezvous round (fixed membership: the attempt, counted from 1).
+    pub round: u64,
+    pub group_rank: u32,
+    pub group_world_size: u32,
+    /// Global rank of this node's local rank 0 (prefix sum of earlier nodes' workers).
+    pub rank_offset: u32,
+    pub world_size: u32,
+    /// The workers' store (`MASTER_ADDR:MASTER_PORT`); `None`: this agent serves it, on a
+    /// fresh address the driver picks for the attempt.
+    pub master: Option<HostPort>,
+    pub restart_count: u32,
+}
+
+impl Placement {
+    /// The placement a closed round gives this node.
+    pub fn from_round(r: &RoundInfo) -> Placement {
+        Placement {
+            round: r.round,
+            group_rank: r.group_rank,
+            group_world_size: r.group_world_size,
+            rank_offset: r.rank_offset,
+            world_size: r.world_size,
+            master: Some(r.master_store_addr.clone()),
+            restart_count: r.restart_count,
+        }
+    }
+}
+
+/// How membership is decided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Membership {
+    /// Standalone or static: the same placement on every attempt; the budget is this agent's.
+    Fixed { placement: Placement, max_restarts: u32 },
+    /// A rendezvous decides rounds and keeps the job-wide budget.
+    Elastic { node_ttl: Duration, join_timeout: Duration },
+}
+
+/// A rendezvous call that did not succeed, as the core needs to tell them apart.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CallError {
+    /// Unreachable, a 5xx, an etcd election: the same call may succeed later.
+    Transient(String),
+    /// The rendezvous refused the call (a 4xx other than the ones below): sending it again
+    /// cannot help.
+    Refused(String),
+    /// This node is unknown to the job or not a member of the round (declared lost).
+    NotMember,
+    JobFinished,
+    JobFailed(String),
+}
+
+/// How this node's worker group ended by itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WorkersEnd {
+    /// Every worker exited 0; the group's processes are gone.
+    Succeeded,
+    /// The first failure; the other workers may still run.
+    Failed(Box<RootCause>),
+}
+
+/// What the rendezvous said to a watch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Watch {
+    NoChange,
+    NewRound(u64),
+    Finished,
+    Failed(String),
+}
+
+/// A report to the rendezvous, sent until acknowledged.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Report {
+    Success {
+        round: u64,
+    },
+    /// The root cause is already [`RootCause::bounded`].
+    Failure {
+        round: u64,
+        root_cause: Box<RootCause>,
+    },
+    Leave,
+}
+
+impl Report {
+    fn kind(&self) -> ReportKind {
+        match self {
+            Report::Success { .. } => ReportKind::Success,
+            Report::Failure { .. } => ReportKind::Failure,
+            Report::Leave => ReportKind::Leave,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReportKind {
+    Success,
+    Failure,
+    Leave,
+}
+
+/// Something that happened.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// The first event of a run.
+    Start,
+    /// The join call answered: a closed round including this node, or why not.
+    Joined(Result<RoundInfo, CallError>),
+    /// This node's workers ended by themselves.
+    WorkersEnded(WorkersEnd),
+    /// A `StopWorkers` finished: no process of this node's workers is left.
+    WorkersStopped,
+    /// A watch of `round` answered.
+    Watched { round: u64, answer: Result<Watch, CallError> },
+    /// A report was answered.
+    Reported { kind: ReportKind, result: Result<(), CallError> },
+    /// A heartbeat was answered.
+    Heartbeat(Result<(), CallError>),
+    /// The job's last root cause as the rendezvous keeps it (after `FetchRootCause`).
+    RootCauseFetched(Option<Box<RootCause>>),
+    /// A signal reached the agent.
+    Signal(i32),
+    /// Time passed (the driver ticks a few times per heartbeat interval).
+    Tick,
+}
+
+/// How the run ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    Succeeded {
+        restarts: u32,
+    },
+    /// Workers failed and the restart budget is spent (or the failure could not be reported).
+    Failed {
+        root_cause: Box<RootCause>,
+        restarts: u32,
+    },
+    /// The agent was told to stop.
+    Interrupted {
+        signal: i32,
+    },
+    /// The rendezvous could not be used (unreachable for the whole join timeout, a join
+    /// refused, a job that failed without a root cause): the agent's own failure.
+    Rendezvous {
+        message: String,
+    },
+}
+
+/// Something to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// Elastic: serve a fresh workers' store and join the next round with it.
+    Join,
+    /// Start this node's workers (the previous ones are gone).
+    StartWorkers(Placement),
+    /// Stop the workers: SIGTERM, grace, SIGKILL; answered by `WorkersStopped`.
+    StopWorkers,
+    /// Pass a signal on to every worker.
+    Relay(i32),
+    /// Long-poll the rendezvous for the end of `round`.
+    Watch { round: u64 },
+    /// Send a report; answered by `Reported`.
+    Send(Report),
+    /// Ask the rendezvous for the job's last root cause; answered by `RootCauseFetched`.
+    FetchRootCause,
+    /// Say something to the operator (the driver logs it as a warning).
+    Note(String),
+    /// The run is over.
+    Exit(Outcome),
+}
+
+/// What to do once this node's workers are gone.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum AfterStop {
+    /// Elastic: join the next round.
+    Rejoin,
+    /// Fixed: start the next attempt.
+    Restart,
+    /// Elastic: report this failure, then rejoin once it is acknowledged.
+    ReportFailure(Box<RootCause>),
+    /// Elastic: the job failed; end with its root cause.
+    JobFailed(String),
+    /// Elastic: leave the job, then end interrupted.
+    Leave(i32),
+    Exit(Outcome),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Phase {
+    Idle,
+    /// Elastic: a join call is in flight (`retry_at`: waiting to send it again).
+    Joining {
+        retry_at: Option<Millis>,
+    },
+    /// Workers run (or, elastic, succeeded and the node waits for the job to end).
+    Running {
+        placement: Placement,
+        succeeded: bool,
+    },
+    /// `StopWorkers` was sent.
+    Stopping {
+        round: u64,
+        then: AfterStop,
+    },
+    /// Elastic: the failure report of a stopped group awaits its acknowledgement.
+    ReportingFailure {
+        round: u64,
+        root_cause: Box<RootCause>,
+    },
+    /// Elastic: the job failed; waiting for its root cause.
+    FetchingRootCause {
+        reason: String,
+    },
+    /// Elastic: leaving after a stop signal.
+    Leaving {
+        signal: i32,
+    },
+    Done,
+}
+
+/// A report on its way, and when to send it again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Outbox {
+    report: Report,
+    first_sent: Millis,
+    /// `None` while a send is in flight.
+    retry_at: Option<Millis>,
+    backoff: Duration,
+    /// Give up past this time.
+    deadline: Millis,
+}
+
+/// The agent's state: everything its decisions depend on.
+#[derive(Debug, Clone)]
+pub struct Core {
+    membership: Membership,
+    phase: Phase,
+    outbox: Option<Outbox>,
+    /// When the rendezvous last answered anything.
+    last_contact: Millis,
+    /// Elastic, while running: the watch waits to be sent again at this time.
+    watch_retry_at: Option<Millis>,
+    /// Elastic, after the success was acknowledged: since when the watch has been failing.
+    unreachable_since: Option<Millis>,
+    success_acked: bool,
+    /// Restarts spent: this agent's (fixed) or the job's as of the last round (elastic).
+    restarts: u32,
+    /// The last failure of this node's workers.
+    local_failure: Option<Box<RootCause>>,
+    /// A worker process of this node may be alive (started and not yet seen gone).
+    workers_alive: bool,
+}
+
+fn ms(d: Duration) -> Millis {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Signals that stop the job; the others are relayed to the workers.
+pub fn is_stop_signal(signal: i32) -> bool {
+    matches!(signal, libc::SIGTERM | libc::SIGINT | libc::SIGHUP | libc::SIGQUIT)
+}
+
+impl Core {
+    pub fn new(membership: Membership) -> Core {
+        Core {
+            membership,
+            phase: Phase::Idle,
+            outbox: None,
+            last_contact: 0,
+            watch_retry_at: None,
+            unreachable_since: None,
+            success_acked: false,
+            restarts: 0,
+            local_failure: None,
+            workers_alive: false,
+        }
+    }
+
+    /// Whether the run is over.
+    pub fn is_done(&self) -> bool {
+        self.phase == Phase::Done
+    }
+
+    /// Whether a worker process of this node may be alive.
+    pub fn workers_alive(&self) -> bool {
+        self.workers_alive
+    }
+
+    fn elastic(&self) -> Option<(Duration, Duration)> {
+        match self.membership {
+            Membership::Elastic { node_ttl, join_timeout } => Some((node_ttl, join_timeout)),
+            Membership::Fixed { .. } => None,
+        }
+    }
+
+    fn join_timeout(&self) -> Duration {
+        self.elastic().map(|(_, j)| j).unwrap_or(Duration::MAX)
+    }
+
+    /// Applies one event at time `now`; returns what to do, in order.
+    pub fn step(&mut self, event: Event, now: Millis) -> Vec<Action> {
+        if self.phase == Phase::Done {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        if Self::is_contact(&event) {
+            self.last_contact = self.last_contact.max(now);
+        }
+        match event {
+            Event::Start => self.on_start(now, &mut out),
+            Event::Joined(answer) => self.on_joined(answer, now, &mut out),
+            Event::WorkersEnded(end) => self.on_workers_ended(end, now, &mut out),
+            Event::WorkersStopped => self.on_workers_stopped(now, &mut out),
+            Event::Watched { round, answer } => self.on_watched(round, answer, now, &mut out),
+            Event::Reported { kind, result } => self.on_reported(kind, result, now, &mut out),
+            Event::Heartbeat(result) => self.on_heartbeat(result, &mut out),
+            Event::RootCauseFetched(rc) => self.on_root_cause(rc, &mut out),
+            Event::Signal(sig) => self.on_signal(sig, now, &mut out),
+            Event::Tick => self.on_tick(now, &mut out),
+        }
+        out
+    }
+
+    /// Any answer from the rendezvous, even a refusal, proves it reachable.
+    fn is_contact(event: &Event) -> bool {
+        let answered = |e: &CallError| !matches!(e, CallError::Transient(_));
+        match event {
+            Event::Joined(r) => r.as_ref().err().is_none_or(answered),
+            Event::Watched { answer, .. } => answer.as_ref().err().is_none_or(answered),
+            Event::Reported { result, .. } | Event::Heartbeat(result) => result.as_ref().err().is_none_or(answered),
+            _ => false,
+        }
+    }
+
+    fn exit(&mut self, outcome: Outcome, out: &mut Vec<Action>) {
+        self.phase = Phase::Done;
+        self.outbox = None;
+        out.push(Action::Exit(outcome));
+    }
+
+    fn start_workers(&mut self, placement: Placement, out: &mut Vec<Action>) {
+        debug_assert!(!self.workers_alive, "workers are started only once the previous ones are gone");
+        self.workers_alive = true;
+        self.success_acked = false;
+        self.unreachable_since = None;
+        out.push(Action::StartWorkers(placement.clone()));
+        if self.elastic().is_some() {
+            self.watch_retry_at = None;
+            out.push(Action::Watch { round: placement.round });
+        }
+        self.phase = Phase::Running { placement, succeeded: false };
+    }
+
+    fn join(&mut self, out: &mut Vec<Action>) {
+        self.phase = Phase::Joining { retry_at: None };
+        out.push(Action::Join);
+    }
+
+    fn stop_workers(&mut self, round: u64, then: AfterStop, out: &mut Vec<Action>) {
+        self.outbox = None;
+        self.phase = Phase::Stopping { round, then };
+        out.push(Action::StopWorkers);
+    }
+
+    fn send(&mut self, report: Report, now: Millis, deadline: Millis, out: &mut Vec<Action>) {
+        self.outbox = Some(Outbox {
+            report: report.clone(),
+            first_sent: now,
+            retry_at: None,
+            backoff: REPORT_BACKOFF_FIRST,
+            deadline,
+        });
+        out.push(Action::Send(report));
+    }
+
+    /// Leaves the job when no worker runs; elastic nodes tell the rendezvous first.
+    fn leave(&mut self, signal: i32, now: Millis, out: &mut Vec<Action>) {
+        match self.elastic() {
+            Some((ttl, _)) => {
+                self.phase = Phase::Leaving { signal };
+                self.send(Report::Leave, now, now.saturating_add(ms(ttl)), out);
+            }
+            None => self.exit(Outcome::Interrupted { signal }, out),
+        }
+    }
+
+    fn job_failed(&mut self, reason: String, out: &mut Vec<Action>) {
+        self.phase = Phase::FetchingRootCause { reason };
+        out.push(Action::FetchRootCause);
+    }
+
+    fn on_start(&mut self, now: Millis, out: &mut Vec<Action>) {
+        if self.phase != Phase::Idle {
+            return;
+        }
+        self.last_contact = now;
+        match self.membership.clone() {
+            Membership::Fixed { placement, .. } => self.start_workers(placement, out),
+            Membership::Elastic { .. } => self.join(out),
+        }
+    }
+
+    fn on_joined(&mut self, answer: Result<RoundInfo, CallError>, now: Millis, out: &mut Vec<Action>) {
+        if self.phase != (Phase::Joining { retry_at: None }) {
+            return; // an answer to a join this node gave up on (it is leaving)
+        }
+        match answer {
+            Ok(round) => {
+                self.restarts = round.restart_count;
+                self.start_workers(Placement::from_round(&round), out);
+            }
+            Err(CallError::Transient(e)) => {
+                let silent = now.saturating_sub(self.last_contact);
+                if silent >= ms(self.join_timeout()) {
+                    let message = format!(
+                        "the rendezvous has been unreachable for the whole join timeout ({:?}): {e}",
+                        self.join_timeout()
+                    );
+                    self.exit(Outcome::Rendezvous { message }, out);
+                } else {
+                    out.push(Action::Note(format!("cannot reach the rendezvous ({e}); joining again")));
+                    self.phase = Phase::Joining { retry_at: Some(now.saturating_add(ms(RETRY_DELAY))) };
+                }
+            }
+            Err(CallError::JobFinished) => {
+                let restarts = self.restarts;
+                self.exit(Outcome::Succeeded { restarts }, out);
+            }
+            Err(CallError::JobFailed(reason)) => self.job_failed(reason, out),
+            Err(CallError::NotMember) => self.join(out),
+            Err(CallError::Refused(message)) => {
+                self.exit(Outcome::Rendezvous { message: format!("the rendezvous refused the join: {message}") }, out)
+            }
+        }
+    }
+
+    fn on_workers_ended(&mut self, end: WorkersEnd, now: Millis, out: &mut Vec<Action>) {
+        let Phase::Running { placement, succeeded: false } = &self.phase else {
+            // Already stopping them for another reason: the stop decides what comes next.
+            if let WorkersEnd::Failed(rc) = end {
+                self.local_failure = Some(rc);
+            }
+            return;
+        };
+        let placement = placement.clone();
+        match end {
+            WorkersEnd::Succeeded => {
+                self.workers_alive = false;
+                match &self.membership {
+                    Membership::Fixed { .. } => {
+                        let restarts = self.restarts;
+                        self.exit(Outcome::Succeeded { restarts }, out);
+                    }
+                    Membership::Elastic { .. } => {
+                        self.phase = Phase::Running { placement: placement.clone(), succeeded: true };
+                        let deadline = now.saturating_add(ms(self.join_timeout()));
+                        self.send(Report::Success { round: placement.round }, now, deadline, out);
+                    }
+                }
+            }
+            WorkersEnd::Failed(rc) => {
+                self.local_failure = Some(rc.clone());
+                let then = match &self.membership {
+                    Membership::Fixed { max_restarts, .. } if self.restarts < *max_restarts => AfterStop::Restart,
+                    Membership::Fixed { .. } => {
+                        AfterStop::Exit(Outcome::Failed { root_cause: rc, restarts: self.restarts })
+                    }
+                    Membership::Elastic { .. } => AfterStop::ReportFailure(rc),
+                };
+                self.stop_workers(placement.round, then, out);
+            }
+        }
+    }
+
+    fn on_workers_stopped(&mut self, now: Millis, out: &mut Vec<Action>) {
+        let Phase::Stopping { round, then } = std::mem::replace(&mut self.phase, Phase::Idle) else {
+            return;
+        };
+        self.workers_alive = false;
+        match then {
+            AfterStop::Rejoin => self.join(out),
+            AfterStop::Restart => {
+                let Membership::Fixed { placement, max_restarts } = &self.membership else {
+                    unreachable!("only fixed memberships restart locally")
+                };
+                self.restarts += 1;
+                out.push(Action::Note(format!("worker group failed; restart {} of {max_restarts}", self.restarts)));
+                let placement = Placement {
+                    round: placement.round + u64::from(self.restarts),
+                    restart_count: self.restarts,
+                    ..placement.clone()
+                };
+                self.start_workers(placement, out);
+            }
+            AfterStop::ReportFailure(rc) => {
+                self.phase = Phase::ReportingFailure { round, root_cause: rc.clone() };
+                let deadline = now.saturating_add(ms(self.join_timeout()));
+                self.send(Report::Failure { round, root_cause: Box::new(rc.bounded()) }, now, deadline, out);
+            }
+            AfterStop::JobFailed(reason) => self.job_failed(reason, out),
+            AfterStop::Leave(signal) => self.leave(signal, now, out),
+            AfterStop::Exit(outcome) => self.exit(outcome, out),
+        }
+    }
+
+    fn on_watched(&mut self, round: u64, answer: Result<Watch, CallError>, now: Millis, out: &mut Vec<Action>) {
+        let (placement, succeeded) = match &self.phase {
+            Phase::Running { placement, succeeded } if placement.round == round => (placement.clone(), *succeeded),
+            _ => return, // a watch of a round this node has moved past
+        };
+        match answer {
+            Ok(Watch::NoChange) => {
+                self.unreachable_since = None;
+                out.push(Action::Watch { round });
+            }
+            Ok(Watch::NewRound(n)) => {
+                out.push(Action::Note(format!("the job is re-forming (round {n}); stopping workers and rejoining")));
+                self.rejoin(round, succeeded, out);
+            }
+            Ok(Watch::Finished) | Err(CallError::JobFinished) => {
+                let outcome = Outcome::Succeeded { restarts: placement.restart_count };
+                if succeeded {
+                    self.exit(outcome, out);
+                } else {
+                    self.stop_workers(round, AfterStop::Exit(outcome), out);
+                }
+            }
+            Ok(Watch::Failed(reason)) | Err(CallError::JobFailed(reason)) => {
+                if succeeded {
+                    self.job_failed(reason, out);
+                } else {
+                    self.stop_workers(round, AfterStop::JobFailed(reason), out);
+                }
+            }
+            Err(CallError::NotMember) => {
+                out.push(Action::Note("the rendezvous declared this node lost; stopping workers and rejoining".into()));
+                self.rejoin(round, succeeded, out);
+            }
+            Err(CallError::Transient(e)) | Err(CallError::Refused(e)) => {
+                // A rendezvous that cannot be reached is not a reason to stop healthy workers:
+                // heartbeats and fencing decide that. Once this node's success is acknowledged
+                // there is nothing left to wait for but the job's end.
+                let since = *self.unreachable_since.get_or_insert(now);
+                if succeeded && self.success_acked && now.saturating_sub(since) >= ms(UNREACHABLE_AFTER_SUCCESS) {
+                    out.push(Action::Note(format!(
+                        "the rendezvous no longer answers ({e}) and this node's success was acknowledged; exiting"
+                    )));
+                    self.exit(Outcome::Succeeded { restarts: placement.restart_count }, out);
+                } else {
+                    self.watch_retry_at = Some(now.saturating_add(ms(RETRY_DELAY)));
+                }
+            }
+        }
+    }
+
+    fn rejoin(&mut self, round: u64, succeeded: bool, out: &mut Vec<Action>) {
+        if succeeded {
+            self.outbox = None;
+            self.join(out);
+        } else {
+            self.stop_workers(round, AfterStop::Rejoin, out);
+        }
+    }
+
+    fn on_reported(&mut self, kind: ReportKind, result: Result<(), CallError>, now: Millis, out: &mut Vec<Action>) {
+        let Some(outbox) = &self.outbox else { return };
+        if outbox.report.kind() != kind || outbox.retry_at.is_some() {
+            return; // an answer to a report this node no longer sends
+        }
+        let report = outbox.report.clone();
+        match result {
+            Ok(()) => {
+                self.outbox = None;
+                self.acknowledged(report, out);
+            }
+            Err(CallError::Transient(e)) => {
+                let outbox = self.outbox.as_mut().expect("checked above");
+                if now >= outbox.deadline {
+                    let waited = now.saturating_sub(outbox.first_sent);
+                    self.outbox = None;
+                    self.undeliverable(report, format!("no answer for {waited} ms ({e})"), out);
+                } else {
+                    outbox.retry_at = Some(now.saturating_add(ms(outbox.backoff)));
+                    outbox.backoff = (outbox.backoff * 2).min(REPORT_BACKOFF_MAX);
+                }
+            }
+            Err(CallError::NotMember) => {
+                self.outbox = None;
+                match report {
+                    // The round this node reported on is gone (declared lost, or re-formed):
+                    // nothing was counted against the budget; join the next one.
+                    Report::Failure { .. } => self.join(out),
+                    // The watch tells what became of the round.
+                    Report::Success { .. } => {}
+                    Report::Leave => self.acknowledged(report, out),
+                }
+            }
+            Err(CallError::JobFinished) => {
+                self.outbox = None;
+                match report {
+                    Report::Failure { .. } => self.end_with_local_failure(None, out),
+                    _ => {
+                        let restarts = self.restarts;
+                        match report {
+                            Report::Leave => self.acknowledged(report, out),
+                            _ => self.exit(Outcome::Succeeded { restarts }, out),
+                        }
+                    }
+                }
+            }
+            Err(CallError::JobFailed(reason)) => {
+                self.outbox = None;
+                match report {
+                    Report::Leave => self.acknowledged(report, out),
+                    _ => self.job_failed(reason, out),
+                }
+            }
+            Err(CallError::Refused(message)) => {
+                self.outbox = None;
+                self.undeliverable(report, format!("refused: {message}"), out);
+            }
+        }
+    }
+
+    fn acknowledged(&mut self, report: Report, out: &mut Vec<Action>) {
+        match report {
+            Report::Success { .. } => self.success_acked = true,
+            // Counted once for the round in the job's budget (or the round had already moved
+            // on): the next round starts the workers again.
+            Report::Failure { .. } => {
+                if matches!(self.phase, Phase::ReportingFailure { .. }) {
+                    self.join(out);
+                }
+            }
+            Report::Leave => {
+                let Phase::Leaving { signal } = self.phase else { return };
+                self.exit(Outcome::Interrupted { signal }, out);
+            }
+        }
+    }
+
+    /// A report that can never arrive: the run ends with what this node knows.
+    fn undeliverable(&mut self, report: Report, why: String, out: &mut Vec<Action>) {
+        match report {
+            Report::Failure { .. } => {
+                self.end_with_local_failure(Some(format!("the failure report could not be delivered ({why})")), out)
+            }
+            Report::Success { .. } => {
+                let message =
+                    format!("this node's workers succeeded, but the rendezvous did not take the report ({why})");
+                self.exit(Outcome::Rendezvous { message }, out);
+            }
+            Report::Leave => {
+                out.push(Action::Note(format!("could not leave the job ({why}); its heartbeats lapse instead")));
+                let Phase::Leaving { signal } = self.phase else { return };
+                self.exit(Outcome::Interrupted { signal }, out);
+            }
+        }
+    }
+
+    /// Ends with this node's own failure: its workers are never restarted for a failure the
+    /// job's budget did not count.
+    fn end_with_local_failure(&mut self, note: Option<String>, out: &mut Vec<Action>) {
+        if let Some(n) = note {
+            out.push(Action::Note(format!("{n}; ending with this node's failure")));
+        }
+        match self.local_failure.clone() {
+            Some(root_cause) => {
+                let restarts = self.restarts;
+                self.exit(Outcome::Failed { root_cause, restarts }, out);
+            }
+            None => self.exit(Outcome::Rendezvous { message: "the job ended without a root cause".into() }, out),
+        }
+    }
+
+    fn on_heartbeat(&mut self, result: Result<(), CallError>, out: &mut Vec<Action>) {
+        if result != Err(CallError::NotMember) {
+            return;
+        }
+        if let Phase::Running { placement, succeeded: false } = &self.phase {
+            let round = placement.round;
+            out.push(Action::Note(
+                "the rendezvous no longer knows this node (declared lost); stopping workers and rejoining".into(),
+            ));
+            self.stop_workers(round, AfterStop::Rejoin, out);
+        }
+    }
+
+    fn on_root_cause(&mut self, rc: Option<Box<RootCause>>, out: &mut Vec<Action>) {
+        let Phase::FetchingRootCause { reason } = &self.phase else { return };
+        let reason = reason.clone();
+        match rc.or_else(|| self.local_failure.clone()) {
+            Some(root_cause) => {
+                let restarts = root_cause.restart_count.max(self.restarts);
+                self.exit(Outcome::Failed { root_cause, restarts }, out);
+            }
+            None => self.exit(Outcome::Rendezvous { message: format!("the job failed: {reason}") }, out),
+        }
+    }
+
+    fn on_signal(&mut self, signal: i32, now: Millis, out: &mut Vec<Action>) {
+        if !is_stop_signal(signal) {
+            if self.workers_alive {
+                out.push(Action::Relay(signal));
+            }
+            return;
+        }
+        let then = match self.elastic() {
+            Some(_) => AfterStop::Leave(signal),
+            None => AfterStop::Exit(Outcome::Interrupted { signal }),
+        };
+        match &mut self.phase {
+            Phase::Running { placement, succeeded: false } => {
+                let round = placement.round;
+                self.stop_workers(round, then, out);
+            }
+            Phase::Stopping { then: pending, .. } => {
+                // The stop under way ends the run now, whatever it was for.
+                *pending = then;
+            }
+            Phase::Leaving { .. } | Phase::Done => {}
+            _ => {
+                self.outbox = None;
+                self.leave(signal, now, out);
+            }
+        }
+    }
+
+    fn on_tick(&mut self, now: Millis, out: &mut Vec<Action>) {
+        // Reports due again.
+        if let Some(outbox) = &mut self.outbox {
+            if outbox.retry_at.is_some_and(|t| now >= t) {
+                outbox.retry_at = None;
+                out.push(Action::Send(outbox.report.clone()));
+            }
+        }
+        match &self.phase {
+            Phase::Joining { retry_at: Some(t) } if now >= *t => {
+                self.phase = Phase::Joining { retry_at: None };
+                out.push(Action::Join);
+            }
+            Phase::Running { placement, succeeded } => {
+                let round = placement.round;
+                if let Some((ttl, _)) = self.elastic() {
+                    // Cut off for longer than the TTL: the rendezvous has declared this node lost
+                    // and given its ranks to others. Its workers must not go on (a second rank 0
+                    // writing checkpoints would be split brain).
+                    let silent = now.saturating_sub(self.last_contact);
+                    if !*succeeded && silent > ms(ttl + ELECTION_ALLOWANCE) {
+                        out.push(Action::Note(format!(
+                            "no contact with the rendezvous for {silent} ms, longer than the node TTL; stopping workers"
+                        )));
+                        self.stop_workers(round, AfterStop::Rejoin, out);
+                        return;
+                    }
+                    if self.watch_retry_at.is_some_and(|t| now >= t) {
+                        self.watch_retry_at = None;
+                        out.push(Action::Watch { round });
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

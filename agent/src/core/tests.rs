@@ -1,0 +1,553 @@
+//! The agent's core driven with made-up clocks through every fault: answers lost, duplicated,
+//! reordered, delayed past the TTL, refused; the rendezvous gone and back; a signal at every
+//! step. A small simulated world checks the invariants after every step.
+
+use super::*;
+use rlaunch::contract::{Exit, HostPort, Member};
+
+const TTL: Duration = Duration::from_secs(2);
+const JOIN_TIMEOUT: Duration = Duration::from_secs(60);
+
+fn elastic() -> Core {
+    Core::new(Membership::Elastic { node_ttl: TTL, join_timeout: JOIN_TIMEOUT })
+}
+
+fn fixed(max_restarts: u32) -> Core {
+    let placement = Placement {
+        round: 1,
+        group_rank: 0,
+        group_world_size: 1,
+        rank_offset: 0,
+        world_size: 4,
+        master: None,
+        restart_count: 0,
+    };
+    Core::new(Membership::Fixed { placement, max_restarts })
+}
+
+fn round(n: u64, restart_count: u32) -> RoundInfo {
+    let addr: HostPort = "node0:1".parse().unwrap();
+    RoundInfo {
+        round: n,
+        group_rank: 0,
+        group_world_size: 1,
+        members: vec![Member {
+            node_id: "a".into(),
+            group_rank: 0,
+            local_world_size: 4,
+            rank_offset: 0,
+            store_addr: addr.clone(),
+        }],
+        master_store_addr: addr,
+        restart_count,
+        max_restarts: 3,
+        world_size: 4,
+        rank_offset: 0,
+        local_world_size: 4,
+    }
+}
+
+fn failure(code: i32) -> WorkersEnd {
+    WorkersEnd::Failed(Box::new(RootCause {
+        rank: 1,
+        local_rank: 1,
+        role: "default".into(),
+        host: "node0".into(),
+        pid: 42,
+        exit: Exit::Code(code),
+        timestamp: 0,
+        restart_count: 0,
+        message: "x".repeat(70_000),
+        traceback: None,
+        error_file: None,
+        stderr_tail: vec!["y".repeat(70_000); 5],
+    }))
+}
+
+/// The core plus a model of the world around it: which workers run, what is in flight.
+struct Sim {
+    core: Core,
+    now: Millis,
+    workers_alive: bool,
+    /// A `StopWorkers` not yet answered by `WorkersStopped`.
+    stop_pending: bool,
+    /// A `Send(Leave)` not yet answered.
+    leave_pending: bool,
+    starts: usize,
+    exit: Option<Outcome>,
+    log: Vec<Action>,
+}
+
+impl Sim {
+    fn new(core: Core) -> Sim {
+        Sim {
+            core,
+            now: 0,
+            workers_alive: false,
+            stop_pending: false,
+            leave_pending: false,
+            starts: 0,
+            exit: None,
+            log: Vec::new(),
+        }
+    }
+
+    /// Applies an event and checks the invariants; returns the actions.
+    fn ev(&mut self, e: Event) -> Vec<Action> {
+        match &e {
+            Event::WorkersStopped => {
+                self.workers_alive = false;
+                self.stop_pending = false;
+            }
+            Event::Reported { kind: ReportKind::Leave, .. } => self.leave_pending = false,
+            Event::WorkersEnded(WorkersEnd::Succeeded) => self.workers_alive = false,
+            _ => {}
+        }
+        let actions = self.core.step(e, self.now);
+        for a in &actions {
+            assert!(self.exit.is_none(), "nothing may follow Exit, got {a:?}");
+            match a {
+                Action::StartWorkers(_) => {
+                    assert!(!self.workers_alive, "workers started while the previous ones may run: {:?}", self.log);
+                    self.workers_alive = true;
+                    self.starts += 1;
+                }
+                Action::StopWorkers => {
+                    assert!(self.workers_alive, "stop without workers");
+                    self.stop_pending = true;
+                }
+                Action::Send(Report::Leave) => self.leave_pending = true,
+                Action::Exit(o) => self.exit = Some(o.clone()),
+                _ => {}
+            }
+        }
+        self.log.extend(actions.iter().cloned());
+        actions
+    }
+
+    fn at(&mut self, t: Millis) -> &mut Sim {
+        assert!(t >= self.now, "time goes forward");
+        self.now = t;
+        self
+    }
+
+    fn tick(&mut self, t: Millis) -> Vec<Action> {
+        self.at(t).ev(Event::Tick)
+    }
+
+    fn joined_running(&mut self, r: RoundInfo) {
+        assert_eq!(self.ev(Event::Start), vec![Action::Join]);
+        let n = r.round;
+        let a = self.ev(Event::Joined(Ok(r)));
+        assert!(
+            matches!(a.as_slice(), [Action::StartWorkers(p), Action::Watch { round }] if p.round == n && *round == n),
+            "{a:?}"
+        );
+    }
+}
+
+fn sends(actions: &[Action], kind: ReportKind) -> bool {
+    actions.iter().any(|a| matches!(a, Action::Send(r) if r.kind() == kind))
+}
+
+#[test]
+fn fixed_membership_restarts_within_its_budget_then_fails_with_the_workers_exit() {
+    let mut s = Sim::new(fixed(1));
+    let a = s.ev(Event::Start);
+    assert!(matches!(&a[..], [Action::StartWorkers(p)] if p.restart_count == 0), "{a:?}");
+    assert_eq!(s.ev(Event::WorkersEnded(failure(3))), vec![Action::StopWorkers]);
+    let a = s.ev(Event::WorkersStopped);
+    assert!(
+        matches!(&a[..], [Action::Note(_), Action::StartWorkers(p)] if p.restart_count == 1 && p.round == 2),
+        "{a:?}"
+    );
+    assert_eq!(s.ev(Event::WorkersEnded(failure(7))), vec![Action::StopWorkers]);
+    let a = s.ev(Event::WorkersStopped);
+    match &a[..] {
+        [Action::Exit(Outcome::Failed { root_cause, restarts: 1 })] => assert_eq!(root_cause.exit, Exit::Code(7)),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(s.starts, 2);
+}
+
+#[test]
+fn fixed_membership_succeeds_and_relays_and_stops_on_signals() {
+    let mut s = Sim::new(fixed(0));
+    s.ev(Event::Start);
+    assert_eq!(s.ev(Event::Signal(libc::SIGUSR1)), vec![Action::Relay(libc::SIGUSR1)]);
+    assert_eq!(
+        s.ev(Event::WorkersEnded(WorkersEnd::Succeeded)),
+        vec![Action::Exit(Outcome::Succeeded { restarts: 0 })]
+    );
+
+    let mut s = Sim::new(fixed(3));
+    s.ev(Event::Start);
+    assert_eq!(s.ev(Event::Signal(libc::SIGINT)), vec![Action::StopWorkers]);
+    // A worker failing while the stop is under way does not turn it into a restart.
+    assert!(s.ev(Event::WorkersEnded(failure(1))).is_empty());
+    assert_eq!(s.ev(Event::WorkersStopped), vec![Action::Exit(Outcome::Interrupted { signal: libc::SIGINT })]);
+    assert_eq!(s.starts, 1);
+}
+
+#[test]
+fn elastic_happy_path_reports_success_and_ends_when_the_job_finishes() {
+    let mut s = Sim::new(elastic());
+    s.joined_running(round(1, 0));
+    assert_eq!(s.ev(Event::Watched { round: 1, answer: Ok(Watch::NoChange) }), vec![Action::Watch { round: 1 }]);
+    let a = s.ev(Event::WorkersEnded(WorkersEnd::Succeeded));
+    assert_eq!(a, vec![Action::Send(Report::Success { round: 1 })]);
+    assert!(s.ev(Event::Reported { kind: ReportKind::Success, result: Ok(()) }).is_empty());
+    assert_eq!(
+        s.ev(Event::Watched { round: 1, answer: Ok(Watch::Finished) }),
+        vec![Action::Exit(Outcome::Succeeded { restarts: 0 })]
+    );
+}
+
+/// Scenario 1 of the issue: a refused failure report (413) is never taken as sent.
+#[test]
+fn a_refused_failure_report_ends_the_run_with_the_workers_exit_and_one_start() {
+    let mut s = Sim::new(elastic());
+    s.joined_running(round(1, 0));
+    assert_eq!(s.ev(Event::WorkersEnded(failure(3))), vec![Action::StopWorkers]);
+    let a = s.ev(Event::WorkersStopped);
+    let [Action::Send(Report::Failure { round: 1, root_cause })] = &a[..] else { panic!("{a:?}") };
+    // What goes on the wire is bounded, whatever the worker wrote.
+    assert!(serde_json::to_vec(root_cause).unwrap().len() <= rlaunch::contract::caps::WIRE_BYTES);
+    // The round goes on without us meanwhile (our own report opened it): no restart yet.
+    assert!(s.ev(Event::Watched { round: 1, answer: Ok(Watch::NewRound(2)) }).is_empty());
+    let a = s.at(100).ev(Event::Reported {
+        kind: ReportKind::Failure,
+        result: Err(CallError::Refused("413 payload too large".into())),
+    });
+    assert!(
+        matches!(a.last(), Some(Action::Exit(Outcome::Failed { root_cause, .. })) if root_cause.exit == Exit::Code(3)),
+        "{a:?}"
+    );
+    assert_eq!(s.starts, 1);
+    assert!(s.tick(10_000).is_empty(), "nothing after the exit");
+}
+
+#[test]
+fn an_acknowledged_failure_report_rejoins_and_the_next_round_restarts_the_workers() {
+    let mut s = Sim::new(elastic());
+    s.joined_running(round(1, 0));
+    s.ev(Event::WorkersEnded(failure(3)));
+    s.ev(Event::WorkersStopped);
+    // The reply was lost: the report goes again after a backoff, and again...
+    assert!(s
+        .at(10)
+        .ev(Event::Reported { kind: ReportKind::Failure, result: Err(CallError::Transient("reset".into())) })
+        .is_empty());
+    assert!(s.tick(100).is_empty(), "not before the backoff");
+    assert!(sends(&s.tick(250), ReportKind::Failure));
+    // ...and the repeat is acknowledged (the service takes it as the same report).
+    assert_eq!(s.ev(Event::Reported { kind: ReportKind::Failure, result: Ok(()) }), vec![Action::Join]);
+    // A duplicated acknowledgement changes nothing.
+    assert!(s.ev(Event::Reported { kind: ReportKind::Failure, result: Ok(()) }).is_empty());
+    let a = s.ev(Event::Joined(Ok(round(2, 1))));
+    assert!(matches!(&a[..], [Action::StartWorkers(p), Action::Watch { round: 2 }] if p.restart_count == 1));
+    assert_eq!(s.starts, 2);
+}
+
+#[test]
+fn a_failure_report_answered_not_member_rejoins_without_spending_the_budget() {
+    let mut s = Sim::new(elastic());
+    s.joined_running(round(1, 0));
+    s.ev(Event::WorkersEnded(failure(3)));
+    s.ev(Event::WorkersStopped);
+    assert_eq!(
+        s.ev(Event::Reported { kind: ReportKind::Failure, result: Err(CallError::NotMember) }),
+        vec![Action::Join]
+    );
+}
+
+#[test]
+fn a_failure_report_that_never_arrives_ends_with_the_local_failure_after_the_join_timeout() {
+    let mut s = Sim::new(elastic());
+    s.joined_running(round(1, 0));
+    s.ev(Event::WorkersEnded(failure(9)));
+    s.ev(Event::WorkersStopped);
+    let mut t = 0;
+    loop {
+        t += 500;
+        let a =
+            s.at(t).ev(Event::Reported { kind: ReportKind::Failure, result: Err(CallError::Transient("down".into())) });
+        if let Some(Action::Exit(o)) = a.last() {
+            assert!(matches!(o, Outcome::Failed { root_cause, .. } if root_cause.exit == Exit::Code(9)), "{o:?}");
+            break;
+        }
+        assert!(sends(&s.tick(t + 2_000), ReportKind::Failure), "sent again after the backoff");
+        t += 2_000;
+        assert!(t < ms(JOIN_TIMEOUT) + 5_000, "gives up around the join timeout");
+    }
+    assert!(t >= ms(JOIN_TIMEOUT), "not before the join timeout: {t}");
+    assert_eq!(s.starts, 1);
+}
+
+/// Scenario 2 of the issue: the success report fails once; it is sent again until taken.
+#[test]
+fn a_success_report_that_failed_once_is_sent_again_and_the_job_ends() {
+    let mut s = Sim::new(elastic());
+    s.joined_running(round(1, 0));
+    s.ev(Event::WorkersEnded(WorkersEnd::Succeeded));
+    assert!(s
+        .at(5)
+        .ev(Event::Reported { kind: ReportKind::Success, result: Err(CallError::Transient("refused".into())) })
+        .is_empty());
+    // The watch also fails while the replica restarts: retried, no exit.
+    assert!(s.ev(Event::Watched { round: 1, answer: Err(CallError::Transient("refused".into())) }).is_empty());
+    let a = s.tick(400);
+    assert!(sends(&a, ReportKind::Success) && a.contains(&Action::Watch { round: 1 }), "{a:?}");
+    assert!(s.ev(Event::Reported { kind: ReportKind::Success, result: Ok(()) }).is_empty());
+    let a = s.ev(Event::Watched { round: 1, answer: Ok(Watch::Finished) });
+    assert_eq!(a, vec![Action::Exit(Outcome::Succeeded { restarts: 0 })]);
+}
+
+#[test]
+fn after_an_acknowledged_success_a_vanished_rendezvous_ends_the_run_successfully() {
+    let mut s = Sim::new(elastic());
+    s.joined_running(round(1, 0));
+    s.ev(Event::WorkersEnded(WorkersEnd::Succeeded));
+    s.ev(Event::Reported { kind: ReportKind::Success, result: Ok(()) });
+    let gone = || Event::Watched { round: 1, answer: Err(CallError::Transient("refused".into())) };
+    let mut t = 1_000;
+    while t < 10_900 {
+        assert!(s.at(t).ev(gone()).is_empty(), "still waiting at {t}");
+        s.tick(t + 300);
+        t += 400;
+    }
+    let a = s.at(11_500).ev(gone());
+    assert!(matches!(a.last(), Some(Action::Exit(Outcome::Succeeded { .. }))), "{a:?}");
+}
+
+#[test]
+fn a_success_report_never_taken_is_the_agents_failure_not_a_hang() {
+    let mut s = Sim::new(elastic());
+    s.joined_running(round(1, 0));
+    s.ev(Event::WorkersEnded(WorkersEnd::Succeeded));
+    let a = s.at(5).ev(Event::Reported { kind: ReportKind::Success, result: Err(CallError::Refused("400".into())) });
+    assert!(matches!(a.last(), Some(Action::Exit(Outcome::Rendezvous { .. }))), "{a:?}");
+}
+
+#[test]
+fn a_new_round_stops_the_workers_before_rejoining_and_stale_answers_are_ignored() {
+    let mut s = Sim::new(elastic());
+    s.joined_running(round(1, 0));
+    assert_eq!(s.ev(Event::Watched { round: 1, answer: Ok(Watch::NewRound(2)) })[1..], [Action::StopWorkers]);
+    // Reordered: an older watch answer, a worker exit while stopping, a duplicate new round.
+    assert!(s.ev(Event::Watched { round: 1, answer: Ok(Watch::NoChange) }).is_empty());
+    assert!(s.ev(Event::WorkersEnded(failure(143))).is_empty());
+    assert!(s.ev(Event::Watched { round: 1, answer: Ok(Watch::NewRound(2)) }).is_empty());
+    assert_eq!(s.ev(Event::WorkersStopped), vec![Action::Join]);
+    // A duplicated join answer starts nothing twice.
+    let a = s.ev(Event::Joined(Ok(round(2, 0))));
+    assert!(matches!(a[0], Action::StartWorkers(_)));
+    assert!(s.ev(Event::Joined(Ok(round(2, 0)))).is_empty());
+    assert_eq!(s.starts, 2);
+}
+
+#[test]
+fn a_node_cut_off_past_the_ttl_fences_itself_and_rejoins() {
+    let mut s = Sim::new(elastic());
+    s.joined_running(round(1, 0));
+    let down = || Event::Heartbeat(Err(CallError::Transient("timeout".into())));
+    s.at(500).ev(Event::Heartbeat(Ok(())));
+    for t in (1_000..=4_500).step_by(500) {
+        s.at(t).ev(down());
+        assert!(s.tick(t).is_empty(), "not fenced at {t} (TTL 2 s + 2 s allowance)");
+    }
+    let a = s.tick(4_600);
+    assert!(matches!(&a[..], [Action::Note(_), Action::StopWorkers]), "{a:?}");
+    assert_eq!(s.ev(Event::WorkersStopped), vec![Action::Join]);
+}
+
+#[test]
+fn a_node_declared_lost_stops_its_workers_and_rejoins() {
+    let mut s = Sim::new(elastic());
+    s.joined_running(round(1, 0));
+    let a = s.ev(Event::Heartbeat(Err(CallError::NotMember)));
+    assert_eq!(a.last(), Some(&Action::StopWorkers));
+    assert_eq!(s.ev(Event::WorkersStopped), vec![Action::Join]);
+    let mut s = Sim::new(elastic());
+    s.joined_running(round(1, 0));
+    let a = s.ev(Event::Watched { round: 1, answer: Err(CallError::NotMember) });
+    assert_eq!(a.last(), Some(&Action::StopWorkers));
+}
+
+#[test]
+fn a_rendezvous_gone_for_a_while_and_back_is_joined_and_gone_for_the_join_timeout_ends_the_run() {
+    let mut s = Sim::new(elastic());
+    s.ev(Event::Start);
+    let down = || Event::Joined(Err(CallError::Transient("connection refused".into())));
+    let mut t = 0;
+    while t < 20_000 {
+        let a = s.at(t).ev(down());
+        assert!(matches!(&a[..], [Action::Note(_)]), "{a:?}");
+        assert!(s.tick(t + 100).is_empty(), "waits before joining again");
+        assert_eq!(s.tick(t + 400), vec![Action::Join]);
+        t += 1_000;
+    }
+    let a = s.at(t).ev(Event::Joined(Ok(round(1, 0))));
+    assert!(matches!(a[0], Action::StartWorkers(_)));
+
+    let mut s = Sim::new(elastic());
+    s.ev(Event::Start);
+    let mut t = 0;
+    loop {
+        let a = s.at(t).ev(down());
+        if let Some(Action::Exit(o)) = a.last() {
+            assert!(matches!(o, Outcome::Rendezvous { message } if message.contains("join timeout")));
+            break;
+        }
+        s.tick(t + 400);
+        t += 1_000;
+    }
+    assert_eq!(t, ms(JOIN_TIMEOUT));
+}
+
+#[test]
+fn a_job_that_failed_ends_with_the_rendezvous_root_cause_else_the_local_one() {
+    let mut s = Sim::new(elastic());
+    s.joined_running(round(1, 2));
+    let a = s.ev(Event::Watched { round: 1, answer: Ok(Watch::Failed("budget spent".into())) });
+    assert_eq!(a, vec![Action::StopWorkers]);
+    assert_eq!(s.ev(Event::WorkersStopped), vec![Action::FetchRootCause]);
+    let WorkersEnd::Failed(remote) = failure(7) else { unreachable!() };
+    let a = s.ev(Event::RootCauseFetched(Some(remote.clone())));
+    assert_eq!(a, vec![Action::Exit(Outcome::Failed { root_cause: remote, restarts: 2 })]);
+
+    // The rendezvous lost it: this node's own failure is the report.
+    let mut s = Sim::new(elastic());
+    s.joined_running(round(1, 0));
+    s.ev(Event::WorkersEnded(failure(5)));
+    s.ev(Event::WorkersStopped);
+    assert_eq!(
+        s.ev(Event::Reported { kind: ReportKind::Failure, result: Err(CallError::JobFailed("spent".into())) }),
+        vec![Action::FetchRootCause]
+    );
+    let a = s.ev(Event::RootCauseFetched(None));
+    assert!(matches!(&a[..], [Action::Exit(Outcome::Failed { root_cause, .. })] if root_cause.exit == Exit::Code(5)));
+}
+
+#[test]
+fn a_join_refused_or_a_finished_job_ends_the_run() {
+    let mut s = Sim::new(elastic());
+    s.ev(Event::Start);
+    let a = s.ev(Event::Joined(Err(CallError::Refused("settings differ".into()))));
+    assert!(matches!(&a[..], [Action::Exit(Outcome::Rendezvous { message })] if message.contains("settings differ")));
+    let mut s = Sim::new(elastic());
+    s.ev(Event::Start);
+    assert_eq!(
+        s.ev(Event::Joined(Err(CallError::JobFinished))),
+        vec![Action::Exit(Outcome::Succeeded { restarts: 0 })]
+    );
+}
+
+/// The normal life of an elastic node, as the events a driver would feed back.
+fn elastic_script() -> Vec<(Millis, Event)> {
+    vec![
+        (0, Event::Start),
+        (100, Event::Joined(Ok(round(1, 0)))),
+        (200, Event::Heartbeat(Ok(()))),
+        (300, Event::Watched { round: 1, answer: Ok(Watch::NewRound(2)) }),
+        (400, Event::WorkersStopped),
+        (500, Event::Joined(Ok(round(2, 0)))),
+        (600, Event::WorkersEnded(failure(3))),
+        (700, Event::WorkersStopped),
+        (800, Event::Reported { kind: ReportKind::Failure, result: Ok(()) }),
+        (900, Event::Joined(Ok(round(3, 1)))),
+        (1_000, Event::WorkersEnded(WorkersEnd::Succeeded)),
+        (1_100, Event::Reported { kind: ReportKind::Success, result: Ok(()) }),
+        (1_200, Event::Watched { round: 3, answer: Ok(Watch::Finished) }),
+    ]
+}
+
+#[test]
+fn the_unsignalled_script_finishes() {
+    let mut s = Sim::new(elastic());
+    for (t, e) in elastic_script() {
+        s.at(t).ev(e);
+    }
+    assert_eq!(s.exit, Some(Outcome::Succeeded { restarts: 1 }));
+    assert_eq!(s.starts, 3);
+}
+
+/// SIGTERM after every prefix of the script: the node stops what runs, leaves, and ends
+/// interrupted; no worker starts after the signal; answers still arriving change nothing.
+#[test]
+fn a_stop_signal_at_every_step_stops_leaves_and_ends_interrupted() {
+    let script = elastic_script();
+    for cut in 1..script.len() {
+        let mut s = Sim::new(elastic());
+        for (t, e) in script[..cut].iter().cloned() {
+            s.at(t).ev(e);
+        }
+        if s.exit.is_some() {
+            continue;
+        }
+        let starts = s.starts;
+        s.at(5_000).ev(Event::Signal(libc::SIGTERM));
+        // Late answers of the script still arrive (what they answer may never come back).
+        for (_, late) in script[cut..].iter().cloned() {
+            if !matches!(late, Event::WorkersStopped) {
+                s.ev(late);
+            }
+        }
+        // The world answers what is outstanding, the way a driver would.
+        for _ in 0..4 {
+            if s.stop_pending {
+                s.ev(Event::WorkersStopped);
+            }
+            if s.leave_pending {
+                s.ev(Event::Reported { kind: ReportKind::Leave, result: Ok(()) });
+            }
+        }
+        assert_eq!(
+            s.exit,
+            Some(Outcome::Interrupted { signal: libc::SIGTERM }),
+            "signal after step {cut}: {:?}",
+            s.log
+        );
+        assert_eq!(s.starts, starts, "no start after the signal (step {cut})");
+        assert!(!s.workers_alive, "nothing left running (step {cut})");
+    }
+}
+
+/// A relay signal at every step never changes the course of the run.
+#[test]
+fn a_relay_signal_at_every_step_changes_nothing() {
+    let script = elastic_script();
+    for cut in 0..script.len() {
+        let mut s = Sim::new(elastic());
+        for (i, (t, e)) in script.iter().cloned().enumerate() {
+            if i == cut {
+                let a = s.at(t).ev(Event::Signal(libc::SIGUSR1));
+                assert!(a.iter().all(|a| *a == Action::Relay(libc::SIGUSR1)), "{a:?}");
+            }
+            s.at(t).ev(e);
+        }
+        assert_eq!(s.exit, Some(Outcome::Succeeded { restarts: 1 }), "relay at step {cut}");
+    }
+}
+
+#[test]
+fn leaving_gives_up_after_the_ttl_and_still_ends_interrupted() {
+    let mut s = Sim::new(elastic());
+    s.ev(Event::Start);
+    assert!(sends(&s.at(10).ev(Event::Signal(libc::SIGHUP)), ReportKind::Leave));
+    // The join that was in flight answers: ignored, no workers start.
+    assert!(s.ev(Event::Joined(Ok(round(1, 0)))).is_empty());
+    let mut t = 10;
+    loop {
+        t += 300;
+        let a = s.at(t).ev(Event::Reported { kind: ReportKind::Leave, result: Err(CallError::Transient("x".into())) });
+        if let Some(Action::Exit(o)) = a.last() {
+            assert_eq!(*o, Outcome::Interrupted { signal: libc::SIGHUP });
+            break;
+        }
+        s.tick(t + 2_000);
+        t += 2_000;
+        assert!(t < 10_000, "bounded by the TTL");
+    }
+    assert_eq!(s.starts, 0);
+}

@@ -1,0 +1,369 @@
+//! The one loop that runs the agent's [`Core`] in every mode: it turns worker exits, signals,
+//! rendezvous answers and a clock tick into [`Event`]s, and carries out the [`Action`]s the core
+//! returns — spawning workers, serving the workers' store, calling the rendezvous. No decision
+//! is made here.
+
+use std::time::Duration;
+
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use tokio::task::{AbortHandle, JoinSet};
+use tracing::{info, warn};
+
+use rlaunch::contract::{HostPort, NodeInfo};
+use rlaunch::store::StoreHandle;
+use rlaunch_rendezvous::{RdzvError, RendezvousClient, WatchEvent};
+
+use crate::core::{
+    Action, CallError, Core, Event, Membership, Outcome, Placement, Report, ReportKind, Watch, WorkersEnd,
+};
+use crate::elastic::{self, ElasticSetup};
+use crate::workers::{GroupOutcome, WorkerGroup};
+use crate::{process, start_store, worker_specs, AgentConfig, AgentError, Ctx, RendezvousConfig, RunOutcome, Signals};
+
+/// How often the core's clock ticks (fencing, retries).
+const TICK: Duration = Duration::from_millis(100);
+/// Bound on the status call that fetches a failed job's root cause.
+const STATUS_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Runs this node's part of the job to the end.
+pub(crate) async fn run(config: &AgentConfig, ctx: &Ctx<'_>, signals: &mut Signals) -> Result<RunOutcome, AgentError> {
+    let (tx, rx) = unbounded_channel();
+    let mut io = Io {
+        config,
+        ctx,
+        tx,
+        group: None,
+        store: None,
+        fixed_store: false,
+        elastic: None,
+        calls: JoinSet::new(),
+        join: None,
+        last_error: LastError::default(),
+    };
+    let membership = io.setup().await?;
+    let result = drive(Core::new(membership), &mut io, rx, signals).await;
+    io.calls.abort_all();
+    if let Some(e) = io.elastic.take() {
+        e.finish().await;
+    }
+    result
+}
+
+async fn drive(
+    mut core: Core,
+    io: &mut Io<'_>,
+    mut rx: UnboundedReceiver<Event>,
+    signals: &mut Signals,
+) -> Result<RunOutcome, AgentError> {
+    let start = tokio::time::Instant::now();
+    let mut tick = tokio::time::interval(TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut next = Some(Event::Start);
+    loop {
+        let event = match next.take() {
+            Some(e) => e,
+            None => tokio::select! {
+                Some(e) = rx.recv() => e,
+                sig = signals.next() => Event::Signal(sig),
+                _ = tick.tick() => Event::Tick,
+            },
+        };
+        if matches!(event, Event::WorkersStopped) {
+            io.ctx.console.flush();
+        }
+        let now = u64::try_from(start.elapsed().as_millis()).unwrap_or(u64::MAX);
+        for action in core.step(event, now) {
+            if let Some(outcome) = io.perform(action).await? {
+                return outcome;
+            }
+        }
+    }
+}
+
+/// Supervises one worker group on a task of its own; commands go in, events come out.
+enum GroupCmd {
+    Signal(i32),
+    Stop,
+}
+
+fn supervise(mut group: WorkerGroup, grace: Duration, events: UnboundedSender<Event>) -> UnboundedSender<GroupCmd> {
+    let (cmd_tx, mut cmds) = unbounded_channel();
+    tokio::spawn(async move {
+        let mut ended = false;
+        loop {
+            tokio::select! {
+                outcome = group.wait(), if !ended => {
+                    ended = true;
+                    let end = match outcome {
+                        GroupOutcome::Succeeded => {
+                            group.reap_stragglers().await;
+                            WorkersEnd::Succeeded
+                        }
+                        GroupOutcome::Failed(rc) => WorkersEnd::Failed(rc),
+                    };
+                    let _ = events.send(Event::WorkersEnded(end));
+                }
+                cmd = cmds.recv() => match cmd {
+                    Some(GroupCmd::Signal(sig)) => {
+                        info!(signal = %process::signal_name(sig), "relaying signal to workers");
+                        group.signal_all(sig);
+                    }
+                    Some(GroupCmd::Stop) => {
+                        group.stop(grace).await;
+                        let _ = events.send(Event::WorkersStopped);
+                    }
+                    // The driver let go of the group: `WorkerGroup`'s drop kills what is left.
+                    None => return,
+                },
+            }
+        }
+    });
+    cmd_tx
+}
+
+/// Everything the driver acts on.
+struct Io<'a> {
+    config: &'a AgentConfig,
+    ctx: &'a Ctx<'a>,
+    tx: UnboundedSender<Event>,
+    group: Option<UnboundedSender<GroupCmd>>,
+    /// The workers' store this agent serves now.
+    store: Option<StoreHandle>,
+    /// Static node 0: the store lives on `--master-port` for the whole run and is emptied
+    /// between attempts; otherwise every round or attempt gets a fresh one.
+    fixed_store: bool,
+    elastic: Option<ElasticSetup>,
+    /// Rendezvous calls in flight (watch, reports, status).
+    calls: JoinSet<()>,
+    join: Option<AbortHandle>,
+    /// The last rendezvous error, kept as the source of an `AgentError`.
+    last_error: LastError,
+}
+
+/// Where call tasks leave the rendezvous error behind the `CallError` they post.
+type LastError = std::sync::Arc<std::sync::Mutex<Option<RdzvError>>>;
+
+/// The core's view of a call's result; the error itself is kept in `slot`.
+fn seen<T>(slot: &LastError, result: Result<T, RdzvError>) -> Result<T, CallError> {
+    result.map_err(|e| {
+        let ce = call_error(&e);
+        *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+        ce
+    })
+}
+
+impl Io<'_> {
+    /// Prepares the mode: the membership the core runs.
+    async fn setup(&mut self) -> Result<Membership, AgentError> {
+        let config = self.config;
+        let placement = |group_rank, group_world_size, master| Placement {
+            round: 1,
+            group_rank,
+            group_world_size,
+            rank_offset: group_rank * config.nproc_per_node,
+            world_size: group_world_size * config.nproc_per_node,
+            master,
+            restart_count: 0,
+        };
+        match &config.rendezvous {
+            RendezvousConfig::Standalone => {
+                Ok(Membership::Fixed { placement: placement(0, 1, None), max_restarts: config.max_restarts })
+            }
+            RendezvousConfig::Static { node_rank, nnodes, master_addr, master_port } => {
+                let mut port = *master_port;
+                if *node_rank == 0 {
+                    let bind = if *nnodes == 1 {
+                        format!("{master_addr}:{master_port}")
+                    } else {
+                        format!("0.0.0.0:{master_port}")
+                    };
+                    let store = start_store(&bind).await?;
+                    port = store.local_addr().port();
+                    self.store = Some(store);
+                    self.fixed_store = true;
+                }
+                let master = HostPort::new(master_addr.clone(), port).map_err(|e| AgentError::Store {
+                    addr: master_addr.clone(),
+                    source: std::io::Error::new(std::io::ErrorKind::InvalidInput, e),
+                })?;
+                Ok(Membership::Fixed {
+                    placement: placement(*node_rank, *nnodes, Some(master)),
+                    max_restarts: config.max_restarts,
+                })
+            }
+            RendezvousConfig::Dynamic(d) => {
+                let setup = elastic::setup(config, d, self.ctx.host, self.tx.clone()).await?;
+                self.elastic = Some(setup);
+                Ok(Membership::Elastic { node_ttl: d.settings.node_ttl, join_timeout: d.settings.join_timeout })
+            }
+        }
+    }
+
+    fn client(&self) -> (RendezvousClient, NodeInfo) {
+        let e = self.elastic.as_ref().expect("rendezvous actions come only from an elastic core");
+        (e.client.clone(), e.node.clone())
+    }
+
+    /// Carries out one action; `Some` ends the run.
+    async fn perform(&mut self, action: Action) -> Result<Option<Result<RunOutcome, AgentError>>, AgentError> {
+        match action {
+            Action::Join => self.join().await?,
+            Action::StartWorkers(p) => self.start_workers(p).await?,
+            Action::StopWorkers => self.command(GroupCmd::Stop),
+            Action::Relay(sig) => self.command(GroupCmd::Signal(sig)),
+            Action::Watch { round } => {
+                let (client, _) = self.client();
+                let (tx, slot) = (self.tx.clone(), self.last_error.clone());
+                self.calls.spawn(async move {
+                    let answer = seen(&slot, client.watch(round).await);
+                    let answer = answer.map(|w| match w {
+                        WatchEvent::NoChange => Watch::NoChange,
+                        WatchEvent::NewRound(n) => Watch::NewRound(n),
+                        WatchEvent::Finished => Watch::Finished,
+                        WatchEvent::Failed(reason) => Watch::Failed(reason),
+                    });
+                    let _ = tx.send(Event::Watched { round, answer });
+                });
+            }
+            Action::Send(report) => self.send(report),
+            Action::FetchRootCause => {
+                let (client, _) = self.client();
+                let tx = self.tx.clone();
+                self.calls.spawn(async move {
+                    let rc = match tokio::time::timeout(STATUS_TIMEOUT, client.status()).await {
+                        Ok(Ok(status)) => status.last_root_cause.map(Box::new),
+                        _ => None,
+                    };
+                    let _ = tx.send(Event::RootCauseFetched(rc));
+                });
+            }
+            Action::Note(message) => warn!("{message}"),
+            Action::Exit(outcome) => {
+                self.group = None;
+                if let Some(j) = self.join.take() {
+                    j.abort();
+                }
+                return Ok(Some(match outcome {
+                    Outcome::Succeeded { restarts } => {
+                        info!(restarts, "the job succeeded");
+                        Ok(RunOutcome::Succeeded { restarts })
+                    }
+                    Outcome::Failed { root_cause, restarts } => Ok(RunOutcome::Failed { root_cause, restarts }),
+                    Outcome::Interrupted { signal } => Ok(RunOutcome::Interrupted { signal }),
+                    Outcome::Rendezvous { message } => {
+                        let source = self.last_error.lock().unwrap_or_else(|p| p.into_inner()).take();
+                        Err(AgentError::Rendezvous { message, source: source.map(Box::new) })
+                    }
+                }));
+            }
+        }
+        Ok(None)
+    }
+
+    fn command(&mut self, cmd: GroupCmd) {
+        if let Some(g) = &self.group {
+            let _ = g.send(cmd);
+        }
+    }
+
+    /// Serves a fresh store for the next round — nothing a worker of an earlier round holds
+    /// reaches it — and joins with its address.
+    async fn join(&mut self) -> Result<(), AgentError> {
+        if let Some(j) = self.join.take() {
+            j.abort();
+        }
+        self.store = None; // closes the previous round's store and every connection to it
+        let e = self.elastic.as_mut().expect("joins come only from an elastic core");
+        let store = start_store(&format!("{}:0", elastic::bind_any(&e.advertise))).await?;
+        e.node.store_addr =
+            HostPort::new(e.advertise.clone(), store.local_addr().port()).map_err(|err| AgentError::Store {
+                addr: e.advertise.clone(),
+                source: std::io::Error::new(std::io::ErrorKind::InvalidInput, err),
+            })?;
+        self.store = Some(store);
+        let (client, node) = (e.client.clone(), e.node.clone());
+        info!(node_id = %node.node_id, store = %node.store_addr, "joining the rendezvous");
+        let (tx, slot) = (self.tx.clone(), self.last_error.clone());
+        let handle = self.calls.spawn(async move {
+            let answer = seen(&slot, client.join(node).await);
+            let _ = tx.send(Event::Joined(answer));
+        });
+        self.join = Some(handle);
+        Ok(())
+    }
+
+    async fn start_workers(&mut self, p: Placement) -> Result<(), AgentError> {
+        self.group = None;
+        let master = match &p.master {
+            Some(m) => {
+                if self.fixed_store {
+                    if let Some(store) = &self.store {
+                        // torch's env:// keys carry no attempt prefix: the next attempt must
+                        // not read the last one's.
+                        let removed = store.clear();
+                        info!(removed, "cleared the workers' store for the new attempt");
+                    }
+                }
+                m.clone()
+            }
+            None => {
+                // Standalone: a fresh store per attempt on loopback.
+                self.store = None;
+                let store = start_store("127.0.0.1:0").await?;
+                let port = store.local_addr().port();
+                self.store = Some(store);
+                HostPort::new("127.0.0.1", port).expect("a loopback address is a valid host")
+            }
+        };
+        info!(
+            round = p.round,
+            group_rank = p.group_rank,
+            nodes = p.group_world_size,
+            world_size = p.world_size,
+            restart_count = p.restart_count,
+            master = %master,
+            logs = %self.ctx.log_root.display(),
+            "starting workers"
+        );
+        let specs = worker_specs(self.config, &p, &master, self.ctx.log_root, self.ctx.host);
+        let group =
+            WorkerGroup::start(&self.config.program, specs, self.ctx.agent_env, self.ctx.console, self.ctx.host)?;
+        self.group = Some(supervise(group, self.config.stop_grace, self.tx.clone()));
+        Ok(())
+    }
+
+    fn send(&mut self, report: Report) {
+        let (client, node) = self.client();
+        let (tx, slot) = (self.tx.clone(), self.last_error.clone());
+        if report == Report::Leave {
+            // A join still waiting would register this node again after it left.
+            if let Some(j) = self.join.take() {
+                j.abort();
+            }
+        }
+        self.calls.spawn(async move {
+            let (kind, result) = match report {
+                Report::Success { round } => (ReportKind::Success, client.report_success(&node.node_id, round).await),
+                Report::Failure { round, root_cause } => {
+                    (ReportKind::Failure, client.report_failure(&node.node_id, round, root_cause).await)
+                }
+                Report::Leave => (ReportKind::Leave, client.leave(&node.node_id).await),
+            };
+            if let Err(e) = &result {
+                warn!(error = %e, ?kind, "report not acknowledged");
+            }
+            let _ = tx.send(Event::Reported { kind, result: seen(&slot, result) });
+        });
+    }
+}
+
+/// How the core sees a rendezvous error.
+pub(crate) fn call_error(e: &RdzvError) -> CallError {
+    match e {
+        RdzvError::UnknownNode { .. } | RdzvError::NotMember { .. } => CallError::NotMember,
+        RdzvError::JobFinished => CallError::JobFinished,
+        RdzvError::JobFailed { reason } | RdzvError::JoinTimeout { reason } => CallError::JobFailed(reason.clone()),
+        e if e.is_transient() => CallError::Transient(e.to_string()),
+        e => CallError::Refused(e.to_string()),
+    }
+}

@@ -1,0 +1,438 @@
+//! The types agents, the rendezvous and `rlaunch status` exchange, defined once: how a worker
+//! ended ([`Exit`]), why a job failed ([`RootCause`]), who a node is ([`NodeInfo`]), its place
+//! in a round ([`RoundInfo`], [`Member`]), and a checked `host:port` ([`HostPort`]).
+//!
+//! Everything here is plain data with serde, so it crosses HTTP and etcd typed on both sides.
+
+use std::fmt;
+use std::path::PathBuf;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+/// How a worker process ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Exit {
+    Code(i32),
+    Signal(i32),
+}
+
+impl Exit {
+    pub fn from_status(status: std::process::ExitStatus) -> Exit {
+        use std::os::unix::process::ExitStatusExt;
+        match (status.code(), status.signal()) {
+            (Some(c), _) => Exit::Code(c),
+            (None, Some(s)) => Exit::Signal(s),
+            (None, None) => Exit::Code(1),
+        }
+    }
+
+    pub fn success(self) -> bool {
+        self == Exit::Code(0)
+    }
+
+    /// The launcher's exit code for this ending: the worker's own code, or 128+signal as a shell
+    /// reports it.
+    pub fn shell_code(self) -> i32 {
+        match self {
+            Exit::Code(c) => c,
+            Exit::Signal(s) => 128 + s,
+        }
+    }
+
+    pub fn describe(self) -> String {
+        match self {
+            Exit::Code(c) => format!("exit code {c}"),
+            Exit::Signal(s) => format!("signal {s} ({})", signal_name(s)),
+        }
+    }
+}
+
+/// `SIGTERM` for 15, and so on; `signal N` for numbers without a name here.
+pub fn signal_name(signal: i32) -> String {
+    let name = match signal {
+        libc::SIGHUP => "SIGHUP",
+        libc::SIGINT => "SIGINT",
+        libc::SIGQUIT => "SIGQUIT",
+        libc::SIGILL => "SIGILL",
+        libc::SIGTRAP => "SIGTRAP",
+        libc::SIGABRT => "SIGABRT",
+        libc::SIGBUS => "SIGBUS",
+        libc::SIGFPE => "SIGFPE",
+        libc::SIGKILL => "SIGKILL",
+        libc::SIGUSR1 => "SIGUSR1",
+        libc::SIGSEGV => "SIGSEGV",
+        libc::SIGUSR2 => "SIGUSR2",
+        libc::SIGPIPE => "SIGPIPE",
+        libc::SIGALRM => "SIGALRM",
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGXCPU => "SIGXCPU",
+        libc::SIGXFSZ => "SIGXFSZ",
+        _ => return format!("signal {signal}"),
+    };
+    name.to_string()
+}
+
+/// The first failure of a worker group, with everything a person needs to start debugging.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RootCause {
+    pub rank: u32,
+    pub local_rank: u32,
+    pub role: String,
+    pub host: String,
+    pub pid: u32,
+    pub exit: Exit,
+    /// Seconds since the Unix epoch: the error file's timestamp, else when the agent saw it.
+    pub timestamp: u64,
+    pub restart_count: u32,
+    /// The error file's message, else a description of the exit.
+    pub message: String,
+    /// The Python traceback from the error file, if there was one.
+    pub traceback: Option<String>,
+    pub error_file: Option<PathBuf>,
+    /// The last lines of the worker's stderr, when it wrote no error file.
+    pub stderr_tail: Vec<String>,
+}
+
+/// Caps of [`RootCause::bounded`]: what one failure report may carry over the wire.
+pub mod caps {
+    /// Bytes of the message (its beginning is kept).
+    pub const MESSAGE: usize = 2048;
+    /// Bytes of the traceback (its end is kept: the raising frame and the exception).
+    pub const TRACEBACK: usize = 8192;
+    /// Lines of the stderr tail (the last ones are kept).
+    pub const STDERR_LINES: usize = 40;
+    /// Bytes of each stderr line (its beginning is kept).
+    pub const STDERR_LINE: usize = 256;
+    /// Bytes of each short field (role, host, error file path).
+    pub const SHORT: usize = 256;
+    /// The most a bounded root cause takes as JSON, even when every byte needs `\u00XX`
+    /// escaping: well under the service's 256 KiB body limit.
+    pub const WIRE_BYTES: usize = 128 * 1024;
+}
+
+impl RootCause {
+    /// The same root cause cut to the [`caps`], each cut marked in the text (`[… N bytes cut]`),
+    /// so a failure report is never refused for its size. The full text stays in the local
+    /// report and the log files.
+    pub fn bounded(&self) -> RootCause {
+        let tail_start = self.stderr_tail.len().saturating_sub(caps::STDERR_LINES);
+        let mut stderr_tail: Vec<String> =
+            self.stderr_tail[tail_start..].iter().map(|l| cut_end(l, caps::STDERR_LINE)).collect();
+        if tail_start > 0 {
+            stderr_tail[0] = format!("[… {tail_start} earlier lines cut] {}", stderr_tail[0]);
+        }
+        RootCause {
+            role: cut_end(&self.role, caps::SHORT),
+            host: cut_end(&self.host, caps::SHORT),
+            message: cut_end(&self.message, caps::MESSAGE),
+            traceback: self.traceback.as_deref().map(|t| cut_start(t, caps::TRACEBACK)),
+            error_file: self.error_file.as_ref().map(|p| PathBuf::from(cut_end(&p.to_string_lossy(), caps::SHORT))),
+            stderr_tail,
+            ..self.clone()
+        }
+    }
+
+    /// One line for logs and reasons: `rank 3 on node0, exit code 7: message`.
+    pub fn summary(&self) -> String {
+        let first = self.message.lines().next().unwrap_or("");
+        format!("rank {} on {}, {}: {}", self.rank, self.host, self.exit.describe(), cut_end(first, 200))
+    }
+
+    /// The human summary printed by the agent, in the spirit of torchrun's `ChildFailedError`.
+    pub fn render(&self) -> String {
+        use std::fmt::Write as _;
+        let bar = "=".repeat(72);
+        let mut s = format!("{bar}\n{} FAILED\n{}\nRoot Cause (first observed failure):\n", self.role, "-".repeat(72));
+        let _ = writeln!(s, "  time        : {}", format_time(self.timestamp));
+        let _ = writeln!(s, "  host        : {}", self.host);
+        let _ = writeln!(s, "  rank        : {} (local_rank: {})", self.rank, self.local_rank);
+        let _ = writeln!(s, "  pid         : {}", self.pid);
+        let _ = writeln!(s, "  exit        : {}", self.exit.describe());
+        let _ = writeln!(s, "  attempt     : {} (TORCHELASTIC_RESTART_COUNT)", self.restart_count);
+        match &self.error_file {
+            Some(p) => {
+                let _ = writeln!(s, "  error_file  : {}", p.display());
+            }
+            None => s += "  error_file  : <N/A>\n",
+        }
+        let _ = writeln!(s, "  message     : {}", self.message);
+        if let Some(tb) = &self.traceback {
+            s += "  traceback   :\n";
+            for l in tb.lines() {
+                let _ = writeln!(s, "    {l}");
+            }
+        } else if !self.stderr_tail.is_empty() {
+            let _ = writeln!(s, "  stderr (last {} lines):", self.stderr_tail.len());
+            for l in &self.stderr_tail {
+                let _ = writeln!(s, "    {l}");
+            }
+        }
+        s += &bar;
+        s.push('\n');
+        s
+    }
+
+    /// The root cause in torchrun's error-file schema, so tools that read torchrun's agent error
+    /// file read ours.
+    pub fn to_error_file_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "message": {
+                "message": self.message,
+                "extraInfo": {
+                    "py_callstack": self.traceback.clone().unwrap_or_else(|| self.stderr_tail.join("\n")),
+                    "timestamp": self.timestamp.to_string(),
+                    "rank": self.rank,
+                    "local_rank": self.local_rank,
+                    "host": self.host,
+                    "exit": self.exit.describe(),
+                }
+            }
+        })
+    }
+}
+
+fn floor_boundary(s: &str, mut i: usize) -> usize {
+    while !s.is_char_boundary(i) {
+        i -= 1;
+    }
+    i
+}
+
+/// The first `max` bytes of `s` (on a character boundary), marking what was cut.
+pub fn cut_end(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_owned();
+    }
+    let keep = floor_boundary(s, max);
+    format!("{} [… {} bytes cut]", &s[..keep], s.len() - keep)
+}
+
+/// The last `max` bytes of `s` (on a character boundary), marking what was cut.
+pub fn cut_start(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_owned();
+    }
+    let mut start = s.len() - max;
+    while !s.is_char_boundary(start) {
+        start += 1;
+    }
+    format!("[… {start} bytes cut] {}", &s[start..])
+}
+
+/// UTC `YYYY-MM-DD_HH:MM:SS` without a date library (civil-from-days, Howard Hinnant).
+pub fn format_time(unix: u64) -> String {
+    let days = (unix / 86_400) as i64;
+    let secs = unix % 86_400;
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}_{:02}:{:02}:{:02} UTC", secs / 3600, secs / 60 % 60, secs % 60)
+}
+
+/// A checked `host:port` (`[v6]:port` for IPv6 literals). On the wire, the string.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct HostPort {
+    host: String,
+    port: u16,
+}
+
+/// Why a `host:port` was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("`{input}` is not host:port ({why})")]
+pub struct HostPortError {
+    pub input: String,
+    pub why: &'static str,
+}
+
+impl HostPort {
+    /// The longest host name DNS allows.
+    pub const MAX_HOST: usize = 253;
+
+    pub fn new(host: impl Into<String>, port: u16) -> Result<HostPort, HostPortError> {
+        let host = host.into();
+        let bad = |why| Err(HostPortError { input: format!("{host}:{port}"), why });
+        if host.is_empty() {
+            return bad("empty host");
+        }
+        if host.len() > Self::MAX_HOST {
+            return bad("host longer than 253 characters");
+        }
+        if host.chars().any(|c| c.is_whitespace() || c.is_control() || matches!(c, '/' | '[' | ']' | '@')) {
+            return bad("host has whitespace, control characters, '/', '@' or brackets");
+        }
+        Ok(HostPort { host, port })
+    }
+
+    pub fn host(&self) -> &str {
+        &self.host
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+}
+
+impl FromStr for HostPort {
+    type Err = HostPortError;
+
+    fn from_str(s: &str) -> Result<HostPort, HostPortError> {
+        let bad = |why| HostPortError { input: s.chars().take(300).collect(), why };
+        let (host, port) = s.rsplit_once(':').ok_or_else(|| bad("no port"))?;
+        let host = match host.strip_prefix('[') {
+            Some(v6) => v6.strip_suffix(']').ok_or_else(|| bad("unclosed bracket"))?,
+            None if host.contains(':') => return Err(bad("an IPv6 address needs brackets")),
+            None => host,
+        };
+        let port: u16 = port.parse().map_err(|_| bad("port is not a number from 0 to 65535"))?;
+        HostPort::new(host, port).map_err(|e| bad(e.why))
+    }
+}
+
+impl fmt::Display for HostPort {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.host.contains(':') {
+            write!(f, "[{}]:{}", self.host, self.port)
+        } else {
+            write!(f, "{}:{}", self.host, self.port)
+        }
+    }
+}
+
+impl TryFrom<String> for HostPort {
+    type Error = HostPortError;
+    fn try_from(s: String) -> Result<HostPort, HostPortError> {
+        s.parse()
+    }
+}
+
+impl From<HostPort> for String {
+    fn from(h: HostPort) -> String {
+        h.to_string()
+    }
+}
+
+/// What an agent tells the rendezvous about its node when it joins.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeInfo {
+    /// Unique per agent process (e.g. `host-pid-random`): a restarted agent is a new node.
+    pub node_id: String,
+    /// Workers this node runs (`--nproc-per-node`).
+    pub local_world_size: u32,
+    /// The TCPStore this node's agent hosts for the round it joins; group rank 0's is the
+    /// master store.
+    pub store_addr: HostPort,
+}
+
+/// A member of a closed round.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Member {
+    pub node_id: String,
+    pub group_rank: u32,
+    pub local_world_size: u32,
+    /// Global rank of this node's local rank 0: the sum of local world sizes before it.
+    pub rank_offset: u32,
+    pub store_addr: HostPort,
+}
+
+/// What one member learns when its round closes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RoundInfo {
+    pub round: u64,
+    pub group_rank: u32,
+    pub group_world_size: u32,
+    pub members: Vec<Member>,
+    /// Group rank 0's store.
+    pub master_store_addr: HostPort,
+    pub restart_count: u32,
+    pub max_restarts: u32,
+    /// Sum of every member's local world size.
+    pub world_size: u32,
+    /// Global rank of this node's local rank 0.
+    pub rank_offset: u32,
+    pub local_world_size: u32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cause(text: &str, lines: usize) -> RootCause {
+        RootCause {
+            rank: 1,
+            local_rank: 1,
+            role: "default".into(),
+            host: "h".into(),
+            pid: 7,
+            exit: Exit::Code(3),
+            timestamp: 0,
+            restart_count: 0,
+            message: text.into(),
+            traceback: Some(text.into()),
+            error_file: None,
+            stderr_tail: vec![text.to_owned(); lines],
+        }
+    }
+
+    #[test]
+    fn bounded_root_cause_fits_the_wire_even_when_every_byte_needs_escaping() {
+        // Control characters cost six bytes each as JSON (`\u0001`).
+        let hostile = cause(&"\u{1}".repeat(200_000), 1000);
+        let wire = serde_json::to_vec(&hostile.bounded()).unwrap();
+        assert!(wire.len() <= caps::WIRE_BYTES, "{} bytes", wire.len());
+        let b = hostile.bounded();
+        assert!(b.message.ends_with("bytes cut]"), "the cut is marked");
+        assert!(b.traceback.unwrap().starts_with("[… "), "the traceback keeps its end");
+        assert_eq!(b.stderr_tail.len(), caps::STDERR_LINES);
+        assert!(b.stderr_tail[0].starts_with("[… 960 earlier lines cut]"));
+    }
+
+    #[test]
+    fn bounded_keeps_small_root_causes_as_they_are() {
+        let c = cause("ValueError: planted", 3);
+        assert_eq!(c.bounded(), c);
+    }
+
+    #[test]
+    fn cuts_fall_on_character_boundaries() {
+        let s = "é".repeat(10);
+        assert!(cut_end(&s, 5).starts_with("éé [… "));
+        assert!(cut_start(&s, 5).ends_with("] éé"));
+    }
+
+    #[test]
+    fn host_port_parses_checks_and_prints() {
+        let h: HostPort = "node0:29400".parse().unwrap();
+        assert_eq!((h.host(), h.port(), h.to_string().as_str()), ("node0", 29400, "node0:29400"));
+        let v6: HostPort = "[::1]:5".parse().unwrap();
+        assert_eq!((v6.host(), v6.to_string().as_str()), ("::1", "[::1]:5"));
+        for bad in ["", "h", ":1", "h:x", "h:70000", "::1:5", "a b:1", "[::1:5"] {
+            assert!(bad.parse::<HostPort>().is_err(), "{bad:?} must be refused");
+        }
+        assert!(format!("{}:1", "a".repeat(254)).parse::<HostPort>().is_err());
+        let json = serde_json::to_string(&h).unwrap();
+        assert_eq!(json, "\"node0:29400\"");
+        assert!(serde_json::from_str::<HostPort>("\"nope\"").is_err());
+    }
+
+    #[test]
+    fn exit_codes_follow_the_shell_convention() {
+        assert_eq!(Exit::Code(3).shell_code(), 3);
+        assert_eq!(Exit::Signal(9).shell_code(), 137);
+        assert_eq!(Exit::Signal(11).describe(), "signal 11 (SIGSEGV)");
+    }
+
+    #[test]
+    fn formats_utc_time() {
+        assert_eq!(format_time(0), "1970-01-01_00:00:00 UTC");
+        assert_eq!(format_time(1_795_300_000), "2026-11-21_22:26:40 UTC");
+    }
+}
