@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# The project's test command (README, .ci/run): installs what is missing, builds every binary
-# the integration tests run, then runs the whole workspace's tests.
+# The project's test command (README, .ci/run): installs what is missing, checks formatting and
+# lints, builds every binary the integration tests run, then runs the whole workspace's tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
+command -v rustfmt >/dev/null || rustup component add rustfmt
+cargo clippy --version >/dev/null 2>&1 || rustup component add clippy
+cargo fmt --all --check
+cargo clippy --workspace --all-targets -- -D warnings
 cargo build --workspace --bins --examples
 cargo test --workspace --no-fail-fast -- --test-threads 2

@@ -481,7 +481,7 @@ pub fn apply_in_place(job: &mut Job, ev: Event, now: Millis) -> Decision {
         Event::Join(node) => join(next, node, now),
         Event::Heartbeat { node_id } => heartbeat(next, &node_id, now),
         Event::Tick => tick(next, now),
-        Event::ReportFailure { node_id, round, root_cause } => report_failure(next, &node_id, round, root_cause, now),
+        Event::ReportFailure { node_id, round, root_cause } => report_failure(next, &node_id, round, *root_cause, now),
         Event::NodeSucceeded { node_id, round } => node_succeeded(next, &node_id, round, now),
         Event::Leave { node_id } => leave(next, &node_id, now),
     };
@@ -647,7 +647,7 @@ fn tick(job: &mut Job, now: Millis) -> Decision {
     }
 }
 
-fn report_failure(job: &mut Job, node_id: &str, round: u64, root_cause: Box<RootCause>, now: Millis) -> Decision {
+fn report_failure(job: &mut Job, node_id: &str, round: u64, root_cause: RootCause, now: Millis) -> Decision {
     if job.phase.is_terminal() {
         return decide(Action::Nothing, format!("failure report from {node_id} ignored: the job is over"));
     }
@@ -665,7 +665,7 @@ fn report_failure(job: &mut Job, node_id: &str, round: u64, root_cause: Box<Root
         return reject(Rejection::NotMember { node_id: node_id.to_owned(), round });
     }
     let summary = root_cause.summary();
-    job.last_root_cause = Some(*root_cause);
+    job.last_root_cause = Some(root_cause);
     let budget = job.settings.max_restarts;
     if job.restart_count < budget {
         job.restart_count += 1;

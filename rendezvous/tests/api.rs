@@ -498,7 +498,7 @@ async fn connect_rejects_timeouts_that_do_not_nest() {
     assert!(matches!(err, RdzvError::InvalidSettings(_)), "{err}");
     assert_eq!(
         err.to_string(),
-        "invalid rendezvous settings: timeouts must nest: heartbeat interval (1s) must be less than node TTL (500ms)"
+        "invalid rendezvous settings: timeouts must nest: heartbeat_interval (1s) must be less than node_ttl (500ms)"
     );
 }
 
@@ -528,9 +528,16 @@ async fn failure_report_from_a_non_member_is_409_and_leaves_the_job_untouched() 
     let before = job(&rdzv, "nm").await.expect("job exists");
     assert_eq!(before.phase.name(), "running");
     let (status, v) =
-        send(&app, post_json("/v1/jobs/nm/failure", &json!({"node_id": "zz", "round": 1, "root_cause": {}}))).await;
+        send(&app, post_json("/v1/jobs/nm/failure", &json!({"node_id": "zz", "round": 1, "root_cause": rc("x")})))
+            .await;
     assert_eq!(status, StatusCode::CONFLICT, "{v}");
     assert_eq!(v["error"], "not_member");
+    assert_eq!(job(&rdzv, "nm").await, Some(before.clone()));
+    // A root cause that is not one is refused as such, and changes nothing either.
+    let (status, v) =
+        send(&app, post_json("/v1/jobs/nm/failure", &json!({"node_id": "a", "round": 1, "root_cause": {}}))).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{v}");
+    assert!(v["message"].as_str().is_some_and(|m| m.contains("root_cause")), "{v}");
     assert_eq!(job(&rdzv, "nm").await, Some(before));
 }
 

@@ -12,6 +12,10 @@
 //! - `spawn-grandchild`: start a `sleep 1000` child, write its pid to DIR/grandchild_rank{RANK}.pid
 //! - `touch NAME`: create DIR/NAME_rank{RANK}_attempt{RESTART} (a marker that this point was reached)
 //! - `pidfile`: write own pid to DIR/pid_rank{RANK}_attempt{RESTART}
+//! - `store-absent KEY`: exit 42 if KEY is in the workers' store (MASTER_ADDR:MASTER_PORT)
+//! - `expect-world N`: exit 43 unless WORLD_SIZE is N
+//! - `stale-writer-on-attempt0 KEY SECS`: on attempt 0 only, wait for SIGTERM, then keep
+//!   setting KEY in this round's store for SECS seconds (a worker slow to stop), and exit 0
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -72,6 +76,45 @@ fn main() {
                     flush_signal(&out, &rank);
                 }
             },
+            "store-absent" => {
+                let key = next();
+                let addr = format!("{}:{}", var("MASTER_ADDR"), var("MASTER_PORT"));
+                let mut c = rlaunch::store::StoreClient::connect(&addr, Duration::from_secs(10)).expect("store");
+                if c.check(&[key.as_str()]).expect("check") {
+                    eprintln!("key {key} from an earlier round is in this round's store");
+                    std::process::exit(42);
+                }
+            }
+            "expect-world" => {
+                let n = next();
+                if var("WORLD_SIZE") != n {
+                    eprintln!("WORLD_SIZE is {} and not {n}", var("WORLD_SIZE"));
+                    std::process::exit(43);
+                }
+            }
+            "stale-writer-on-attempt0" => {
+                let (key, secs) = (next(), next().parse::<f64>().unwrap());
+                if attempt == "0" {
+                    // SAFETY: `on_signal` only stores to an atomic, which is async-signal-safe.
+                    unsafe { libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t) };
+                    while LAST_SIGNAL.load(Ordering::SeqCst) != libc::SIGTERM {
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    let addr = format!("{}:{}", var("MASTER_ADDR"), var("MASTER_PORT"));
+                    let until = std::time::Instant::now() + Duration::from_secs_f64(secs);
+                    let mut written = 0;
+                    while std::time::Instant::now() < until {
+                        if let Ok(mut c) = rlaunch::store::StoreClient::connect(&addr, Duration::from_millis(200)) {
+                            if c.set(&key, b"stale").is_ok() {
+                                written += 1;
+                            }
+                        }
+                        std::thread::sleep(Duration::from_millis(50));
+                    }
+                    eprintln!("stale writer: {written} writes to {addr}");
+                    std::process::exit(0);
+                }
+            }
             "ignore-term" => {
                 // SAFETY: installing SIG_IGN has no preconditions.
                 unsafe { libc::signal(libc::SIGTERM, libc::SIG_IGN) };
