@@ -756,3 +756,29 @@ fn s_with_grace() -> JobSettings {
     s.stop_grace = Duration::from_secs(10);
     s
 }
+
+/// Agents send reports again until acknowledged: a repeat is the same report (idempotent per
+/// node and round), never a second count.
+#[test]
+fn repeated_reports_are_the_same_report() {
+    let job = running(&["a", "b"], settings(2, 2));
+    let fail = |j: &Job, t| step(j, Event::ReportFailure { node_id: "a".into(), round: 1, root_cause: rc("x") }, t);
+    let (once, d) = fail(&job, 1_000);
+    assert!(matches!(d.action, Action::RoundOpened { .. }));
+    let (twice, d) = fail(&once, 1_100);
+    assert_eq!((d.action, &twice), (Action::Nothing, &once), "a repeated failure changes nothing");
+    assert_eq!(twice.restart_count, 1);
+
+    let ok = |j: &Job, id: &str, t| step(j, Event::NodeSucceeded { node_id: id.into(), round: 1 }, t);
+    let (once, _) = ok(&job, "a", 1_000);
+    let (twice, d) = ok(&once, "a", 1_100);
+    assert_eq!((d.action, &twice), (Action::Nothing, &once));
+    let (done, d) = ok(&twice, "b", 1_200);
+    assert_eq!(d.action, Action::Finished);
+    let (after, d) = ok(&done, "b", 1_300);
+    assert_eq!((d.action, &after), (Action::Nothing, &done), "a repeat after the end is taken too");
+
+    let (left, _) = step(&job, Event::Leave { node_id: "b".into() }, 1_000);
+    let (again, d) = step(&left, Event::Leave { node_id: "b".into() }, 1_100);
+    assert_eq!((d.action, &again), (Action::Nothing, &left));
+}
