@@ -289,6 +289,8 @@ pub struct Core {
     local_failure: Option<Box<RootCause>>,
     /// A worker process of this node may be alive (started and not yet seen gone).
     workers_alive: bool,
+    /// When this node's current workers were started.
+    started_at: Millis,
 }
 
 fn ms(d: Duration) -> Millis {
@@ -313,6 +315,7 @@ impl Core {
             restarts: 0,
             local_failure: None,
             workers_alive: false,
+            started_at: 0,
         }
     }
 
@@ -353,7 +356,7 @@ impl Core {
             Event::WorkersStopped => self.on_workers_stopped(now, &mut out),
             Event::Watched { round, answer } => self.on_watched(round, answer, now, &mut out),
             Event::Reported { kind, result } => self.on_reported(kind, result, now, &mut out),
-            Event::Heartbeat(result) => self.on_heartbeat(result, &mut out),
+            Event::Heartbeat(result) => self.on_heartbeat(result, now, &mut out),
             Event::RootCauseFetched(rc) => self.on_root_cause(rc, &mut out),
             Event::Signal(sig) => self.on_signal(sig, now, &mut out),
             Event::Tick => self.on_tick(now, &mut out),
@@ -378,9 +381,10 @@ impl Core {
         out.push(Action::Exit(outcome));
     }
 
-    fn start_workers(&mut self, placement: Placement, out: &mut Vec<Action>) {
+    fn start_workers(&mut self, placement: Placement, now: Millis, out: &mut Vec<Action>) {
         debug_assert!(!self.workers_alive, "workers are started only once the previous ones are gone");
         self.workers_alive = true;
+        self.started_at = now;
         self.success_acked = false;
         self.unreachable_since = None;
         out.push(Action::StartWorkers(placement.clone()));
@@ -435,7 +439,7 @@ impl Core {
         }
         self.last_contact = now;
         match self.membership.clone() {
-            Membership::Fixed { placement, .. } => self.start_workers(placement, out),
+            Membership::Fixed { placement, .. } => self.start_workers(placement, now, out),
             Membership::Elastic { .. } => self.join(out),
         }
     }
@@ -447,7 +451,7 @@ impl Core {
         match answer {
             Ok(round) => {
                 self.restarts = round.restart_count;
-                self.start_workers(Placement::from_round(&round), out);
+                self.start_workers(Placement::from_round(&round), now, out);
             }
             Err(CallError::Transient(e)) => {
                 let silent = now.saturating_sub(self.last_contact);
@@ -530,7 +534,7 @@ impl Core {
                     restart_count: self.restarts,
                     ..placement.clone()
                 };
-                self.start_workers(placement, out);
+                self.start_workers(placement, now, out);
             }
             AfterStop::ReportFailure(rc) => {
                 self.phase = Phase::ReportingFailure { round, root_cause: rc.clone() };
@@ -713,8 +717,14 @@ impl Core {
         }
     }
 
-    fn on_heartbeat(&mut self, result: Result<(), CallError>, out: &mut Vec<Action>) {
+    fn on_heartbeat(&mut self, result: Result<(), CallError>, now: Millis, out: &mut Vec<Action>) {
         if result != Err(CallError::NotMember) {
+            return;
+        }
+        // A heartbeat sent before this node's join registered can be answered after it: within
+        // a TTL of the start, the watch (which knows the round) decides instead.
+        let ttl = self.elastic().map(|(ttl, _)| ms(ttl)).unwrap_or(0);
+        if now.saturating_sub(self.started_at) < ttl {
             return;
         }
         if let Phase::Running { placement, succeeded: false } = &self.phase {

@@ -68,6 +68,8 @@ async fn drive(
                 _ = tick.tick() => Event::Tick,
             },
         };
+        // Forget finished calls (a watch every few seconds for days adds up).
+        while io.calls.try_join_next().is_some() {}
         if matches!(event, Event::WorkersStopped) {
             io.ctx.console.flush();
         }
@@ -110,6 +112,8 @@ fn supervise(mut group: WorkerGroup, grace: Duration, events: UnboundedSender<Ev
                     }
                     Some(GroupCmd::Stop) => {
                         group.stop(grace).await;
+                        // The group is over: no `WorkersEnded` may follow the stop.
+                        ended = true;
                         let _ = events.send(Event::WorkersStopped);
                     }
                     // The driver let go of the group: `WorkerGroup`'s drop kills what is left.
@@ -360,7 +364,11 @@ impl Io<'_> {
 /// How the core sees a rendezvous error.
 pub(crate) fn call_error(e: &RdzvError) -> CallError {
     match e {
-        RdzvError::UnknownNode { .. } | RdzvError::NotMember { .. } => CallError::NotMember,
+        // A rendezvous that lost the job (a memory store restarted) knows this node no more:
+        // rejoining creates the job again.
+        RdzvError::UnknownNode { .. } | RdzvError::NotMember { .. } | RdzvError::UnknownJob { .. } => {
+            CallError::NotMember
+        }
         RdzvError::JobFinished => CallError::JobFinished,
         RdzvError::JobFailed { reason } | RdzvError::JoinTimeout { reason } => CallError::JobFailed(reason.clone()),
         e if e.is_transient() => CallError::Transient(e.to_string()),

@@ -56,7 +56,8 @@ pub(crate) async fn setup(
     host: &str,
     events: UnboundedSender<Event>,
 ) -> Result<ElasticSetup, AgentError> {
-    let advertise = advertise_addr(config, d);
+    // `[v6]` as given on the command line is the bare address inside.
+    let advertise = advertise_addr(config, d).trim_start_matches('[').trim_end_matches(']').to_owned();
     let (backend, hosted) = backend(d).await?;
     let client = RendezvousClient::connect(backend, &config.run_id, d.settings.clone()).await.map_err(|e| {
         AgentError::Rendezvous { message: "cannot connect to the rendezvous".into(), source: Some(Box::new(e)) }

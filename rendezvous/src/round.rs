@@ -129,6 +129,13 @@ impl JobSettings {
         check_nesting(&[("last_call_timeout", self.last_call_timeout), ("join_timeout", self.join_timeout)])
     }
 
+    /// Whether two nodes describe the same job: every setting but the shutdown timeout, which
+    /// each node may choose (the job waits by the first node's).
+    pub fn same_job(&self, other: &JobSettings) -> bool {
+        JobSettings { stop_grace: Duration::ZERO, ..self.clone() }
+            == JobSettings { stop_grace: Duration::ZERO, ..other.clone() }
+    }
+
     fn ms(d: Duration) -> Millis {
         u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
     }
@@ -228,10 +235,23 @@ pub struct Decision {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RoundCause {
-    NodeLost { nodes: Vec<String> },
-    Failure { node_id: String },
-    ScaleUp { node_id: String },
-    MemberLeft { node_id: String },
+    NodeLost {
+        nodes: Vec<String>,
+    },
+    Failure {
+        node_id: String,
+    },
+    ScaleUp {
+        node_id: String,
+    },
+    MemberLeft {
+        node_id: String,
+    },
+    /// A member of the running round joined again with new details (it stopped its workers on
+    /// its own, e.g. fenced, and serves a new store): the round re-forms with it.
+    MemberRejoined {
+        node_id: String,
+    },
 }
 
 /// What happened, for the edges (metrics, logs, wake-ups).
@@ -529,8 +549,20 @@ fn join(job: &mut Job, node: NodeInfo, now: Millis) -> Decision {
     let id = node.node_id.clone();
     job.last_seen.insert(id.clone(), now);
     if matches!(job.phase, Phase::Running { .. }) && job.is_member(&id) {
-        // Retried or failed-over join: idempotent.
-        return decide(Action::Nothing, format!("node {id} is already a member of running round {}", job.round));
+        let same = job
+            .members
+            .iter()
+            .any(|m| m.node_id == id && m.store_addr == node.store_addr && m.local_world_size == node.local_world_size);
+        if same {
+            // Retried or failed-over join: idempotent.
+            return decide(Action::Nothing, format!("node {id} is already a member of running round {}", job.round));
+        }
+        // The member stopped its workers by itself and comes back with a new store: the others'
+        // workers point at its old one, so the round must re-form (it keeps its place).
+        let round = job.round;
+        job.pending.push(Pending { node, joined_at: now });
+        let reason = format!("member {id} of running round {round} joined again with new details");
+        return open_round(job, now, RoundCause::MemberRejoined { node_id: id }, &[], reason);
     }
     let (newly, changed_info) = match job.pending.iter_mut().find(|p| p.node.node_id == id) {
         Some(p) => {
@@ -828,7 +860,11 @@ fn evaluate_forming(job: &mut Job, now: Millis, base: String) -> Decision {
                 }
             }
             _ => {
-                if job.settings.last_call_timeout.is_zero() {
+                let survivors_missing =
+                    job.previous.iter().any(|id| !job.pending.iter().any(|p| &p.node.node_id == id));
+                if job.settings.last_call_timeout.is_zero()
+                    && !(survivors_missing && !job.settings.stop_grace.is_zero())
+                {
                     return close_round(job, now, with("MIN reached and the last call is zero"));
                 }
                 let deadline = now.saturating_add(JobSettings::ms(job.settings.last_call_timeout));

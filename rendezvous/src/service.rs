@@ -129,7 +129,7 @@ impl Rendezvous {
                     RoundCause::NodeLost { .. } => &m.rounds_node_lost,
                     RoundCause::Failure { .. } => &m.rounds_failure,
                     RoundCause::ScaleUp { .. } => &m.rounds_scale_up,
-                    RoundCause::MemberLeft { .. } => &m.rounds_member_left,
+                    RoundCause::MemberLeft { .. } | RoundCause::MemberRejoined { .. } => &m.rounds_member_left,
                 };
                 counter.fetch_add(1, Ordering::Relaxed);
                 warn!(run_id, round, reason = %d.reason, "new round opened");

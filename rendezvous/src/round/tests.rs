@@ -782,3 +782,45 @@ fn repeated_reports_are_the_same_report() {
     let (again, d) = step(&left, Event::Leave { node_id: "b".into() }, 1_100);
     assert_eq!((d.action, &again), (Action::Nothing, &left));
 }
+
+/// A member that stopped its workers by itself (fenced) joins again with a new store: the
+/// running round re-forms with it in its place, never answering with the old store.
+#[test]
+fn a_member_rejoining_a_running_round_with_a_new_store_reforms_the_round() {
+    let job = running(&["a", "b"], settings(2, 2));
+    // A retried join with the same details is idempotent.
+    let (same, d) = join(&job, "a", 500);
+    assert_eq!((d.action, same.round), (Action::Nothing, 1));
+    let moved = NodeInfo { store_addr: "a:29999".parse().unwrap(), ..node("a") };
+    let (job, d) = step(&job, Event::Join(moved), 600);
+    assert_eq!(d.action, Action::RoundOpened { round: 2, cause: RoundCause::MemberRejoined { node_id: "a".into() } });
+    let (job, d) = join(&job, "b", 700);
+    assert_eq!(d.action, Action::RoundClosed { round: 2 });
+    assert_eq!(member_ids(&job), ["a", "b"]);
+    assert_eq!(job.round_info("b").unwrap().master_store_addr.to_string(), "a:29999");
+}
+
+/// With no last call, survivors still stopping are waited for all the same.
+#[test]
+fn a_zero_last_call_still_waits_for_survivors_still_stopping() {
+    let mut job = running(&["a", "b"], s_with_grace());
+    job.settings.last_call_timeout = Duration::ZERO;
+    let job = hb(&job, "b", 1_000);
+    let (job, _) = join(&job, "c", 1_000);
+    let (job, d) = join(&job, "a", 1_100);
+    assert!(!matches!(d.action, Action::RoundClosed { .. }), "{d:?}");
+    let job = hb(&hb(&hb(&job, "a", 1_500), "b", 1_500), "c", 1_500);
+    let (job, d) = tick(&job, 1_600);
+    assert!(!matches!(d.action, Action::RoundClosed { .. }), "{d:?}");
+    let (job, d) = join(&job, "b", 1_700);
+    assert_eq!(d.action, Action::RoundClosed { round: 2 });
+    assert_eq!(member_ids(&job), ["a", "b", "c"]);
+}
+
+#[test]
+fn nodes_may_differ_in_their_shutdown_timeout_only() {
+    let a = settings(1, 2);
+    let b = JobSettings { stop_grace: Duration::from_secs(9), ..a.clone() };
+    assert!(a.same_job(&b));
+    assert!(!a.same_job(&JobSettings { max_restarts: 7, ..a.clone() }));
+}

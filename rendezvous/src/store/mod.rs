@@ -58,7 +58,10 @@ pub(crate) fn existing_or_new(
     now: Millis,
 ) -> Result<Job, RdzvError> {
     match (existing, create) {
-        (Some(job), Some(settings)) if &job.settings != settings => Err(mismatch(run_id, &job.settings, settings)),
+        // The shutdown timeout is each node's own: the job keeps the first node's.
+        (Some(job), Some(settings)) if !job.settings.same_job(settings) => {
+            Err(mismatch(run_id, &job.settings, settings))
+        }
         (Some(job), _) => Ok(job),
         (None, Some(settings)) => Ok(Job::new(settings.clone(), now)),
         (None, None) => Err(RdzvError::UnknownJob { run_id: run_id.to_owned() }),
