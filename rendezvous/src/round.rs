@@ -862,9 +862,8 @@ fn evaluate_forming(job: &mut Job, now: Millis, base: String) -> Decision {
             _ => {
                 let survivors_missing =
                     job.previous.iter().any(|id| !job.pending.iter().any(|p| &p.node.node_id == id));
-                if job.settings.last_call_timeout.is_zero()
-                    && !(survivors_missing && !job.settings.stop_grace.is_zero())
-                {
+                let wait_for_survivors = survivors_missing && !job.settings.stop_grace.is_zero();
+                if job.settings.last_call_timeout.is_zero() && !wait_for_survivors {
                     return close_round(job, now, with("MIN reached and the last call is zero"));
                 }
                 let deadline = now.saturating_add(JobSettings::ms(job.settings.last_call_timeout));
