@@ -84,6 +84,9 @@ pub struct AgentConfig {
     /// The address other nodes reach this one at (`--local-addr`).
     pub local_addr: Option<String>,
     pub rendezvous: RendezvousConfig,
+    /// Contain workers with process groups only, even where a cgroup v2 is writable
+    /// (`RLAUNCH_CONTAINMENT=process-group`).
+    pub process_groups_only: bool,
 }
 
 impl AgentConfig {
@@ -103,6 +106,7 @@ impl AgentConfig {
             log_line_prefix_template: DEFAULT_PREFIX_TEMPLATE.into(),
             local_addr: None,
             rendezvous: RendezvousConfig::Standalone,
+            process_groups_only: false,
         }
     }
 }

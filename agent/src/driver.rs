@@ -330,8 +330,14 @@ impl Io<'_> {
             "starting workers"
         );
         let specs = worker_specs(self.config, &p, &master, self.ctx.log_root, self.ctx.host);
-        let group =
-            WorkerGroup::start(&self.config.program, specs, self.ctx.agent_env, self.ctx.console, self.ctx.host)?;
+        let group = WorkerGroup::start(
+            &self.config.program,
+            specs,
+            self.ctx.agent_env,
+            self.ctx.console,
+            self.ctx.host,
+            self.ctx.containment.clone(),
+        )?;
         self.group = Some(supervise(group, self.config.stop_grace, self.tx.clone()));
         Ok(())
     }

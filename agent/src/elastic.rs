@@ -197,7 +197,7 @@ pub(crate) fn bind_any(advertise: &str) -> &'static str {
     }
 }
 
-fn rand_u32() -> u32 {
+pub(crate) fn rand_u32() -> u32 {
     let mut b = [0u8; 4];
     if std::fs::File::open("/dev/urandom").and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b)).is_err() {
         return std::process::id() ^ 0x9e37_79b9;

@@ -7,6 +7,7 @@
 //! outcomes to the launcher's exit code.
 
 pub mod config;
+pub mod contain;
 pub mod core;
 mod driver;
 mod elastic;
@@ -150,8 +151,13 @@ async fn run_inner(config: AgentConfig) -> Result<RunOutcome, AgentError> {
     let mut signals = Signals::install().map_err(AgentError::Signals)?;
     let console = Console::start();
     let (log_root, temp_logs) = log_root(&config)?;
-    let ctx = Ctx { host: &host, agent_env: &agent_env, console: &console, log_root: &log_root };
+    let choice = if config.process_groups_only { Some("process-group") } else { None };
+    let containment = std::sync::Arc::new(contain::Containment::detect(config.nproc_per_node, choice));
+    let ctx =
+        Ctx { containment: &containment, host: &host, agent_env: &agent_env, console: &console, log_root: &log_root };
     let outcome = driver::run(&config, &ctx, &mut signals).await;
+    // Every worker is gone: remove the job's cgroups (and so end its watchdog).
+    drop(containment);
     console.flush();
     if let Ok(RunOutcome::Failed { root_cause, .. }) = &outcome {
         eprint!("{}", root_cause.render());
@@ -165,6 +171,7 @@ async fn run_inner(config: AgentConfig) -> Result<RunOutcome, AgentError> {
 
 /// What every way of running a node shares: where it runs, its environment, console and logs.
 pub(crate) struct Ctx<'a> {
+    pub containment: &'a std::sync::Arc<contain::Containment>,
     pub host: &'a str,
     pub agent_env: &'a BTreeMap<String, String>,
     pub console: &'a Console,

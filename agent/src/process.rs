@@ -1,7 +1,9 @@
 //! Starting worker processes so that none outlives its agent, and signalling their process
 //! groups. The only module of the agent with `unsafe`.
 
+use std::ffi::CString;
 use std::io;
+use std::os::fd::{FromRawFd, OwnedFd};
 use std::process::Stdio;
 
 use tokio::process::{Child, Command};
@@ -12,14 +14,30 @@ use tokio::process::{Child, Command};
 /// The parent-death signal fires when the *thread* that forked exits, so this must be called
 /// from a thread that lives as long as the agent (a tokio worker thread, not a blocking-pool
 /// thread).
-pub fn spawn_worker(mut cmd: Command) -> io::Result<Child> {
+///
+/// With `cgroup_procs` (a cgroup's `cgroup.procs` file), the worker moves itself into that
+/// cgroup before it runs anything, so every process it ever starts is in it too.
+pub fn spawn_worker(mut cmd: Command, cgroup_procs: Option<CString>) -> io::Result<Child> {
     // SAFETY: getpid is async-signal-safe and has no preconditions.
     let agent_pid = unsafe { libc::getpid() };
     cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).process_group(0).kill_on_drop(false);
     // SAFETY: the closure runs between fork and exec and only calls async-signal-safe functions
-    // (prctl, getppid); it allocates nothing and touches no locks.
+    // (prctl, getppid, open, write, close) on memory prepared before the fork; it allocates
+    // nothing and touches no locks.
     unsafe {
         cmd.pre_exec(move || {
+            if let Some(procs) = &cgroup_procs {
+                // "0" moves the writing process.
+                let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                if fd < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                let wrote = libc::write(fd, b"0".as_ptr().cast(), 1);
+                libc::close(fd);
+                if wrote != 1 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
                 return Err(io::Error::last_os_error());
             }
@@ -31,6 +49,104 @@ pub fn spawn_worker(mut cmd: Command) -> io::Result<Child> {
         });
     }
     cmd.spawn()
+}
+
+/// What a watchdog does once the agent is gone: write `1` to each `kill` file (`cgroup.kill`),
+/// wait (bounded) until `events` (`cgroup.events`) says the cgroup is empty, then remove `rmdir`
+/// in order.
+pub struct WatchdogPlan {
+    pub kill: Vec<CString>,
+    pub events: CString,
+    pub rmdir: Vec<CString>,
+}
+
+/// Forks a watchdog that outlives the agent's death (even by SIGKILL) just long enough to carry
+/// out `plan`: it waits for end-of-file on a pipe only the agent holds open. It runs in a session
+/// of its own (a signal to the agent's process group does not reach it), holds no other
+/// descriptor of the agent's, and runs only async-signal-safe system calls (the agent has
+/// threads). Dropping the returned descriptor (or the agent dying) sets it off.
+pub fn spawn_watchdog(plan: &WatchdogPlan) -> io::Result<OwnedFd> {
+    let mut fds = [0 as libc::c_int; 2];
+    // SAFETY: pipe2 writes two descriptors into the array it is given.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let (read_end, write_end) = (fds[0], fds[1]);
+    let devnull = c"/dev/null";
+    // SAFETY: after fork the child only makes async-signal-safe system calls on memory prepared
+    // before the fork (`plan`, `devnull`), never returns into Rust code of the parent's, and
+    // leaves with `_exit`. The parent only closes its copy of the read end.
+    match unsafe { libc::fork() } {
+        -1 => {
+            let e = io::Error::last_os_error();
+            // SAFETY: both descriptors were just created and are owned here.
+            unsafe {
+                libc::close(read_end);
+                libc::close(write_end);
+            }
+            Err(e)
+        }
+        0 => unsafe {
+            libc::setsid();
+            libc::signal(libc::SIGINT, libc::SIG_IGN);
+            libc::signal(libc::SIGHUP, libc::SIG_IGN);
+            libc::signal(libc::SIGPIPE, libc::SIG_IGN);
+            libc::signal(libc::SIGTERM, libc::SIG_DFL);
+            libc::signal(libc::SIGQUIT, libc::SIG_DFL);
+            // Hold nothing of the agent's (its console pipes, sockets, the store): only the read
+            // end, moved to 3, and /dev/null as 0, 1, 2.
+            let null = libc::open(devnull.as_ptr(), libc::O_RDWR);
+            if read_end != 3 {
+                libc::dup2(read_end, 3);
+            }
+            for fd in 0..3 {
+                libc::dup2(null, fd);
+            }
+            libc::syscall(libc::SYS_close_range, 4 as libc::c_uint, libc::c_uint::MAX, 0 as libc::c_uint);
+            let mut byte = 0u8;
+            loop {
+                let n = libc::read(3, (&mut byte as *mut u8).cast(), 1);
+                if n == 0 || (n < 0 && *libc::__errno_location() != libc::EINTR) {
+                    break;
+                }
+            }
+            for k in &plan.kill {
+                let fd = libc::open(k.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                if fd >= 0 {
+                    libc::write(fd, b"1".as_ptr().cast(), 1);
+                    libc::close(fd);
+                }
+            }
+            // Up to 5 s for the kernel to finish the killing ("populated 0").
+            let mut buf = [0u8; 256];
+            for _ in 0..250 {
+                let fd = libc::open(plan.events.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC);
+                if fd < 0 {
+                    break;
+                }
+                let n = libc::read(fd, buf.as_mut_ptr().cast(), buf.len());
+                libc::close(fd);
+                let n = usize::try_from(n).unwrap_or(0);
+                if buf[..n].windows(11).any(|w| w == b"populated 0") {
+                    break;
+                }
+                let pause = libc::timespec { tv_sec: 0, tv_nsec: 20_000_000 };
+                libc::nanosleep(&pause, std::ptr::null_mut());
+            }
+            for d in &plan.rmdir {
+                libc::rmdir(d.as_ptr());
+            }
+            libc::_exit(0)
+        },
+        _child => {
+            // SAFETY: the parent's copy of the read end is owned here and used no more;
+            // the write end becomes an OwnedFd that closes it exactly once.
+            unsafe {
+                libc::close(read_end);
+                Ok(OwnedFd::from_raw_fd(write_end))
+            }
+        }
+    }
 }
 
 /// Sends `signal` to every process in the group led by `pgid`. A group that is already gone is
@@ -57,3 +173,39 @@ pub fn group_alive(pgid: u32) -> bool {
 }
 
 pub use rlaunch::contract::signal_name;
+
+/// Makes this process the reaper of its orphaned descendants (instead of init), so that what a
+/// worker leaves behind can be found among this process's children.
+pub fn become_subreaper() {
+    // SAFETY: prctl with PR_SET_CHILD_SUBREAPER takes a plain integer argument.
+    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1 as libc::c_ulong, 0, 0, 0) };
+}
+
+/// Kills and reaps every child of this process: once a worker group is over, the only children
+/// left are descendants orphaned to this subreaper.
+pub fn kill_orphans() {
+    let mut children = Vec::new();
+    if let Ok(tasks) = std::fs::read_dir("/proc/self/task") {
+        for t in tasks.flatten() {
+            if let Ok(list) = std::fs::read_to_string(t.path().join("children")) {
+                children.extend(list.split_whitespace().filter_map(|p| p.parse::<i32>().ok()));
+            }
+        }
+    }
+    for &pid in &children {
+        // SAFETY: these are this process's own children, not yet reaped: their pids cannot have
+        // been reused.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+    for pid in children {
+        for _ in 0..100 {
+            // SAFETY: waitpid on an own child with a valid status pointer.
+            let mut status = 0;
+            let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+            if r != 0 {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    }
+}

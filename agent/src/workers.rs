@@ -14,6 +14,7 @@ use tracing::{debug, warn};
 
 use rlaunch::env::WorkerEnv;
 
+use crate::contain::Containment;
 use crate::output::{pump, Console, Sink, StdSet, Stream};
 use crate::process::{group_alive, signal_group, spawn_worker};
 use crate::report::{now_unix, read_error_file, Exit, RootCause};
@@ -48,6 +49,7 @@ pub enum GroupOutcome {
 }
 
 pub struct WorkerGroup {
+    containment: Arc<Containment>,
     workers: Vec<Running>,
     exits: mpsc::UnboundedReceiver<(usize, Exit, u64)>,
     waiters: Vec<JoinHandle<()>>,
@@ -62,9 +64,11 @@ impl WorkerGroup {
         agent_env: &BTreeMap<String, String>,
         console: &Console,
         host: &str,
+        containment: Arc<Containment>,
     ) -> Result<WorkerGroup, AgentError> {
         let (tx, exits) = mpsc::unbounded_channel();
-        let mut group = WorkerGroup { workers: Vec::new(), exits, waiters: Vec::new(), host: host.to_string() };
+        let mut group =
+            WorkerGroup { containment, workers: Vec::new(), exits, waiters: Vec::new(), host: host.to_string() };
         for (index, spec) in specs.into_iter().enumerate() {
             if let Err(e) = group.spawn_one(index, program, spec, agent_env, console, tx.clone()) {
                 group.kill_now();
@@ -91,11 +95,8 @@ impl WorkerGroup {
         for (k, v) in spec.env.to_vars(agent_env) {
             cmd.env(k, v);
         }
-        let mut child = spawn_worker(cmd).map_err(|source| AgentError::Spawn {
-            local_rank,
-            program: exe.to_string_lossy().into_owned(),
-            source,
-        })?;
+        let mut child = spawn_worker(cmd, self.containment.procs_file(local_rank))
+            .map_err(|source| AgentError::Spawn { local_rank, program: exe.to_string_lossy().into_owned(), source })?;
         let pid = child.id().expect("a child just spawned has not been reaped");
         let stderr_tail = Arc::new(Mutex::new(VecDeque::new()));
         let mut pumps = Vec::new();
@@ -232,9 +233,21 @@ impl WorkerGroup {
     /// Kills what is left in the workers' process groups (their own children) and waits for
     /// the output pumps, so nothing of this attempt outlives it.
     pub async fn reap_stragglers(&mut self) {
-        for w in &self.workers {
-            if group_alive(w.pid) {
-                let _ = signal_group(w.pid, libc::SIGKILL);
+        match &*self.containment {
+            Containment::Cgroup(_) => {
+                // The whole tree of each worker, whatever process group or session it is in.
+                for w in &self.workers {
+                    self.containment.kill_rest(w.spec.env.local_rank).await;
+                }
+            }
+            Containment::ProcessGroups => {
+                for w in &self.workers {
+                    if group_alive(w.pid) {
+                        let _ = signal_group(w.pid, libc::SIGKILL);
+                    }
+                }
+                // Descendants that left the groups were orphaned to this subreaper.
+                self.containment.kill_rest(0).await;
             }
         }
         for w in self.workers.iter_mut() {

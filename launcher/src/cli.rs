@@ -128,6 +128,12 @@ pub struct Args {
     #[arg(long = "local-addr", alias = "local_addr", env = "PET_LOCAL_ADDR")]
     pub local_addr: Option<String>,
 
+    /// How workers' process trees are contained: `auto` (a cgroup v2 per job where one is
+    /// writable, with a watchdog that kills it if rlaunch dies; else process groups and a child
+    /// subreaper) or `process-group`.
+    #[arg(long, env = "RLAUNCH_CONTAINMENT", value_parser = ["auto", "process-group"])]
+    pub containment: Option<String>,
+
     /// The program to run on every worker, then its arguments.
     #[arg(required = true, trailing_var_arg = true, value_name = "PROGRAM [ARGS]...")]
     pub program: Vec<OsString>,
@@ -421,6 +427,7 @@ impl Args {
             log_line_prefix_template: self.log_line_prefix_template,
             local_addr: self.local_addr,
             rendezvous,
+            process_groups_only: self.containment.as_deref() == Some("process-group"),
         })
     }
 }

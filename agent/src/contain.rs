@@ -1,0 +1,191 @@
+//! Containment of each worker's whole process tree: what it starts — a child in its process
+//! group, one that called `setsid`, a double-forked daemon, a DataLoader pool — ends with it.
+//!
+//! The strongest mechanism the node allows, chosen once at start and logged:
+//! - **cgroup v2** (root, or a delegated subtree under systemd or in a container): a cgroup per
+//!   job under the agent's own, one per local rank inside it. A worker moves itself into its
+//!   rank's cgroup before it runs anything, so all it ever starts is there too; every stop ends
+//!   with `cgroup.kill` on it. A watchdog process, forked at start in a session of its own, kills
+//!   the job's cgroup if the agent dies, even by SIGKILL.
+//! - **process groups** otherwise: each worker leads its own group, signalled as a whole; the
+//!   agent is a child subreaper, so orphaned descendants become its children and are killed at
+//!   every stop. After a SIGKILL of the agent, descendants that left the worker's process group
+//!   (setsid) may survive: the README says so.
+
+use std::ffi::CString;
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use tracing::{info, warn};
+
+use crate::process::{spawn_watchdog, WatchdogPlan};
+
+/// `RLAUNCH_CONTAINMENT=process-group` forces the weaker mechanism (for tests and for nodes
+/// where the operator wants no cgroups touched).
+pub const CONTAINMENT_ENV: &str = "RLAUNCH_CONTAINMENT";
+
+/// How this agent contains its workers.
+pub enum Containment {
+    Cgroup(CgroupJob),
+    ProcessGroups,
+}
+
+/// A cgroup v2 directory per job, one per local rank inside it, and the watchdog's pipe.
+pub struct CgroupJob {
+    dir: PathBuf,
+    ranks: u32,
+    _watchdog: OwnedFd,
+}
+
+impl Containment {
+    /// Picks the strongest mechanism available for a job of `ranks` workers per node.
+    pub fn detect(ranks: u32, agent_env_choice: Option<&str>) -> Containment {
+        if agent_env_choice == Some("process-group") {
+            crate::process::become_subreaper();
+            info!(mechanism = "process groups and a child subreaper (asked for)", "containment");
+            return Containment::ProcessGroups;
+        }
+        match CgroupJob::create(ranks) {
+            Ok(job) => {
+                info!(mechanism = "cgroup v2", cgroup = %job.dir.display(), "containment: every worker's process tree is killed with its cgroup");
+                Containment::Cgroup(job)
+            }
+            Err(why) => {
+                crate::process::become_subreaper();
+                warn!(
+                    reason = %why,
+                    "containment: process groups and a child subreaper (no writable cgroup v2); descendants that call setsid may outlive a SIGKILL of the agent"
+                );
+                Containment::ProcessGroups
+            }
+        }
+    }
+
+    pub fn describe(&self) -> &'static str {
+        match self {
+            Containment::Cgroup(_) => "cgroup v2",
+            Containment::ProcessGroups => "process groups",
+        }
+    }
+
+    /// The `cgroup.procs` file a worker of `local_rank` moves itself into.
+    pub fn procs_file(&self, local_rank: u32) -> Option<CString> {
+        match self {
+            Containment::Cgroup(job) => cstring(&job.rank_dir(local_rank).join("cgroup.procs")),
+            Containment::ProcessGroups => None,
+        }
+    }
+
+    /// Kills every process left of `local_rank`'s tree and waits (bounded) until none is left.
+    /// Process groups: whatever was orphaned to this agent is killed instead.
+    pub async fn kill_rest(&self, local_rank: u32) {
+        match self {
+            Containment::Cgroup(job) => job.kill(local_rank).await,
+            Containment::ProcessGroups => crate::process::kill_orphans(),
+        }
+    }
+}
+
+impl CgroupJob {
+    fn create(ranks: u32) -> Result<CgroupJob, String> {
+        let own = own_cgroup_dir().ok_or("no cgroup v2 hierarchy holds this process")?;
+        let dir = own.join(format!("rlaunch-{}-{:08x}", std::process::id(), crate::elastic::rand_u32()));
+        std::fs::create_dir(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        let remove_all = |upto: u32| {
+            for r in 0..upto {
+                let _ = std::fs::remove_dir(dir.join(format!("rank{r}")));
+            }
+            let _ = std::fs::remove_dir(&dir);
+        };
+        if !dir.join("cgroup.kill").exists() {
+            remove_all(0);
+            return Err("the kernel has no cgroup.kill (before 5.14)".into());
+        }
+        for r in 0..ranks {
+            if let Err(e) = std::fs::create_dir(dir.join(format!("rank{r}"))) {
+                remove_all(r);
+                return Err(format!("cannot create a cgroup per rank: {e}"));
+            }
+        }
+        let plan = WatchdogPlan {
+            kill: vec![cstring(&dir.join("cgroup.kill")).ok_or("cgroup path with a NUL byte")?],
+            events: cstring(&dir.join("cgroup.events")).ok_or("cgroup path with a NUL byte")?,
+            rmdir: (0..ranks)
+                .map(|r| dir.join(format!("rank{r}")))
+                .chain(std::iter::once(dir.clone()))
+                .map(|p| cstring(&p).ok_or("cgroup path with a NUL byte"))
+                .collect::<Result<_, _>>()?,
+        };
+        let watchdog = spawn_watchdog(&plan).map_err(|e| {
+            remove_all(ranks);
+            format!("cannot start the watchdog: {e}")
+        })?;
+        Ok(CgroupJob { dir, ranks, _watchdog: watchdog })
+    }
+
+    fn rank_dir(&self, local_rank: u32) -> PathBuf {
+        self.dir.join(format!("rank{local_rank}"))
+    }
+
+    async fn kill(&self, local_rank: u32) {
+        let dir = self.rank_dir(local_rank);
+        if !populated(&dir) {
+            return;
+        }
+        if let Err(e) = std::fs::write(dir.join("cgroup.kill"), "1") {
+            warn!(cgroup = %dir.display(), error = %e, "cannot kill the worker's cgroup");
+            return;
+        }
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while populated(&dir) {
+            if tokio::time::Instant::now() >= deadline {
+                warn!(cgroup = %dir.display(), "processes of a killed cgroup are still there after 5 s");
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+impl Drop for CgroupJob {
+    fn drop(&mut self) {
+        // The workers are gone by now; kill whatever may be left, then remove the cgroups. The
+        // watchdog, its pipe closed with this drop, finds nothing more to do.
+        let _ = std::fs::write(self.dir.join("cgroup.kill"), "1");
+        for _ in 0..100 {
+            if !populated(&self.dir) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        for r in 0..self.ranks {
+            let _ = std::fs::remove_dir(self.rank_dir(r));
+        }
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
+fn populated(dir: &Path) -> bool {
+    std::fs::read_to_string(dir.join("cgroup.events")).map(|e| e.lines().any(|l| l == "populated 1")).unwrap_or(false)
+}
+
+fn cstring(p: &Path) -> Option<CString> {
+    CString::new(p.as_os_str().as_encoded_bytes()).ok()
+}
+
+/// The directory of this process's cgroup in the cgroup v2 hierarchy, if one is mounted.
+fn own_cgroup_dir() -> Option<PathBuf> {
+    let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let rel = own.lines().find_map(|l| l.strip_prefix("0::"))?.trim().trim_start_matches('/').to_owned();
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    // `id parent major:minor root mountpoint options … - fstype source options`
+    let mount = mounts.lines().find_map(|l| {
+        let (left, right) = l.split_once(" - ")?;
+        if right.split_whitespace().next()? != "cgroup2" {
+            return None;
+        }
+        left.split_whitespace().nth(4).map(PathBuf::from)
+    })?;
+    Some(if rel.is_empty() { mount } else { mount.join(rel) })
+}

@@ -1,0 +1,131 @@
+//! Nothing of a job outlives it: a worker's child in its process group, a child that called
+//! `setsid`, a double-forked daemon and a DataLoader-style pool all end with the job — after a
+//! `kill -9` of the agent (cgroup v2 and its watchdog) and at every restart (both mechanisms).
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+use integration_tests::{pid_alive, rlaunch, tempdir, wait_deadline, wait_until};
+
+/// A worker (shell) that starts every kind of descendant, records their pids as
+/// `{kind}_r{RANK}_a{RESTART}.pid`, then sleeps `$1` seconds and exits with `$2` on attempt 0
+/// (0 afterwards).
+const DESCENDANTS: &str = r#"#!/bin/sh
+tag="r${RANK}_a${TORCHELASTIC_RESTART_COUNT}"
+sleep 1001 & echo $! > "group_$tag.pid"
+setsid sleep 1002 & echo $! > "setsid_$tag.pid"
+( sleep 1003 & echo $! > "daemon_$tag.pid" ) &
+while [ ! -s "daemon_$tag.pid" ]; do sleep 0.01; done
+for i in 1 2 3; do sleep 1004 & echo $! >> "pool_$tag.pid"; done
+touch "up_$tag"
+sleep "$1"
+[ "$TORCHELASTIC_RESTART_COUNT" = 0 ] && exit "$2"
+exit 0
+"#;
+
+fn script(dir: &Path) -> String {
+    let p = dir.join("w.sh");
+    std::fs::write(&p, DESCENDANTS).unwrap();
+    std::process::Command::new("chmod").arg("+x").arg(&p).status().unwrap();
+    p.display().to_string()
+}
+
+/// Every pid a worker recorded for attempt `attempt` (4 kinds, 6 processes per rank).
+fn recorded(dir: &Path, attempt: u32, ranks: u32) -> Vec<i32> {
+    let mut pids = Vec::new();
+    for r in 0..ranks {
+        // `up_` is written after every pid file is complete.
+        let up = dir.join(format!("up_r{r}_a{attempt}"));
+        wait_until(&format!("{} to be written", up.display()), Duration::from_secs(20), || up.exists());
+        for kind in ["group", "setsid", "daemon", "pool"] {
+            let f = dir.join(format!("{kind}_r{r}_a{attempt}.pid"));
+            pids.extend(std::fs::read_to_string(&f).unwrap().split_whitespace().map(|p| p.parse::<i32>().unwrap()));
+        }
+    }
+    assert_eq!(pids.len(), 6 * ranks as usize);
+    pids
+}
+
+fn rlaunch_cgroups() -> Vec<String> {
+    let mut found = Vec::new();
+    for root in ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"] {
+        if let Ok(d) = std::fs::read_dir(root) {
+            found.extend(
+                d.filter_map(Result::ok)
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .filter(|n| n.starts_with("rlaunch-"))
+                    .map(|n| format!("{root}/{n}")),
+            );
+        }
+    }
+    found
+}
+
+#[test]
+fn nothing_of_the_job_runs_a_second_after_a_sigkill_of_the_agent() {
+    let dir = tempdir();
+    let w = script(dir.path());
+    let mut cmd = rlaunch();
+    cmd.current_dir(dir.path()).args(["--standalone", "--nproc-per-node", "2", &w, "1000", "0"]);
+    let mut agent = cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    let pids = recorded(dir.path(), 0, 2);
+    let mine: Vec<String> =
+        rlaunch_cgroups().into_iter().filter(|c| c.contains(&format!("rlaunch-{}-", agent.id()))).collect();
+    assert_eq!(mine.len(), 1, "the job has its cgroup (this machine has cgroup v2): {:?}", rlaunch_cgroups());
+    for p in &pids {
+        assert!(pid_alive(*p), "descendant {p} runs before the kill");
+    }
+    agent.kill().unwrap(); // SIGKILL
+    agent.wait().unwrap();
+    wait_until("every descendant to be gone within a second", Duration::from_secs(1), || {
+        pids.iter().all(|p| !pid_alive(*p))
+    });
+    wait_until("the job's cgroup to be removed", Duration::from_secs(5), || !Path::new(&mine[0]).exists());
+}
+
+fn restart_ends_the_failed_attempts_descendants(mechanism: &str) {
+    let dir = tempdir();
+    let w = script(dir.path());
+    let mut cmd = rlaunch();
+    cmd.current_dir(dir.path())
+        .args(["--containment", mechanism, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1"])
+        .args([&w, "2", "3"]);
+    let child = cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let first = recorded(dir.path(), 0, 2);
+    // Attempt 0 fails (exit 3) after 2 s; attempt 1 starts once everything of attempt 0 is gone.
+    let second = recorded(dir.path(), 1, 2);
+    let gone = first.iter().filter(|p| !pid_alive(**p)).count();
+    assert_eq!(gone, first.len(), "attempt 0's descendants all ended before attempt 1 ran ({mechanism})");
+    let out = wait_deadline(child, Duration::from_secs(30));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("containment"), "the mechanism is said at start: {stderr}");
+    wait_until("attempt 1's descendants to be gone once the job ended", Duration::from_secs(1), || {
+        second.iter().all(|p| !pid_alive(*p))
+    });
+}
+
+#[test]
+fn a_restart_and_the_end_of_the_job_end_every_descendant_with_cgroups() {
+    restart_ends_the_failed_attempts_descendants("auto");
+}
+
+#[test]
+fn a_restart_and_the_end_of_the_job_end_every_descendant_with_process_groups() {
+    restart_ends_the_failed_attempts_descendants("process-group");
+}
+
+#[test]
+fn a_stop_signal_ends_every_descendant() {
+    let dir = tempdir();
+    let w = script(dir.path());
+    let mut cmd = rlaunch();
+    cmd.current_dir(dir.path()).args(["--standalone", "--nproc-per-node", "1", &w, "1000", "0"]);
+    let child = cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let pids = recorded(dir.path(), 0, 1);
+    std::process::Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    let out = wait_deadline(child, Duration::from_secs(30));
+    assert_eq!(out.status.code(), Some(143), "{}", String::from_utf8_lossy(&out.stderr));
+    wait_until("every descendant to be gone", Duration::from_secs(1), || pids.iter().all(|p| !pid_alive(*p)));
+}
