@@ -161,6 +161,7 @@ async fn run_inner(config: AgentConfig) -> Result<RunOutcome, AgentError> {
     console.flush();
     if let Ok(RunOutcome::Failed { root_cause, .. }) = &outcome {
         eprint!("{}", root_cause.render());
+        eprintln!("rlaunch: the workers' logs are kept in {}", log_root.display());
         write_agent_error_file(&log_root, root_cause, &agent_env);
     }
     if temp_logs && matches!(outcome, Ok(RunOutcome::Succeeded { .. })) {
@@ -187,15 +188,36 @@ pub(crate) async fn start_store(bind: &str) -> Result<StoreHandle, AgentError> {
         .map_err(|source| AgentError::Store { addr: bind.into(), source })
 }
 
-/// `--log-dir/{run_id}_{pid}`, or a temporary directory removed after a successful run.
+/// `--log-dir/{run_id}_{pid}`, or a private temporary directory removed after a successful run.
+/// Either is created here, exclusively: an existing directory or a planted symlink is never
+/// used. The temporary one is `$TMPDIR/rlaunch_{run_id}_{pid}_{64 random bits}`, mode 0700.
 fn log_root(config: &AgentConfig) -> Result<(PathBuf, bool), AgentError> {
+    use std::os::unix::fs::DirBuilderExt;
     let name = format!("{}_{}", sanitize(&config.run_id), std::process::id());
-    let (root, temp) = match &config.log_dir {
-        Some(d) => (d.join(name), false),
-        None => (std::env::temp_dir().join(format!("rlaunch_{name}")), true),
+    let err = |path: &PathBuf| {
+        let path = path.clone();
+        move |source| AgentError::LogDir { path, source }
     };
-    std::fs::create_dir_all(&root).map_err(|source| AgentError::LogDir { path: root.clone(), source })?;
-    Ok((root, temp))
+    match &config.log_dir {
+        Some(d) => {
+            std::fs::create_dir_all(d).map_err(err(d))?;
+            let root = d.join(name);
+            std::fs::DirBuilder::new().create(&root).map_err(err(&root))?;
+            Ok((root, false))
+        }
+        None => {
+            let mut tries = 0;
+            loop {
+                let random = (u64::from(elastic::rand_u32()) << 32) | u64::from(elastic::rand_u32());
+                let root = std::env::temp_dir().join(format!("rlaunch_{name}_{random:016x}"));
+                match std::fs::DirBuilder::new().mode(0o700).create(&root) {
+                    Ok(()) => return Ok((root, true)),
+                    Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && tries < 16 => tries += 1,
+                    Err(e) => return Err(err(&root)(e)),
+                }
+            }
+        }
+    }
 }
 
 fn sanitize(s: &str) -> String {

@@ -122,9 +122,19 @@ pub struct Sink {
 }
 
 /// Copies `reader` to its sink until end of file. Returns when the worker closed the stream.
+///
+/// The log file is written as long as it can be; a file that cannot be opened or written (a full
+/// disk) is reported once and the stream goes on to the console, so a worker is never stopped
+/// by its logs.
 pub async fn pump(mut reader: impl AsyncRead + Unpin, sink: Sink) -> io::Result<()> {
     let mut file = match &sink.file {
-        Some(path) => Some(io::BufWriter::new(File::create(path)?)),
+        Some(path) => match open_log(path) {
+            Ok(f) => Some((io::BufWriter::new(f), path)),
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e, "cannot open the log file; this stream goes to the console only");
+                None
+            }
+        },
         None => None,
     };
     let mut pending: Vec<u8> = Vec::with_capacity(4096);
@@ -134,9 +144,11 @@ pub async fn pump(mut reader: impl AsyncRead + Unpin, sink: Sink) -> io::Result<
         if n == 0 {
             break;
         }
-        if let Some(f) = file.as_mut() {
-            f.write_all(&chunk[..n])?;
-            f.flush()?;
+        if let Some((f, path)) = file.as_mut() {
+            if let Err(e) = f.write_all(&chunk[..n]).and_then(|()| f.flush()) {
+                tracing::warn!(path = %path.display(), error = %e, "cannot write the log file any more; this stream goes to the console only");
+                file = None;
+            }
         }
         pending.extend_from_slice(&chunk[..n]);
         let mut start = 0;
@@ -161,6 +173,19 @@ pub async fn pump(mut reader: impl AsyncRead + Unpin, sink: Sink) -> io::Result<
         emit(&sink, &pending);
     }
     Ok(())
+}
+
+/// Opens a log file without ever following a symlink: created new, or (a later round of the same
+/// attempt) appended to when it is a regular file already.
+fn open_log(path: &std::path::Path) -> io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let new = std::fs::OpenOptions::new().write(true).create_new(true).custom_flags(libc::O_NOFOLLOW).open(path);
+    match new {
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+            std::fs::OpenOptions::new().append(true).custom_flags(libc::O_NOFOLLOW).open(path)
+        }
+        other => other,
+    }
 }
 
 fn emit(sink: &Sink, line: &[u8]) {

@@ -1,0 +1,119 @@
+//! Logs that cannot be used against the host and never stop a worker: a symlink planted where
+//! the logs go is never followed (default root and `--log-dir`), the default root is private
+//! and kept only after a failure, and a full log disk leaves the worker running with all its
+//! output on the console.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use integration_tests::{rlaunch, run_deadline, tempdir, worker};
+
+const DEADLINE: Duration = Duration::from_secs(60);
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// Plants, under `parent`, the directory `name` (with `$$` the pid rlaunch will have, since
+/// `exec` keeps it) whose `attempt_0/0/stdout.log` is a symlink to `victim`, then runs rlaunch.
+fn plant_and_run(parent: &Path, name: &str, victim: &Path, rlaunch_args: &str, tmpdir: &Path) -> std::process::Output {
+    let script = format!(
+        "d={parent}/{name}; mkdir -p $d/attempt_0/0 && ln -s {victim} $d/attempt_0/0/stdout.log && exec {rlaunch} {rlaunch_args}",
+        parent = parent.display(),
+        victim = victim.display(),
+        rlaunch = integration_tests::bin("rlaunch").display(),
+    );
+    let mut cmd = Command::new("/bin/sh");
+    cmd.args(["-c", &script]).env("TMPDIR", tmpdir).env("RLAUNCH_LOG", "info");
+    run_deadline(&mut cmd, DEADLINE)
+}
+
+#[test]
+fn a_symlink_planted_where_the_logs_go_is_never_followed() {
+    let dir = tempdir();
+    let victim = dir.path().join("victim");
+    std::fs::write(&victim, "precious\n").unwrap();
+    let w = worker();
+    let args =
+        format!("--rdzv-backend static --rdzv-id X --nproc-per-node 1 --tee 3 {} print overwritten", w.display());
+
+    // The default root: the old predictable name `$TMPDIR/rlaunch_{run_id}_{pid}`.
+    let tmp = dir.path().join("tmp");
+    std::fs::create_dir(&tmp).unwrap();
+    let o = plant_and_run(&tmp, "rlaunch_X_$$", &victim, &args, &tmp);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert!(text(&o.stdout).contains("overwritten"), "the worker ran: {}", text(&o.stdout));
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious\n", "the symlink was not followed");
+
+    // An explicit --log-dir where `{run_id}_{pid}` was planted: refused, nothing written.
+    let logs = dir.path().join("logs");
+    let o = plant_and_run(&logs, "X_$$", &victim, &format!("--log-dir {} {args}", logs.display()), &tmp);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
+    assert!(text(&o.stderr).contains("cannot create log directory"), "{}", text(&o.stderr));
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious\n");
+}
+
+#[test]
+fn the_default_log_root_is_private_kept_after_a_failure_and_removed_after_success() {
+    let dir = tempdir();
+    let w = worker();
+    let mut cmd = rlaunch();
+    cmd.env("TMPDIR", dir.path()).args(["--standalone", "--nproc-per-node", "1"]).arg(&w).args(["exit", "5"]);
+    let o = run_deadline(&mut cmd, DEADLINE);
+    assert_eq!(o.status.code(), Some(5));
+    let err = text(&o.stderr);
+    let kept = err
+        .lines()
+        .find_map(|l| l.strip_prefix("rlaunch: the workers' logs are kept in "))
+        .unwrap_or_else(|| panic!("the report names the log directory: {err}"));
+    let meta = std::fs::symlink_metadata(kept).expect("kept after the failure");
+    assert!(meta.is_dir());
+    assert_eq!(meta.permissions().mode() & 0o777, 0o700, "private");
+    let name = Path::new(kept).file_name().unwrap().to_string_lossy().into_owned();
+    let random = name.rsplit('_').next().unwrap();
+    assert_eq!(random.len(), 16, "64 unpredictable bits in {name}");
+
+    let mut cmd = rlaunch();
+    cmd.env("TMPDIR", dir.path()).args(["--standalone", "--nproc-per-node", "1"]).arg(&w).args(["exit", "0"]);
+    let o = run_deadline(&mut cmd, DEADLINE);
+    assert!(o.status.success());
+    let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().filter_map(Result::ok).map(|e| e.file_name()).collect();
+    assert_eq!(left.len(), 1, "only the failed run's directory is left: {left:?}");
+}
+
+/// A tmpfs of 64 KiB mounted for the test, unmounted when dropped.
+struct SmallDisk(std::path::PathBuf);
+
+impl SmallDisk {
+    fn mount(at: &Path) -> SmallDisk {
+        std::fs::create_dir_all(at).unwrap();
+        let o = run_deadline(Command::new("mount").args(["-t", "tmpfs", "-o", "size=64k", "tmpfs"]).arg(at), DEADLINE);
+        assert!(o.status.success(), "mounting a tmpfs needs root: {}", text(&o.stderr));
+        SmallDisk(at.to_path_buf())
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
+}
+
+#[test]
+fn a_full_log_disk_never_stops_a_worker_and_the_console_keeps_every_line() {
+    let dir = tempdir();
+    let disk = SmallDisk::mount(&dir.path().join("disk"));
+    let w = worker();
+    let mut cmd = rlaunch();
+    // 2,000 lines of ~300 bytes: ten times the disk.
+    cmd.args(["--standalone", "--nproc-per-node", "1", "--log-dir"]).arg(&disk.0).arg(&w).args(["spam", "2000"]);
+    let o = run_deadline(&mut cmd, DEADLINE);
+    let err = text(&o.stderr);
+    assert!(o.status.success(), "the worker finished (no SIGPIPE): {}", &err[err.len().saturating_sub(2000)..]);
+    let lines = text(&o.stdout).lines().filter(|l| l.starts_with("[default0]:")).count();
+    assert_eq!(lines, 2000, "every stdout line reached the console");
+    let warnings = err.matches("cannot write the log file any more").count();
+    assert!((1..=2).contains(&warnings), "the write error is said once per stream: {warnings}");
+}
