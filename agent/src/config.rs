@@ -87,6 +87,11 @@ pub struct AgentConfig {
     /// Contain workers with process groups only, even where a cgroup v2 is writable
     /// (`RLAUNCH_CONTAINMENT=process-group`).
     pub process_groups_only: bool,
+    /// Where an elastic agent's workers' store listens (`--store-bind`); by default the
+    /// address it advertises.
+    pub store_bind: Option<String>,
+    /// Bytes of keys and values the workers' store holds at most (`--store-max-bytes`).
+    pub store_max_bytes: usize,
 }
 
 impl AgentConfig {
@@ -107,6 +112,8 @@ impl AgentConfig {
             local_addr: None,
             rendezvous: RendezvousConfig::Standalone,
             process_groups_only: false,
+            store_bind: None,
+            store_max_bytes: rlaunch::store::DEFAULT_MAX_TOTAL_BYTES,
         }
     }
 }

@@ -181,7 +181,7 @@ impl Io<'_> {
                     } else {
                         format!("0.0.0.0:{master_port}")
                     };
-                    let store = start_store(&bind).await?;
+                    let store = start_store(&bind, config.store_max_bytes).await?;
                     port = store.local_addr().port();
                     self.store = Some(store);
                     self.fixed_store = true;
@@ -278,7 +278,11 @@ impl Io<'_> {
         }
         self.store = None; // closes the previous round's store and every connection to it
         let e = self.elastic.as_mut().expect("joins come only from an elastic core");
-        let store = start_store(&format!("{}:0", elastic::bind_any(&e.advertise))).await?;
+        // The store listens where it is advertised (`--store-bind` for setups that need more).
+        let bind = self.config.store_bind.clone().unwrap_or_else(|| e.advertise.clone());
+        let bind =
+            HostPort::new(bind.trim_start_matches('[').trim_end_matches(']'), 0).map(|h| h.to_string()).unwrap_or(bind);
+        let store = start_store(&bind, self.config.store_max_bytes).await?;
         e.node.store_addr =
             HostPort::new(e.advertise.clone(), store.local_addr().port()).map_err(|err| AgentError::Store {
                 addr: e.advertise.clone(),
@@ -313,7 +317,7 @@ impl Io<'_> {
             None => {
                 // Standalone: a fresh store per attempt on loopback.
                 self.store = None;
-                let store = start_store("127.0.0.1:0").await?;
+                let store = start_store("127.0.0.1:0", self.config.store_max_bytes).await?;
                 let port = store.local_addr().port();
                 self.store = Some(store);
                 HostPort::new("127.0.0.1", port).expect("a loopback address is a valid host")

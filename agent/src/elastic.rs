@@ -189,14 +189,6 @@ fn advertise_addr(config: &AgentConfig, d: &DynamicRendezvous) -> String {
     "127.0.0.1".into()
 }
 
-pub(crate) fn bind_any(advertise: &str) -> &'static str {
-    if advertise.contains(':') {
-        "[::]"
-    } else {
-        "0.0.0.0"
-    }
-}
-
 pub(crate) fn rand_u32() -> u32 {
     let mut b = [0u8; 4];
     if std::fs::File::open("/dev/urandom").and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b)).is_err() {

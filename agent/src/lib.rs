@@ -179,12 +179,12 @@ pub(crate) struct Ctx<'a> {
     pub log_root: &'a std::path::Path,
 }
 
-pub(crate) async fn start_store(bind: &str) -> Result<StoreHandle, AgentError> {
+pub(crate) async fn start_store(bind: &str, max_total_bytes: usize) -> Result<StoreHandle, AgentError> {
     let addr: SocketAddr = tokio::net::lookup_host(bind).await.ok().and_then(|mut it| it.next()).ok_or_else(|| {
         AgentError::Store { addr: bind.into(), source: std::io::Error::other("cannot resolve address") }
     })?;
     // On a thread of its own, so the workers' bootstrap never waits behind the agent's work.
-    StoreServer::start_dedicated(addr, ServerConfig::default())
+    StoreServer::start_dedicated(addr, ServerConfig { max_total_bytes, ..ServerConfig::default() })
         .map_err(|source| AgentError::Store { addr: bind.into(), source })
 }
 

@@ -5,6 +5,8 @@ Modes:
   ddp             init_process_group("gloo", init_method="env://") with the agent store
                   (TORCHELASTIC_USE_AGENT_STORE=True, RANK/WORLD_SIZE/MASTER_* from the
                   environment), then an all_reduce and a barrier.
+  full HOST PORT  a store capped at 1 MiB: a 2 MiB set raises in torch's client; another
+                  client still reads the key set before it.
   serve           hosts torch's TCPStore server on an OS-chosen port, prints the port, and
                   serves until stdin closes (the reference server for our Rust client).
 Exits non-zero with a traceback on any mismatch.
@@ -133,6 +135,22 @@ def ddp():
     print(f"DDP_OK rank={rank} world={world} sum={t[0].item()}", flush=True)
 
 
+def full(host, port):
+    s = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=20))
+    s.set("keep", "kept")
+    try:
+        s.set("flood", b"x" * (2 << 20))
+        s.get("flood")  # SET has no reply: the error shows on the next call
+    except Exception as e:  # torch raises on the closed connection
+        print(f"REFUSED {type(e).__name__}: {e}", flush=True)
+    else:
+        raise AssertionError("a write past the store's cap was taken")
+    other = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=20))
+    assert other.get("keep") == b"kept", other.get("keep")
+    assert not other.check(["flood"])
+    print("STORE_FULL_OK", flush=True)
+
+
 def serve():
     s = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                       timeout=timedelta(seconds=30))
@@ -146,6 +164,8 @@ if __name__ == "__main__":
         api(sys.argv[2], int(sys.argv[3]))
     elif mode == "ddp":
         ddp()
+    elif mode == "full":
+        full(sys.argv[2], int(sys.argv[3]))
     elif mode == "serve":
         serve()
     else:

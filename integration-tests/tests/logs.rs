@@ -1,7 +1,7 @@
-//! Logs that cannot be used against the host and never stop a worker: a symlink planted where
-//! the logs go is never followed (default root and `--log-dir`), the default root is private
-//! and kept only after a failure, and a full log disk leaves the worker running with all its
-//! output on the console.
+//! What a job leaves on a host cannot be used against it: a symlink planted where the logs go is
+//! never followed (default root and `--log-dir`), the default root is private and kept only
+//! after a failure, a full log disk leaves the worker running with all its output on the
+//! console, and the workers' store listens only where it is advertised.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
@@ -116,4 +116,42 @@ fn a_full_log_disk_never_stops_a_worker_and_the_console_keeps_every_line() {
     assert_eq!(lines, 2000, "every stdout line reached the console");
     let warnings = err.matches("cannot write the log file any more").count();
     assert!((1..=2).contains(&warnings), "the write error is said once per stream: {warnings}");
+}
+
+#[test]
+fn the_workers_store_listens_only_on_the_address_it_advertises() {
+    let dir = tempdir();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut cmd = rlaunch();
+    cmd.args(["--rdzv-backend", "rlaunch", "--rdzv-endpoint", &format!("127.0.0.1:{port}"), "--rdzv-id", "bind"])
+        .args(["--local-addr", "127.0.0.1", "--nproc-per-node", "1"])
+        .arg(worker())
+        .arg("--out")
+        .arg(dir.path())
+        .args(["dump-env", "touch", "dumped", "sleep", "3"]);
+    let child = cmd
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let marker = dir.path().join("dumped_rank0_attempt0");
+    integration_tests::wait_until("the worker to dump its environment", DEADLINE, || marker.exists());
+    let env: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("env_rank0_attempt0.json")).unwrap()).unwrap();
+    let store_port: u16 = env["MASTER_PORT"].as_str().unwrap().parse().unwrap();
+    // /proc/net/tcp: `sl local_address rem_address st …`, addresses as hex `IP:PORT`, 0A = LISTEN.
+    let tcp = std::fs::read_to_string("/proc/net/tcp").unwrap()
+        + &std::fs::read_to_string("/proc/net/tcp6").unwrap_or_default();
+    let listening: Vec<String> = tcp
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let (addr, port) = f.get(1)?.split_once(':')?;
+            (f.get(3) == Some(&"0A") && u16::from_str_radix(port, 16).ok()? == store_port).then(|| addr.to_owned())
+        })
+        .collect();
+    assert_eq!(listening, ["0100007F"], "the store on port {store_port} listens on 127.0.0.1 only");
+    let o = integration_tests::wait_deadline(child, DEADLINE);
+    assert!(o.status.success(), "{}", text(&o.stderr));
 }

@@ -10,7 +10,7 @@ use std::process::{Child, Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use rlaunch::store::{StoreClient, StoreHandle, StoreServer};
+use rlaunch::store::{ServerConfig, StoreClient, StoreHandle, StoreServer};
 
 const DEADLINE: Duration = Duration::from_secs(120);
 
@@ -44,13 +44,17 @@ struct OurServer {
 
 impl OurServer {
     fn start() -> Self {
+        Self::start_with(ServerConfig::default())
+    }
+
+    fn start_with(config: ServerConfig) -> Self {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
             .build()
             .expect("tokio runtime builds");
         let any: SocketAddr = "127.0.0.1:0".parse().expect("valid address");
-        let handle = rt.block_on(StoreServer::start(any)).expect("store binds loopback");
+        let handle = rt.block_on(StoreServer::start_with_config(any, config)).expect("store binds loopback");
         OurServer { handle: Some(handle), rt }
     }
 
@@ -153,6 +157,26 @@ fn torch_tcpstore_client_runs_every_query_against_our_server() {
     );
     assert_eq!(ours.get("from_py").expect("key set by torch"), b"hello from python");
     assert_eq!(server.handle().pending_waits(), 0, "torch's cancelled waits left nothing behind");
+}
+
+#[test]
+fn torch_client_sees_an_error_past_the_stores_cap_and_the_other_keys_are_served() {
+    let python = python();
+    let server = OurServer::start_with(ServerConfig { max_total_bytes: 1 << 20, ..ServerConfig::default() });
+    let child = Command::new(&python)
+        .arg(script())
+        .args(["full", "127.0.0.1", &server.port().to_string()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn python");
+    let run = collect(child, "torch TCPStore client past the cap", DEADLINE);
+    assert!(
+        run.success && run.stdout.contains("REFUSED") && run.stdout.contains("STORE_FULL_OK"),
+        "stdout:\n{}\nstderr:\n{}",
+        run.stdout,
+        run.stderr
+    );
 }
 
 #[test]

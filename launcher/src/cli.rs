@@ -134,6 +134,16 @@ pub struct Args {
     #[arg(long, env = "RLAUNCH_CONTAINMENT", value_parser = ["auto", "process-group"])]
     pub containment: Option<String>,
 
+    /// Elastic: the address the workers' store listens on (default: the address this node
+    /// advertises; `0.0.0.0` where the advertised address is not local, e.g. behind NAT).
+    #[arg(long = "store-bind", env = "RLAUNCH_STORE_BIND")]
+    pub store_bind: Option<String>,
+
+    /// Bytes of keys and values the workers' store holds at most; a write past it fails on the
+    /// client's side and changes nothing.
+    #[arg(long = "store-max-bytes", env = "RLAUNCH_STORE_MAX_BYTES", default_value_t = 1 << 30)]
+    pub store_max_bytes: usize,
+
     /// The program to run on every worker, then its arguments.
     #[arg(required = true, trailing_var_arg = true, value_name = "PROGRAM [ARGS]...")]
     pub program: Vec<OsString>,
@@ -327,6 +337,9 @@ impl Args {
         let tee = parse_std("--tee", &self.tee)?;
         let local_ranks_filter = parse_ranks_filter(&self.local_ranks_filter)?;
         let conf = parse_rdzv_conf(&self.rdzv_conf)?;
+        if self.store_max_bytes < 1 << 20 {
+            return usage(format!("--store-max-bytes {}: at least 1 MiB (1048576)", self.store_max_bytes));
+        }
         let elastic = !self.standalone && self.rdzv_backend != "static";
         // The job's settings, checked once here: timeouts must nest (heartbeat interval < node
         // TTL < shutdown timeout < join timeout; the shutdown timeout only matters to elastic
@@ -428,6 +441,8 @@ impl Args {
             local_addr: self.local_addr,
             rendezvous,
             process_groups_only: self.containment.as_deref() == Some("process-group"),
+            store_bind: self.store_bind,
+            store_max_bytes: self.store_max_bytes,
         })
     }
 }

@@ -22,7 +22,7 @@ use std::time::Duration;
 
 pub use client::{PrefixStore, StoreClient};
 pub use protocol::Limits;
-pub use server::{ServerConfig, StoreHandle, StoreServer};
+pub use server::{ServerConfig, StoreHandle, StoreServer, DEFAULT_MAX_TOTAL_BYTES};
 
 /// A failed store operation, as seen by a [`StoreClient`].
 #[derive(Debug, thiserror::Error)]

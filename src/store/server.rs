@@ -34,13 +34,26 @@ pub struct ServerConfig {
     pub stall_timeout: Duration,
     /// Most waits one connection may have pending at once (torch clients have at most one).
     pub max_pending_waits: usize,
+    /// Bytes of keys and values the store holds at most: a write that would pass it closes
+    /// that client's connection (the TCPStore protocol has no error reply; torch's client
+    /// raises on the closed connection), and leaves the store and its keys as they were.
+    pub max_total_bytes: usize,
 }
 
 impl Default for ServerConfig {
     fn default() -> Self {
-        ServerConfig { limits: Limits::default(), stall_timeout: Duration::from_secs(30), max_pending_waits: 1024 }
+        ServerConfig {
+            limits: Limits::default(),
+            stall_timeout: Duration::from_secs(30),
+            max_pending_waits: 1024,
+            max_total_bytes: DEFAULT_MAX_TOTAL_BYTES,
+        }
     }
 }
+
+/// The default of [`ServerConfig::max_total_bytes`]: 1 GiB, far above what bootstrapping
+/// any job stores.
+pub const DEFAULT_MAX_TOTAL_BYTES: usize = 1 << 30;
 
 /// A key-value store speaking PyTorch's `TCPStore` protocol.
 pub struct StoreServer {
@@ -271,6 +284,8 @@ enum Close {
     State(#[source] StateError),
     #[error("more than {limit} waits pending on one connection")]
     TooManyWaits { limit: usize },
+    #[error("the store is full: this write would pass its {limit} bytes")]
+    StoreFull { limit: usize },
     #[error("writing a reply failed")]
     Write(#[source] io::Error),
     #[error("client read no reply bytes for {0:?}")]
@@ -464,6 +479,20 @@ impl<W: AsyncWrite + Unpin> Session<W> {
         let shared = self.shared.clone();
         let reply = {
             let mut inner = shared.lock();
+            let growth = match &request {
+                Request::Set { key, value } => inner.state.growth_of_set(key, value.len()),
+                Request::CompareSet { key, desired, .. } => inner.state.growth_of_set(key, desired.len()),
+                // A decimal i64 is at most 20 bytes.
+                Request::Add { key, .. } | Request::Barrier { key, .. } => inner.state.growth_of_set(key, 20),
+                Request::Append { key, value } | Request::QueuePush { key, value } => {
+                    inner.state.growth_of_append(key, value.len())
+                }
+                Request::MultiSet { kvs } => kvs.iter().map(|(k, v)| inner.state.growth_of_set(k, v.len())).sum(),
+                _ => 0,
+            };
+            if growth > 0 && inner.state.bytes().saturating_add(growth) > self.config.max_total_bytes {
+                return Err(Close::StoreFull { limit: self.config.max_total_bytes });
+            }
             match request {
                 Request::Validate { magic } => {
                     if magic != VALIDATION_MAGIC {

@@ -69,6 +69,8 @@ pub struct StoreState {
     by_key: HashMap<Vec<u8>, BTreeSet<WaiterId>>,
     by_conn: HashMap<ConnId, BTreeSet<WaiterId>>,
     next_waiter: WaiterId,
+    /// Bytes of keys and values held (queues too), for the store's cap.
+    bytes: usize,
 }
 
 /// Parses a stored counter the way torch's `std::stoll` does: leading whitespace, an optional
@@ -98,6 +100,33 @@ impl StoreState {
         self.kv.get(key).cloned()
     }
 
+    /// Bytes of keys and values held now (queued values and their keys included).
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// What storing `value_len` bytes at `key` would add to [`StoreState::bytes`] (0 when it
+    /// shrinks or keeps the size).
+    pub fn growth_of_set(&self, key: &[u8], value_len: usize) -> usize {
+        match self.kv.get(key) {
+            Some(old) => value_len.saturating_sub(old.len()),
+            None => key.len() + value_len,
+        }
+    }
+
+    /// The same for appending `value_len` bytes (or pushing them on a queue at `key`).
+    pub fn growth_of_append(&self, key: &[u8], value_len: usize) -> usize {
+        if self.kv.contains_key(key) || self.queues.contains_key(key) {
+            value_len
+        } else {
+            key.len() + value_len
+        }
+    }
+
+    fn account(&mut self, added: usize, removed: usize) {
+        self.bytes = (self.bytes + added).saturating_sub(removed);
+    }
+
     pub fn set(&mut self, key: Vec<u8>, value: Vec<u8>) -> Vec<Wake> {
         let mut wakes = Vec::new();
         self.store(key, Arc::new(value), &mut wakes);
@@ -107,11 +136,17 @@ impl StoreState {
     /// Stores a value and releases the waiters it satisfies (the key is cloned only when
     /// someone waits on it).
     fn store(&mut self, key: Vec<u8>, value: Arc<Vec<u8>>, wakes: &mut Vec<Wake>) {
-        if self.by_key.contains_key(&key) {
-            self.kv.insert(key.clone(), value);
+        let (key_len, value_len) = (key.len(), value.len());
+        let old = if self.by_key.contains_key(&key) {
+            let old = self.kv.insert(key.clone(), value);
             self.wake_key(&key, false, wakes);
+            old
         } else {
-            self.kv.insert(key, value);
+            self.kv.insert(key, value)
+        };
+        match old {
+            Some(old) => self.account(value_len, old.len()),
+            None => self.account(key_len + value_len, 0),
         }
     }
 
@@ -123,13 +158,16 @@ impl StoreState {
         let reply = match self.kv.get_mut(&key) {
             None if expected.is_empty() => {
                 let value = Arc::new(desired);
+                self.bytes += key.len() + value.len();
                 self.kv.insert(key.clone(), value.clone());
                 value
             }
             None => Arc::new(expected),
             Some(current) => {
                 if current.as_slice() == expected.as_slice() {
+                    let (added, removed) = (desired.len(), current.len());
                     *current = Arc::new(desired);
+                    self.bytes = (self.bytes + added).saturating_sub(removed);
                 }
                 current.clone()
             }
@@ -237,14 +275,24 @@ impl StoreState {
     }
 
     pub fn delete_key(&mut self, key: &[u8]) -> bool {
-        self.kv.remove(key).is_some()
+        match self.kv.remove(key) {
+            Some(old) => {
+                self.account(0, key.len() + old.len());
+                true
+            }
+            None => false,
+        }
     }
 
     pub fn append(&mut self, key: Vec<u8>, value: &[u8]) -> Vec<Wake> {
         let mut wakes = Vec::new();
         match self.kv.get_mut(&key) {
-            Some(current) => Arc::make_mut(current).extend_from_slice(value),
+            Some(current) => {
+                Arc::make_mut(current).extend_from_slice(value);
+                self.bytes += value.len();
+            }
             None => {
+                self.bytes += key.len() + value.len();
                 self.kv.insert(key.clone(), Arc::new(value.to_vec()));
             }
         }
@@ -267,6 +315,8 @@ impl StoreState {
 
     pub fn queue_push(&mut self, key: Vec<u8>, value: Vec<u8>) -> Vec<Wake> {
         let mut wakes = Vec::new();
+        let added = self.growth_of_append(&key, value.len());
+        self.account(added, 0);
         self.queues.entry(key.clone()).or_default().push_back(value);
         self.wake_key(&key, true, &mut wakes);
         wakes
@@ -279,9 +329,14 @@ impl StoreState {
         };
         let len = queue.len() as i64;
         let value = queue.pop_front();
+        let mut removed = value.as_ref().map_or(0, Vec::len);
         if queue.is_empty() {
             self.queues.remove(key);
+            if !self.kv.contains_key(key) {
+                removed += key.len();
+            }
         }
+        self.account(0, removed);
         (len, value)
     }
 
@@ -314,6 +369,7 @@ impl StoreState {
         let removed = self.kv.len();
         self.kv.clear();
         self.queues.clear();
+        self.bytes = 0;
         removed
     }
 

@@ -535,3 +535,31 @@ fn store_client_piling_up_waits_beyond_the_limit_is_disconnected() {
     server.eventually("its waits are removed", |h| h.pending_waits() == 0);
     server.client().ping().expect("others still served");
 }
+
+#[test]
+fn a_store_flooded_past_its_cap_closes_the_flooding_client_and_keeps_every_key() {
+    let server = TestServer::start_with(ServerConfig { max_total_bytes: 1 << 20, ..ServerConfig::default() });
+    let mut keeper = server.client();
+    keeper.set("/keep", b"value").expect("set under the cap");
+    let mut flood = server.client();
+    let chunk = vec![b'x'; 200 * 1024];
+    let mut appended = 0;
+    let refused = loop {
+        // APPEND has no reply: a ping tells whether the server took it or hung up.
+        match flood.append("/flood", &chunk).and_then(|()| flood.ping()) {
+            Ok(()) => appended += 1,
+            Err(e) => break e,
+        }
+        assert!(appended < 10, "a 1 MiB store took {appended} appends of 200 KiB");
+    };
+    assert_eq!(appended, 5, "writes succeed up to the cap: {refused}");
+    // The store and its keys are intact; writes that do not grow it still work.
+    assert_eq!(keeper.get("/keep").expect("get"), b"value");
+    keeper.set("/keep", b"other").expect("an overwrite of the same size");
+    assert_eq!(server.client().get("/flood").expect("the flood's accepted part").len(), 5 * chunk.len());
+    let grown = keeper.set("/new", &vec![0u8; 200 * 1024]).and_then(|()| keeper.ping());
+    assert!(grown.is_err(), "growth past the cap fails for everyone");
+    let mut after = server.client();
+    assert!(after.delete_key("/flood").expect("delete"));
+    after.set("/new", &vec![0u8; 200 * 1024]).expect("room again once keys are deleted");
+}
