@@ -1,7 +1,9 @@
 //! Collectives among the ranks of one host through one shared-memory segment.
 //!
-//! Local rank 0 creates a file under `/dev/shm`, publishes its name through the store, and
-//! unlinks it once every rank has mapped it (so a crash leaves nothing behind). The segment
+//! Local rank 0 creates anonymous memory (`memfd_create`), publishes the link to its descriptor
+//! (`/proc/{pid}/fd/{fd}`) through the store, and closes the descriptor once every rank has
+//! mapped it. The segment never has a name in `/dev/shm`: it goes with the last rank that maps
+//! it, whichever step of the bootstrap a rank dies at. The segment
 //! holds, per rank, a control block (a step counter peers wait on, its pid for liveness, the
 //! header of the current collective) and two staging buffers used alternately by successive
 //! steps (double buffering: a rank may write the buffer of step `k` once every peer has arrived
@@ -72,7 +74,8 @@ pub struct ShmGroup {
     /// Current adaptive spin budget in nanoseconds (see `wait_peer`).
     spin_ns: std::cell::Cell<u64>,
     yields: u32,
-    path: String,
+    /// The creator's memfd until every rank has mapped the segment.
+    creator_fd: Option<libc::c_int>,
 }
 
 // SAFETY: the mapping is owned by this value and stays valid until drop; all cross-process
@@ -103,24 +106,21 @@ impl ShmGroup {
         let name_key = format!("{ns}/name");
         let (path, fd, chunk) = if me == 0 {
             let chunk = opts.shm_chunk_bytes.max(4096).div_ceil(4096) * 4096;
-            let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-            let path = format!("/dev/shm/rlaunch-{}-{nanos:x}", std::process::id());
-            let c = CString::new(path.clone()).expect("path has no NUL");
-            // SAFETY: plain open(2) with a NUL-terminated path.
-            let fd =
-                unsafe { libc::open(c.as_ptr(), libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC, 0o600) };
+            // Anonymous memory, never a name in /dev/shm: the segment lives exactly as long as a
+            // rank maps it (or the creator holds the descriptor), whichever step of the
+            // bootstrap a rank dies at. Peers open it through the creator's descriptor link.
+            // SAFETY: memfd_create with a NUL-terminated name and flags.
+            let fd = unsafe { libc::memfd_create(c"rlaunch-shm".as_ptr(), libc::MFD_CLOEXEC) };
             if fd < 0 {
-                return Err(shm_err(&path, "create", std::io::Error::last_os_error()));
+                return Err(shm_err("memfd", "create", std::io::Error::last_os_error()));
             }
+            let path = format!("/proc/{}/fd/{fd}", std::process::id());
             let len = segment_len(n, chunk);
             // SAFETY: ftruncate on the descriptor just opened.
             if unsafe { libc::ftruncate(fd, len as libc::off_t) } != 0 {
                 let e = std::io::Error::last_os_error();
-                // SAFETY: closing and unlinking what we created.
-                unsafe {
-                    libc::close(fd);
-                    libc::unlink(c.as_ptr());
-                }
+                // SAFETY: closing what we created.
+                unsafe { libc::close(fd) };
                 return Err(shm_err(&path, "size", e));
             }
             (path, fd, chunk)
@@ -151,10 +151,22 @@ impl ShmGroup {
         let base = unsafe {
             libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0)
         };
-        // SAFETY: the mapping keeps the file referenced; the descriptor is no longer needed.
-        unsafe { libc::close(fd) };
+        // The mapping keeps the memory referenced. The creator keeps its descriptor until every
+        // peer has opened it (its link is the segment's only name); a peer needs it no more.
+        let creator_fd = if me == 0 {
+            Some(fd)
+        } else {
+            // SAFETY: closing our own descriptor.
+            unsafe { libc::close(fd) };
+            None
+        };
         if base == libc::MAP_FAILED {
-            return Err(shm_err(&path, "map", std::io::Error::last_os_error()));
+            let e = std::io::Error::last_os_error();
+            if let Some(fd) = creator_fd {
+                // SAFETY: closing our own descriptor.
+                unsafe { libc::close(fd) };
+            }
+            return Err(shm_err(&path, "map", e));
         }
         let mut g = ShmGroup {
             base: base.cast(),
@@ -169,7 +181,7 @@ impl ShmGroup {
             spin: opts.spin,
             spin_ns: std::cell::Cell::new(opts.spin.as_nanos() as u64),
             yields: 0,
-            path: path.clone(),
+            creator_fd,
         };
         let cpus = std::thread::available_parallelism().map_or(1, |c| c.get());
         if n > cpus {
@@ -215,18 +227,17 @@ impl ShmGroup {
                 std::thread::sleep(Duration::from_micros(100));
             }
         }
-        if me == 0 {
-            g.unlink();
-        }
+        g.release_name();
         Ok(g)
     }
 
-    fn unlink(&mut self) {
-        if let Ok(c) = CString::new(self.path.clone()) {
-            // SAFETY: unlink(2) of the file we created; failure (already gone) is harmless.
-            unsafe { libc::unlink(c.as_ptr()) };
+    /// Closes the creator's descriptor: from now on the segment has no name at all, only
+    /// mappings, and goes with the last of them.
+    fn release_name(&mut self) {
+        if let Some(fd) = self.creator_fd.take() {
+            // SAFETY: closing the descriptor this value owns, once.
+            unsafe { libc::close(fd) };
         }
-        self.path.clear();
     }
 
     fn header(&self) -> &Header {
@@ -570,9 +581,7 @@ impl ShmGroup {
 
 impl Drop for ShmGroup {
     fn drop(&mut self) {
-        if self.me == 0 && !self.path.is_empty() {
-            self.unlink();
-        }
+        self.release_name();
         // SAFETY: unmapping the mapping this value owns; no references into it outlive `self`.
         unsafe { libc::munmap(self.base.cast(), self.len) };
     }
@@ -649,5 +658,75 @@ pub(crate) fn pid_alive(pid: i32) -> bool {
             !matches!(state, Some('Z') | Some('X'))
         }
         Err(_) => r == 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+    use crate::comm::PgOptions;
+
+    /// An in-process store: enough for one rank's bootstrap.
+    #[derive(Default)]
+    struct Mem(HashMap<String, Vec<u8>>);
+
+    impl Rendezvous for Mem {
+        fn set(&mut self, key: &str, value: &[u8]) -> Result<(), CommError> {
+            self.0.insert(key.to_owned(), value.to_vec());
+            Ok(())
+        }
+        fn get(&mut self, key: &str, _timeout: Duration) -> Result<Vec<u8>, CommError> {
+            self.0.get(key).cloned().ok_or_else(|| CommError::Bootstrap { reason: format!("no {key}") })
+        }
+        fn add(&mut self, key: &str, delta: i64) -> Result<i64, CommError> {
+            let v = self.0.get(key).and_then(|v| std::str::from_utf8(v).ok()?.parse::<i64>().ok()).unwrap_or(0) + delta;
+            self.0.insert(key.to_owned(), v.to_string().into_bytes());
+            Ok(v)
+        }
+    }
+
+    fn rlaunch_entries() -> Vec<String> {
+        std::fs::read_dir("/dev/shm")
+            .map(|d| {
+                d.filter_map(Result::ok)
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .filter(|n| n.starts_with("rlaunch"))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Local rank 0 creates the segment and waits for a rank 1 that died before attaching:
+    /// during that wait (when a SIGKILL of rank 0 would leave whatever has a name) and after the
+    /// bootstrap failed, nothing of it is in /dev/shm; peers reach it through rank 0's
+    /// descriptor only.
+    #[test]
+    fn a_segment_waiting_for_a_dead_peer_has_no_name_in_dev_shm() {
+        let before = rlaunch_entries();
+        let mut opts = PgOptions::new(0, 2);
+        opts.timeout = Duration::from_millis(1500);
+        let published = std::sync::Arc::new(std::sync::Mutex::new(None::<String>));
+        let seen = published.clone();
+        let waiter = std::thread::spawn(move || {
+            let mut store = Mem::default();
+            let r = ShmGroup::new(&mut store, "t", &[0, 1], 0, &opts);
+            *seen.lock().unwrap() = store.0.get("t/name").map(|v| String::from_utf8_lossy(v).into_owned());
+            r.map(|_| ())
+        });
+        let start = std::time::Instant::now();
+        while start.elapsed() < Duration::from_millis(1200) {
+            let new: Vec<String> = rlaunch_entries().into_iter().filter(|n| !before.contains(n)).collect();
+            assert!(new.is_empty(), "a named segment exists while rank 0 waits: {new:?}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let r = waiter.join().expect("no panic");
+        assert!(r.is_err(), "rank 1 never attached: the bootstrap fails");
+        let name = published.lock().unwrap().clone().expect("rank 0 published where to find the segment");
+        assert!(name.starts_with(&format!("/proc/{}/fd/", std::process::id())), "{name}");
+        assert!(std::fs::metadata(&name).is_err(), "the descriptor is closed after the failure: {name}");
+        let new: Vec<String> = rlaunch_entries().into_iter().filter(|n| !before.contains(n)).collect();
+        assert!(new.is_empty(), "left in /dev/shm: {new:?}");
     }
 }
