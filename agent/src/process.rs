@@ -3,13 +3,22 @@
 
 use std::ffi::CString;
 use std::io;
-use std::os::fd::{FromRawFd, OwnedFd};
+
+use rlaunch::contract::Exit;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::process::Stdio;
 
-use tokio::process::{Child, Command};
+/// A worker process held through a pidfd: it is reaped here (never by anyone else), and its
+/// process group is signalled only while it is not reaped — while the leader is at most a
+/// zombie its pid, which is the group's id, cannot name another process or group.
+pub struct WorkerProc {
+    pid: u32,
+    pidfd: tokio::io::unix::AsyncFd<OwnedFd>,
+    reaped: std::sync::Mutex<bool>,
+}
 
-/// Spawns `cmd` in a new process group of its own with `PR_SET_PDEATHSIG(SIGKILL)`, stdout and
-/// stderr piped.
+/// Spawns `cmd` in a new process group of its own with `PR_SET_PDEATHSIG(SIGKILL)`, stdin from
+/// /dev/null, stdout and stderr piped (returned as async readers).
 ///
 /// The parent-death signal fires when the *thread* that forked exits, so this must be called
 /// from a thread that lives as long as the agent (a tokio worker thread, not a blocking-pool
@@ -17,10 +26,14 @@ use tokio::process::{Child, Command};
 ///
 /// With `cgroup_procs` (a cgroup's `cgroup.procs` file), the worker moves itself into that
 /// cgroup before it runs anything, so every process it ever starts is in it too.
-pub fn spawn_worker(mut cmd: Command, cgroup_procs: Option<CString>) -> io::Result<Child> {
+pub fn spawn_worker(
+    mut cmd: std::process::Command,
+    cgroup_procs: Option<CString>,
+) -> io::Result<(WorkerProc, tokio::net::unix::pipe::Receiver, tokio::net::unix::pipe::Receiver)> {
+    use std::os::unix::process::CommandExt;
     // SAFETY: getpid is async-signal-safe and has no preconditions.
     let agent_pid = unsafe { libc::getpid() };
-    cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).process_group(0).kill_on_drop(false);
+    cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).process_group(0);
     // SAFETY: the closure runs between fork and exec and only calls async-signal-safe functions
     // (prctl, getppid, open, write, close) on memory prepared before the fork; it allocates
     // nothing and touches no locks.
@@ -48,7 +61,84 @@ pub fn spawn_worker(mut cmd: Command, cgroup_procs: Option<CString>) -> io::Resu
             Ok(())
         });
     }
-    cmd.spawn()
+    let mut child = cmd.spawn()?;
+    let pid = child.id();
+    // The child is not reaped yet (nobody waits on it but us, later): its pid is still its own.
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0 as libc::c_uint) };
+    if raw < 0 {
+        let e = io::Error::last_os_error();
+        let _ = child.kill();
+        let _ = child.wait();
+        return Err(e);
+    }
+    // SAFETY: the descriptor was just returned by pidfd_open and is owned by nobody else.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(raw as libc::c_int) };
+    let stdout = child.stdout.take().expect("stdout is piped");
+    let stderr = child.stderr.take().expect("stderr is piped");
+    // Dropping std's `Child` neither waits nor kills: the pidfd is how the worker is awaited.
+    drop(child);
+    let out = tokio::net::unix::pipe::Receiver::from_owned_fd(OwnedFd::from(stdout))?;
+    let err = tokio::net::unix::pipe::Receiver::from_owned_fd(OwnedFd::from(stderr))?;
+    // SAFETY: an OwnedFd is a valid open descriptor that stays open and the same for as long as
+    // the AsyncFd owns it.
+    let pidfd = unsafe { tokio::io::unix::AsyncFd::register(pidfd) }.map_err(io::Error::from)?;
+    let proc = WorkerProc { pid, pidfd, reaped: std::sync::Mutex::new(false) };
+    Ok((proc, out, err))
+}
+
+impl WorkerProc {
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// Waits for the worker to end and reaps it.
+    pub async fn wait(&self) -> io::Result<Exit> {
+        loop {
+            let mut ready = self.pidfd.readable().await?;
+            let mut reaped = self.reaped.lock().unwrap_or_else(|p| p.into_inner());
+            // SAFETY: a zeroed siginfo_t is a valid out-parameter for waitid.
+            let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+            // SAFETY: waitid on our own pidfd (P_PIDFD = 3) with a valid siginfo pointer; WNOHANG
+            // because readiness may be spurious.
+            let r = unsafe {
+                libc::waitid(
+                    3 as libc::idtype_t,
+                    self.pidfd.get_ref().as_raw_fd() as libc::id_t,
+                    &mut info,
+                    libc::WEXITED | libc::WNOHANG,
+                )
+            };
+            if r != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            // SAFETY: after waitid, si_pid (0 when nothing has exited yet) and si_status are set.
+            let (pid, status) = unsafe { (info.si_pid(), info.si_status()) };
+            if pid == 0 {
+                ready.clear_ready();
+                continue;
+            }
+            *reaped = true;
+            return Ok(match info.si_code {
+                libc::CLD_EXITED => Exit::Code(status),
+                _ => Exit::Signal(status),
+            });
+        }
+    }
+
+    /// Sends `signal` to the worker's process group while the worker is not reaped; after that
+    /// its number is not ours any more and nothing is sent.
+    pub fn signal_group(&self, signal: i32) -> io::Result<()> {
+        let reaped = self.reaped.lock().unwrap_or_else(|p| p.into_inner());
+        if *reaped {
+            return Ok(());
+        }
+        signal_group(self.pid, signal)
+    }
+
+    pub fn is_reaped(&self) -> bool {
+        *self.reaped.lock().unwrap_or_else(|p| p.into_inner())
+    }
 }
 
 /// What a watchdog does once the agent is gone: write `1` to each `kill` file (`cgroup.kill`),
@@ -151,7 +241,7 @@ pub fn spawn_watchdog(plan: &WatchdogPlan) -> io::Result<OwnedFd> {
 
 /// Sends `signal` to every process in the group led by `pgid`. A group that is already gone is
 /// not an error.
-pub fn signal_group(pgid: u32, signal: i32) -> io::Result<()> {
+fn signal_group(pgid: u32, signal: i32) -> io::Result<()> {
     let pgid = i32::try_from(pgid).map_err(|_| io::Error::other("process group id out of range"))?;
     // SAFETY: kill with a negative pid signals a process group; no memory is involved.
     if unsafe { libc::kill(-pgid, signal) } == 0 {
@@ -163,13 +253,6 @@ pub fn signal_group(pgid: u32, signal: i32) -> io::Result<()> {
     } else {
         Err(err)
     }
-}
-
-/// Whether any process of the group led by `pgid` is still alive (zombies included until reaped).
-pub fn group_alive(pgid: u32) -> bool {
-    let Ok(pgid) = i32::try_from(pgid) else { return false };
-    // SAFETY: signal 0 only checks for existence and permission.
-    unsafe { libc::kill(-pgid, 0) == 0 }
 }
 
 pub use rlaunch::contract::signal_name;
@@ -184,6 +267,16 @@ pub fn become_subreaper() {
 /// Kills and reaps every child of this process: once a worker group is over, the only children
 /// left are descendants orphaned to this subreaper.
 pub fn kill_orphans() {
+    // A killed orphan's own children become this process's next: a few passes.
+    for _ in 0..8 {
+        if !kill_children_once() {
+            return;
+        }
+    }
+}
+
+/// One pass of [`kill_orphans`]; whether there was any child.
+fn kill_children_once() -> bool {
     let mut children = Vec::new();
     if let Ok(tasks) = std::fs::read_dir("/proc/self/task") {
         for t in tasks.flatten() {
@@ -197,6 +290,7 @@ pub fn kill_orphans() {
         // been reused.
         unsafe { libc::kill(pid, libc::SIGKILL) };
     }
+    let any = !children.is_empty();
     for pid in children {
         for _ in 0..100 {
             // SAFETY: waitpid on an own child with a valid status pointer.
@@ -208,4 +302,5 @@ pub fn kill_orphans() {
             std::thread::sleep(std::time::Duration::from_millis(10));
         }
     }
+    any
 }

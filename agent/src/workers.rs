@@ -7,7 +7,6 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::process::Command;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tracing::{debug, warn};
@@ -16,7 +15,7 @@ use rlaunch::env::WorkerEnv;
 
 use crate::contain::Containment;
 use crate::output::{pump, Console, Sink, StdSet, Stream};
-use crate::process::{group_alive, signal_group, spawn_worker};
+use crate::process::{spawn_worker, WorkerProc};
 use crate::report::{now_unix, read_error_file, Exit, RootCause};
 use crate::AgentError;
 
@@ -36,6 +35,7 @@ pub struct WorkerSpec {
 struct Running {
     spec: WorkerSpec,
     pid: u32,
+    proc: Arc<WorkerProc>,
     exit: Option<Exit>,
     stderr_tail: Arc<Mutex<VecDeque<String>>>,
     pumps: Vec<JoinHandle<()>>,
@@ -90,20 +90,19 @@ impl WorkerGroup {
         let local_rank = spec.env.local_rank;
         std::fs::create_dir_all(&spec.dir).map_err(|source| AgentError::LogDir { path: spec.dir.clone(), source })?;
         let (exe, args) = program.split_first().expect("the launcher never passes an empty program");
-        let mut cmd = Command::new(exe);
+        let mut cmd = std::process::Command::new(exe);
         cmd.args(args);
         for (k, v) in spec.env.to_vars(agent_env) {
             cmd.env(k, v);
         }
-        let mut child = spawn_worker(cmd, self.containment.procs_file(local_rank))
+        let (proc, stdout, stderr) = spawn_worker(cmd, self.containment.procs_file(local_rank))
             .map_err(|source| AgentError::Spawn { local_rank, program: exe.to_string_lossy().into_owned(), source })?;
-        let pid = child.id().expect("a child just spawned has not been reaped");
+        let proc = Arc::new(proc);
+        let pid = proc.pid();
         let stderr_tail = Arc::new(Mutex::new(VecDeque::new()));
         let mut pumps = Vec::new();
-        let streams: [(Stream, Option<Box<dyn tokio::io::AsyncRead + Unpin + Send>>); 2] = [
-            (Stream::Stdout, child.stdout.take().map(|s| Box::new(s) as _)),
-            (Stream::Stderr, child.stderr.take().map(|s| Box::new(s) as _)),
-        ];
+        let streams: [(Stream, Option<Box<dyn tokio::io::AsyncRead + Unpin + Send>>); 2] =
+            [(Stream::Stdout, Some(Box::new(stdout) as _)), (Stream::Stderr, Some(Box::new(stderr) as _))];
         for (stream, reader) in streams {
             let Some(reader) = reader else { continue };
             let name = if stream == Stream::Stdout { "stdout.log" } else { "stderr.log" };
@@ -119,9 +118,10 @@ impl WorkerGroup {
                 }
             }));
         }
+        let waited = proc.clone();
         self.waiters.push(tokio::spawn(async move {
-            let exit = match child.wait().await {
-                Ok(status) => Exit::from_status(status),
+            let exit = match waited.wait().await {
+                Ok(exit) => exit,
                 Err(e) => {
                     warn!(local_rank, error = %e, "could not wait for worker");
                     Exit::Code(1)
@@ -130,7 +130,7 @@ impl WorkerGroup {
             let _ = tx.send((index, exit, now_unix()));
         }));
         debug!(local_rank, rank = spec.env.rank, pid, "worker started");
-        self.workers.push(Running { spec, pid, exit: None, stderr_tail, pumps });
+        self.workers.push(Running { spec, pid, proc, exit: None, stderr_tail, pumps });
         Ok(())
     }
 
@@ -193,7 +193,7 @@ impl WorkerGroup {
     /// Relays `signal` to every worker's process group.
     pub fn signal_all(&self, signal: i32) {
         for w in self.workers.iter().filter(|w| w.exit.is_none()) {
-            if let Err(e) = signal_group(w.pid, signal) {
+            if let Err(e) = w.proc.signal_group(signal) {
                 warn!(pid = w.pid, signal, error = %e, "could not signal worker");
             }
         }
@@ -201,7 +201,7 @@ impl WorkerGroup {
 
     fn kill_now(&self) {
         for w in &self.workers {
-            let _ = signal_group(w.pid, libc::SIGKILL);
+            let _ = w.proc.signal_group(libc::SIGKILL);
         }
     }
 
@@ -241,10 +241,10 @@ impl WorkerGroup {
                 }
             }
             Containment::ProcessGroups => {
+                // Groups whose leader is reaped are not signalled (their number may name
+                // someone else by now); what is left of them was orphaned to this subreaper.
                 for w in &self.workers {
-                    if group_alive(w.pid) {
-                        let _ = signal_group(w.pid, libc::SIGKILL);
-                    }
+                    let _ = w.proc.signal_group(libc::SIGKILL);
                 }
                 // Descendants that left the groups were orphaned to this subreaper.
                 self.containment.kill_rest(0).await;
@@ -262,7 +262,7 @@ impl Drop for WorkerGroup {
     fn drop(&mut self) {
         // An agent unwinding (error, cancellation) must not leave workers behind.
         for w in self.workers.iter().filter(|w| w.exit.is_none()) {
-            let _ = signal_group(w.pid, libc::SIGKILL);
+            let _ = w.proc.signal_group(libc::SIGKILL);
         }
         for t in &self.waiters {
             t.abort();

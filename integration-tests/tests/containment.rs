@@ -129,3 +129,43 @@ fn a_stop_signal_ends_every_descendant() {
     assert_eq!(out.status.code(), Some(143), "{}", String::from_utf8_lossy(&out.stderr));
     wait_until("every descendant to be gone", Duration::from_secs(1), || pids.iter().all(|p| !pid_alive(*p)));
 }
+
+/// Issue: at stop, process groups of workers reaped long ago were signalled again, and a
+/// recycled number can name an unrelated group. Rank 0 exits at once; its pid is then handed
+/// (through `ns_last_pid`) to an unrelated session leader; when the job ends, that process
+/// must still be alive.
+#[test]
+fn a_recycled_pid_of_a_reaped_worker_is_never_signalled() {
+    let dir = tempdir();
+    let d = dir.path().display().to_string();
+    let script = format!("echo $$ > {d}/pid_$RANK; [ \"$RANK\" = 1 ] && sleep 3; exit 0");
+    let mut cmd = rlaunch();
+    cmd.args(["--standalone", "--nproc-per-node", "2", "/bin/sh", "-c", &script]);
+    let child = cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let pid_file = dir.path().join("pid_0");
+    wait_until("rank 0 to start", Duration::from_secs(20), || {
+        std::fs::read_to_string(&pid_file).is_ok_and(|s| s.ends_with('\n'))
+    });
+    let pid0: i32 = std::fs::read_to_string(&pid_file).unwrap().trim().parse().unwrap();
+    wait_until("rank 0 to be gone", Duration::from_secs(10), || !pid_alive(pid0));
+    std::thread::sleep(Duration::from_millis(300)); // and reaped
+                                                    // Hand its pid to an unrelated process group leader (retry: other processes allocate too).
+    let mut victim = None;
+    for _ in 0..50 {
+        std::fs::write("/proc/sys/kernel/ns_last_pid", (pid0 - 1).to_string()).expect("root can set ns_last_pid");
+        let c = std::process::Command::new("setsid").args(["sleep", "30"]).spawn().unwrap();
+        if c.id() as i32 == pid0 {
+            victim = Some(c);
+            break;
+        }
+        let mut c = c;
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    let mut victim = victim.expect("an unrelated process got the reaped worker's pid");
+    let out = wait_deadline(child, Duration::from_secs(30));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(victim.try_wait().unwrap().is_none(), "the process that took the reaped worker's pid was signalled");
+    let _ = victim.kill();
+    let _ = victim.wait();
+}
