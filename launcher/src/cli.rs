@@ -6,7 +6,8 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::Parser;
+use clap::parser::ValueSource;
+use clap::{CommandFactory, FromArgMatches, Parser};
 
 use rlaunch_agent::config::DEFAULT_PREFIX_TEMPLATE;
 use rlaunch_agent::output::StdSet;
@@ -30,17 +31,24 @@ pub struct Args {
     #[arg(long, env = "PET_STANDALONE")]
     pub standalone: bool,
 
-    /// Rendezvous backend: static, rlaunch (alias c10d), or etcd (v3).
-    #[arg(long = "rdzv-backend", alias = "rdzv_backend", env = "PET_RDZV_BACKEND", default_value = "static")]
-    pub rdzv_backend: String,
+    /// Rendezvous backend: static, rlaunch (alias c10d), or etcd (v3). Default: rlaunch when
+    /// --rdzv-endpoint is given (and no --node-rank/--master-addr/--master-port), else static.
+    #[arg(long = "rdzv-backend", alias = "rdzv_backend", env = "PET_RDZV_BACKEND")]
+    pub rdzv_backend: Option<String>,
 
     /// Rendezvous endpoint(s), `host:port[,host:port…]`.
     #[arg(long = "rdzv-endpoint", alias = "rdzv_endpoint", env = "PET_RDZV_ENDPOINT", default_value = "")]
     pub rdzv_endpoint: String,
 
-    /// The job's id; every node of one job uses the same.
-    #[arg(long = "rdzv-id", alias = "rdzv_id", env = "PET_RDZV_ID", default_value = "none")]
-    pub rdzv_id: String,
+    /// The job's id; every node of one job uses the same. Default for an elastic job: the
+    /// scheduler's job id (SLURM_JOB_ID, a Kubernetes Indexed Job's name); static: `none`.
+    #[arg(long = "rdzv-id", alias = "rdzv_id", env = "PET_RDZV_ID")]
+    pub rdzv_id: Option<String>,
+
+    /// A file holding the rendezvous service's bearer token (instead of `--rdzv-conf token=`,
+    /// which `ps` shows).
+    #[arg(long = "rdzv-token-file", alias = "rdzv_token_file", env = "PET_RDZV_TOKEN_FILE")]
+    pub rdzv_token_file: Option<PathBuf>,
 
     /// Rendezvous settings `key=value,…` (join_timeout, last_call_timeout, heartbeat_interval,
     /// node_ttl in seconds; token).
@@ -112,12 +120,12 @@ pub struct Args {
     pub local_ranks_filter: String,
 
     /// This node's rank (static rendezvous only).
-    #[arg(long = "node-rank", alias = "node_rank", env = "PET_NODE_RANK", default_value_t = 0)]
-    pub node_rank: u32,
+    #[arg(long = "node-rank", alias = "node_rank", env = "PET_NODE_RANK")]
+    pub node_rank: Option<u32>,
 
     /// Address of node 0, which hosts the workers' store (static rendezvous only).
-    #[arg(long = "master-addr", alias = "master_addr", env = "PET_MASTER_ADDR", default_value = "127.0.0.1")]
-    pub master_addr: String,
+    #[arg(long = "master-addr", alias = "master_addr", env = "PET_MASTER_ADDR")]
+    pub master_addr: Option<String>,
 
     /// Port of the workers' store on node 0 (static rendezvous; default: one the OS picks on a
     /// single node).
@@ -144,8 +152,13 @@ pub struct Args {
     #[arg(long = "store-max-bytes", env = "RLAUNCH_STORE_MAX_BYTES", default_value_t = 1 << 30)]
     pub store_max_bytes: usize,
 
+    /// Print every effective setting and where it came from (command line, environment, a
+    /// config file, or the default), then exit.
+    #[arg(long = "print-config", alias = "print_config")]
+    pub print_config: bool,
+
     /// The program to run on every worker, then its arguments.
-    #[arg(required = true, trailing_var_arg = true, value_name = "PROGRAM [ARGS]...")]
+    #[arg(required_unless_present = "print_config", trailing_var_arg = true, value_name = "PROGRAM [ARGS]...")]
     pub program: Vec<OsString>,
 }
 
@@ -328,7 +341,11 @@ fn random_run_id() -> String {
 
 impl Args {
     /// Validates every flag and builds the agent's configuration.
-    pub fn into_config(self, python: &OsString) -> Result<AgentConfig, UsageError> {
+    pub fn into_config(
+        self,
+        python: &OsString,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<AgentConfig, UsageError> {
         let (min_nodes, max_nodes) = parse_nnodes(&self.nnodes)?;
         let nproc_per_node = parse_nproc(&self.nproc_per_node)?;
         parse_seconds("--monitor-interval", &self.monitor_interval)?;
@@ -340,7 +357,8 @@ impl Args {
         if self.store_max_bytes < 1 << 20 {
             return usage(format!("--store-max-bytes {}: at least 1 MiB (1048576)", self.store_max_bytes));
         }
-        let elastic = !self.standalone && self.rdzv_backend != "static";
+        let backend_name = self.backend().0;
+        let elastic = !self.standalone && matches!(backend_name.as_str(), "rlaunch" | "c10d" | "etcd" | "etcd-v3");
         // The job's settings, checked once here: timeouts must nest (heartbeat interval < node
         // TTL < shutdown timeout < join timeout; the shutdown timeout only matters to elastic
         // rounds, which wait for survivors still stopping their workers).
@@ -365,10 +383,7 @@ impl Args {
         for e in &endpoints {
             validate_endpoint(e)?;
         }
-        let mut run_id = self.rdzv_id.clone();
-        if run_id.is_empty() || run_id.len() > 128 || run_id.chars().any(|c| c.is_control() || c == '/') {
-            return usage(format!("--rdzv-id {run_id:?}: expected 1 to 128 characters, no '/' or control characters"));
-        }
+        let mut run_id = self.rdzv_id.clone().unwrap_or_else(|| "none".into());
         let rendezvous = if self.standalone {
             if max_nodes > 1 {
                 return usage(format!(
@@ -379,7 +394,7 @@ impl Args {
             run_id = random_run_id();
             RendezvousConfig::Standalone
         } else {
-            match self.rdzv_backend.as_str() {
+            match backend_name.as_str() {
                 "static" => {
                     if min_nodes != max_nodes {
                         return usage(format!(
@@ -387,34 +402,35 @@ impl Args {
                             self.nnodes
                         ));
                     }
-                    if self.node_rank >= max_nodes {
-                        return usage(format!("--node-rank {} must be below --nnodes {max_nodes}", self.node_rank));
+                    let node_rank = self.node_rank.unwrap_or(0);
+                    if node_rank >= max_nodes {
+                        return usage(format!("--node-rank {node_rank} must be below --nnodes {max_nodes}"));
                     }
                     if max_nodes > 1 && self.master_port.is_none() {
                         return usage(
-                            "a static multi-node job needs --master-port (and --master-addr) naming node 0's store",
+                            "a static multi-node job needs --master-port (and --master-addr) naming node 0's store; \
+                             for an elastic job give --rdzv-endpoint host:port of a rendezvous (or node 0's address: \
+                             its agent hosts one) and --rdzv-id",
                         );
                     }
                     RendezvousConfig::Static {
-                        node_rank: self.node_rank,
+                        node_rank,
                         nnodes: max_nodes,
-                        master_addr: self.master_addr.clone(),
+                        master_addr: self.master_addr.clone().unwrap_or_else(|| "127.0.0.1".into()),
                         master_port: self.master_port.unwrap_or(0),
                     }
                 }
                 "rlaunch" | "c10d" | "etcd" | "etcd-v3" => {
                     if endpoints.is_empty() {
-                        return usage(format!("--rdzv-backend {} needs --rdzv-endpoint host:port", self.rdzv_backend));
+                        return usage(format!("--rdzv-backend {backend_name} needs --rdzv-endpoint host:port"));
                     }
-                    let backend = if self.rdzv_backend.starts_with("etcd") {
-                        DynamicBackend::Etcd
-                    } else {
-                        DynamicBackend::Server
-                    };
+                    run_id = self.elastic_run_id(env)?.0;
+                    let backend =
+                        if backend_name.starts_with("etcd") { DynamicBackend::Etcd } else { DynamicBackend::Server };
                     RendezvousConfig::Dynamic(DynamicRendezvous {
                         backend,
                         endpoints,
-                        token: conf.token.clone(),
+                        token: self.token(&conf)?,
                         settings: settings.clone(),
                     })
                 }
@@ -426,6 +442,9 @@ impl Args {
                 other => return usage(format!("--rdzv-backend {other}: expected static, rlaunch (or c10d), or etcd")),
             }
         };
+        if run_id.is_empty() || run_id.len() > 128 || run_id.chars().any(|c| c.is_control() || c == '/') {
+            return usage(format!("--rdzv-id {run_id:?}: expected 1 to 128 characters, no '/' or control characters"));
+        }
         Ok(AgentConfig {
             program,
             nproc_per_node,
@@ -444,6 +463,152 @@ impl Args {
             store_bind: self.store_bind,
             store_max_bytes: self.store_max_bytes,
         })
+    }
+}
+
+/// Every setting with its value and where it came from, for `--print-config`.
+pub type Sources = Vec<(String, String, String)>;
+
+/// Why the command line could not be read.
+pub enum ParseError {
+    /// clap's own (help and version included): it prints and exits itself.
+    Clap(clap::Error),
+    Usage(UsageError),
+}
+
+/// Parses `argv` with the cluster's config files under the environment (flag > environment >
+/// file > default) and says where each setting came from.
+pub fn parse(argv: Vec<OsString>, env: &dyn Fn(&str) -> Option<String>) -> Result<(Args, Sources), ParseError> {
+    let cmd = Args::command();
+    let env_of = |long: &str| {
+        cmd.get_arguments()
+            .find(|a| a.get_long() == Some(long))
+            .and_then(|a| a.get_env())
+            .map(|e| e.to_string_lossy().into_owned())
+    };
+    let files = crate::config_file::load(&crate::config_file::config_paths(env), &|k| env_of(k).is_some())
+        .map_err(ParseError::Usage)?;
+    // A file's value stands in for the environment variable where neither the command line nor
+    // the environment gives one; clap then sees it as that variable. It is removed again after
+    // parsing, so workers never see it.
+    let mut injected: BTreeMap<String, PathBuf> = BTreeMap::new();
+    for (long, setting) in &files {
+        let var = env_of(long).expect("only known keys are loaded");
+        if env(&var).is_none() {
+            std::env::set_var(&var, &setting.value);
+            injected.insert(var, setting.file.clone());
+        }
+    }
+    // clap reads environment variables when the command is built: build it again now.
+    let matches = Args::command().try_get_matches_from(argv);
+    for var in injected.keys() {
+        std::env::remove_var(var);
+    }
+    let matches = matches.map_err(ParseError::Clap)?;
+    let args = Args::from_arg_matches(&matches).map_err(ParseError::Clap)?;
+    let mut sources = Vec::new();
+    for a in cmd.get_arguments() {
+        let id = a.get_id().as_str();
+        if matches!(id, "help" | "version" | "program" | "print_config") {
+            continue;
+        }
+        let name = a.get_long().unwrap_or(id).to_owned();
+        let value = matches
+            .get_raw(id)
+            .map(|v| v.map(|x| x.to_string_lossy().into_owned()).collect::<Vec<_>>().join(","))
+            .unwrap_or_default();
+        let var = a.get_env().map(|e| e.to_string_lossy().into_owned()).unwrap_or_default();
+        let source = match matches.value_source(id) {
+            Some(ValueSource::CommandLine) => "command line".to_owned(),
+            Some(ValueSource::EnvVariable) => match injected.get(&var) {
+                Some(file) => format!("config file {}", file.display()),
+                None => format!("environment ({var})"),
+            },
+            Some(ValueSource::DefaultValue) => "default".to_owned(),
+            _ => "unset".to_owned(),
+        };
+        sources.push((name, value, source));
+    }
+    Ok((args, sources))
+}
+
+/// `--print-config`: every setting, then what rlaunch derives from them.
+pub fn render_config(args: &Args, sources: &Sources, env: &dyn Fn(&str) -> Option<String>) -> String {
+    let width = sources.iter().map(|(n, _, _)| n.len()).max().unwrap_or(0);
+    let mut out = String::new();
+    for (name, value, source) in sources {
+        let shown = if name == "rdzv-conf" { hide_token(value) } else { value.clone() };
+        out += &format!("{name:<width$}  {shown:<24}  ({source})\n");
+    }
+    let (backend, why) = args.backend();
+    let backend = if args.standalone { "standalone (embedded)".to_owned() } else { backend };
+    out += &format!("\neffective rdzv-backend: {backend} ({why})\n");
+    if !args.standalone && backend != "static" {
+        match args.elastic_run_id(env) {
+            Ok((id, from)) => out += &format!("effective rdzv-id:      {id} (from {from})\n"),
+            Err(e) => out += &format!("effective rdzv-id:      none: {e}\n"),
+        }
+    }
+    out
+}
+
+fn hide_token(conf: &str) -> String {
+    conf.split(',')
+        .map(|kv| match kv.split_once('=') {
+            Some((k, _)) if k.trim() == "token" => format!("{k}=***"),
+            _ => kv.to_owned(),
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+impl Args {
+    /// The rendezvous backend and why: as given; else elastic (`rlaunch`) when an endpoint is
+    /// given and no static flag is; else `static`, torchrun's default.
+    pub fn backend(&self) -> (String, &'static str) {
+        if let Some(b) = &self.rdzv_backend {
+            return (b.clone(), "as given");
+        }
+        let static_flags = self.node_rank.is_some() || self.master_addr.is_some() || self.master_port.is_some();
+        if !self.rdzv_endpoint.trim().is_empty() && !static_flags {
+            ("rlaunch".into(), "--rdzv-endpoint given without --node-rank/--master-addr/--master-port")
+        } else {
+            ("static".into(), "no --rdzv-endpoint (torchrun's default)")
+        }
+    }
+
+    /// An elastic job's id and where it came from: `--rdzv-id`, else the scheduler's job id.
+    pub fn elastic_run_id(&self, env: &dyn Fn(&str) -> Option<String>) -> Result<(String, String), UsageError> {
+        if let Some(id) = &self.rdzv_id {
+            return Ok((id.clone(), "--rdzv-id".into()));
+        }
+        if let Some(id) = env("SLURM_JOB_ID").filter(|s| !s.is_empty()) {
+            return Ok((format!("slurm-{id}"), "SLURM_JOB_ID".into()));
+        }
+        // A Kubernetes Indexed Job names its pods' hosts `{job name}-{index}`.
+        if let (Some(index), Some(host)) = (env("JOB_COMPLETION_INDEX"), env("HOSTNAME")) {
+            if let Some(job) = host.strip_suffix(&format!("-{index}")).filter(|j| !j.is_empty()) {
+                return Ok((format!("k8s-{job}"), "a Kubernetes Indexed Job (JOB_COMPLETION_INDEX, HOSTNAME)".into()));
+            }
+        }
+        usage(
+            "an elastic job needs an id that every node of the job shares, so that the rendezvous can tell its nodes \
+             from other jobs': pass --rdzv-id NAME (or PET_RDZV_ID, or rdzv-id in a config file), or run under Slurm \
+             (SLURM_JOB_ID) or as a Kubernetes Indexed Job, whose job id is used",
+        )
+    }
+
+    /// The rendezvous token: `--rdzv-conf token=`, else `--rdzv-token-file`.
+    fn token(&self, conf: &RdzvConf) -> Result<Option<String>, UsageError> {
+        if conf.token.is_some() {
+            return Ok(conf.token.clone());
+        }
+        match &self.rdzv_token_file {
+            None => Ok(None),
+            Some(p) => std::fs::read_to_string(p)
+                .map(|t| Some(t.trim().to_owned()).filter(|t| !t.is_empty()))
+                .map_err(|e| UsageError(format!("--rdzv-token-file {}: {e}", p.display()))),
+        }
     }
 }
 
@@ -512,5 +677,29 @@ mod tests {
     fn underscore_spellings_are_accepted() {
         let a = Args::try_parse_from(["rlaunch", "--nproc_per_node", "3", "--max_restarts=2", "prog"]).unwrap();
         assert_eq!((a.nproc_per_node.as_str(), a.max_restarts), ("3", 2));
+    }
+
+    #[test]
+    fn an_endpoint_alone_means_elastic_and_static_flags_keep_it_static() {
+        let p = |a: &[&str]| Args::try_parse_from([&["rlaunch"], a, &["x"]].concat()).unwrap();
+        assert_eq!(p(&["--rdzv-endpoint", "h:1"]).backend().0, "rlaunch");
+        assert_eq!(p(&["--rdzv-endpoint", "h:1", "--node-rank", "1"]).backend().0, "static");
+        assert_eq!(p(&["--rdzv-endpoint", "h:1", "--rdzv-backend", "etcd"]).backend().0, "etcd");
+        assert_eq!(p(&[]).backend().0, "static");
+    }
+
+    #[test]
+    fn an_elastic_run_id_comes_from_the_flag_then_slurm_then_an_indexed_job() {
+        let a = Args::try_parse_from(["rlaunch", "--rdzv-endpoint", "h:1", "x"]).unwrap();
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+        };
+        assert_eq!(a.elastic_run_id(&env(&[("SLURM_JOB_ID", "9")])).unwrap().0, "slurm-9");
+        let k8s = env(&[("JOB_COMPLETION_INDEX", "0"), ("HOSTNAME", "j-0")]);
+        assert_eq!(a.elastic_run_id(&k8s).unwrap().0, "k8s-j");
+        assert!(a.elastic_run_id(&env(&[("JOB_COMPLETION_INDEX", "0"), ("HOSTNAME", "other")])).is_err());
+        let given = Args::try_parse_from(["rlaunch", "--rdzv-id", "mine", "x"]).unwrap();
+        assert_eq!(given.elastic_run_id(&env(&[("SLURM_JOB_ID", "9")])).unwrap().0, "mine");
+        assert_eq!(hide_token("node_ttl=2,token=s3cret"), "node_ttl=2,token=***");
     }
 }

@@ -2,6 +2,7 @@
 //! its outcome to the process exit code.
 
 mod cli;
+mod config_file;
 mod status;
 
 use std::ffi::OsString;
@@ -13,16 +14,23 @@ fn main() -> ExitCode {
     if std::env::args_os().nth(1).is_some_and(|a| a == "status") {
         return status_main();
     }
-    let args = match cli::Args::try_parse() {
-        Ok(a) => a,
-        Err(e) => {
-            // clap prints help/version to stdout with code 0 and usage errors with code 2.
-            e.exit()
+    let env = |k: &str| std::env::var(k).ok();
+    let (args, sources) = match cli::parse(std::env::args_os().collect(), &env) {
+        Ok(parsed) => parsed,
+        // clap prints help/version to stdout with code 0 and usage errors with code 2.
+        Err(cli::ParseError::Clap(e)) => e.exit(),
+        Err(cli::ParseError::Usage(e)) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
         }
     };
+    if args.print_config {
+        print!("{}", cli::render_config(&args, &sources, &env));
+        return ExitCode::SUCCESS;
+    }
     init_tracing();
     let python: OsString = std::env::var_os("RLAUNCH_PYTHON").unwrap_or_else(|| "python3".into());
-    let config = match args.into_config(&python) {
+    let config = match args.into_config(&python, &env) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("error: {e}\n\nFor more information, try '--help'.");
