@@ -193,8 +193,10 @@ pub enum Action {
     Join,
     /// Start this node's workers (the previous ones are gone).
     StartWorkers(Placement),
-    /// Stop the workers: SIGTERM, grace, SIGKILL; answered by `WorkersStopped`.
-    StopWorkers,
+    /// Stop the workers: `first` (SIGTERM; SIGINT when the agent got one, so that Python's
+    /// `KeyboardInterrupt` runs), then SIGTERM, then SIGKILL after the grace; answered by
+    /// `WorkersStopped`.
+    StopWorkers { first: i32 },
     /// Pass a signal on to every worker.
     Relay(i32),
     /// Long-poll the rendezvous for the end of `round`.
@@ -291,6 +293,8 @@ pub struct Core {
     workers_alive: bool,
     /// When this node's current workers were started.
     started_at: Millis,
+    /// The first signal a stop sends: SIGINT once the agent got one, else SIGTERM.
+    stop_first: i32,
 }
 
 fn ms(d: Duration) -> Millis {
@@ -316,6 +320,7 @@ impl Core {
             local_failure: None,
             workers_alive: false,
             started_at: 0,
+            stop_first: libc::SIGTERM,
         }
     }
 
@@ -403,7 +408,7 @@ impl Core {
     fn stop_workers(&mut self, round: u64, then: AfterStop, out: &mut Vec<Action>) {
         self.outbox = None;
         self.phase = Phase::Stopping { round, then };
-        out.push(Action::StopWorkers);
+        out.push(Action::StopWorkers { first: self.stop_first });
     }
 
     fn send(&mut self, report: Report, now: Millis, deadline: Millis, out: &mut Vec<Action>) {
@@ -754,6 +759,10 @@ impl Core {
                 out.push(Action::Relay(signal));
             }
             return;
+        }
+        if signal == libc::SIGINT {
+            // Ctrl-C reaches the workers as Ctrl-C (torchrun's behaviour).
+            self.stop_first = libc::SIGINT;
         }
         let then = match self.elastic() {
             Some(_) => AfterStop::Leave(signal),

@@ -85,7 +85,7 @@ async fn drive(
 /// Supervises one worker group on a task of its own; commands go in, events come out.
 enum GroupCmd {
     Signal(i32),
-    Stop,
+    Stop { first: i32 },
 }
 
 fn supervise(mut group: WorkerGroup, grace: Duration, events: UnboundedSender<Event>) -> UnboundedSender<GroupCmd> {
@@ -110,8 +110,8 @@ fn supervise(mut group: WorkerGroup, grace: Duration, events: UnboundedSender<Ev
                         info!(signal = %process::signal_name(sig), "relaying signal to workers");
                         group.signal_all(sig);
                     }
-                    Some(GroupCmd::Stop) => {
-                        group.stop(grace).await;
+                    Some(GroupCmd::Stop { first }) => {
+                        group.stop(grace, first).await;
                         // The group is over: no `WorkersEnded` may follow the stop.
                         ended = true;
                         let _ = events.send(Event::WorkersStopped);
@@ -213,7 +213,7 @@ impl Io<'_> {
         match action {
             Action::Join => self.join().await?,
             Action::StartWorkers(p) => self.start_workers(p).await?,
-            Action::StopWorkers => self.command(GroupCmd::Stop),
+            Action::StopWorkers { first } => self.command(GroupCmd::Stop { first }),
             Action::Relay(sig) => self.command(GroupCmd::Signal(sig)),
             Action::Watch { round } => {
                 let (client, _) = self.client();

@@ -207,27 +207,34 @@ impl WorkerGroup {
 
     /// Stops every worker: SIGTERM to each process group, up to `grace` for them to exit, then
     /// SIGKILL. Returns once every worker is reaped and no process of their groups is left.
-    pub async fn stop(&mut self, grace: Duration) {
-        self.signal_all(libc::SIGTERM);
+    pub async fn stop(&mut self, grace: Duration, first: i32) {
         let deadline = tokio::time::Instant::now() + grace;
+        if first != libc::SIGTERM {
+            // `first` (SIGINT) for half the grace, then SIGTERM for the rest, as torchrun does.
+            self.signal_all(first);
+            if !self.await_exits(tokio::time::Instant::now() + grace / 2).await {
+                return self.reap_stragglers().await;
+            }
+        }
+        self.signal_all(libc::SIGTERM);
+        if self.await_exits(deadline).await {
+            warn!(grace_ms = grace.as_millis() as u64, "workers ignored SIGTERM; sending SIGKILL");
+            self.kill_now();
+            self.await_exits(tokio::time::Instant::now() + Duration::from_secs(10)).await;
+        }
+        self.reap_stragglers().await;
+    }
+
+    /// Records exits until every worker has one or `deadline`; whether some are still running.
+    async fn await_exits(&mut self, deadline: tokio::time::Instant) -> bool {
         while self.workers.iter().any(|w| w.exit.is_none()) {
             match tokio::time::timeout_at(deadline, self.exits.recv()).await {
                 Ok(Some((i, exit, _))) => self.workers[i].exit = Some(exit),
-                Ok(None) => break,
-                Err(_) => {
-                    warn!(grace_ms = grace.as_millis() as u64, "workers ignored SIGTERM; sending SIGKILL");
-                    self.kill_now();
-                    while self.workers.iter().any(|w| w.exit.is_none()) {
-                        match tokio::time::timeout(Duration::from_secs(10), self.exits.recv()).await {
-                            Ok(Some((i, exit, _))) => self.workers[i].exit = Some(exit),
-                            _ => break,
-                        }
-                    }
-                    break;
-                }
+                Ok(None) => return false,
+                Err(_) => return true,
             }
         }
-        self.reap_stragglers().await;
+        false
     }
 
     /// Kills what is left in the workers' process groups (their own children) and waits for

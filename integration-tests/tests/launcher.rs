@@ -206,9 +206,10 @@ fn a_worker_ignoring_sigterm_is_killed_after_the_grace() {
     let pids: Vec<i32> = (0..2)
         .map(|r| std::fs::read_to_string(dir.path().join(format!("pid_rank{r}_attempt0"))).unwrap().parse().unwrap())
         .collect();
-    kill(agent.id(), libc::SIGINT);
+    // SIGTERM (a SIGINT would reach them as SIGINT first, which they do not ignore).
+    kill(agent.id(), libc::SIGTERM);
     let o = wait_deadline(agent, Duration::from_secs(15));
-    assert_eq!(o.status.code(), Some(128 + libc::SIGINT));
+    assert_eq!(o.status.code(), Some(128 + libc::SIGTERM));
     assert!(stderr_of(&o).contains("SIGKILL"), "{}", stderr_of(&o));
     assert!(pids.iter().all(|p| !pid_alive(*p)));
 }

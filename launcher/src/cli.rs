@@ -3,9 +3,10 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsString;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use clap::builder::BoolishValueParser;
 use clap::parser::ValueSource;
 use clap::{CommandFactory, FromArgMatches, Parser};
 
@@ -28,7 +29,7 @@ pub struct Args {
     pub nproc_per_node: String,
 
     /// One node, no services: an embedded rendezvous on this host and a random run id.
-    #[arg(long, env = "PET_STANDALONE")]
+    #[arg(long, env = "PET_STANDALONE", value_parser = BoolishValueParser::new())]
     pub standalone: bool,
 
     /// Rendezvous backend: static, rlaunch (alias c10d), or etcd (v3). Default: rlaunch when
@@ -83,15 +84,15 @@ pub struct Args {
     pub role: String,
 
     /// Run the program as a Python module (`python3 -u -m`).
-    #[arg(short = 'm', long, env = "PET_MODULE")]
+    #[arg(short = 'm', long, env = "PET_MODULE", value_parser = BoolishValueParser::new())]
     pub module: bool,
 
     /// Run the program directly, not under python3, even if it ends in `.py`.
-    #[arg(long = "no-python", alias = "no_python", env = "PET_NO_PYTHON")]
+    #[arg(long = "no-python", alias = "no_python", env = "PET_NO_PYTHON", value_parser = BoolishValueParser::new())]
     pub no_python: bool,
 
     /// Accepted for torchrun compatibility: a `.py` program always runs as a script path.
-    #[arg(long = "run-path", alias = "run_path", env = "PET_RUN_PATH")]
+    #[arg(long = "run-path", alias = "run_path", env = "PET_RUN_PATH", value_parser = BoolishValueParser::new())]
     pub run_path: bool,
 
     /// Keep per-attempt, per-rank stdout/stderr and error files under this directory.
@@ -318,12 +319,48 @@ pub fn worker_program(args: &Args, python: &OsString) -> Result<Vec<OsString>, U
     let mut argv = Vec::with_capacity(args.program.len() + 3);
     if args.module {
         argv.extend([python.clone(), "-u".into(), "-m".into()]);
-    } else if !args.no_python && first.to_string_lossy().ends_with(".py") {
+    } else if !args.no_python && (first.to_string_lossy().ends_with(".py") || is_python_source(Path::new(first))) {
         argv.extend([python.clone(), "-u".into()]);
     }
     argv.push(first.clone());
     argv.extend(rest.iter().cloned());
     Ok(argv)
+}
+
+/// A file that is neither a `#!` script nor an ELF executable: torchrun would run it under
+/// python, and so does rlaunch (a name found only on PATH is run as it is).
+fn is_python_source(program: &Path) -> bool {
+    use std::io::Read;
+    let Ok(mut f) = std::fs::File::open(program) else { return false };
+    if !f.metadata().is_ok_and(|m| m.is_file()) {
+        return false;
+    }
+    let mut head = [0u8; 4];
+    let n = f.read(&mut head).unwrap_or(0);
+    !(head[..n].starts_with(b"#!") || head[..n].starts_with(b"\x7fELF"))
+}
+
+/// The Python interpreter for `*.py` programs and `-m`, and why: `PYTHON_EXEC` (torchrun's),
+/// `RLAUNCH_PYTHON`, the active virtualenv's or conda env's, the one beside rlaunch itself (a
+/// pip-installed rlaunch in a venv), else `python3` from PATH.
+pub fn python_interpreter(env: &dyn Fn(&str) -> Option<String>, own_exe: Option<PathBuf>) -> (OsString, String) {
+    for var in ["PYTHON_EXEC", "RLAUNCH_PYTHON"] {
+        if let Some(p) = env(var).filter(|p| !p.is_empty()) {
+            return (p.into(), var.to_owned());
+        }
+    }
+    for var in ["VIRTUAL_ENV", "CONDA_PREFIX"] {
+        if let Some(prefix) = env(var).filter(|p| !p.is_empty()) {
+            let p = Path::new(&prefix).join("bin/python");
+            if p.is_file() {
+                return (p.into_os_string(), format!("${var}"));
+            }
+        }
+    }
+    if let Some(p) = own_exe.and_then(|e| e.parent().map(|d| d.join("python"))).filter(|p| p.is_file()) {
+        return (p.into_os_string(), "beside rlaunch".to_owned());
+    }
+    ("python3".into(), "python3 from PATH".to_owned())
 }
 
 /// A random run id for `--standalone`, a version-4 UUID as torchrun's.
@@ -701,5 +738,22 @@ mod tests {
         let given = Args::try_parse_from(["rlaunch", "--rdzv-id", "mine", "x"]).unwrap();
         assert_eq!(given.elastic_run_id(&env(&[("SLURM_JOB_ID", "9")])).unwrap().0, "mine");
         assert_eq!(hide_token("node_ttl=2,token=s3cret"), "node_ttl=2,token=***");
+    }
+
+    #[test]
+    fn pet_booleans_read_as_torchrun_reads_them() {
+        let with = |k: &str, v: &str| {
+            let cmd = {
+                std::env::set_var(k, v);
+                let c = Args::command();
+                std::env::remove_var(k);
+                c
+            };
+            Args::from_arg_matches(&cmd.try_get_matches_from(["rlaunch", "x"]).unwrap()).unwrap()
+        };
+        assert!(with("PET_STANDALONE", "1").standalone);
+        assert!(!with("PET_STANDALONE", "0").standalone);
+        assert!(with("PET_NO_PYTHON", "1").no_python);
+        assert!(with("PET_MODULE", "true").module);
     }
 }

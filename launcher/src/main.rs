@@ -5,7 +5,6 @@ mod cli;
 mod config_file;
 mod status;
 
-use std::ffi::OsString;
 use std::process::ExitCode;
 
 use clap::Parser;
@@ -29,9 +28,14 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     init_tracing();
-    let python: OsString = std::env::var_os("RLAUNCH_PYTHON").unwrap_or_else(|| "python3".into());
+    let (python, why) = cli::python_interpreter(&env, std::env::current_exe().ok());
     let config = match args.into_config(&python, &env) {
-        Ok(c) => c,
+        Ok(c) => {
+            if c.program.first() == Some(&python) {
+                tracing::info!(python = %python.to_string_lossy(), from = %why, "python interpreter");
+            }
+            c
+        }
         Err(e) => {
             eprintln!("error: {e}\n\nFor more information, try '--help'.");
             return ExitCode::from(2);

@@ -5,6 +5,8 @@
 use super::*;
 use rlaunch::contract::{Exit, HostPort, Member};
 
+/// A stop as every non-SIGINT cause sends it.
+const STOP: Action = Action::StopWorkers { first: libc::SIGTERM };
 const TTL: Duration = Duration::from_secs(2);
 const JOIN_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -112,7 +114,7 @@ impl Sim {
                     self.workers_alive = true;
                     self.starts += 1;
                 }
-                Action::StopWorkers => {
+                Action::StopWorkers { .. } => {
                     assert!(self.workers_alive, "stop without workers");
                     self.stop_pending = true;
                 }
@@ -155,13 +157,13 @@ fn fixed_membership_restarts_within_its_budget_then_fails_with_the_workers_exit(
     let mut s = Sim::new(fixed(1));
     let a = s.ev(Event::Start);
     assert!(matches!(&a[..], [Action::StartWorkers(p)] if p.restart_count == 0), "{a:?}");
-    assert_eq!(s.ev(Event::WorkersEnded(failure(3))), vec![Action::StopWorkers]);
+    assert_eq!(s.ev(Event::WorkersEnded(failure(3))), vec![STOP]);
     let a = s.ev(Event::WorkersStopped);
     assert!(
         matches!(&a[..], [Action::Note(_), Action::StartWorkers(p)] if p.restart_count == 1 && p.round == 2),
         "{a:?}"
     );
-    assert_eq!(s.ev(Event::WorkersEnded(failure(7))), vec![Action::StopWorkers]);
+    assert_eq!(s.ev(Event::WorkersEnded(failure(7))), vec![STOP]);
     let a = s.ev(Event::WorkersStopped);
     match &a[..] {
         [Action::Exit(Outcome::Failed { root_cause, restarts: 1 })] => assert_eq!(root_cause.exit, Exit::Code(7)),
@@ -182,7 +184,11 @@ fn fixed_membership_succeeds_and_relays_and_stops_on_signals() {
 
     let mut s = Sim::new(fixed(3));
     s.ev(Event::Start);
-    assert_eq!(s.ev(Event::Signal(libc::SIGINT)), vec![Action::StopWorkers]);
+    assert_eq!(
+        s.ev(Event::Signal(libc::SIGINT)),
+        vec![Action::StopWorkers { first: libc::SIGINT }],
+        "Ctrl-C goes on as Ctrl-C"
+    );
     // A worker failing while the stop is under way does not turn it into a restart.
     assert!(s.ev(Event::WorkersEnded(failure(1))).is_empty());
     assert_eq!(s.ev(Event::WorkersStopped), vec![Action::Exit(Outcome::Interrupted { signal: libc::SIGINT })]);
@@ -208,7 +214,7 @@ fn elastic_happy_path_reports_success_and_ends_when_the_job_finishes() {
 fn a_refused_failure_report_ends_the_run_with_the_workers_exit_and_one_start() {
     let mut s = Sim::new(elastic());
     s.joined_running(round(1, 0));
-    assert_eq!(s.ev(Event::WorkersEnded(failure(3))), vec![Action::StopWorkers]);
+    assert_eq!(s.ev(Event::WorkersEnded(failure(3))), vec![STOP]);
     let a = s.ev(Event::WorkersStopped);
     let [Action::Send(Report::Failure { round: 1, root_cause })] = &a[..] else { panic!("{a:?}") };
     // What goes on the wire is bounded, whatever the worker wrote.
@@ -333,7 +339,7 @@ fn a_success_report_never_taken_is_the_agents_failure_not_a_hang() {
 fn a_new_round_stops_the_workers_before_rejoining_and_stale_answers_are_ignored() {
     let mut s = Sim::new(elastic());
     s.joined_running(round(1, 0));
-    assert_eq!(s.ev(Event::Watched { round: 1, answer: Ok(Watch::NewRound(2)) })[1..], [Action::StopWorkers]);
+    assert_eq!(s.ev(Event::Watched { round: 1, answer: Ok(Watch::NewRound(2)) })[1..], [STOP]);
     // Reordered: an older watch answer, a worker exit while stopping, a duplicate new round.
     assert!(s.ev(Event::Watched { round: 1, answer: Ok(Watch::NoChange) }).is_empty());
     assert!(s.ev(Event::WorkersEnded(failure(143))).is_empty());
@@ -357,7 +363,7 @@ fn a_node_cut_off_past_the_ttl_fences_itself_and_rejoins() {
         assert!(s.tick(t).is_empty(), "not fenced at {t} (TTL 2 s + 2 s allowance)");
     }
     let a = s.tick(4_600);
-    assert!(matches!(&a[..], [Action::Note(_), Action::StopWorkers]), "{a:?}");
+    assert!(matches!(&a[..], [Action::Note(_), STOP]), "{a:?}");
     assert_eq!(s.ev(Event::WorkersStopped), vec![Action::Join]);
 }
 
@@ -368,12 +374,12 @@ fn a_node_declared_lost_stops_its_workers_and_rejoins() {
     // An answer to a heartbeat sent before the join registered: the watch decides instead.
     assert!(s.at(300).ev(Event::Heartbeat(Err(CallError::NotMember))).is_empty());
     let a = s.at(2_500).ev(Event::Heartbeat(Err(CallError::NotMember)));
-    assert_eq!(a.last(), Some(&Action::StopWorkers));
+    assert_eq!(a.last(), Some(&STOP));
     assert_eq!(s.ev(Event::WorkersStopped), vec![Action::Join]);
     let mut s = Sim::new(elastic());
     s.joined_running(round(1, 0));
     let a = s.ev(Event::Watched { round: 1, answer: Err(CallError::NotMember) });
-    assert_eq!(a.last(), Some(&Action::StopWorkers));
+    assert_eq!(a.last(), Some(&STOP));
 }
 
 #[test]
@@ -412,7 +418,7 @@ fn a_job_that_failed_ends_with_the_rendezvous_root_cause_else_the_local_one() {
     let mut s = Sim::new(elastic());
     s.joined_running(round(1, 2));
     let a = s.ev(Event::Watched { round: 1, answer: Ok(Watch::Failed("budget spent".into())) });
-    assert_eq!(a, vec![Action::StopWorkers]);
+    assert_eq!(a, vec![STOP]);
     assert_eq!(s.ev(Event::WorkersStopped), vec![Action::FetchRootCause]);
     let WorkersEnd::Failed(remote) = failure(7) else { unreachable!() };
     let a = s.ev(Event::RootCauseFetched(Some(remote.clone())));

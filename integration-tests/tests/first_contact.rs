@@ -1,0 +1,127 @@
+//! A torchrun user's habits: Ctrl-C reaches the workers as SIGINT (`except KeyboardInterrupt`
+//! runs), `PET_*` booleans read as torchrun reads them (`1`/`0`), the interpreter is
+//! `PYTHON_EXEC`, else the active virtualenv's, and a Python file that is neither a `#!` script
+//! nor an ELF executable runs under python.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use integration_tests::{bin, run_deadline, tempdir, wait_deadline, wait_until};
+
+const DEADLINE: Duration = Duration::from_secs(30);
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+fn python3() -> String {
+    for p in ["/usr/bin/python3", "/usr/local/bin/python3"] {
+        if Path::new(p).exists() {
+            return p.to_owned();
+        }
+    }
+    panic!("python3 is needed (apt-get install python3)");
+}
+
+/// A wrapper interpreter: runs python3 with `MARK` set, so the worker can tell who ran it.
+fn marked_python(dir: &Path, mark: &str) -> String {
+    let p = dir.join(format!("python-{mark}"));
+    std::fs::write(&p, format!("#!/bin/sh\nMARK={mark} exec {} \"$@\"\n", python3())).unwrap();
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    p.display().to_string()
+}
+
+fn rlaunch(env: &[(&str, &str)], args: &[&str]) -> Command {
+    let mut c = Command::new(bin("rlaunch"));
+    c.env_clear().env("PATH", "/usr/local/bin:/usr/bin:/bin").env("HOME", "/tmp").env("RLAUNCH_LOG", "info").args(args);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c
+}
+
+#[test]
+fn ctrl_c_reaches_the_workers_as_keyboard_interrupt() {
+    let dir = tempdir();
+    let script = dir.path().join("w.py");
+    std::fs::write(
+        &script,
+        format!(
+            "import pathlib, sys, time\n\
+             pathlib.Path('{d}/up').touch()\n\
+             try:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    print('caught KeyboardInterrupt', flush=True)\n    sys.exit(0)\n",
+            d = dir.path().display()
+        ),
+    )
+    .unwrap();
+    let py = python3();
+    let child = rlaunch(&[("PYTHON_EXEC", &py)], &["--standalone", "--nproc-per-node", "2", script.to_str().unwrap()])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_until("the workers to start", DEADLINE, || dir.path().join("up").exists());
+    std::thread::sleep(Duration::from_millis(300));
+    Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
+    let o = wait_deadline(child, DEADLINE);
+    let out = text(&o.stdout);
+    assert_eq!(
+        out.matches("caught KeyboardInterrupt").count(),
+        2,
+        "every worker's handler ran: {out}\n{}",
+        text(&o.stderr)
+    );
+    assert_eq!(o.status.code(), Some(130), "128 + SIGINT");
+}
+
+#[test]
+fn pet_booleans_are_read_as_torchrun_reads_them() {
+    let o = run_deadline(
+        &mut rlaunch(
+            &[("PET_STANDALONE", "1"), ("PET_NO_PYTHON", "1"), ("PET_NPROC_PER_NODE", "2")],
+            &["/bin/echo", "hi"],
+        ),
+        DEADLINE,
+    );
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert_eq!(text(&o.stdout).matches("]:hi").count(), 2, "{}", text(&o.stdout));
+    let o = run_deadline(&mut rlaunch(&[("PET_STANDALONE", "0")], &["--nnodes", "2", "/bin/true"]), DEADLINE);
+    assert_eq!(o.status.code(), Some(2), "0 means off: a static multi-node job without a master port");
+}
+
+#[test]
+fn the_interpreter_is_python_exec_else_the_active_virtualenvs() {
+    let dir = tempdir();
+    let script = dir.path().join("w.py");
+    std::fs::write(&script, "import os\nprint('MARK=' + os.environ.get('MARK', 'none'))\n").unwrap();
+    let s = script.to_str().unwrap();
+    let exec = marked_python(dir.path(), "exec");
+    let venv = dir.path().join("venv");
+    std::fs::create_dir_all(venv.join("bin")).unwrap();
+    std::fs::rename(marked_python(dir.path(), "venv"), venv.join("bin/python")).unwrap();
+    let v = venv.to_str().unwrap();
+
+    let o = run_deadline(&mut rlaunch(&[("PYTHON_EXEC", &exec), ("VIRTUAL_ENV", v)], &["--standalone", s]), DEADLINE);
+    assert!(text(&o.stdout).contains("MARK=exec"), "PYTHON_EXEC first: {}", text(&o.stdout));
+    let o = run_deadline(&mut rlaunch(&[("VIRTUAL_ENV", v)], &["--standalone", s]), DEADLINE);
+    assert!(text(&o.stdout).contains("MARK=venv"), "then the virtualenv's: {}", text(&o.stdout));
+    assert!(text(&o.stderr).contains("python interpreter"), "logged at start: {}", text(&o.stderr));
+}
+
+#[test]
+fn a_python_file_without_py_and_without_the_execute_bit_runs_under_python() {
+    let dir = tempdir();
+    let script = dir.path().join("train");
+    std::fs::write(&script, "print('ran under python')\n").unwrap();
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let py = python3();
+    let o = run_deadline(&mut rlaunch(&[("PYTHON_EXEC", &py)], &["--standalone", script.to_str().unwrap()]), DEADLINE);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert!(text(&o.stdout).contains("ran under python"));
+    // An ELF program and a #! script still run as they are.
+    let o = run_deadline(&mut rlaunch(&[], &["--standalone", "/bin/echo", "elf"]), DEADLINE);
+    assert!(text(&o.stdout).contains("elf"));
+}
