@@ -93,6 +93,21 @@ pub struct RootCause {
     pub error_file: Option<PathBuf>,
     /// The last lines of the worker's stderr, when it wrote no error file.
     pub stderr_tail: Vec<String>,
+    /// Other workers of the group that failed by themselves along with it (torchrun's
+    /// "Failures" section): seen within the same moment, before they were stopped.
+    #[serde(default)]
+    pub other_failures: Vec<OtherFailure>,
+}
+
+/// Another worker that failed along with the root cause.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OtherFailure {
+    pub rank: u32,
+    pub local_rank: u32,
+    pub pid: u32,
+    pub exit: Exit,
+    /// The error file's message, else a description of the exit.
+    pub message: String,
 }
 
 /// Caps of [`RootCause::bounded`]: what one failure report may carry over the wire.
@@ -105,8 +120,10 @@ pub mod caps {
     pub const STDERR_LINES: usize = 40;
     /// Bytes of each stderr line (its beginning is kept).
     pub const STDERR_LINE: usize = 256;
-    /// Bytes of each short field (role, host, error file path).
+    /// Bytes of each short field (role, host, error file path, another failure's message).
     pub const SHORT: usize = 256;
+    /// Other failures listed.
+    pub const OTHER_FAILURES: usize = 64;
     /// The most a bounded root cause takes as JSON, even when every byte needs `\u00XX`
     /// escaping: well under the service's 256 KiB body limit.
     pub const WIRE_BYTES: usize = 128 * 1024;
@@ -130,6 +147,12 @@ impl RootCause {
             traceback: self.traceback.as_deref().map(|t| cut_start(t, caps::TRACEBACK)),
             error_file: self.error_file.as_ref().map(|p| PathBuf::from(cut_end(&p.to_string_lossy(), caps::SHORT))),
             stderr_tail,
+            other_failures: self
+                .other_failures
+                .iter()
+                .take(caps::OTHER_FAILURES)
+                .map(|o| OtherFailure { message: cut_end(&o.message, caps::SHORT), ..o.clone() })
+                .collect(),
             ..self.clone()
         }
     }
@@ -167,6 +190,20 @@ impl RootCause {
             let _ = writeln!(s, "  stderr (last {} lines):", self.stderr_tail.len());
             for l in &self.stderr_tail {
                 let _ = writeln!(s, "    {l}");
+            }
+        }
+        if !self.other_failures.is_empty() {
+            let _ = writeln!(s, "{}\nOther Failures:", "-".repeat(72));
+            for o in &self.other_failures {
+                let _ = writeln!(
+                    s,
+                    "  rank {} (local_rank: {}), pid {}, {}: {}",
+                    o.rank,
+                    o.local_rank,
+                    o.pid,
+                    o.exit.describe(),
+                    o.message
+                );
             }
         }
         s += &bar;
@@ -379,6 +416,7 @@ mod tests {
             traceback: Some(text.into()),
             error_file: None,
             stderr_tail: vec![text.to_owned(); lines],
+            other_failures: Vec::new(),
         }
     }
 

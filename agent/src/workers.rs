@@ -18,6 +18,7 @@ use crate::output::{pump, Console, Sink, StdSet, Stream};
 use crate::process::{spawn_worker, WorkerProc};
 use crate::report::{now_unix, read_error_file, Exit, RootCause};
 use crate::AgentError;
+use rlaunch::contract::OtherFailure;
 
 /// What the agent needs to start one worker.
 #[derive(Debug, Clone)]
@@ -157,8 +158,33 @@ impl WorkerGroup {
                 continue;
             }
             warn!(local_rank = w.spec.env.local_rank, rank = w.spec.env.rank, exit = %exit.describe(), "worker failed");
-            return GroupOutcome::Failed(Box::new(self.root_cause(index, exit, seen_at).await));
+            let mut rc = self.root_cause(index, exit, seen_at).await;
+            rc.other_failures = self.failing_along().await;
+            return GroupOutcome::Failed(Box::new(rc));
         }
+    }
+
+    /// Workers that fail by themselves in the same moment as the first (within torchrun's
+    /// default monitor interval, 0.1 s), before anyone stops them.
+    async fn failing_along(&mut self) -> Vec<OtherFailure> {
+        let until = tokio::time::Instant::now() + Duration::from_millis(100);
+        let mut others = Vec::new();
+        while let Ok(Some((i, exit, _))) = tokio::time::timeout_at(until, self.exits.recv()).await {
+            self.workers[i].exit = Some(exit);
+            if exit.success() {
+                continue;
+            }
+            let w = &self.workers[i];
+            let data = w.spec.env.error_file.as_ref().map(PathBuf::from).as_deref().and_then(read_error_file);
+            others.push(OtherFailure {
+                rank: w.spec.env.rank,
+                local_rank: w.spec.env.local_rank,
+                pid: w.pid,
+                exit,
+                message: data.map(|d| d.message).unwrap_or_else(|| format!("worker exited with {}", exit.describe())),
+            });
+        }
+        others
     }
 
     async fn root_cause(&mut self, index: usize, exit: Exit, seen_at: u64) -> RootCause {
@@ -187,6 +213,7 @@ impl WorkerGroup {
             traceback: data.as_ref().and_then(|d| d.traceback.clone()),
             error_file: if data.is_some() { error_file } else { None },
             stderr_tail: if data.is_some() { Vec::new() } else { tail },
+            other_failures: Vec::new(),
         }
     }
 

@@ -125,3 +125,25 @@ fn a_python_file_without_py_and_without_the_execute_bit_runs_under_python() {
     let o = run_deadline(&mut rlaunch(&[], &["--standalone", "/bin/echo", "elf"]), DEADLINE);
     assert!(text(&o.stdout).contains("elf"));
 }
+
+#[test]
+fn the_failure_report_lists_every_failed_rank_the_root_cause_first() {
+    let script = "case $RANK in 1) exit 7;; 2) exit 9;; *) sleep 30;; esac";
+    let o = run_deadline(
+        &mut rlaunch(
+            &[],
+            &["--standalone", "--nproc-per-node", "3", "--shutdown-timeout", "2", "/bin/sh", "-c", script],
+        ),
+        DEADLINE,
+    );
+    let err = text(&o.stderr);
+    let root = err.find("Root Cause (first observed failure)").expect("a root cause");
+    let others = err.find("Other Failures:").unwrap_or_else(|| panic!("the other failed rank is listed: {err}"));
+    assert!(root < others, "the root cause comes first");
+    let (first, second) =
+        if o.status.code() == Some(7) { ("exit code 7", "exit code 9") } else { ("exit code 9", "exit code 7") };
+    assert!(matches!(o.status.code(), Some(7) | Some(9)), "the root cause's exit code: {:?}", o.status.code());
+    assert!(err[root..others].contains(first), "{err}");
+    assert!(err[others..].contains(second), "{err}");
+    assert!(!err[others..].contains("rank 0 "), "rank 0 was stopped, it did not fail: {err}");
+}

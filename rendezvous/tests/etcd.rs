@@ -29,6 +29,7 @@ fn rc(message: impl ToString) -> Box<RootCause> {
         traceback: None,
         error_file: None,
         stderr_tail: Vec::new(),
+        other_failures: Vec::new(),
     })
 }
 

@@ -63,6 +63,7 @@ fn failure(code: i32) -> WorkersEnd {
         traceback: None,
         error_file: None,
         stderr_tail: vec!["y".repeat(70_000); 5],
+        other_failures: Vec::new(),
     }))
 }
 
