@@ -295,6 +295,8 @@ pub struct Core {
     started_at: Millis,
     /// The first signal a stop sends: SIGINT once the agent got one, else SIGTERM.
     stop_first: i32,
+    /// Whether a join ever answered with a round (a job over before that is someone else's).
+    ever_joined: bool,
 }
 
 fn ms(d: Duration) -> Millis {
@@ -321,6 +323,7 @@ impl Core {
             workers_alive: false,
             started_at: 0,
             stop_first: libc::SIGTERM,
+            ever_joined: false,
         }
     }
 
@@ -455,6 +458,7 @@ impl Core {
         }
         match answer {
             Ok(round) => {
+                self.ever_joined = true;
                 self.restarts = round.restart_count;
                 self.start_workers(Placement::from_round(&round), now, out);
             }
@@ -470,6 +474,16 @@ impl Core {
                     out.push(Action::Note(format!("cannot reach the rendezvous ({e}); joining again")));
                     self.phase = Phase::Joining { retry_at: Some(now.saturating_add(ms(RETRY_DELAY))) };
                 }
+            }
+            // Over before this node ever ran in it: a run id used again (a second `srun` of one
+            // Slurm job, a re-created Kubernetes job), never this run's success.
+            Err(CallError::JobFinished) if !self.ever_joined => {
+                let message = "the job with this run id has already finished; give this run its own --rdzv-id".into();
+                self.exit(Outcome::Rendezvous { message }, out);
+            }
+            Err(CallError::JobFailed(reason)) if !self.ever_joined => {
+                let message = format!("the job with this run id has already failed ({reason}); give this run its own --rdzv-id");
+                self.exit(Outcome::Rendezvous { message }, out);
             }
             Err(CallError::JobFinished) => {
                 let restarts = self.restarts;

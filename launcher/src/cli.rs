@@ -610,7 +610,12 @@ impl Args {
         if !self.rdzv_endpoint.trim().is_empty() && !static_flags {
             ("rlaunch".into(), "--rdzv-endpoint given without --node-rank/--master-addr/--master-port")
         } else {
-            ("static".into(), "no --rdzv-endpoint (torchrun's default)")
+            let why = if static_flags {
+                "--node-rank/--master-addr/--master-port given"
+            } else {
+                "no --rdzv-endpoint (torchrun's default)"
+            };
+            ("static".into(), why)
         }
     }
 
@@ -620,10 +625,16 @@ impl Args {
             return Ok((id.clone(), "--rdzv-id".into()));
         }
         if let Some(id) = env("SLURM_JOB_ID").filter(|s| !s.is_empty()) {
-            return Ok((format!("slurm-{id}"), "SLURM_JOB_ID".into()));
+            // Every `srun` of one job is a step of its own: two launches in one job never share.
+            return Ok(match env("SLURM_STEP_ID").filter(|s| !s.is_empty()) {
+                Some(step) => (format!("slurm-{id}.{step}"), "SLURM_JOB_ID and SLURM_STEP_ID".into()),
+                None => (format!("slurm-{id}"), "SLURM_JOB_ID".into()),
+            });
         }
         // A Kubernetes Indexed Job names its pods' hosts `{job name}-{index}`.
-        if let (Some(index), Some(host)) = (env("JOB_COMPLETION_INDEX"), env("HOSTNAME")) {
+        let host = env("HOSTNAME")
+            .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok().map(|h| h.trim().to_owned()));
+        if let (Some(index), Some(host)) = (env("JOB_COMPLETION_INDEX"), host) {
             if let Some(job) = host.strip_suffix(&format!("-{index}")).filter(|j| !j.is_empty()) {
                 return Ok((format!("k8s-{job}"), "a Kubernetes Indexed Job (JOB_COMPLETION_INDEX, HOSTNAME)".into()));
             }
