@@ -78,11 +78,15 @@ impl Containment {
     }
 
     /// Kills every process left of `local_rank`'s tree and waits (bounded) until none is left.
-    /// Process groups: whatever was orphaned to this agent is killed instead.
-    pub async fn kill_rest(&self, local_rank: u32) {
+    /// Process groups: whatever was orphaned to this agent is killed instead, but for `keep`
+    /// (workers not reaped yet).
+    pub async fn kill_rest(&self, local_rank: u32, keep: &[u32]) {
         match self {
             Containment::Cgroup(job) => job.kill(local_rank).await,
-            Containment::ProcessGroups => crate::process::kill_orphans(),
+            Containment::ProcessGroups => {
+                let keep = keep.to_vec();
+                let _ = tokio::task::spawn_blocking(move || crate::process::kill_orphans(&keep)).await;
+            }
         }
     }
 }
@@ -107,6 +111,11 @@ impl CgroupJob {
                 remove_all(r);
                 return Err(format!("cannot create a cgroup per rank: {e}"));
             }
+        }
+        let probe = cstring(&dir.join("rank0/cgroup.procs")).ok_or("cgroup path with a NUL byte")?;
+        if let Err(e) = crate::process::probe_cgroup(probe) {
+            remove_all(ranks);
+            return Err(format!("cannot move processes into {}: {e}", dir.display()));
         }
         let plan = WatchdogPlan {
             kill: vec![cstring(&dir.join("cgroup.kill")).ok_or("cgroup path with a NUL byte")?],

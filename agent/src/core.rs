@@ -482,7 +482,8 @@ impl Core {
                 self.exit(Outcome::Rendezvous { message }, out);
             }
             Err(CallError::JobFailed(reason)) if !self.ever_joined => {
-                let message = format!("the job with this run id has already failed ({reason}); give this run its own --rdzv-id");
+                let message =
+                    format!("the job with this run id has already failed ({reason}); give this run its own --rdzv-id");
                 self.exit(Outcome::Rendezvous { message }, out);
             }
             Err(CallError::JobFinished) => {

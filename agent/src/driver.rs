@@ -279,7 +279,15 @@ impl Io<'_> {
         self.store = None; // closes the previous round's store and every connection to it
         let e = self.elastic.as_mut().expect("joins come only from an elastic core");
         // The store listens where it is advertised (`--store-bind` for setups that need more).
-        let bind = self.config.store_bind.clone().unwrap_or_else(|| e.advertise.clone());
+        // A host name may resolve here to another address than other nodes see (Debian's
+        // 127.0.1.1 in /etc/hosts): then every address, as an address literal cannot mislead.
+        let bind = self.config.store_bind.clone().unwrap_or_else(|| {
+            let literal = e.advertise.trim_start_matches('[').trim_end_matches(']');
+            match literal.parse::<std::net::IpAddr>() {
+                Ok(_) => literal.to_owned(),
+                Err(_) => "0.0.0.0".to_owned(),
+            }
+        });
         let bind =
             HostPort::new(bind.trim_start_matches('[').trim_end_matches(']'), 0).map(|h| h.to_string()).unwrap_or(bind);
         let store = start_store(&bind, self.config.store_max_bytes).await?;

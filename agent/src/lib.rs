@@ -156,7 +156,8 @@ async fn run_inner(config: AgentConfig) -> Result<RunOutcome, AgentError> {
     let ctx =
         Ctx { containment: &containment, host: &host, agent_env: &agent_env, console: &console, log_root: &log_root };
     let outcome = driver::run(&config, &ctx, &mut signals).await;
-    // Every worker is gone: remove the job's cgroups (and so end its watchdog).
+    // Every worker is gone. The job's cgroups go with the last holder of this (a worker group
+    // task may still hold it briefly); if the process ends first, the watchdog removes them.
     drop(containment);
     console.flush();
     if let Ok(RunOutcome::Failed { root_cause, .. }) = &outcome {
@@ -201,9 +202,18 @@ fn log_root(config: &AgentConfig) -> Result<(PathBuf, bool), AgentError> {
     match &config.log_dir {
         Some(d) => {
             std::fs::create_dir_all(d).map_err(err(d))?;
-            let root = d.join(name);
-            std::fs::DirBuilder::new().create(&root).map_err(err(&root))?;
-            Ok((root, false))
+            // A restarted container has the same pid and run id: `_1`, `_2`, … then, never the
+            // existing directory (nor a symlink planted there).
+            for n in 0..1000 {
+                let root = if n == 0 { d.join(&name) } else { d.join(format!("{name}_{n}")) };
+                match std::fs::DirBuilder::new().create(&root) {
+                    Ok(()) => return Ok((root, false)),
+                    Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+                    Err(e) => return Err(err(&root)(e)),
+                }
+            }
+            let root = d.join(&name);
+            Err(err(&root)(std::io::Error::other("a thousand log directories of this run id and pid exist")))
         }
         None => {
             let mut tries = 0;

@@ -131,7 +131,7 @@ pub async fn pump(mut reader: impl AsyncRead + Unpin, sink: Sink) -> io::Result<
         Some(path) => match open_log(path) {
             Ok(f) => Some((io::BufWriter::new(f), path)),
             Err(e) => {
-                tracing::warn!(path = %path.display(), error = %e, "cannot open the log file; this stream goes to the console only");
+                tracing::warn!(path = %path.display(), error = %e, "cannot open the log file; this stream is not kept in a file (the console still gets it where it is shown)");
                 None
             }
         },
@@ -146,7 +146,7 @@ pub async fn pump(mut reader: impl AsyncRead + Unpin, sink: Sink) -> io::Result<
         }
         if let Some((f, path)) = file.as_mut() {
             if let Err(e) = f.write_all(&chunk[..n]).and_then(|()| f.flush()) {
-                tracing::warn!(path = %path.display(), error = %e, "cannot write the log file any more; this stream goes to the console only");
+                tracing::warn!(path = %path.display(), error = %e, "cannot write the log file any more; the rest of this stream is not kept in a file (the console still gets it where it is shown)");
                 file = None;
             }
         }

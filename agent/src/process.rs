@@ -5,7 +5,7 @@ use std::ffi::CString;
 use std::io;
 
 use rlaunch::contract::Exit;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{FromRawFd, OwnedFd};
 use std::process::Stdio;
 
 /// A worker process held through a pidfd: it is reaped here (never by anyone else), and its
@@ -13,8 +13,17 @@ use std::process::Stdio;
 /// zombie its pid, which is the group's id, cannot name another process or group.
 pub struct WorkerProc {
     pid: u32,
-    pidfd: tokio::io::unix::AsyncFd<OwnedFd>,
+    exited: Exited,
     reaped: std::sync::Mutex<bool>,
+}
+
+/// How the agent learns that a worker exited, before reaping it itself.
+enum Exited {
+    /// A pidfd becomes readable (Linux 5.3 and later).
+    Pidfd(tokio::io::unix::AsyncFd<OwnedFd>),
+    /// Older kernels, or a seccomp profile without pidfd_open: a thread waits with `WNOWAIT`
+    /// (which does not reap) and says so.
+    Thread(tokio::sync::Mutex<Option<tokio::sync::oneshot::Receiver<()>>>),
 }
 
 /// Spawns `cmd` in a new process group of its own with `PR_SET_PDEATHSIG(SIGKILL)`, stdin from
@@ -27,9 +36,20 @@ pub struct WorkerProc {
 /// With `cgroup_procs` (a cgroup's `cgroup.procs` file), the worker moves itself into that
 /// cgroup before it runs anything, so every process it ever starts is in it too.
 pub fn spawn_worker(
-    mut cmd: std::process::Command,
+    cmd: std::process::Command,
     cgroup_procs: Option<CString>,
 ) -> io::Result<(WorkerProc, tokio::net::unix::pipe::Receiver, tokio::net::unix::pipe::Receiver)> {
+    spawn_worker_with(cmd, cgroup_procs, true)
+}
+
+type Spawned = (WorkerProc, tokio::net::unix::pipe::Receiver, tokio::net::unix::pipe::Receiver);
+
+/// [`spawn_worker`], with `pidfd: false` taking the older kernels' way (for its tests).
+fn spawn_worker_with(
+    mut cmd: std::process::Command,
+    cgroup_procs: Option<CString>,
+    pidfd: bool,
+) -> io::Result<Spawned> {
     use std::os::unix::process::CommandExt;
     // SAFETY: getpid is async-signal-safe and has no preconditions.
     let agent_pid = unsafe { libc::getpid() };
@@ -65,25 +85,38 @@ pub fn spawn_worker(
     let pid = child.id();
     // The child is not reaped yet (nobody waits on it but us, later): its pid is still its own.
     // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
-    let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0 as libc::c_uint) };
-    if raw < 0 {
-        let e = io::Error::last_os_error();
-        let _ = child.kill();
-        let _ = child.wait();
-        return Err(e);
-    }
-    // SAFETY: the descriptor was just returned by pidfd_open and is owned by nobody else.
-    let pidfd = unsafe { OwnedFd::from_raw_fd(raw as libc::c_int) };
+    let raw =
+        if pidfd { unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0 as libc::c_uint) } } else { -1 };
+    let exited = if raw >= 0 {
+        // SAFETY: the descriptor was just returned by pidfd_open and is owned by nobody else.
+        let pidfd = unsafe { OwnedFd::from_raw_fd(raw as libc::c_int) };
+        // SAFETY: an OwnedFd is a valid open descriptor that stays open and the same for as long
+        // as the AsyncFd owns it.
+        Exited::Pidfd(unsafe { tokio::io::unix::AsyncFd::register(pidfd) }.map_err(io::Error::from)?)
+    } else {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        std::thread::Builder::new().name("rlaunch-wait".into()).spawn(move || {
+            loop {
+                // SAFETY: a zeroed siginfo_t is a valid out-parameter; WNOWAIT leaves the child
+                // unreaped, so its pid stays ours until the agent reaps it.
+                let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+                let r =
+                    unsafe { libc::waitid(libc::P_PID, pid as libc::id_t, &mut info, libc::WEXITED | libc::WNOWAIT) };
+                if r == 0 || io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+                    break;
+                }
+            }
+            let _ = tx.send(());
+        })?;
+        Exited::Thread(tokio::sync::Mutex::new(Some(rx)))
+    };
     let stdout = child.stdout.take().expect("stdout is piped");
     let stderr = child.stderr.take().expect("stderr is piped");
     // Dropping std's `Child` neither waits nor kills: the pidfd is how the worker is awaited.
     drop(child);
     let out = tokio::net::unix::pipe::Receiver::from_owned_fd(OwnedFd::from(stdout))?;
     let err = tokio::net::unix::pipe::Receiver::from_owned_fd(OwnedFd::from(stderr))?;
-    // SAFETY: an OwnedFd is a valid open descriptor that stays open and the same for as long as
-    // the AsyncFd owns it.
-    let pidfd = unsafe { tokio::io::unix::AsyncFd::register(pidfd) }.map_err(io::Error::from)?;
-    let proc = WorkerProc { pid, pidfd, reaped: std::sync::Mutex::new(false) };
+    let proc = WorkerProc { pid, exited, reaped: std::sync::Mutex::new(false) };
     Ok((proc, out, err))
 }
 
@@ -95,35 +128,57 @@ impl WorkerProc {
     /// Waits for the worker to end and reaps it.
     pub async fn wait(&self) -> io::Result<Exit> {
         loop {
-            let mut ready = self.pidfd.readable().await?;
-            let mut reaped = self.reaped.lock().unwrap_or_else(|p| p.into_inner());
-            // SAFETY: a zeroed siginfo_t is a valid out-parameter for waitid.
-            let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-            // SAFETY: waitid on our own pidfd (P_PIDFD = 3) with a valid siginfo pointer; WNOHANG
-            // because readiness may be spurious.
-            let r = unsafe {
-                libc::waitid(
-                    3 as libc::idtype_t,
-                    self.pidfd.get_ref().as_raw_fd() as libc::id_t,
-                    &mut info,
-                    libc::WEXITED | libc::WNOHANG,
-                )
-            };
-            if r != 0 {
-                return Err(io::Error::last_os_error());
+            match &self.exited {
+                Exited::Pidfd(fd) => {
+                    let mut ready = fd.readable().await?;
+                    match self.try_reap()? {
+                        Some(exit) => return Ok(exit),
+                        // Readiness may be spurious.
+                        None => ready.clear_ready(),
+                    }
+                }
+                Exited::Thread(rx) => {
+                    if let Some(rx) = rx.lock().await.take() {
+                        let _ = rx.await;
+                    }
+                    if let Some(exit) = self.try_reap()? {
+                        return Ok(exit);
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                }
             }
-            // SAFETY: after waitid, si_pid (0 when nothing has exited yet) and si_status are set.
-            let (pid, status) = unsafe { (info.si_pid(), info.si_status()) };
-            if pid == 0 {
-                ready.clear_ready();
-                continue;
-            }
-            *reaped = true;
-            return Ok(match info.si_code {
-                libc::CLD_EXITED => Exit::Code(status),
-                _ => Exit::Signal(status),
-            });
         }
+    }
+
+    /// Reaps the worker if it has exited, under the lock that signalling takes.
+    fn try_reap(&self) -> io::Result<Option<Exit>> {
+        let mut reaped = self.reaped.lock().unwrap_or_else(|p| p.into_inner());
+        if *reaped {
+            return Err(io::Error::other("the worker was already reaped"));
+        }
+        // SAFETY: a zeroed siginfo_t is a valid out-parameter for waitid.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: waitid on our own unreaped child (its pid is still its own) with a valid
+        // siginfo pointer; WNOHANG because it may not have exited yet.
+        let r = unsafe { libc::waitid(libc::P_PID, self.pid as libc::id_t, &mut info, libc::WEXITED | libc::WNOHANG) };
+        if r != 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::ECHILD) {
+                // Reaped by someone else: its number is not ours any more either way.
+                *reaped = true;
+            }
+            return Err(e);
+        }
+        // SAFETY: after waitid, si_pid (0 when nothing has exited yet) and si_status are set.
+        let (pid, status) = unsafe { (info.si_pid(), info.si_status()) };
+        if pid == 0 {
+            return Ok(None);
+        }
+        *reaped = true;
+        Ok(Some(match info.si_code {
+            libc::CLD_EXITED => Exit::Code(status),
+            _ => Exit::Signal(status),
+        }))
     }
 
     /// Sends `signal` to the worker's process group while the worker is not reaped; after that
@@ -138,6 +193,37 @@ impl WorkerProc {
 
     pub fn is_reaped(&self) -> bool {
         *self.reaped.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Whether a child can move itself into the cgroup whose `cgroup.procs` is `procs` (creating
+/// a cgroup may be allowed where moving processes into it is not): a short-lived `/bin/true`
+/// tries.
+pub fn probe_cgroup(procs: CString) -> io::Result<()> {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = std::process::Command::new("/bin/true");
+    cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null());
+    // SAFETY: the closure runs between fork and exec and only calls async-signal-safe functions
+    // (open, write, close) on memory prepared before the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+            if fd < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            let wrote = libc::write(fd, b"0".as_ptr().cast(), 1);
+            libc::close(fd);
+            if wrote != 1 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let status = cmd.status()?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(io::Error::other(format!("the probe exited with {status}")))
     }
 }
 
@@ -183,19 +269,34 @@ pub fn spawn_watchdog(plan: &WatchdogPlan) -> io::Result<OwnedFd> {
             libc::signal(libc::SIGPIPE, libc::SIG_IGN);
             libc::signal(libc::SIGTERM, libc::SIG_DFL);
             libc::signal(libc::SIGQUIT, libc::SIG_DFL);
-            // Hold nothing of the agent's (its console pipes, sockets, the store): only the read
-            // end, moved to 3, and /dev/null as 0, 1, 2.
+            // Hold nothing of the agent's (its console pipes, sockets, the store) — above all not
+            // the pipe's write end, or the end-of-file would never come: only the read end, moved
+            // to 10 or above, and /dev/null as 0, 1, 2.
+            libc::close(write_end);
+            let r = libc::fcntl(read_end, libc::F_DUPFD, 10);
+            let r = if r < 0 { read_end } else { r };
             let null = libc::open(devnull.as_ptr(), libc::O_RDWR);
-            if read_end != 3 {
-                libc::dup2(read_end, 3);
-            }
             for fd in 0..3 {
-                libc::dup2(null, fd);
+                if null >= 0 {
+                    libc::dup2(null, fd);
+                }
             }
-            libc::syscall(libc::SYS_close_range, 4 as libc::c_uint, libc::c_uint::MAX, 0 as libc::c_uint);
+            for (from, to) in [(3, r - 1), (r + 1, libc::c_int::MAX)] {
+                if from > to {
+                    continue;
+                }
+                let closed =
+                    libc::syscall(libc::SYS_close_range, from as libc::c_uint, to as libc::c_uint, 0 as libc::c_uint);
+                if closed != 0 {
+                    // close_range refused (an old kernel or seccomp profile): one by one.
+                    for fd in from..=to.min(65_535) {
+                        libc::close(fd);
+                    }
+                }
+            }
             let mut byte = 0u8;
             loop {
-                let n = libc::read(3, (&mut byte as *mut u8).cast(), 1);
+                let n = libc::read(r, (&mut byte as *mut u8).cast(), 1);
                 if n == 0 || (n < 0 && *libc::__errno_location() != libc::EINTR) {
                     break;
                 }
@@ -266,22 +367,27 @@ pub fn become_subreaper() {
 
 /// Kills and reaps every child of this process: once a worker group is over, the only children
 /// left are descendants orphaned to this subreaper.
-pub fn kill_orphans() {
+/// Children in `keep` (workers not reaped yet) are left alone: their reaping is their waiter's.
+pub fn kill_orphans(keep: &[u32]) {
     // A killed orphan's own children become this process's next: a few passes.
     for _ in 0..8 {
-        if !kill_children_once() {
+        if !kill_children_once(keep) {
             return;
         }
     }
 }
 
 /// One pass of [`kill_orphans`]; whether there was any child.
-fn kill_children_once() -> bool {
+fn kill_children_once(keep: &[u32]) -> bool {
     let mut children = Vec::new();
     if let Ok(tasks) = std::fs::read_dir("/proc/self/task") {
         for t in tasks.flatten() {
             if let Ok(list) = std::fs::read_to_string(t.path().join("children")) {
-                children.extend(list.split_whitespace().filter_map(|p| p.parse::<i32>().ok()));
+                children.extend(
+                    list.split_whitespace()
+                        .filter_map(|p| p.parse::<i32>().ok())
+                        .filter(|p| !keep.iter().any(|k| i64::from(*k) == i64::from(*p))),
+                );
             }
         }
     }
@@ -303,4 +409,27 @@ fn kill_children_once() -> bool {
         }
     }
     any
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn workers_are_awaited_and_reaped_with_and_without_pidfds() {
+        for pidfd in [true, false] {
+            let mut cmd = std::process::Command::new("/bin/sh");
+            cmd.args(["-c", "exit 3"]);
+            let (proc, _out, _err) = spawn_worker_with(cmd, None, pidfd).expect("spawn");
+            let exit = tokio::time::timeout(std::time::Duration::from_secs(10), proc.wait()).await.expect("in time");
+            assert_eq!(exit.expect("reaped"), Exit::Code(3), "pidfd: {pidfd}");
+            assert!(proc.is_reaped());
+            proc.signal_group(libc::SIGKILL).expect("a reaped worker's group is never signalled: no error");
+            let mut cmd = std::process::Command::new("/bin/sh");
+            cmd.args(["-c", "kill -9 $$"]);
+            let (proc, _out, _err) = spawn_worker_with(cmd, None, pidfd).expect("spawn");
+            let exit = tokio::time::timeout(std::time::Duration::from_secs(10), proc.wait()).await.expect("in time");
+            assert_eq!(exit.expect("reaped"), Exit::Signal(libc::SIGKILL), "pidfd: {pidfd}");
+        }
+    }
 }

@@ -271,7 +271,7 @@ impl WorkerGroup {
             Containment::Cgroup(_) => {
                 // The whole tree of each worker, whatever process group or session it is in.
                 for w in &self.workers {
-                    self.containment.kill_rest(w.spec.env.local_rank).await;
+                    self.containment.kill_rest(w.spec.env.local_rank, &[]).await;
                 }
             }
             Containment::ProcessGroups => {
@@ -281,7 +281,8 @@ impl WorkerGroup {
                     let _ = w.proc.signal_group(libc::SIGKILL);
                 }
                 // Descendants that left the groups were orphaned to this subreaper.
-                self.containment.kill_rest(0).await;
+                let unreaped: Vec<u32> = self.workers.iter().filter(|w| !w.proc.is_reaped()).map(|w| w.pid).collect();
+                self.containment.kill_rest(0, &unreaped).await;
             }
         }
         for w in self.workers.iter_mut() {

@@ -47,12 +47,15 @@ fn a_symlink_planted_where_the_logs_go_is_never_followed() {
     assert!(text(&o.stdout).contains("overwritten"), "the worker ran: {}", text(&o.stdout));
     assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious\n", "the symlink was not followed");
 
-    // An explicit --log-dir where `{run_id}_{pid}` was planted: refused, nothing written.
+    // An explicit --log-dir where `{run_id}_{pid}` was planted: never used; the run's logs go
+    // to a new `{run_id}_{pid}_1` beside it.
     let logs = dir.path().join("logs");
     let o = plant_and_run(&logs, "X_$$", &victim, &format!("--log-dir {} {args}", logs.display()), &tmp);
-    assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
-    assert!(text(&o.stderr).contains("cannot create log directory"), "{}", text(&o.stderr));
+    assert!(o.status.success(), "{}", text(&o.stderr));
     assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious\n");
+    let kept: Vec<String> =
+        std::fs::read_dir(&logs).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    assert!(kept.iter().any(|n| n.ends_with("_1")), "a new directory beside the planted one: {kept:?}");
 }
 
 #[test]

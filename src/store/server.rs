@@ -484,9 +484,9 @@ impl<W: AsyncWrite + Unpin> Session<W> {
                 Request::CompareSet { key, desired, .. } => inner.state.growth_of_set(key, desired.len()),
                 // A decimal i64 is at most 20 bytes.
                 Request::Add { key, .. } | Request::Barrier { key, .. } => inner.state.growth_of_set(key, 20),
-                Request::Append { key, value } | Request::QueuePush { key, value } => {
-                    inner.state.growth_of_append(key, value.len())
-                }
+                Request::Append { key, value } => inner.state.growth_of_append(key, value.len()),
+                Request::QueuePush { key, value } => inner.state.growth_of_push(key, value.len()),
+                // A key set twice in one request is charged twice: an upper bound.
                 Request::MultiSet { kvs } => kvs.iter().map(|(k, v)| inner.state.growth_of_set(k, v.len())).sum(),
                 _ => 0,
             };

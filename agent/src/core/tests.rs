@@ -449,14 +449,20 @@ fn a_join_refused_or_a_finished_job_ends_the_run() {
         let mut s = Sim::new(elastic());
         s.ev(Event::Start);
         let a = s.ev(Event::Joined(Err(over)));
-        assert!(matches!(&a[..], [Action::Exit(Outcome::Rendezvous { message })] if message.contains("its own --rdzv-id")), "{a:?}");
+        assert!(
+            matches!(&a[..], [Action::Exit(Outcome::Rendezvous { message })] if message.contains("its own --rdzv-id")),
+            "{a:?}"
+        );
     }
     // After it ran in the job, the job finishing is this node's success.
     let mut s = Sim::new(elastic());
     s.joined_running(round(1, 0));
     s.ev(Event::Watched { round: 1, answer: Ok(Watch::NewRound(2)) });
     s.ev(Event::WorkersStopped);
-    assert_eq!(s.ev(Event::Joined(Err(CallError::JobFinished))), vec![Action::Exit(Outcome::Succeeded { restarts: 0 })]);
+    assert_eq!(
+        s.ev(Event::Joined(Err(CallError::JobFinished))),
+        vec![Action::Exit(Outcome::Succeeded { restarts: 0 })]
+    );
 }
 
 /// The normal life of an elastic node, as the events a driver would feed back.
