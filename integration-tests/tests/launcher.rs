@@ -379,6 +379,8 @@ fn bad_arguments_exit_2_with_a_message() {
         (&["--nproc-per-node", "many", "x"], "--nproc-per-node many"),
         (&["--nnodes", "3:1", "x"], "MIN (3) is larger than MAX (1)"),
         (&["--nnodes", "abc", "x"], "--nnodes abc"),
+        (&["--start-method", "bogus", "x"], "bogus"),
+        (&["--nproc-per-node", "-1", "x"], "--nproc-per-node -1"),
         (&["--standalone", "--nnodes", "2", "x"], "--standalone runs a single node"),
         (&["--max-restarts", "-1", "x"], "-1"),
         (&["--monitor-interval", "0", "x"], "--monitor-interval 0"),

@@ -25,7 +25,13 @@ pub struct Args {
     pub nnodes: String,
 
     /// Workers per node: a number, `cpu` (one per core), `gpu` (one per GPU) or `auto`.
-    #[arg(long = "nproc-per-node", alias = "nproc_per_node", env = "PET_NPROC_PER_NODE", default_value = "1")]
+    #[arg(
+        long = "nproc-per-node",
+        alias = "nproc_per_node",
+        env = "PET_NPROC_PER_NODE",
+        default_value = "1",
+        allow_hyphen_values = true
+    )]
     pub nproc_per_node: String,
 
     /// One node, no services: an embedded rendezvous on this host and a random run id.
@@ -75,9 +81,26 @@ pub struct Args {
         alias = "start_method",
         env = "PET_START_METHOD",
         default_value = "spawn",
+        value_parser = ["spawn", "fork", "forkserver"],
         hide = true
     )]
     pub start_method: String,
+
+    /// Accepted for torchrun compatibility (its event logging handler's name); rlaunch's events
+    /// are its log lines and the rendezvous' status.
+    #[arg(
+        long = "event-log-handler",
+        alias = "event_log_handler",
+        env = "PET_EVENT_LOG_HANDLER",
+        default_value = "null",
+        hide = true
+    )]
+    pub event_log_handler: String,
+
+    /// Accepted for torchrun compatibility (a Python entry point overriding its log layout);
+    /// rlaunch's layout is `--log-dir`'s.
+    #[arg(long = "logs-specs", alias = "logs_specs", hide = true)]
+    pub logs_specs: Option<String>,
 
     /// The workers' role name.
     #[arg(long, env = "PET_ROLE", default_value = "default")]
