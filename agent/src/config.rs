@@ -92,6 +92,8 @@ pub struct AgentConfig {
     pub store_bind: Option<String>,
     /// Bytes of keys and values the workers' store holds at most (`--store-max-bytes`).
     pub store_max_bytes: usize,
+    /// torchrun's `--virtual-local-rank`: `LOCAL_RANK=0` and one visible GPU per worker.
+    pub virtual_local_rank: bool,
 }
 
 impl AgentConfig {
@@ -114,6 +116,7 @@ impl AgentConfig {
             process_groups_only: false,
             store_bind: None,
             store_max_bytes: rlaunch::store::DEFAULT_MAX_TOTAL_BYTES,
+            virtual_local_rank: false,
         }
     }
 }

@@ -341,7 +341,7 @@ impl Io<'_> {
             logs = %self.ctx.log_root.display(),
             "starting workers"
         );
-        let specs = worker_specs(self.config, &p, &master, self.ctx.log_root, self.ctx.host);
+        let specs = worker_specs(self.config, &p, &master, self.ctx);
         let group = WorkerGroup::start(
             &self.config.program,
             specs,

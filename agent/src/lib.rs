@@ -238,9 +238,9 @@ pub(crate) fn worker_specs(
     config: &AgentConfig,
     p: &core::Placement,
     master: &HostPort,
-    log_root: &std::path::Path,
-    host: &str,
+    ctx: &Ctx<'_>,
 ) -> Vec<WorkerSpec> {
+    let (log_root, host) = (ctx.log_root, ctx.host);
     let restart_count = p.restart_count;
     (0..config.nproc_per_node)
         .map(|local_rank| {
@@ -280,12 +280,33 @@ pub(crate) fn worker_specs(
                     error_file: Some(dir.join("error.json").to_string_lossy().into_owned()),
                 },
                 prefix: render_prefix(&config.log_line_prefix_template, &config.role, rank, local_rank, host),
+                overrides: if config.virtual_local_rank {
+                    virtual_local_rank(local_rank, ctx.agent_env)
+                } else {
+                    Vec::new()
+                },
                 dir,
                 files,
                 console,
             }
         })
         .collect()
+}
+
+/// torchrun's `--virtual-local-rank`: every worker sees its one GPU as device 0 and
+/// `LOCAL_RANK=0`; its GPU is the `local_rank`-th of the agent's `HIP_VISIBLE_DEVICES` or
+/// `CUDA_VISIBLE_DEVICES` (the launcher checked there are enough), else `local_rank` itself.
+pub fn virtual_local_rank(local_rank: u32, agent_env: &BTreeMap<String, String>) -> Vec<(&'static str, String)> {
+    let hip = agent_env.get("HIP_VISIBLE_DEVICES").filter(|v| !v.is_empty());
+    let parent = hip.or_else(|| agent_env.get("CUDA_VISIBLE_DEVICES"));
+    let gpu = parent
+        .and_then(|list| list.split(',').nth(local_rank as usize).map(|g| g.trim().to_owned()))
+        .unwrap_or_else(|| local_rank.to_string());
+    let mut vars = vec![(rlaunch::env::LOCAL_RANK, "0".to_owned()), ("CUDA_VISIBLE_DEVICES", gpu.clone())];
+    if hip.is_some() {
+        vars.push(("HIP_VISIBLE_DEVICES", gpu));
+    }
+    vars
 }
 
 /// The agent's own error file: `{log_root}/error.json`, and `$TORCHELASTIC_ERROR_FILE` when the

@@ -31,6 +31,8 @@ pub struct WorkerSpec {
     /// Streams shown on the agent's console.
     pub console: StdSet,
     pub prefix: String,
+    /// Variables set after the worker environment's (`--virtual-local-rank`).
+    pub overrides: Vec<(&'static str, String)>,
 }
 
 struct Running {
@@ -94,6 +96,9 @@ impl WorkerGroup {
         let mut cmd = std::process::Command::new(exe);
         cmd.args(args);
         for (k, v) in spec.env.to_vars(agent_env) {
+            cmd.env(k, v);
+        }
+        for (k, v) in &spec.overrides {
             cmd.env(k, v);
         }
         let (proc, stdout, stderr) = spawn_worker(cmd, self.containment.procs_file(local_rank))

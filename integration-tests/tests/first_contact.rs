@@ -147,3 +147,56 @@ fn the_failure_report_lists_every_failed_rank_the_root_cause_first() {
     assert!(err[others..].contains(second), "{err}");
     assert!(!err[others..].contains("rank 0 "), "rank 0 was stopped, it did not fail: {err}");
 }
+
+#[test]
+fn virtual_local_rank_gives_every_worker_its_own_gpu_as_device_0() {
+    let w = integration_tests::worker();
+    let run = |visible: Option<&str>| {
+        let dir = tempdir();
+        let d = dir.path().to_str().unwrap().to_owned();
+        let mut env = vec![];
+        if let Some(v) = visible {
+            env.push(("CUDA_VISIBLE_DEVICES", v));
+        }
+        let o = run_deadline(
+            &mut rlaunch(
+                &env,
+                &[
+                    "--standalone",
+                    "--nproc-per-node",
+                    "2",
+                    "--virtual-local-rank",
+                    w.to_str().unwrap(),
+                    "--out",
+                    &d,
+                    "dump-env",
+                ],
+            ),
+            DEADLINE,
+        );
+        let envs: Vec<serde_json::Value> = if o.status.success() {
+            (0..2)
+                .map(|r| {
+                    serde_json::from_str(
+                        &std::fs::read_to_string(dir.path().join(format!("env_rank{r}_attempt0.json"))).unwrap(),
+                    )
+                    .unwrap()
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        (o, envs)
+    };
+    let (_, envs) = run(Some("5,7"));
+    for (r, gpu) in [(0, "5"), (1, "7")] {
+        assert_eq!(envs[r]["LOCAL_RANK"], "0", "rank {r}");
+        assert_eq!(envs[r]["CUDA_VISIBLE_DEVICES"], gpu, "rank {r}");
+        assert_eq!(envs[r]["RANK"], r.to_string());
+    }
+    let (_, envs) = run(None);
+    assert_eq!((envs[1]["LOCAL_RANK"].as_str(), envs[1]["CUDA_VISIBLE_DEVICES"].as_str()), (Some("0"), Some("1")));
+    let (o, _) = run(Some("3"));
+    assert_eq!(o.status.code(), Some(2), "too few visible devices, as torchrun refuses: {}", text(&o.stderr));
+    assert!(text(&o.stderr).contains("--virtual-local-rank"));
+}

@@ -176,6 +176,10 @@ pub struct Args {
     #[arg(long = "store-max-bytes", env = "RLAUNCH_STORE_MAX_BYTES", default_value_t = 1 << 30)]
     pub store_max_bytes: usize,
 
+    /// Every worker sees only its own GPU, as device 0, with LOCAL_RANK=0 (torchrun's flag).
+    #[arg(long = "virtual-local-rank", alias = "virtual_local_rank", env = "PET_VIRTUAL_LOCAL_RANK", value_parser = BoolishValueParser::new())]
+    pub virtual_local_rank: bool,
+
     /// Print every effective setting and where it came from (command line, environment, a
     /// config file, or the default), then exit.
     #[arg(long = "print-config", alias = "print_config")]
@@ -431,6 +435,19 @@ impl Args {
         };
         settings.validate().map_err(|e| UsageError(format!("--rdzv-conf / --shutdown-timeout: {e}")))?;
         let program = worker_program(&self, python)?;
+        if self.virtual_local_rank {
+            for var in ["HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"] {
+                if let Some(list) = env(var).filter(|v| !v.is_empty()) {
+                    let n = list.split(',').count();
+                    if n < nproc_per_node as usize {
+                        return usage(format!(
+                            "--virtual-local-rank: {var}={list} names {n} device(s) for {nproc_per_node} workers per node"
+                        ));
+                    }
+                    break;
+                }
+            }
+        }
         if let Some(f) = &local_ranks_filter {
             if let Some(r) = f.iter().find(|r| **r >= nproc_per_node) {
                 return usage(format!(
@@ -522,6 +539,7 @@ impl Args {
             process_groups_only: self.containment.as_deref() == Some("process-group"),
             store_bind: self.store_bind,
             store_max_bytes: self.store_max_bytes,
+            virtual_local_rank: self.virtual_local_rank,
         })
     }
 }
