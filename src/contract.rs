@@ -157,6 +157,26 @@ impl RootCause {
         }
     }
 
+    /// A root cause that says only `message` (rank 0, exit code 1): for tools and tests that
+    /// report a failure without a worker behind it.
+    pub fn from_message(message: impl Into<String>) -> RootCause {
+        RootCause {
+            rank: 0,
+            local_rank: 0,
+            role: "default".into(),
+            host: String::new(),
+            pid: 0,
+            exit: Exit::Code(1),
+            timestamp: 0,
+            restart_count: 0,
+            message: message.into(),
+            traceback: None,
+            error_file: None,
+            stderr_tail: Vec::new(),
+            other_failures: Vec::new(),
+        }
+    }
+
     /// One line for logs and reasons: `rank 3 on node0, exit code 7: message`.
     pub fn summary(&self) -> String {
         let first = self.message.lines().next().unwrap_or("");

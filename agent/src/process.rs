@@ -60,16 +60,7 @@ fn spawn_worker_with(
     unsafe {
         cmd.pre_exec(move || {
             if let Some(procs) = &cgroup_procs {
-                // "0" moves the writing process.
-                let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
-                if fd < 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                let wrote = libc::write(fd, b"0".as_ptr().cast(), 1);
-                libc::close(fd);
-                if wrote != 1 {
-                    return Err(io::Error::last_os_error());
-                }
+                move_self_into(procs)?;
             }
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
                 return Err(io::Error::last_os_error());
@@ -196,6 +187,24 @@ impl WorkerProc {
     }
 }
 
+/// Moves the calling process into the cgroup whose `cgroup.procs` is `procs` ("0" names the
+/// writer). Only async-signal-safe calls: it runs between fork and exec.
+fn move_self_into(procs: &CString) -> io::Result<()> {
+    // SAFETY: open, write and close of a NUL-terminated path prepared before the fork.
+    unsafe {
+        let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let wrote = libc::write(fd, b"0".as_ptr().cast(), 1);
+        libc::close(fd);
+        if wrote != 1 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
 /// Whether a child can move itself into the cgroup whose `cgroup.procs` is `procs` (creating
 /// a cgroup may be allowed where moving processes into it is not): a short-lived `/bin/true`
 /// tries.
@@ -203,21 +212,10 @@ pub fn probe_cgroup(procs: CString) -> io::Result<()> {
     use std::os::unix::process::CommandExt;
     let mut cmd = std::process::Command::new("/bin/true");
     cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null());
-    // SAFETY: the closure runs between fork and exec and only calls async-signal-safe functions
-    // (open, write, close) on memory prepared before the fork.
+    // SAFETY: the closure runs between fork and exec and only calls `move_self_into`
+    // (async-signal-safe) on memory prepared before the fork.
     unsafe {
-        cmd.pre_exec(move || {
-            let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
-            if fd < 0 {
-                return Err(io::Error::last_os_error());
-            }
-            let wrote = libc::write(fd, b"0".as_ptr().cast(), 1);
-            libc::close(fd);
-            if wrote != 1 {
-                return Err(io::Error::last_os_error());
-            }
-            Ok(())
-        });
+        cmd.pre_exec(move || move_self_into(&procs));
     }
     let status = cmd.status()?;
     if status.success() {

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::http::{header, Request, StatusCode};
-use rlaunch::contract::{Exit, RootCause};
+use rlaunch::contract::RootCause;
 use rlaunch_rendezvous::api::{self, AppState};
 use rlaunch_rendezvous::round::{Job, JobSettings, NodeInfo};
 use rlaunch_rendezvous::{Backend, RdzvError, Rendezvous, RendezvousClient, WatchEvent};
@@ -17,21 +17,7 @@ use tokio::task::JoinHandle;
 use tower::ServiceExt;
 
 fn rc(message: impl ToString) -> Box<RootCause> {
-    Box::new(RootCause {
-        rank: 0,
-        local_rank: 0,
-        role: "default".into(),
-        host: "h".into(),
-        pid: 1,
-        exit: Exit::Code(1),
-        timestamp: 0,
-        restart_count: 0,
-        message: message.to_string(),
-        traceback: None,
-        error_file: None,
-        stderr_tail: Vec::new(),
-        other_failures: Vec::new(),
-    })
+    Box::new(RootCause::from_message(message.to_string()))
 }
 
 /// Every await in these tests is bounded by this.

@@ -8,7 +8,7 @@ use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use rlaunch::contract::{Exit, RootCause};
+use rlaunch::contract::RootCause;
 use rlaunch_rendezvous::round::{JobSettings, NodeInfo};
 use rlaunch_rendezvous::{Backend, RdzvError, RendezvousClient, WatchEvent};
 use serde_json::json;
@@ -16,21 +16,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 fn rc(message: impl ToString) -> Box<RootCause> {
-    Box::new(RootCause {
-        rank: 0,
-        local_rank: 0,
-        role: "default".into(),
-        host: "h".into(),
-        pid: 1,
-        exit: Exit::Code(1),
-        timestamp: 0,
-        restart_count: 0,
-        message: message.to_string(),
-        traceback: None,
-        error_file: None,
-        stderr_tail: Vec::new(),
-        other_failures: Vec::new(),
-    })
+    Box::new(RootCause::from_message(message.to_string()))
 }
 
 const DEADLINE: Duration = Duration::from_secs(30);

@@ -5,24 +5,9 @@ use std::time::Duration;
 use serde_json::json;
 
 use super::*;
-use rlaunch::contract::Exit;
 
 fn rc(message: impl ToString) -> Box<RootCause> {
-    Box::new(RootCause {
-        rank: 0,
-        local_rank: 0,
-        role: "default".into(),
-        host: "h".into(),
-        pid: 1,
-        exit: Exit::Code(1),
-        timestamp: 0,
-        restart_count: 0,
-        message: message.to_string(),
-        traceback: None,
-        error_file: None,
-        stderr_tail: Vec::new(),
-        other_failures: Vec::new(),
-    })
+    Box::new(RootCause::from_message(message.to_string()))
 }
 
 fn settings(min: u32, max: u32) -> JobSettings {
