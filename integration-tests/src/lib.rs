@@ -119,6 +119,11 @@ pub fn pid_alive(pid: i32) -> bool {
     }
 }
 
+/// The first `name` on PATH.
+pub fn which(name: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH")?.to_str()?.split(':').map(|d| Path::new(d).join(name)).find(|p| p.is_file())
+}
+
 pub fn stdout_of(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }

@@ -5,19 +5,15 @@
 //! Every wait has a deadline; a missing `etcd` fails loudly.
 
 use std::net::TcpListener;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
 use integration_tests::netns::Proc;
-use integration_tests::{bin, tempdir, wait_until, worker};
+use integration_tests::{bin, tempdir, wait_until, which, worker};
 
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").expect("a free port").local_addr().expect("addr").port()
-}
-
-fn which(name: &str) -> Option<PathBuf> {
-    std::env::var_os("PATH")?.to_str()?.split(':').map(|d| Path::new(d).join(name)).find(|p| p.is_file())
 }
 
 fn answers(port: u16) -> bool {
@@ -166,41 +162,13 @@ fn rounds_never_mix_a_slow_stopping_workers_writes_never_reach_the_next_round() 
     let w = worker();
     let w = w.to_str().unwrap();
     let common = ["--nnodes", "1:2", "--nproc-per-node", "2", "--max-restarts", "1", "--shutdown-timeout", "6"];
-    // Node A: its rank fails on attempt 0 after B's workers are up.
-    let a_prog = [
-        w,
-        "--out",
-        &out,
-        "store-absent",
-        "stale",
-        "expect-world",
-        "4",
-        "touch",
-        "up",
-        "sleep",
-        "1",
-        "fail-until-attempt",
-        "1",
-        "7",
-        "touch",
-        "done",
-    ];
-    let b_prog = [
-        w,
-        "--out",
-        &out,
-        "store-absent",
-        "stale",
-        "expect-world",
-        "4",
-        "touch",
-        "up",
-        "stale-writer-on-attempt0",
-        "stale",
-        "3",
-        "touch",
-        "done",
-    ];
+    // Both nodes first check that nothing of an earlier round is in their store and that the
+    // round has both of them.
+    let checks = [w, "--out", &out, "store-absent", "stale", "expect-world", "4", "touch", "up"];
+    // Node A: its ranks fail on attempt 0 after B's workers are up.
+    let a_prog = [&checks[..], &["sleep", "1", "fail-until-attempt", "1", "7", "touch", "done"]].concat();
+    // Node B: on attempt 0 its workers linger 3 s after SIGTERM, writing "stale".
+    let b_prog = [&checks[..], &["stale-writer-on-attempt0", "stale", "3", "touch", "done"]].concat();
     let mut a = agent(port, "mix", &common, &a_prog, &dir.path().join("a.log"));
     let mut b = agent(port, "mix", &common, &b_prog, &dir.path().join("b.log"));
     let sa = a.wait(Duration::from_secs(90));

@@ -9,7 +9,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use integration_tests::netns::{Cluster, Proc};
-use integration_tests::{bin, run_deadline, target_dir, tempdir, wait_until};
+use integration_tests::{bin, run_deadline, stderr_of, stdout_of, target_dir, tempdir, wait_until};
 
 const DEADLINE: Duration = Duration::from_secs(30);
 const CONF: &str = "heartbeat_interval=0.5,node_ttl=2,last_call_timeout=1,join_timeout=30";
@@ -22,10 +22,6 @@ fn rlaunch_clean(home: &Path, env: &[(&str, &str)], args: &[&str]) -> std::proce
         c.env(k, v);
     }
     run_deadline(&mut c, DEADLINE)
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
 }
 
 fn line_of<'a>(out: &'a str, setting: &str) -> &'a str {
@@ -49,8 +45,8 @@ fn flags_beat_the_environment_which_beats_config_files_and_print_config_says_whe
     let named_s = named.display().to_string();
     let env = [("RLAUNCH_CONFIG", named_s.as_str()), ("PET_MAX_RESTARTS", "4"), ("SLURM_JOB_ID", "77")];
     let o = rlaunch_clean(home, &env, &["--max-restarts", "9", "--print-config"]);
-    assert!(o.status.success(), "{}", text(&o.stderr));
-    let out = text(&o.stdout);
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    let out = stdout_of(&o);
     assert!(
         line_of(&out, "max-restarts").contains("9") && line_of(&out, "max-restarts").contains("(command line)"),
         "{out}"
@@ -65,10 +61,10 @@ fn flags_beat_the_environment_which_beats_config_files_and_print_config_says_whe
 
     // Without the flag the environment wins; without either, the file.
     let o = rlaunch_clean(home, &env, &["--print-config"]);
-    assert!(line_of(&text(&o.stdout), "max-restarts").contains("4"));
-    assert!(line_of(&text(&o.stdout), "max-restarts").contains("(environment (PET_MAX_RESTARTS))"));
+    assert!(line_of(&stdout_of(&o), "max-restarts").contains("4"));
+    assert!(line_of(&stdout_of(&o), "max-restarts").contains("(environment (PET_MAX_RESTARTS))"));
     let o = rlaunch_clean(home, &[("RLAUNCH_CONFIG", &named_s)], &["--print-config"]);
-    assert!(line_of(&text(&o.stdout), "max-restarts").contains("2"));
+    assert!(line_of(&stdout_of(&o), "max-restarts").contains("2"));
 
     // A Kubernetes Indexed Job: the pod's host name is `{job}-{index}`.
     let o = rlaunch_clean(
@@ -76,10 +72,10 @@ fn flags_beat_the_environment_which_beats_config_files_and_print_config_says_whe
         &[("RLAUNCH_CONFIG", &named_s), ("JOB_COMPLETION_INDEX", "3"), ("HOSTNAME", "train-job-3")],
         &["--print-config"],
     );
-    assert!(text(&o.stdout).contains("effective rdzv-id:      k8s-train-job"), "{}", text(&o.stdout));
+    assert!(stdout_of(&o).contains("effective rdzv-id:      k8s-train-job"), "{}", stdout_of(&o));
     // Static flags keep the backend static.
     let o = rlaunch_clean(home, &[("RLAUNCH_CONFIG", &named_s)], &["--master-port", "1", "--print-config"]);
-    assert!(text(&o.stdout).contains("effective rdzv-backend: static"), "{}", text(&o.stdout));
+    assert!(stdout_of(&o).contains("effective rdzv-backend: static"), "{}", stdout_of(&o));
 }
 
 #[test]
@@ -121,8 +117,8 @@ fn every_error_path_of_the_command_line_says_what_would_fix_it() {
     ];
     for (env, args, needle) in cases {
         let o = rlaunch_clean(home, &env, &args);
-        assert_eq!(o.status.code(), Some(2), "{args:?} {env:?}: {}", text(&o.stderr));
-        assert!(text(&o.stderr).contains(needle), "{args:?} {env:?}: expected {needle:?} in {}", text(&o.stderr));
+        assert_eq!(o.status.code(), Some(2), "{args:?} {env:?}: {}", stderr_of(&o));
+        assert!(stderr_of(&o).contains(needle), "{args:?} {env:?}: expected {needle:?} in {}", stderr_of(&o));
     }
 }
 

@@ -8,24 +8,20 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use integration_tests::netns::{
     self, latest_per_worker, loop_worker, now_unix_f64, rdzv_status, starts, status_members, Cluster, Proc, Start,
 };
-use integration_tests::{bin, pid_alive, tempdir, wait_until};
+use integration_tests::{bin, pid_alive, tempdir, wait_until, which};
 
 const NPROC: u32 = 2;
 const TTL_S: f64 = 2.0;
 const CONF: &str = "heartbeat_interval=0.5,node_ttl=2,last_call_timeout=1,join_timeout=30";
 const FORM: Duration = Duration::from_secs(20);
 const RECOVERY_SLACK_S: f64 = 5.0;
-
-fn which(name: &str) -> Option<PathBuf> {
-    std::env::var_os("PATH")?.to_str()?.split(':').map(|d| Path::new(d).join(name)).find(|p| p.is_file())
-}
 
 /// `GET path` on `addr` (plain HTTP/1.0); the response body, or None if nothing answered.
 fn http_get(addr: &str, path: &str) -> Option<String> {

@@ -8,13 +8,9 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use integration_tests::{bin, run_deadline, tempdir, wait_deadline, wait_until};
+use integration_tests::{bin, run_deadline, stderr_of, stdout_of, tempdir, wait_deadline, wait_until};
 
 const DEADLINE: Duration = Duration::from_secs(30);
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
-}
 
 fn python3() -> String {
     for p in ["/usr/bin/python3", "/usr/local/bin/python3"] {
@@ -67,12 +63,12 @@ fn ctrl_c_reaches_the_workers_as_keyboard_interrupt() {
     std::thread::sleep(Duration::from_millis(300));
     Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
     let o = wait_deadline(child, DEADLINE);
-    let out = text(&o.stdout);
+    let out = stdout_of(&o);
     assert_eq!(
         out.matches("caught KeyboardInterrupt").count(),
         2,
         "every worker's handler ran: {out}\n{}",
-        text(&o.stderr)
+        stderr_of(&o)
     );
     assert_eq!(o.status.code(), Some(130), "128 + SIGINT");
 }
@@ -86,8 +82,8 @@ fn pet_booleans_are_read_as_torchrun_reads_them() {
         ),
         DEADLINE,
     );
-    assert!(o.status.success(), "{}", text(&o.stderr));
-    assert_eq!(text(&o.stdout).matches("]:hi").count(), 2, "{}", text(&o.stdout));
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    assert_eq!(stdout_of(&o).matches("]:hi").count(), 2, "{}", stdout_of(&o));
     let o = run_deadline(&mut rlaunch(&[("PET_STANDALONE", "0")], &["--nnodes", "2", "/bin/true"]), DEADLINE);
     assert_eq!(o.status.code(), Some(2), "0 means off: a static multi-node job without a master port");
 }
@@ -105,10 +101,10 @@ fn the_interpreter_is_python_exec_else_the_active_virtualenvs() {
     let v = venv.to_str().unwrap();
 
     let o = run_deadline(&mut rlaunch(&[("PYTHON_EXEC", &exec), ("VIRTUAL_ENV", v)], &["--standalone", s]), DEADLINE);
-    assert!(text(&o.stdout).contains("MARK=exec"), "PYTHON_EXEC first: {}", text(&o.stdout));
+    assert!(stdout_of(&o).contains("MARK=exec"), "PYTHON_EXEC first: {}", stdout_of(&o));
     let o = run_deadline(&mut rlaunch(&[("VIRTUAL_ENV", v)], &["--standalone", s]), DEADLINE);
-    assert!(text(&o.stdout).contains("MARK=venv"), "then the virtualenv's: {}", text(&o.stdout));
-    assert!(text(&o.stderr).contains("python interpreter"), "logged at start: {}", text(&o.stderr));
+    assert!(stdout_of(&o).contains("MARK=venv"), "then the virtualenv's: {}", stdout_of(&o));
+    assert!(stderr_of(&o).contains("python interpreter"), "logged at start: {}", stderr_of(&o));
 }
 
 #[test]
@@ -119,11 +115,11 @@ fn a_python_file_without_py_and_without_the_execute_bit_runs_under_python() {
     std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o644)).unwrap();
     let py = python3();
     let o = run_deadline(&mut rlaunch(&[("PYTHON_EXEC", &py)], &["--standalone", script.to_str().unwrap()]), DEADLINE);
-    assert!(o.status.success(), "{}", text(&o.stderr));
-    assert!(text(&o.stdout).contains("ran under python"));
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    assert!(stdout_of(&o).contains("ran under python"));
     // An ELF program and a #! script still run as they are.
     let o = run_deadline(&mut rlaunch(&[], &["--standalone", "/bin/echo", "elf"]), DEADLINE);
-    assert!(text(&o.stdout).contains("elf"));
+    assert!(stdout_of(&o).contains("elf"));
 }
 
 #[test]
@@ -136,7 +132,7 @@ fn the_failure_report_lists_every_failed_rank_the_root_cause_first() {
         ),
         DEADLINE,
     );
-    let err = text(&o.stderr);
+    let err = stderr_of(&o);
     let root = err.find("Root Cause (first observed failure)").expect("a root cause");
     let others = err.find("Other Failures:").unwrap_or_else(|| panic!("the other failed rank is listed: {err}"));
     assert!(root < others, "the root cause comes first");
@@ -197,6 +193,6 @@ fn virtual_local_rank_gives_every_worker_its_own_gpu_as_device_0() {
     let (_, envs) = run(None);
     assert_eq!((envs[1]["LOCAL_RANK"].as_str(), envs[1]["CUDA_VISIBLE_DEVICES"].as_str()), (Some("0"), Some("1")));
     let (o, _) = run(Some("3"));
-    assert_eq!(o.status.code(), Some(2), "too few visible devices, as torchrun refuses: {}", text(&o.stderr));
-    assert!(text(&o.stderr).contains("--virtual-local-rank"));
+    assert_eq!(o.status.code(), Some(2), "too few visible devices, as torchrun refuses: {}", stderr_of(&o));
+    assert!(stderr_of(&o).contains("--virtual-local-rank"));
 }

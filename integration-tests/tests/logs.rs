@@ -8,13 +8,9 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use integration_tests::{rlaunch, run_deadline, tempdir, worker};
+use integration_tests::{rlaunch, run_deadline, stderr_of, stdout_of, tempdir, worker};
 
 const DEADLINE: Duration = Duration::from_secs(60);
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
-}
 
 /// Plants, under `parent`, the directory `name` (with `$$` the pid rlaunch will have, since
 /// `exec` keeps it) whose `attempt_0/0/stdout.log` is a symlink to `victim`, then runs rlaunch.
@@ -43,15 +39,15 @@ fn a_symlink_planted_where_the_logs_go_is_never_followed() {
     let tmp = dir.path().join("tmp");
     std::fs::create_dir(&tmp).unwrap();
     let o = plant_and_run(&tmp, "rlaunch_X_$$", &victim, &args, &tmp);
-    assert!(o.status.success(), "{}", text(&o.stderr));
-    assert!(text(&o.stdout).contains("overwritten"), "the worker ran: {}", text(&o.stdout));
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    assert!(stdout_of(&o).contains("overwritten"), "the worker ran: {}", stdout_of(&o));
     assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious\n", "the symlink was not followed");
 
     // An explicit --log-dir where `{run_id}_{pid}` was planted: never used; the run's logs go
     // to a new `{run_id}_{pid}_1` beside it.
     let logs = dir.path().join("logs");
     let o = plant_and_run(&logs, "X_$$", &victim, &format!("--log-dir {} {args}", logs.display()), &tmp);
-    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert!(o.status.success(), "{}", stderr_of(&o));
     assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious\n");
     let kept: Vec<String> =
         std::fs::read_dir(&logs).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
@@ -66,7 +62,7 @@ fn the_default_log_root_is_private_kept_after_a_failure_and_removed_after_succes
     cmd.env("TMPDIR", dir.path()).args(["--standalone", "--nproc-per-node", "1"]).arg(&w).args(["exit", "5"]);
     let o = run_deadline(&mut cmd, DEADLINE);
     assert_eq!(o.status.code(), Some(5));
-    let err = text(&o.stderr);
+    let err = stderr_of(&o);
     let kept = err
         .lines()
         .find_map(|l| l.strip_prefix("rlaunch: the workers' logs are kept in "))
@@ -93,7 +89,7 @@ impl SmallDisk {
     fn mount(at: &Path) -> SmallDisk {
         std::fs::create_dir_all(at).unwrap();
         let o = run_deadline(Command::new("mount").args(["-t", "tmpfs", "-o", "size=64k", "tmpfs"]).arg(at), DEADLINE);
-        assert!(o.status.success(), "mounting a tmpfs needs root: {}", text(&o.stderr));
+        assert!(o.status.success(), "mounting a tmpfs needs root: {}", stderr_of(&o));
         SmallDisk(at.to_path_buf())
     }
 }
@@ -113,9 +109,9 @@ fn a_full_log_disk_never_stops_a_worker_and_the_console_keeps_every_line() {
     // 2,000 lines of ~300 bytes: ten times the disk.
     cmd.args(["--standalone", "--nproc-per-node", "1", "--log-dir"]).arg(&disk.0).arg(&w).args(["spam", "2000"]);
     let o = run_deadline(&mut cmd, DEADLINE);
-    let err = text(&o.stderr);
+    let err = stderr_of(&o);
     assert!(o.status.success(), "the worker finished (no SIGPIPE): {}", &err[err.len().saturating_sub(2000)..]);
-    let lines = text(&o.stdout).lines().filter(|l| l.starts_with("[default0]:")).count();
+    let lines = stdout_of(&o).lines().filter(|l| l.starts_with("[default0]:")).count();
     assert_eq!(lines, 2000, "every stdout line reached the console");
     let warnings = err.matches("cannot write the log file any more").count();
     assert!((1..=2).contains(&warnings), "the write error is said once per stream: {warnings}");
@@ -156,5 +152,5 @@ fn the_workers_store_listens_only_on_the_address_it_advertises() {
         .collect();
     assert_eq!(listening, ["0100007F"], "the store on port {store_port} listens on 127.0.0.1 only");
     let o = integration_tests::wait_deadline(child, DEADLINE);
-    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert!(o.status.success(), "{}", stderr_of(&o));
 }
