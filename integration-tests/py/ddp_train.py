@@ -25,4 +25,8 @@ gathered = [torch.zeros_like(flat) for _ in range(world)]
 dist.all_gather(gathered, flat)
 assert all(torch.equal(gathered[0], g_) for g_ in gathered), "parameters differ across ranks"
 print(f"ddp ok rank={rank} first_loss={losses[0]:.4f} last_loss={losses[-1]:.4f}", flush=True)
+# DDP's reducer holds gloo work: free it while the interpreter is alive. Left to interpreter
+# finalisation, gloo's threads may abort the process ("terminate called without an active
+# exception", seen once under load; a known PyTorch teardown issue, not the launcher's).
+del model, opt
 dist.destroy_process_group()
