@@ -86,6 +86,13 @@ fn pet_booleans_are_read_as_torchrun_reads_them() {
     assert_eq!(stdout_of(&o).matches("]:hi").count(), 2, "{}", stdout_of(&o));
     let o = run_deadline(&mut rlaunch(&[("PET_STANDALONE", "0")], &["--nnodes", "2", "/bin/true"]), DEADLINE);
     assert_eq!(o.status.code(), Some(2), "0 means off: a static multi-node job without a master port");
+    // `true` is taken too (`PET_MODULE=true`: python -m).
+    let py = python3();
+    let o = run_deadline(
+        &mut rlaunch(&[("PET_STANDALONE", "1"), ("PET_MODULE", "true"), ("PYTHON_EXEC", &py)], &["this"]),
+        DEADLINE,
+    );
+    assert!(stdout_of(&o).contains("Beautiful is better than ugly"), "{}", stderr_of(&o));
 }
 
 #[test]

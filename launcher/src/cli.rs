@@ -791,21 +791,4 @@ mod tests {
         assert_eq!(given.elastic_run_id(&env(&[("SLURM_JOB_ID", "9")])).unwrap().0, "mine");
         assert_eq!(hide_token("node_ttl=2,token=s3cret"), "node_ttl=2,token=***");
     }
-
-    #[test]
-    fn pet_booleans_read_as_torchrun_reads_them() {
-        let with = |k: &str, v: &str| {
-            let cmd = {
-                std::env::set_var(k, v);
-                let c = Args::command();
-                std::env::remove_var(k);
-                c
-            };
-            Args::from_arg_matches(&cmd.try_get_matches_from(["rlaunch", "x"]).unwrap()).unwrap()
-        };
-        assert!(with("PET_STANDALONE", "1").standalone);
-        assert!(!with("PET_STANDALONE", "0").standalone);
-        assert!(with("PET_NO_PYTHON", "1").no_python);
-        assert!(with("PET_MODULE", "true").module);
-    }
 }
