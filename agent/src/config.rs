@@ -94,6 +94,18 @@ pub struct AgentConfig {
     pub store_max_bytes: usize,
     /// torchrun's `--virtual-local-rank`: `LOCAL_RANK=0` and one visible GPU per worker.
     pub virtual_local_rank: bool,
+    /// Signals that stop the job and are forwarded to the workers first
+    /// (`--signals-to-handle`); SIGTERM, SIGINT, SIGHUP and SIGQUIT stop it in any case.
+    pub handled_signals: Vec<i32>,
+    /// On a terminal, the global rank whose terminal gets the agent's stdin (`--stdin-rank`).
+    pub stdin_rank: u32,
+    /// torchrun's `--numa-binding`: every worker pinned to CPUs near its GPU.
+    pub numa_binding: Option<crate::numa::NumaMode>,
+    /// torchrun's `--duplicate-stdout-filters`: console lines of stdout containing any of these
+    /// also go to `attempt_{n}/filtered_stdout.log`.
+    pub duplicate_stdout_filters: Vec<String>,
+    /// The same for stderr (`filtered_stderr.log`).
+    pub duplicate_stderr_filters: Vec<String>,
 }
 
 impl AgentConfig {
@@ -117,6 +129,11 @@ impl AgentConfig {
             store_bind: None,
             store_max_bytes: rlaunch::store::DEFAULT_MAX_TOTAL_BYTES,
             virtual_local_rank: false,
+            handled_signals: crate::core::DEFAULT_HANDLED_SIGNALS.to_vec(),
+            stdin_rank: 0,
+            numa_binding: None,
+            duplicate_stdout_filters: Vec::new(),
+            duplicate_stderr_filters: Vec::new(),
         }
     }
 }

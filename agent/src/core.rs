@@ -293,8 +293,10 @@ pub struct Core {
     workers_alive: bool,
     /// When this node's current workers were started.
     started_at: Millis,
-    /// The first signal a stop sends: SIGINT once the agent got one, else SIGTERM.
+    /// The first signal a stop sends: the handled signal that stopped the job, else SIGTERM.
     stop_first: i32,
+    /// The signals that stop the job and are forwarded first (`--signals-to-handle`).
+    handled: Vec<i32>,
     /// Whether a join ever answered with a round (a job over before that is someone else's).
     ever_joined: bool,
 }
@@ -303,12 +305,23 @@ fn ms(d: Duration) -> Millis {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
-/// Signals that stop the job; the others are relayed to the workers.
+/// torchrun's `--signals-to-handle` default: these stop the job, forwarded to the workers first.
+pub const DEFAULT_HANDLED_SIGNALS: [i32; 4] = [libc::SIGTERM, libc::SIGINT, libc::SIGHUP, libc::SIGQUIT];
+
+/// Signals that stop the job whether handled or not, so that nothing of it is left running;
+/// the others (SIGUSR1, SIGUSR2) are relayed to the workers unless handled.
 pub fn is_stop_signal(signal: i32) -> bool {
-    matches!(signal, libc::SIGTERM | libc::SIGINT | libc::SIGHUP | libc::SIGQUIT)
+    DEFAULT_HANDLED_SIGNALS.contains(&signal)
 }
 
 impl Core {
+    /// The signals that stop the job and reach the workers first (`--signals-to-handle`);
+    /// SIGTERM, SIGINT, SIGHUP and SIGQUIT stop it even when not listed.
+    pub fn with_handled_signals(mut self, handled: &[i32]) -> Core {
+        self.handled = handled.to_vec();
+        self
+    }
+
     pub fn new(membership: Membership) -> Core {
         Core {
             membership,
@@ -323,6 +336,7 @@ impl Core {
             workers_alive: false,
             started_at: 0,
             stop_first: libc::SIGTERM,
+            handled: DEFAULT_HANDLED_SIGNALS.to_vec(),
             ever_joined: false,
         }
     }
@@ -769,15 +783,17 @@ impl Core {
     }
 
     fn on_signal(&mut self, signal: i32, now: Millis, out: &mut Vec<Action>) {
-        if !is_stop_signal(signal) {
+        let handled = self.handled.contains(&signal);
+        if !handled && !is_stop_signal(signal) {
             if self.workers_alive {
                 out.push(Action::Relay(signal));
             }
             return;
         }
-        if signal == libc::SIGINT {
-            // Ctrl-C reaches the workers as Ctrl-C (torchrun's behaviour).
-            self.stop_first = libc::SIGINT;
+        if handled && !matches!(self.phase, Phase::Stopping { .. }) {
+            // The workers get the signal itself first (Ctrl-C reaches them as Ctrl-C), as
+            // torchrun forwards it; an unhandled stop signal stops them with SIGTERM.
+            self.stop_first = signal;
         }
         let then = match self.elastic() {
             Some(_) => AfterStop::Leave(signal),

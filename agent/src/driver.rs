@@ -17,7 +17,8 @@ use crate::core::{
     Action, CallError, Core, Event, Membership, Outcome, Placement, Report, ReportKind, Watch, WorkersEnd,
 };
 use crate::elastic::{self, ElasticSetup};
-use crate::workers::{GroupOutcome, WorkerGroup};
+use crate::output::DupFilter;
+use crate::workers::{GroupIo, GroupOutcome, WorkerGroup};
 use crate::{process, start_store, worker_specs, AgentConfig, AgentError, Ctx, RendezvousConfig, RunOutcome, Signals};
 
 /// How often the core's clock ticks (fencing, retries).
@@ -41,7 +42,7 @@ pub(crate) async fn run(config: &AgentConfig, ctx: &Ctx<'_>, signals: &mut Signa
         last_error: LastError::default(),
     };
     let membership = io.setup().await?;
-    let result = drive(Core::new(membership), &mut io, rx, signals).await;
+    let result = drive(Core::new(membership).with_handled_signals(&config.handled_signals), &mut io, rx, signals).await;
     io.calls.abort_all();
     if let Some(e) = io.elastic.take() {
         e.finish().await;
@@ -342,16 +343,37 @@ impl Io<'_> {
             "starting workers"
         );
         let specs = worker_specs(self.config, &p, &master, self.ctx);
+        let io = self.group_io(p.restart_count)?;
         let group = WorkerGroup::start(
             &self.config.program,
             specs,
             self.ctx.agent_env,
-            self.ctx.console,
+            &io,
             self.ctx.host,
             self.ctx.containment.clone(),
         )?;
         self.group = Some(supervise(group, self.config.stop_grace, self.tx.clone()));
         Ok(())
+    }
+
+    /// The console, stdin and this attempt's duplicate filters (torchrun keeps one filtered log
+    /// per attempt: `attempt_{n}/filtered_stdout.log`).
+    fn group_io(&self, attempt: u32) -> Result<GroupIo, AgentError> {
+        let dir = self.ctx.log_root.join(format!("attempt_{attempt}"));
+        let filters = [
+            (&self.config.duplicate_stdout_filters, "filtered_stdout.log"),
+            (&self.config.duplicate_stderr_filters, "filtered_stderr.log"),
+        ];
+        let mut dup = [None, None];
+        for (slot, (needles, name)) in dup.iter_mut().zip(filters) {
+            if needles.iter().all(|n| n.is_empty()) {
+                continue;
+            }
+            std::fs::create_dir_all(&dir).map_err(|source| AgentError::LogDir { path: dir.clone(), source })?;
+            let path = dir.join(name);
+            *slot = DupFilter::open(needles, path.clone()).map_err(|source| AgentError::LogDir { path, source })?;
+        }
+        Ok(GroupIo { console: self.ctx.console.clone(), stdin: self.ctx.stdin.clone(), dup })
     }
 
     fn send(&mut self, report: Report) {

@@ -11,6 +11,7 @@ pub mod contain;
 pub mod core;
 mod driver;
 mod elastic;
+pub mod numa;
 pub mod output;
 pub mod process;
 pub mod report;
@@ -20,7 +21,7 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use tokio::signal::unix::{signal, Signal, SignalKind};
+use tokio::signal::unix::{signal, SignalKind};
 use tracing::{info_span, warn, Instrument};
 
 use rlaunch::contract::HostPort;
@@ -28,7 +29,7 @@ use rlaunch::env::WorkerEnv;
 use rlaunch::store::{ServerConfig, StoreHandle, StoreServer};
 
 pub use config::{AgentConfig, DynamicBackend, DynamicRendezvous, PerRank, RendezvousConfig};
-use output::{render_prefix, Console, StdSet};
+use output::{render_prefix, Console, StdSet, StdinRouter};
 pub use report::{Exit, RootCause};
 use workers::{worker_dir, WorkerSpec};
 
@@ -54,6 +55,8 @@ pub enum AgentError {
         #[source]
         source: std::io::Error,
     },
+    #[error("cannot bind the workers to CPUs (numa binding {mode}): {reason}")]
+    NumaBinding { mode: &'static str, reason: String },
     #[error("cannot install signal handlers")]
     Signals(#[source] std::io::Error),
     #[error("rendezvous failed: {message}")]
@@ -96,36 +99,51 @@ impl RunOutcome {
     }
 }
 
+/// The agent's signal handlers: every signal it stops on or relays arrives here, in order.
 pub(crate) struct Signals {
-    term: Signal,
-    int: Signal,
-    hup: Signal,
-    quit: Signal,
-    usr1: Signal,
-    usr2: Signal,
+    rx: tokio::sync::mpsc::UnboundedReceiver<i32>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl Signals {
-    pub(crate) fn install() -> std::io::Result<Signals> {
-        Ok(Signals {
-            term: signal(SignalKind::terminate())?,
-            int: signal(SignalKind::interrupt())?,
-            hup: signal(SignalKind::hangup())?,
-            quit: signal(SignalKind::quit())?,
-            usr1: signal(SignalKind::user_defined1())?,
-            usr2: signal(SignalKind::user_defined2())?,
-        })
+    /// Handles the stop signals, SIGUSR1 and SIGUSR2 (relayed), and whatever else `handled`
+    /// names (`--signals-to-handle`).
+    pub(crate) fn install(handled: &[i32]) -> std::io::Result<Signals> {
+        let mut all: Vec<i32> = core::DEFAULT_HANDLED_SIGNALS.to_vec();
+        all.extend([libc::SIGUSR1, libc::SIGUSR2]);
+        all.extend_from_slice(handled);
+        all.sort_unstable();
+        all.dedup();
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut tasks = Vec::new();
+        for sig in all {
+            let mut stream = signal(SignalKind::from_raw(sig))?;
+            let tx = tx.clone();
+            tasks.push(tokio::spawn(async move {
+                while stream.recv().await.is_some() {
+                    if tx.send(sig).is_err() {
+                        break;
+                    }
+                }
+            }));
+        }
+        Ok(Signals { rx, tasks })
     }
 
     /// The next signal; the core decides which stop the job and which are relayed.
     pub(crate) async fn next(&mut self) -> i32 {
-        tokio::select! {
-            _ = self.term.recv() => libc::SIGTERM,
-            _ = self.int.recv() => libc::SIGINT,
-            _ = self.hup.recv() => libc::SIGHUP,
-            _ = self.quit.recv() => libc::SIGQUIT,
-            _ = self.usr1.recv() => libc::SIGUSR1,
-            _ = self.usr2.recv() => libc::SIGUSR2,
+        match self.rx.recv().await {
+            Some(sig) => sig,
+            // The tasks live as long as this; never reached, but waiting forever is right.
+            None => std::future::pending().await,
+        }
+    }
+}
+
+impl Drop for Signals {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
         }
     }
 }
@@ -147,14 +165,28 @@ pub async fn run(config: AgentConfig) -> Result<RunOutcome, AgentError> {
 
 async fn run_inner(config: AgentConfig) -> Result<RunOutcome, AgentError> {
     let host = hostname();
-    let agent_env: BTreeMap<String, String> = std::env::vars().collect();
-    let mut signals = Signals::install().map_err(AgentError::Signals)?;
+    let mut agent_env: BTreeMap<String, String> = std::env::vars().collect();
+    // torchrun leaves its handled signals in the workers' environment.
+    let handled: Vec<String> = config.handled_signals.iter().map(|s| rlaunch::contract::signal_name(*s)).collect();
+    agent_env.insert("TORCHELASTIC_SIGNALS_TO_HANDLE".into(), handled.join(","));
+    let mut signals = Signals::install(&config.handled_signals).map_err(AgentError::Signals)?;
     let console = Console::start();
+    // On a terminal, stdin goes to one worker's terminal (`--stdin-rank`).
+    let stdin = console.tty.then(StdinRouter::start);
     let (log_root, temp_logs) = log_root(&config)?;
+    let cpus = numa_binding(&config, &agent_env)?;
     let choice = if config.process_groups_only { Some("process-group") } else { None };
     let containment = std::sync::Arc::new(contain::Containment::detect(config.nproc_per_node, choice));
-    let ctx =
-        Ctx { containment: &containment, host: &host, agent_env: &agent_env, console: &console, log_root: &log_root };
+    let ctx = Ctx {
+        containment: &containment,
+        host: &host,
+        agent_env: &agent_env,
+        console: &console,
+        stdin,
+        log_root: &log_root,
+        term_size: process::terminal_size(libc::STDOUT_FILENO),
+        cpus,
+    };
     let outcome = driver::run(&config, &ctx, &mut signals).await;
     // Every worker is gone. The job's cgroups go with the last holder of this (a worker group
     // task may still hold it briefly); if the process ends first, the watchdog removes them.
@@ -177,7 +209,35 @@ pub(crate) struct Ctx<'a> {
     pub host: &'a str,
     pub agent_env: &'a BTreeMap<String, String>,
     pub console: &'a Console,
+    pub stdin: Option<StdinRouter>,
     pub log_root: &'a std::path::Path,
+    /// The agent's terminal's size (rows, columns), when stdout is one.
+    pub term_size: Option<(u16, u16)>,
+    /// Each local rank's CPUs (`--numa-binding`).
+    pub cpus: Option<Vec<libc::cpu_set_t>>,
+}
+
+/// `--numa-binding`: every local rank's CPUs, from the node's topology in sysfs
+/// (`RLAUNCH_SYSFS`, default `/sys`) and the GPUs the agent may use (`CUDA_VISIBLE_DEVICES`);
+/// decided before any worker starts, so a node where the policy cannot apply fails at once.
+fn numa_binding(
+    config: &AgentConfig,
+    agent_env: &BTreeMap<String, String>,
+) -> Result<Option<Vec<libc::cpu_set_t>>, AgentError> {
+    let Some(mode) = config.numa_binding else { return Ok(None) };
+    let root = PathBuf::from(agent_env.get("RLAUNCH_SYSFS").map(String::as_str).unwrap_or("/sys"));
+    let fail = |reason: String| AgentError::NumaBinding { mode: mode.as_str(), reason };
+    let allowed = numa::allowed_cpus().map_err(|e| fail(format!("cannot read this process's CPUs: {e}")))?;
+    let topology = numa::Topology::read(&root, &allowed).map_err(fail)?;
+    let visible = agent_env.get("CUDA_VISIBLE_DEVICES").map(String::as_str);
+    let topology = topology.with_visible_devices(visible).map_err(fail)?;
+    let mut sets = Vec::new();
+    for local_rank in 0..config.nproc_per_node {
+        let cpus = numa::cpus_for(&topology, mode, local_rank as usize).map_err(fail)?;
+        tracing::info!(local_rank, cpus = %numa::format_cpu_list(&cpus), mode = mode.as_str(), "numa binding");
+        sets.push(numa::to_cpu_set(&cpus));
+    }
+    Ok(Some(sets))
 }
 
 pub(crate) async fn start_store(bind: &str, max_total_bytes: usize) -> Result<StoreHandle, AgentError> {
@@ -260,6 +320,18 @@ pub(crate) fn worker_specs(
                 stdout: shown && (!redirect.stdout || tee.stdout),
                 stderr: shown && (!redirect.stderr || tee.stderr),
             };
+            let prefix = render_prefix(&config.log_line_prefix_template, &config.role, rank, local_rank, host);
+            let tty = ctx.console.tty;
+            let terminal = process::Terminal {
+                stdout: tty && console.stdout,
+                stderr: ctx.console.stderr_tty && console.stderr,
+                stdin: tty && console.stdout && rank == config.stdin_rank,
+                // The worker's lines are this much narrower than the terminal: its prefix.
+                size: ctx.term_size.map(|(rows, cols)| {
+                    let width = prefix.chars().count().min(usize::from(u16::MAX)) as u16;
+                    (rows, cols.saturating_sub(width).max(20))
+                }),
+            };
             WorkerSpec {
                 env: WorkerEnv {
                     rank,
@@ -279,7 +351,9 @@ pub(crate) fn worker_specs(
                     use_agent_store: true,
                     error_file: Some(dir.join("error.json").to_string_lossy().into_owned()),
                 },
-                prefix: render_prefix(&config.log_line_prefix_template, &config.role, rank, local_rank, host),
+                prefix,
+                terminal,
+                cpus: ctx.cpus.as_ref().map(|sets| sets[local_rank as usize]),
                 overrides: if config.virtual_local_rank {
                     virtual_local_rank(local_rank, ctx.agent_env)
                 } else {

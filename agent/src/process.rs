@@ -26,39 +26,110 @@ enum Exited {
     Thread(tokio::sync::Mutex<Option<tokio::sync::oneshot::Receiver<()>>>),
 }
 
-/// Spawns `cmd` in a new process group of its own with `PR_SET_PDEATHSIG(SIGKILL)`, stdin from
-/// /dev/null, stdout and stderr piped (returned as async readers).
+/// How a worker's standard streams are connected.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Terminal {
+    /// stdout (and stderr) on pseudo-terminals of their own, so the worker sees a terminal:
+    /// colours, progress bars, prompts. Otherwise pipes.
+    pub stdout: bool,
+    pub stderr: bool,
+    /// stdin from the stdout terminal (the agent forwards its own stdin there); otherwise
+    /// /dev/null.
+    pub stdin: bool,
+    /// The terminal's size as the worker sees it (the agent's less the prefix).
+    pub size: Option<(u16, u16)>,
+}
+
+/// What else a worker gets before it runs: its cgroup, its CPUs.
+#[derive(Default)]
+pub struct Placement {
+    /// A cgroup's `cgroup.procs`: the worker moves itself there before it runs anything, so
+    /// every process it ever starts is in it too.
+    pub cgroup_procs: Option<CString>,
+    /// CPUs the worker and its threads may run on (`--numa-binding`).
+    pub cpus: Option<libc::cpu_set_t>,
+}
+
+/// A started worker: the process, its output streams, and where its stdin can be written.
+pub struct Spawned {
+    pub proc: WorkerProc,
+    pub stdout: Box<dyn tokio::io::AsyncRead + Unpin + Send>,
+    pub stderr: Box<dyn tokio::io::AsyncRead + Unpin + Send>,
+    /// The worker's terminal, for its input (when [`Terminal::stdin`]).
+    pub stdin: Option<std::fs::File>,
+}
+
+/// Spawns `cmd` in a new process group of its own (a session of its own, with its terminal as
+/// the controlling one, when it gets a terminal) with `PR_SET_PDEATHSIG(SIGKILL)`; stdin from
+/// /dev/null, stdout and stderr piped, unless `terminal` says otherwise.
 ///
 /// The parent-death signal fires when the *thread* that forked exits, so this must be called
 /// from a thread that lives as long as the agent (a tokio worker thread, not a blocking-pool
 /// thread).
-///
-/// With `cgroup_procs` (a cgroup's `cgroup.procs` file), the worker moves itself into that
-/// cgroup before it runs anything, so every process it ever starts is in it too.
-pub fn spawn_worker(
-    cmd: std::process::Command,
-    cgroup_procs: Option<CString>,
-) -> io::Result<(WorkerProc, tokio::net::unix::pipe::Receiver, tokio::net::unix::pipe::Receiver)> {
-    spawn_worker_with(cmd, cgroup_procs, true)
+pub fn spawn_worker(cmd: std::process::Command, place: Placement, terminal: Terminal) -> io::Result<Spawned> {
+    spawn_worker_with(cmd, place, terminal, true)
 }
-
-type Spawned = (WorkerProc, tokio::net::unix::pipe::Receiver, tokio::net::unix::pipe::Receiver);
 
 /// [`spawn_worker`], with `pidfd: false` taking the older kernels' way (for its tests).
 fn spawn_worker_with(
     mut cmd: std::process::Command,
-    cgroup_procs: Option<CString>,
+    place: Placement,
+    terminal: Terminal,
     pidfd: bool,
 ) -> io::Result<Spawned> {
     use std::os::unix::process::CommandExt;
     // SAFETY: getpid is async-signal-safe and has no preconditions.
     let agent_pid = unsafe { libc::getpid() };
-    cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).process_group(0);
+    let out_pty = if terminal.stdout { Some(Pty::open(terminal.size)?) } else { None };
+    let err_pty = if terminal.stderr { Some(Pty::open(terminal.size)?) } else { None };
+    let mut stdin_master = None;
+    match &out_pty {
+        Some(p) if terminal.stdin => {
+            cmd.stdin(Stdio::from(p.slave.try_clone()?));
+            stdin_master = Some(std::fs::File::from(p.master.try_clone()?));
+        }
+        _ => {
+            cmd.stdin(Stdio::null());
+        }
+    }
+    match &out_pty {
+        Some(p) => cmd.stdout(Stdio::from(p.slave.try_clone()?)),
+        None => cmd.stdout(Stdio::piped()),
+    };
+    match &err_pty {
+        Some(p) => cmd.stderr(Stdio::from(p.slave.try_clone()?)),
+        None => cmd.stderr(Stdio::piped()),
+    };
+    let session = out_pty.is_some() || err_pty.is_some();
+    // Its controlling terminal: stdout's, else stderr's (descriptors as the worker has them).
+    let ctty_fd = if out_pty.is_some() { libc::STDOUT_FILENO } else { libc::STDERR_FILENO };
+    if !session {
+        cmd.process_group(0);
+    }
+    let Placement { cgroup_procs, cpus } = place;
     // SAFETY: the closure runs between fork and exec and only calls async-signal-safe functions
-    // (prctl, getppid, open, write, close) on memory prepared before the fork; it allocates
-    // nothing and touches no locks.
+    // (setsid, ioctl, signal, sched_setaffinity, prctl, getppid, open, write, close) on memory
+    // prepared before the fork; it allocates nothing and touches no locks.
     unsafe {
         cmd.pre_exec(move || {
+            if session {
+                // A session of its own makes it a process group leader too (the group the
+                // agent signals), and its terminal its controlling one (`/dev/tty`).
+                if libc::setsid() < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                if libc::ioctl(ctty_fd, libc::TIOCSCTTY, 0) != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+            // The agent ignores SIGTTIN while it forwards a terminal's input; the worker must not
+            // inherit that.
+            libc::signal(libc::SIGTTIN, libc::SIG_DFL);
+            if let Some(set) = &cpus {
+                if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), set) != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
             if let Some(procs) = &cgroup_procs {
                 move_self_into(procs)?;
             }
@@ -73,6 +144,9 @@ fn spawn_worker_with(
         });
     }
     let mut child = cmd.spawn()?;
+    // The worker's ends of its terminals live on in the worker only: once it and its children
+    // are gone, reading the master ends.
+    drop(cmd);
     let pid = child.id();
     // The child is not reaped yet (nobody waits on it but us, later): its pid is still its own.
     // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
@@ -101,14 +175,143 @@ fn spawn_worker_with(
         })?;
         Exited::Thread(tokio::sync::Mutex::new(Some(rx)))
     };
-    let stdout = child.stdout.take().expect("stdout is piped");
-    let stderr = child.stderr.take().expect("stderr is piped");
+    type Reader = Box<dyn tokio::io::AsyncRead + Unpin + Send>;
+    let stdout: Reader = match (child.stdout.take(), out_pty) {
+        (_, Some(pty)) => Box::new(PtyReader::new(pty.master)?),
+        (Some(p), None) => Box::new(tokio::net::unix::pipe::Receiver::from_owned_fd(OwnedFd::from(p))?),
+        (None, None) => unreachable!("a stream is either piped or on a terminal"),
+    };
+    let stderr: Reader = match (child.stderr.take(), err_pty) {
+        (_, Some(pty)) => Box::new(PtyReader::new(pty.master)?),
+        (Some(p), None) => Box::new(tokio::net::unix::pipe::Receiver::from_owned_fd(OwnedFd::from(p))?),
+        (None, None) => unreachable!("a stream is either piped or on a terminal"),
+    };
     // Dropping std's `Child` neither waits nor kills: the pidfd is how the worker is awaited.
     drop(child);
-    let out = tokio::net::unix::pipe::Receiver::from_owned_fd(OwnedFd::from(stdout))?;
-    let err = tokio::net::unix::pipe::Receiver::from_owned_fd(OwnedFd::from(stderr))?;
     let proc = WorkerProc { pid, exited, reaped: std::sync::Mutex::new(false) };
-    Ok((proc, out, err))
+    Ok(Spawned { proc, stdout, stderr, stdin: stdin_master })
+}
+
+/// A pseudo-terminal pair: the agent keeps the master, the worker gets the slave.
+struct Pty {
+    master: OwnedFd,
+    slave: OwnedFd,
+}
+
+impl Pty {
+    /// A new pseudo-terminal that passes the worker's bytes as written (no `\n` to `\r\n`) and
+    /// does not echo input (the agent's own terminal echoed it already), of `size` (rows,
+    /// columns).
+    fn open(size: Option<(u16, u16)>) -> io::Result<Pty> {
+        // SAFETY: posix_openpt returns a new descriptor or -1.
+        let m = unsafe { libc::posix_openpt(libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC) };
+        if m < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: m was just returned by posix_openpt and is owned by nobody else.
+        let master = unsafe { OwnedFd::from_raw_fd(m) };
+        let mut name = [0 as libc::c_char; 128];
+        // SAFETY: grantpt/unlockpt/ptsname_r on a valid master descriptor; ptsname_r writes at
+        // most `name.len()` bytes, NUL-terminated.
+        unsafe {
+            if libc::grantpt(m) != 0 || libc::unlockpt(m) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            let r = libc::ptsname_r(m, name.as_mut_ptr(), name.len());
+            if r != 0 {
+                return Err(io::Error::from_raw_os_error(r));
+            }
+        }
+        // SAFETY: `name` is NUL-terminated by ptsname_r.
+        let s = unsafe { libc::open(name.as_ptr(), libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC) };
+        if s < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: s was just returned by open and is owned by nobody else.
+        let slave = unsafe { OwnedFd::from_raw_fd(s) };
+        // SAFETY: a zeroed termios is a valid out-parameter; tcgetattr/tcsetattr/ioctl on the
+        // descriptors just opened.
+        unsafe {
+            let mut t: libc::termios = std::mem::zeroed();
+            if libc::tcgetattr(s, &mut t) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            t.c_oflag &= !libc::OPOST;
+            t.c_lflag &= !(libc::ECHO | libc::ECHONL);
+            if libc::tcsetattr(s, libc::TCSANOW, &t) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            if let Some((rows, cols)) = size {
+                let ws = libc::winsize { ws_row: rows, ws_col: cols, ws_xpixel: 0, ws_ypixel: 0 };
+                libc::ioctl(m, libc::TIOCSWINSZ, &ws);
+            }
+        }
+        Ok(Pty { master, slave })
+    }
+}
+
+/// The size (rows, columns) of the terminal on `fd`, if it is one.
+pub fn terminal_size(fd: libc::c_int) -> Option<(u16, u16)> {
+    // SAFETY: a zeroed winsize is a valid out-parameter for TIOCGWINSZ.
+    let mut ws: libc::winsize = unsafe { std::mem::zeroed() };
+    // SAFETY: TIOCGWINSZ writes a winsize into the pointer it is given.
+    let r = unsafe { libc::ioctl(fd, libc::TIOCGWINSZ, &mut ws) };
+    (r == 0 && ws.ws_col > 0).then_some((ws.ws_row, ws.ws_col))
+}
+
+/// Reads a pseudo-terminal's master without blocking a thread; EIO (every holder of the slave
+/// gone) is the end of the stream.
+struct PtyReader {
+    fd: tokio::io::unix::AsyncFd<OwnedFd>,
+}
+
+impl PtyReader {
+    fn new(master: OwnedFd) -> io::Result<PtyReader> {
+        use std::os::fd::AsRawFd;
+        // SAFETY: fcntl on a valid descriptor we own.
+        unsafe {
+            let flags = libc::fcntl(master.as_raw_fd(), libc::F_GETFL);
+            if flags < 0 || libc::fcntl(master.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK) < 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
+        // SAFETY: an OwnedFd is a valid open descriptor that stays open and the same for as long
+        // as the AsyncFd owns it.
+        Ok(PtyReader { fd: unsafe { tokio::io::unix::AsyncFd::register(master) }.map_err(io::Error::from)? })
+    }
+}
+
+impl tokio::io::AsyncRead for PtyReader {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        use std::os::fd::AsRawFd;
+        use std::task::Poll;
+        loop {
+            let mut guard = match self.fd.poll_read_ready(cx) {
+                Poll::Ready(Ok(g)) => g,
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => return Poll::Pending,
+            };
+            let unfilled = buf.initialize_unfilled();
+            // SAFETY: read into the initialized, unfilled part of the buffer, at most its length.
+            let n = unsafe { libc::read(guard.get_inner().as_raw_fd(), unfilled.as_mut_ptr().cast(), unfilled.len()) };
+            if n >= 0 {
+                buf.advance(n as usize);
+                return Poll::Ready(Ok(()));
+            }
+            let e = io::Error::last_os_error();
+            match e.raw_os_error() {
+                Some(libc::EAGAIN) => guard.clear_ready(),
+                Some(libc::EINTR) => {}
+                // The worker's side is closed for good: end of stream.
+                Some(libc::EIO) => return Poll::Ready(Ok(())),
+                _ => return Poll::Ready(Err(e)),
+            }
+        }
+    }
 }
 
 impl WorkerProc {
@@ -418,14 +621,14 @@ mod tests {
         for pidfd in [true, false] {
             let mut cmd = std::process::Command::new("/bin/sh");
             cmd.args(["-c", "exit 3"]);
-            let (proc, _out, _err) = spawn_worker_with(cmd, None, pidfd).expect("spawn");
+            let proc = spawn_worker_with(cmd, Placement::default(), Terminal::default(), pidfd).expect("spawn").proc;
             let exit = tokio::time::timeout(std::time::Duration::from_secs(10), proc.wait()).await.expect("in time");
             assert_eq!(exit.expect("reaped"), Exit::Code(3), "pidfd: {pidfd}");
             assert!(proc.is_reaped());
             proc.signal_group(libc::SIGKILL).expect("a reaped worker's group is never signalled: no error");
             let mut cmd = std::process::Command::new("/bin/sh");
             cmd.args(["-c", "kill -9 $$"]);
-            let (proc, _out, _err) = spawn_worker_with(cmd, None, pidfd).expect("spawn");
+            let proc = spawn_worker_with(cmd, Placement::default(), Terminal::default(), pidfd).expect("spawn").proc;
             let exit = tokio::time::timeout(std::time::Duration::from_secs(10), proc.wait()).await.expect("in time");
             assert_eq!(exit.expect("reaped"), Exit::Signal(libc::SIGKILL), "pidfd: {pidfd}");
         }

@@ -14,8 +14,8 @@ use tracing::{debug, warn};
 use rlaunch::env::WorkerEnv;
 
 use crate::contain::Containment;
-use crate::output::{pump, Console, Sink, StdSet, Stream};
-use crate::process::{spawn_worker, WorkerProc};
+use crate::output::{pump, Console, DupFilter, Sink, StdSet, StdinRouter, Stream};
+use crate::process::{spawn_worker, Placement, Terminal, WorkerProc};
 use crate::report::{now_unix, read_error_file, Exit, RootCause};
 use crate::AgentError;
 use rlaunch::contract::OtherFailure;
@@ -33,6 +33,19 @@ pub struct WorkerSpec {
     pub prefix: String,
     /// Variables set after the worker environment's (`--virtual-local-rank`).
     pub overrides: Vec<(&'static str, String)>,
+    /// Pseudo-terminals for the streams shown on a terminal console, and stdin for one rank.
+    pub terminal: Terminal,
+    /// CPUs the worker is bound to (`--numa-binding`).
+    pub cpus: Option<libc::cpu_set_t>,
+}
+
+/// Where a group's workers' output and input go, besides their own files.
+pub struct GroupIo {
+    pub console: Console,
+    /// The agent's stdin, for the worker whose [`Terminal::stdin`] is set.
+    pub stdin: Option<StdinRouter>,
+    /// torchrun's duplicate filters: stdout's, stderr's.
+    pub dup: [Option<Arc<DupFilter>>; 2],
 }
 
 struct Running {
@@ -42,6 +55,8 @@ struct Running {
     exit: Option<Exit>,
     stderr_tail: Arc<Mutex<VecDeque<String>>>,
     pumps: Vec<JoinHandle<()>>,
+    /// Its terminal receives the agent's stdin under this id.
+    stdin_id: Option<u64>,
 }
 
 /// The result of waiting on a group.
@@ -57,6 +72,7 @@ pub struct WorkerGroup {
     exits: mpsc::UnboundedReceiver<(usize, Exit, u64)>,
     waiters: Vec<JoinHandle<()>>,
     host: String,
+    stdin: Option<StdinRouter>,
 }
 
 impl WorkerGroup {
@@ -65,15 +81,21 @@ impl WorkerGroup {
         program: &[OsString],
         specs: Vec<WorkerSpec>,
         agent_env: &BTreeMap<String, String>,
-        console: &Console,
+        io: &GroupIo,
         host: &str,
         containment: Arc<Containment>,
     ) -> Result<WorkerGroup, AgentError> {
         let (tx, exits) = mpsc::unbounded_channel();
-        let mut group =
-            WorkerGroup { containment, workers: Vec::new(), exits, waiters: Vec::new(), host: host.to_string() };
+        let mut group = WorkerGroup {
+            containment,
+            workers: Vec::new(),
+            exits,
+            waiters: Vec::new(),
+            host: host.to_string(),
+            stdin: io.stdin.clone(),
+        };
         for (index, spec) in specs.into_iter().enumerate() {
-            if let Err(e) = group.spawn_one(index, program, spec, agent_env, console, tx.clone()) {
+            if let Err(e) = group.spawn_one(index, program, spec, agent_env, io, tx.clone()) {
                 group.kill_now();
                 return Err(e);
             }
@@ -87,9 +109,10 @@ impl WorkerGroup {
         program: &[OsString],
         spec: WorkerSpec,
         agent_env: &BTreeMap<String, String>,
-        console: &Console,
+        io: &GroupIo,
         tx: mpsc::UnboundedSender<(usize, Exit, u64)>,
     ) -> Result<(), AgentError> {
+        let console: &Console = &io.console;
         let local_rank = spec.env.local_rank;
         std::fs::create_dir_all(&spec.dir).map_err(|source| AgentError::LogDir { path: spec.dir.clone(), source })?;
         let (exe, args) = program.split_first().expect("the launcher never passes an empty program");
@@ -101,22 +124,33 @@ impl WorkerGroup {
         for (k, v) in &spec.overrides {
             cmd.env(k, v);
         }
-        let (proc, stdout, stderr) = spawn_worker(cmd, self.containment.procs_file(local_rank))
-            .map_err(|source| AgentError::Spawn { local_rank, program: exe.to_string_lossy().into_owned(), source })?;
-        let proc = Arc::new(proc);
+        let place = Placement { cgroup_procs: self.containment.procs_file(local_rank), cpus: spec.cpus };
+        let spawned = spawn_worker(cmd, place, spec.terminal).map_err(|source| AgentError::Spawn {
+            local_rank,
+            program: exe.to_string_lossy().into_owned(),
+            source,
+        })?;
+        let proc = Arc::new(spawned.proc);
         let pid = proc.pid();
+        let stdin_id = match (spawned.stdin, &io.stdin) {
+            (Some(terminal), Some(router)) => {
+                let id = console.new_source();
+                router.set(id, terminal);
+                Some(id)
+            }
+            _ => None,
+        };
         let stderr_tail = Arc::new(Mutex::new(VecDeque::new()));
         let mut pumps = Vec::new();
-        let streams: [(Stream, Option<Box<dyn tokio::io::AsyncRead + Unpin + Send>>); 2] =
-            [(Stream::Stdout, Some(Box::new(stdout) as _)), (Stream::Stderr, Some(Box::new(stderr) as _))];
-        for (stream, reader) in streams {
-            let Some(reader) = reader else { continue };
+        for (stream, reader) in [(Stream::Stdout, spawned.stdout), (Stream::Stderr, spawned.stderr)] {
             let name = if stream == Stream::Stdout { "stdout.log" } else { "stderr.log" };
             let sink = Sink {
                 stream,
                 console: spec.console.has(stream).then(|| (console.clone(), spec.prefix.clone().into_bytes())),
                 file: spec.files.has(stream).then(|| spec.dir.join(name)),
                 tail: (stream == Stream::Stderr).then(|| stderr_tail.clone()),
+                partial: if stream == Stream::Stdout { spec.terminal.stdout } else { spec.terminal.stderr },
+                dup: io.dup[if stream == Stream::Stdout { 0 } else { 1 }].clone(),
             };
             pumps.push(tokio::spawn(async move {
                 if let Err(e) = pump(reader, sink).await {
@@ -136,7 +170,7 @@ impl WorkerGroup {
             let _ = tx.send((index, exit, now_unix()));
         }));
         debug!(local_rank, rank = spec.env.rank, pid, "worker started");
-        self.workers.push(Running { spec, pid, proc, exit: None, stderr_tail, pumps });
+        self.workers.push(Running { spec, pid, proc, exit: None, stderr_tail, pumps, stdin_id });
         Ok(())
     }
 
@@ -295,6 +329,15 @@ impl WorkerGroup {
                 let _ = tokio::time::timeout(Duration::from_secs(2), p).await;
             }
         }
+        self.release_stdin();
+    }
+
+    fn release_stdin(&self) {
+        if let Some(router) = &self.stdin {
+            for id in self.workers.iter().filter_map(|w| w.stdin_id) {
+                router.clear(id);
+            }
+        }
     }
 }
 
@@ -307,6 +350,7 @@ impl Drop for WorkerGroup {
         for t in &self.waiters {
             t.abort();
         }
+        self.release_stdin();
     }
 }
 

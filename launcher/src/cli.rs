@@ -176,6 +176,46 @@ pub struct Args {
     #[arg(long = "store-max-bytes", env = "RLAUNCH_STORE_MAX_BYTES", default_value_t = 1 << 30)]
     pub store_max_bytes: usize,
 
+    /// Signals that stop the job and reach the workers first, then SIGTERM and SIGKILL after
+    /// the grace (torchrun's list). SIGTERM, SIGINT, SIGHUP and SIGQUIT stop the job even when
+    /// not listed; SIGUSR1 and SIGUSR2, when not listed, are relayed to the workers.
+    #[arg(
+        long = "signals-to-handle",
+        alias = "signals_to_handle",
+        env = "PET_SIGNALS_TO_HANDLE",
+        default_value = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+    )]
+    pub signals_to_handle: String,
+
+    /// Pin every worker to CPUs near its GPU (torchrun's policies: node, socket, exclusive,
+    /// core-complex), from the node's topology in sysfs.
+    #[arg(long = "numa-binding", alias = "numa_binding", env = "PET_NUMA_BINDING", value_parser = ["node", "socket", "exclusive", "core-complex"])]
+    pub numa_binding: Option<String>,
+
+    /// On a terminal, the global rank whose terminal gets rlaunch's stdin (`input()`,
+    /// `breakpoint()`); the other ranks read /dev/null.
+    #[arg(long = "stdin-rank", alias = "stdin_rank", env = "PET_STDIN_RANK", default_value_t = 0)]
+    pub stdin_rank: u32,
+
+    /// Console lines of the workers' stdout that contain any of these (`a,b`; `,,` for a comma)
+    /// are also written to `attempt_{n}/filtered_stdout.log` in the log directory.
+    #[arg(
+        long = "duplicate-stdout-filters",
+        alias = "duplicate_stdout_filters",
+        env = "PET_DUPLICATE_STDOUT_FILTERS",
+        default_value = ""
+    )]
+    pub duplicate_stdout_filters: String,
+
+    /// The same for stderr (`filtered_stderr.log`).
+    #[arg(
+        long = "duplicate-stderr-filters",
+        alias = "duplicate_stderr_filters",
+        env = "PET_DUPLICATE_STDERR_FILTERS",
+        default_value = ""
+    )]
+    pub duplicate_stderr_filters: String,
+
     /// Every worker sees only its own GPU, as device 0, with LOCAL_RANK=0 (torchrun's flag).
     #[arg(long = "virtual-local-rank", alias = "virtual_local_rank", env = "PET_VIRTUAL_LOCAL_RANK", value_parser = BoolishValueParser::new())]
     pub virtual_local_rank: bool,
@@ -522,6 +562,8 @@ impl Args {
         if run_id.is_empty() || run_id.len() > 128 || run_id.chars().any(|c| c.is_control() || c == '/') {
             return usage(format!("--rdzv-id {run_id:?}: expected 1 to 128 characters, no '/' or control characters"));
         }
+        let handled_signals =
+            parse_signals(&self.signals_to_handle).map_err(|e| UsageError(format!("--signals-to-handle: {e}")))?;
         Ok(AgentConfig {
             program,
             nproc_per_node,
@@ -540,8 +582,56 @@ impl Args {
             store_bind: self.store_bind,
             store_max_bytes: self.store_max_bytes,
             virtual_local_rank: self.virtual_local_rank,
+            handled_signals,
+            stdin_rank: self.stdin_rank,
+            numa_binding: self.numa_binding.as_deref().map(|m| m.parse().expect("clap checked the choice")),
+            duplicate_stdout_filters: comma_separated_list(&self.duplicate_stdout_filters),
+            duplicate_stderr_filters: comma_separated_list(&self.duplicate_stderr_filters),
         })
     }
+}
+
+/// torchrun's list syntax for the duplicate filters: items split at `,`, with `,,` for a comma
+/// inside an item.
+pub fn comma_separated_list(value: &str) -> Vec<String> {
+    if value.is_empty() {
+        return Vec::new();
+    }
+    const PLACEHOLDER: char = '\u{0}';
+    let escaped = value.replace(",,", &PLACEHOLDER.to_string());
+    escaped.split(',').map(|item| item.replace(PLACEHOLDER, ",")).collect()
+}
+
+/// Signals an agent can stop on: not the ones that cannot be caught (SIGKILL, SIGSTOP) nor
+/// those the kernel sends for a fault of the agent itself (SIGSEGV and the like).
+const HANDLEABLE_SIGNALS: [(&str, i32); 9] = [
+    ("SIGHUP", libc::SIGHUP),
+    ("SIGINT", libc::SIGINT),
+    ("SIGQUIT", libc::SIGQUIT),
+    ("SIGTERM", libc::SIGTERM),
+    ("SIGUSR1", libc::SIGUSR1),
+    ("SIGUSR2", libc::SIGUSR2),
+    ("SIGALRM", libc::SIGALRM),
+    ("SIGXCPU", libc::SIGXCPU),
+    ("SIGXFSZ", libc::SIGXFSZ),
+];
+
+/// `SIGTERM,SIGUSR1` (torchrun's spelling; `TERM` and any case are taken too) into numbers.
+pub fn parse_signals(list: &str) -> Result<Vec<i32>, String> {
+    let mut out = Vec::new();
+    for name in list.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+        let upper = name.to_ascii_uppercase();
+        let full = if upper.starts_with("SIG") { upper } else { format!("SIG{upper}") };
+        match HANDLEABLE_SIGNALS.iter().find(|(n, _)| *n == full) {
+            Some((_, sig)) if !out.contains(sig) => out.push(*sig),
+            Some(_) => {}
+            None => {
+                let names: Vec<&str> = HANDLEABLE_SIGNALS.iter().map(|(n, _)| *n).collect();
+                return Err(format!("`{name}` is not a signal the launcher can handle (one of {})", names.join(", ")));
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// Every setting with its value and where it came from, for `--print-config`.

@@ -197,6 +197,32 @@ fn fixed_membership_succeeds_and_relays_and_stops_on_signals() {
 }
 
 #[test]
+fn handled_signals_reach_the_workers_first_and_unhandled_ones_still_stop_or_relay() {
+    // torchrun's --signals-to-handle SIGTERM,SIGUSR1: SIGUSR1 now stops the job (Slurm's warning
+    // before its time limit), forwarded to the workers as itself.
+    let handled = [libc::SIGTERM, libc::SIGUSR1];
+    let mut s = Sim::new(fixed(3).with_handled_signals(&handled));
+    s.ev(Event::Start);
+    assert_eq!(s.ev(Event::Signal(libc::SIGUSR1)), vec![Action::StopWorkers { first: libc::SIGUSR1 }]);
+    // A second signal during the stop changes neither the stop nor its first signal.
+    assert!(s.ev(Event::Signal(libc::SIGTERM)).is_empty());
+    assert_eq!(s.ev(Event::WorkersStopped), vec![Action::Exit(Outcome::Interrupted { signal: libc::SIGTERM })]);
+
+    // SIGINT is not listed: it still stops the job (nothing is left running), with SIGTERM.
+    let mut s = Sim::new(fixed(3).with_handled_signals(&handled));
+    s.ev(Event::Start);
+    assert_eq!(s.ev(Event::Signal(libc::SIGINT)), vec![STOP]);
+    // SIGUSR2 is not listed: relayed, the job goes on.
+    let mut s = Sim::new(fixed(3).with_handled_signals(&handled));
+    s.ev(Event::Start);
+    assert_eq!(s.ev(Event::Signal(libc::SIGUSR2)), vec![Action::Relay(libc::SIGUSR2)]);
+    // By default SIGHUP reaches the workers as SIGHUP, as torchrun forwards it.
+    let mut s = Sim::new(fixed(3));
+    s.ev(Event::Start);
+    assert_eq!(s.ev(Event::Signal(libc::SIGHUP)), vec![Action::StopWorkers { first: libc::SIGHUP }]);
+}
+
+#[test]
 fn elastic_happy_path_reports_success_and_ends_when_the_job_finishes() {
     let mut s = Sim::new(elastic());
     s.joined_running(round(1, 0));
