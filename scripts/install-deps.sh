@@ -29,10 +29,10 @@ fi
 $build_only && exit 0
 
 VENV=${RLAUNCH_VENV:-.venv}
-if ! "$VENV/bin/python" -c 'import torch, numpy' 2>/dev/null; then
+if ! "$VENV/bin/python" -c 'import torch, numpy, tqdm' 2>/dev/null; then
   echo "install-deps: creating $VENV with torch from PyPI (large download, once)"
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip
-  "$VENV/bin/pip" install -q torch numpy matplotlib
+  "$VENV/bin/pip" install -q torch numpy matplotlib tqdm
 fi
 "$VENV/bin/python" -c 'import torch; print("install-deps: torch", torch.__version__)'

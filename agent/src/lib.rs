@@ -165,14 +165,11 @@ pub async fn run(config: AgentConfig) -> Result<RunOutcome, AgentError> {
 
 async fn run_inner(config: AgentConfig) -> Result<RunOutcome, AgentError> {
     let host = hostname();
-    let mut agent_env: BTreeMap<String, String> = std::env::vars().collect();
-    // torchrun leaves its handled signals in the workers' environment.
-    let handled: Vec<String> = config.handled_signals.iter().map(|s| rlaunch::contract::signal_name(*s)).collect();
-    agent_env.insert("TORCHELASTIC_SIGNALS_TO_HANDLE".into(), handled.join(","));
+    let agent_env: BTreeMap<String, String> = std::env::vars().collect();
     let mut signals = Signals::install(&config.handled_signals).map_err(AgentError::Signals)?;
     let console = Console::start();
     // On a terminal, stdin goes to one worker's terminal (`--stdin-rank`).
-    let stdin = console.tty.then(StdinRouter::start);
+    let stdin = console.tty.then(|| StdinRouter::start(console.clone()));
     let (log_root, temp_logs) = log_root(&config)?;
     let cpus = numa_binding(&config, &agent_env)?;
     let choice = if config.process_groups_only { Some("process-group") } else { None };
@@ -354,10 +351,16 @@ pub(crate) fn worker_specs(
                 prefix,
                 terminal,
                 cpus: ctx.cpus.as_ref().map(|sets| sets[local_rank as usize]),
-                overrides: if config.virtual_local_rank {
-                    virtual_local_rank(local_rank, ctx.agent_env)
-                } else {
-                    Vec::new()
+                overrides: {
+                    // torchrun sets its handled signals in its own environment, which the workers
+                    // inherit.
+                    let handled: Vec<String> =
+                        config.handled_signals.iter().map(|s| rlaunch::contract::signal_name(*s)).collect();
+                    let mut vars = vec![(rlaunch::env::SIGNALS_TO_HANDLE, handled.join(","))];
+                    if config.virtual_local_rank {
+                        vars.extend(virtual_local_rank(local_rank, ctx.agent_env));
+                    }
+                    vars
                 },
                 dir,
                 files,

@@ -223,6 +223,16 @@ impl Discipline {
         }
     }
 
+    /// The user typed a line on the terminal (input for a worker): its echo moved the cursor to
+    /// a new line, so an open line (a prompt) is over without another newline.
+    pub fn typed(&mut self) {
+        for slot in &mut self.slots {
+            if slot.open.as_ref().is_some_and(|o| o.hold_until.is_none()) {
+                slot.open = None;
+            }
+        }
+    }
+
     /// When [`Discipline::tick`] has something to do next.
     pub fn deadline(&self) -> Option<Instant> {
         self.slots.iter().filter_map(|s| s.open.as_ref().and_then(|o| o.hold_until)).min()
@@ -257,6 +267,8 @@ pub struct Console {
 
 enum ConsoleMsg {
     Piece(Piece),
+    /// The user typed a line for a worker: the terminal's echo ended the line on the screen.
+    Typed,
     Flush(SyncSender<()>),
 }
 
@@ -279,6 +291,11 @@ impl Console {
     /// A number naming one worker stream for [`Piece::source`].
     pub fn new_source(&self) -> u64 {
         self.next_source.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// A line typed for a worker was echoed by the terminal.
+    pub fn typed(&self) {
+        let _ = self.tx.send(ConsoleMsg::Typed);
     }
 
     pub fn piece(&self, piece: Piece) {
@@ -316,6 +333,7 @@ fn console_thread(rx: Receiver<ConsoleMsg>, mut discipline: Discipline) {
         let mut flushed = None;
         match msg {
             Some(ConsoleMsg::Piece(p)) => discipline.push(p, now, &mut writes),
+            Some(ConsoleMsg::Typed) => discipline.typed(),
             Some(ConsoleMsg::Flush(done)) => {
                 discipline.close_all(now, &mut writes);
                 flushed = Some(done);
@@ -398,7 +416,7 @@ impl StdinRouter {
     /// Starts the thread that reads the agent's stdin. In the background of a shell, reading the
     /// terminal fails (SIGTTIN is ignored, so it is EIO rather than a stopped agent) and is
     /// tried again until the job is brought to the foreground.
-    pub fn start() -> StdinRouter {
+    pub fn start(console: Console) -> StdinRouter {
         use std::io::{IsTerminal, Read};
         let router = StdinRouter { state: Arc::new(Mutex::new(RouterState::default())) };
         // SAFETY: setting a signal's disposition to "ignore" has no preconditions; workers set it
@@ -422,6 +440,9 @@ impl StdinRouter {
                         }
                     }
                     Ok(n) => {
+                        if tty && buf[..n].contains(&b'\n') {
+                            console.typed();
+                        }
                         let mut st = state.lock().expect("the router's lock is never poisoned");
                         if let Some((_, f)) = st.target.as_mut() {
                             // A worker that exited meanwhile: its input is dropped.
@@ -683,6 +704,18 @@ mod tests {
         d.push(piece(1, " done", true, true, false), t0, &mut out);
         d.push(piece(2, "", true, true, false), t0, &mut out);
         assert_eq!(text(&out), "[1]:a1\n[2]:b1\n[1]:a2 done\n", "rank 2's end of a line already closed adds nothing");
+    }
+
+    #[test]
+    fn a_typed_line_ends_the_prompt_it_answered() {
+        let t0 = Instant::now();
+        let mut d = Discipline::new(true, true);
+        let mut out = Vec::new();
+        d.push(piece(1, "(Pdb) ", false, false, false), t0, &mut out);
+        // The terminal echoed the user's line and its newline: the answer starts a line of its own.
+        d.typed();
+        d.push(piece(1, "42", true, true, false), t0, &mut out);
+        assert_eq!(text(&out), "[1]:(Pdb) [1]:42\n");
     }
 
     #[test]

@@ -203,3 +203,163 @@ fn virtual_local_rank_gives_every_worker_its_own_gpu_as_device_0() {
     assert_eq!(o.status.code(), Some(2), "too few visible devices, as torchrun refuses: {}", stderr_of(&o));
     assert!(stderr_of(&o).contains("--virtual-local-rank"));
 }
+
+#[test]
+fn signals_to_handle_stops_the_job_with_the_listed_signal_forwarded_first() {
+    let dir = tempdir();
+    let script = dir.path().join("w.py");
+    std::fs::write(
+        &script,
+        format!(
+            "import os, pathlib, signal, sys, time\n\
+             print('env', os.environ['TORCHELASTIC_SIGNALS_TO_HANDLE'], flush=True)\n\
+             def on_usr1(sig, frame):\n    print('got SIGUSR1', flush=True)\n    sys.exit(0)\n\
+             signal.signal(signal.SIGUSR1, on_usr1)\n\
+             pathlib.Path('{d}/up' + os.environ['RANK']).touch()\n\
+             time.sleep(60)\n",
+            d = dir.path().display()
+        ),
+    )
+    .unwrap();
+    let py = python3();
+    let child = rlaunch(
+        &[("PYTHON_EXEC", &py)],
+        &["--standalone", "--nproc-per-node", "2", "--signals-to-handle", "SIGTERM,SIGUSR1", script.to_str().unwrap()],
+    )
+    .stdin(Stdio::null())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    wait_until("the workers to start", DEADLINE, || dir.path().join("up0").exists() && dir.path().join("up1").exists());
+    Command::new("kill").args(["-USR1", &child.id().to_string()]).status().unwrap();
+    let o = wait_deadline(child, DEADLINE);
+    let out = stdout_of(&o);
+    assert_eq!(out.matches("got SIGUSR1").count(), 2, "every worker got SIGUSR1 first: {out}\n{}", stderr_of(&o));
+    assert_eq!(out.matches("env SIGTERM,SIGUSR1").count(), 2, "torchrun's variable, as torchrun leaves it: {out}");
+    assert_eq!(o.status.code(), Some(128 + libc::SIGUSR1), "128 + SIGUSR1");
+}
+
+#[test]
+fn duplicate_stdout_filters_copy_matching_lines_to_the_attempts_filtered_log() {
+    let dir = tempdir();
+    let logs = dir.path().join("logs");
+    let o = run_deadline(
+        &mut rlaunch(
+            &[],
+            &[
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                "--no-python",
+                "--log-dir",
+                logs.to_str().unwrap(),
+                "--duplicate-stdout-filters",
+                "apple,or,,ange",
+                "sh",
+                "-c",
+                "echo an apple; echo pear; echo 'or,ange juice'; echo orange",
+            ],
+        ),
+        DEADLINE,
+    );
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    let run = std::fs::read_dir(&logs).unwrap().next().unwrap().unwrap().path();
+    let filtered = std::fs::read_to_string(run.join("attempt_0/filtered_stdout.log")).unwrap();
+    let mut lines: Vec<&str> = filtered.lines().collect();
+    lines.sort();
+    assert_eq!(
+        lines,
+        ["[default0]:an apple", "[default0]:or,ange juice", "[default1]:an apple", "[default1]:or,ange juice"],
+        "`,,` is a comma inside a filter"
+    );
+    assert!(!run.join("attempt_0/filtered_stderr.log").exists(), "no stderr filters, no file");
+}
+
+/// The first two CPUs this process may run on.
+fn two_allowed_cpus() -> (u32, u32) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let list = status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).unwrap().trim().to_owned();
+    let mut cpus = Vec::new();
+    for part in list.split(',') {
+        match part.split_once('-') {
+            Some((a, b)) => cpus.extend(a.parse::<u32>().unwrap()..=b.parse::<u32>().unwrap()),
+            None => cpus.push(part.parse::<u32>().unwrap()),
+        }
+    }
+    assert!(cpus.len() >= 2, "the NUMA binding test needs two CPUs; this machine allows {list}");
+    (cpus[0], cpus[1])
+}
+
+#[test]
+fn numa_binding_pins_each_worker_to_its_gpus_cpus() {
+    // A node as sysfs describes it: one NUMA node with two single-thread cores sharing an L3,
+    // and two NVIDIA GPUs on it (so `exclusive` gives each worker one core of its own).
+    let dir = tempdir();
+    let sys = dir.path().join("sys");
+    let (c0, c1) = two_allowed_cpus();
+    let put = |path: &str, text: &str| {
+        let p = sys.join(path);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, text).unwrap();
+    };
+    put("devices/system/node/possible", "0\n");
+    put("devices/system/node/node0/cpulist", &format!("{c0},{c1}\n"));
+    for c in [c0, c1] {
+        put(&format!("devices/system/cpu/cpu{c}/topology/thread_siblings_list"), &format!("{c}\n"));
+        put(&format!("devices/system/cpu/cpu{c}/topology/physical_package_id"), "0\n");
+        put(&format!("devices/system/cpu/cpu{c}/cache/index3/type"), "Unified\n");
+        put(&format!("devices/system/cpu/cpu{c}/cache/index3/level"), "3\n");
+        put(&format!("devices/system/cpu/cpu{c}/cache/index3/shared_cpu_list"), &format!("{c0},{c1}\n"));
+    }
+    for gpu in ["0000:01:00.0", "0000:02:00.0"] {
+        put(&format!("bus/pci/devices/{gpu}/vendor"), "0x10de\n");
+        put(&format!("bus/pci/devices/{gpu}/class"), "0x030200\n");
+        put(&format!("bus/pci/devices/{gpu}/numa_node"), "0\n");
+    }
+    let sysfs = sys.to_str().unwrap();
+    let run = |mode: &str| {
+        let o = run_deadline(
+            &mut rlaunch(
+                &[("RLAUNCH_SYSFS", sysfs)],
+                &[
+                    "--standalone",
+                    "--nproc-per-node",
+                    "2",
+                    "--no-python",
+                    "--numa-binding",
+                    mode,
+                    "sh",
+                    "-c",
+                    "grep Cpus_allowed_list /proc/self/status",
+                ],
+            ),
+            DEADLINE,
+        );
+        assert!(o.status.success(), "{mode}: {}", stderr_of(&o));
+        let mut lines: Vec<String> = stdout_of(&o).lines().map(|l| l.split_whitespace().collect()).collect();
+        lines.sort();
+        lines
+    };
+    assert_eq!(
+        run("exclusive"),
+        [format!("[default0]:Cpus_allowed_list:{c0}"), format!("[default1]:Cpus_allowed_list:{c1}")],
+        "a core of its own for each GPU's worker"
+    );
+    let both = if c1 == c0 + 1 { format!("{c0}-{c1}") } else { format!("{c0},{c1}") };
+    assert_eq!(
+        run("node"),
+        [format!("[default0]:Cpus_allowed_list:{both}"), format!("[default1]:Cpus_allowed_list:{both}")],
+        "the whole NUMA node for each"
+    );
+    // More workers than GPUs: refused before anything starts, with the reason.
+    let o = run_deadline(
+        &mut rlaunch(
+            &[("RLAUNCH_SYSFS", sysfs)],
+            &["--standalone", "--nproc-per-node", "3", "--no-python", "--numa-binding", "node", "true"],
+        ),
+        DEADLINE,
+    );
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr_of(&o).contains("numa binding node"), "{}", stderr_of(&o));
+}
