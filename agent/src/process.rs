@@ -80,8 +80,17 @@ fn spawn_worker_with(
     use std::os::unix::process::CommandExt;
     // SAFETY: getpid is async-signal-safe and has no preconditions.
     let agent_pid = unsafe { libc::getpid() };
-    let out_pty = if terminal.stdout { Some(Pty::open(terminal.size)?) } else { None };
-    let err_pty = if terminal.stderr { Some(Pty::open(terminal.size)?) } else { None };
+    // Without pseudo-terminals (no /dev/ptmx in a container, none left), pipes as elsewhere.
+    let open_pty = |wanted: bool| -> Option<Pty> {
+        if !wanted {
+            return None;
+        }
+        Pty::open(terminal.size)
+            .map_err(|e| tracing::warn!(error = %e, "no pseudo-terminal for a worker; it gets a pipe"))
+            .ok()
+    };
+    let out_pty = open_pty(terminal.stdout);
+    let err_pty = open_pty(terminal.stderr);
     let mut stdin_master = None;
     match &out_pty {
         Some(p) if terminal.stdin => {
