@@ -519,6 +519,11 @@ impl Args {
                             self.nnodes
                         ));
                     }
+                    if max_nodes == 1 && self.master_port.is_none() && endpoints.is_empty() && self.rdzv_id.is_none() {
+                        // torchrun runs a single node without a port as a standalone job: a
+                        // fresh run id (a UUID) per run.
+                        run_id = random_run_id();
+                    }
                     let node_rank = self.node_rank.unwrap_or(0);
                     if node_rank >= max_nodes {
                         return usage(format!("--node-rank {node_rank} must be below --nnodes {max_nodes}"));
