@@ -363,3 +363,19 @@ fn numa_binding_pins_each_worker_to_its_gpus_cpus() {
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr_of(&o).contains("numa binding node"), "{}", stderr_of(&o));
 }
+
+#[test]
+fn print_completion_gives_a_script_bash_loads() {
+    let o = run_deadline(&mut rlaunch(&[], &["--print-completion", "bash"]), DEADLINE);
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    let dir = tempdir();
+    let script = dir.path().join("rlaunch.bash");
+    std::fs::write(&script, &o.stdout).unwrap();
+    let check = format!("source {} && complete -p rlaunch", script.display());
+    let b = run_deadline(Command::new("bash").args(["-c", &check]), DEADLINE);
+    assert!(stdout_of(&b).contains("-F _rlaunch rlaunch"), "{}{}", stdout_of(&b), stderr_of(&b));
+    assert!(stdout_of(&o).contains("--numa-binding"), "the flags are in it");
+    // torchrun's `tcsh` is not among the shells: a usage error, as argparse gives for a bad choice.
+    let o = run_deadline(&mut rlaunch(&[], &["--print-completion", "tcsh"]), DEADLINE);
+    assert_eq!(o.status.code(), Some(2));
+}

@@ -225,8 +225,13 @@ pub struct Args {
     #[arg(long = "print-config", alias = "print_config")]
     pub print_config: bool,
 
+    /// Print a shell completion script for rlaunch and exit (torchrun's flag), e.g.
+    /// `rlaunch --print-completion bash > /etc/bash_completion.d/rlaunch`.
+    #[arg(long = "print-completion", alias = "print_completion", value_parser = ["bash", "zsh", "fish", "elvish", "powershell"])]
+    pub print_completion: Option<String>,
+
     /// The program to run on every worker, then its arguments.
-    #[arg(required_unless_present = "print_config", trailing_var_arg = true, value_name = "PROGRAM [ARGS]...")]
+    #[arg(required_unless_present_any = ["print_config", "print_completion"], trailing_var_arg = true, value_name = "PROGRAM [ARGS]...")]
     pub program: Vec<OsString>,
 }
 
@@ -639,6 +644,22 @@ pub fn parse_signals(list: &str) -> Result<Vec<i32>, String> {
     Ok(out)
 }
 
+/// `--print-completion SHELL`: the completion script for `shell` on stdout.
+pub fn print_completion(shell: &str) {
+    use clap_complete::Shell;
+    let shell = match shell {
+        "bash" => Shell::Bash,
+        "zsh" => Shell::Zsh,
+        "fish" => Shell::Fish,
+        "elvish" => Shell::Elvish,
+        _ => Shell::PowerShell,
+    };
+    let mut script = Vec::new();
+    clap_complete::generate(shell, &mut Args::command(), "rlaunch", &mut script);
+    // A reader that stops early (`| head`) is not an error of ours.
+    let _ = std::io::Write::write_all(&mut std::io::stdout(), &script);
+}
+
 /// Every setting with its value and where it came from, for `--print-config`.
 pub type Sources = Vec<(String, String, String)>;
 
@@ -682,7 +703,7 @@ pub fn parse(argv: Vec<OsString>, env: &dyn Fn(&str) -> Option<String>) -> Resul
     let mut sources = Vec::new();
     for a in cmd.get_arguments() {
         let id = a.get_id().as_str();
-        if matches!(id, "help" | "version" | "program" | "print_config") {
+        if matches!(id, "help" | "version" | "program" | "print_config" | "print_completion") {
             continue;
         }
         let name = a.get_long().unwrap_or(id).to_owned();

@@ -23,6 +23,10 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if let Some(shell) = &args.print_completion {
+        cli::print_completion(shell);
+        return ExitCode::SUCCESS;
+    }
     if args.print_config {
         print!("{}", cli::render_config(&args, &sources, &env));
         return ExitCode::SUCCESS;
