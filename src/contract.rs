@@ -69,6 +69,15 @@ pub fn signal_name(signal: i32) -> String {
         libc::SIGTERM => "SIGTERM",
         libc::SIGXCPU => "SIGXCPU",
         libc::SIGXFSZ => "SIGXFSZ",
+        libc::SIGPWR => "SIGPWR",
+        libc::SIGVTALRM => "SIGVTALRM",
+        libc::SIGPROF => "SIGPROF",
+        libc::SIGWINCH => "SIGWINCH",
+        libc::SIGCONT => "SIGCONT",
+        libc::SIGTSTP => "SIGTSTP",
+        libc::SIGURG => "SIGURG",
+        libc::SIGIO => "SIGIO",
+        libc::SIGCHLD => "SIGCHLD",
         _ => return format!("signal {signal}"),
     };
     name.to_string()

@@ -169,7 +169,10 @@ async fn run_inner(config: AgentConfig) -> Result<RunOutcome, AgentError> {
     let mut signals = Signals::install(&config.handled_signals).map_err(AgentError::Signals)?;
     let console = Console::start();
     // On a terminal, stdin goes to one worker's terminal (`--stdin-rank`).
-    let stdin = console.tty.then(|| StdinRouter::start(console.clone()));
+    // Only typed input: piped data would pass through a terminal's line rules (and its 4 KiB
+    // line limit) on the way.
+    let stdin_is_tty = std::io::IsTerminal::is_terminal(&std::io::stdin());
+    let stdin = (console.tty && stdin_is_tty).then(|| StdinRouter::start(console.clone()));
     let (log_root, temp_logs) = log_root(&config)?;
     let cpus = numa_binding(&config, &agent_env)?;
     let choice = if config.process_groups_only { Some("process-group") } else { None };
@@ -322,7 +325,7 @@ pub(crate) fn worker_specs(
             let terminal = process::Terminal {
                 stdout: tty && console.stdout,
                 stderr: ctx.console.stderr_tty && console.stderr,
-                stdin: tty && console.stdout && rank == config.stdin_rank,
+                stdin: ctx.stdin.is_some() && tty && console.stdout && rank == config.stdin_rank,
                 // The worker's lines are this much narrower than the terminal: its prefix.
                 size: ctx.term_size.map(|(rows, cols)| {
                     let width = prefix.chars().count().min(usize::from(u16::MAX)) as u16;

@@ -123,15 +123,31 @@ impl Discipline {
 
     /// One piece arrives at `now`.
     pub fn push(&mut self, piece: Piece, now: Instant, out: &mut Vec<Out>) {
+        // A hold that ran out is over before anything new is written.
+        if self.deadline().is_some_and(|t| now >= t) {
+            self.tick(now, out);
+        }
         let slot = self.slot(piece.stream);
         let s = &mut self.slots[slot];
-        if let Some(open) = &s.open {
-            let holding = open.hold_until.is_some_and(|t| now < t);
-            if open.source != piece.source && holding && s.held_bytes + piece.bytes.len() <= HOLD_BYTES {
+        let Some(open) = &s.open else { return self.write(slot, piece, now, out) };
+        if open.source == piece.source {
+            return self.write(slot, piece, now, out);
+        }
+        let holding = open.hold_until.is_some_and(|t| now < t);
+        // A source with lines waiting already waits behind them, so its lines stay in order.
+        let queued = s.held.iter().any(|p| p.source == piece.source);
+        if holding || queued {
+            if s.held_bytes + piece.bytes.len() <= HOLD_BYTES {
                 s.held_bytes += piece.bytes.len();
                 s.held.push_back(piece);
                 return;
             }
+            // Too much waiting: the long line is broken and everything held goes out first.
+            if let Some(open) = s.open.take() {
+                out.push((open.stream, b"\n".to_vec()));
+            }
+            self.release(slot, now, out);
+            return self.push(piece, now, out);
         }
         self.write(slot, piece, now, out);
     }
@@ -192,11 +208,12 @@ impl Discipline {
             let s = &self.slots[slot];
             if s.open.as_ref().is_some_and(|o| o.hold_until.is_some()) {
                 // Whatever is still held waits for this line now (re-queued in front).
-                let source = s.open.as_ref().map(|o| o.source);
                 let rest: Vec<Piece> = self.slots[slot].held.drain(..).collect();
                 self.slots[slot].held_bytes = 0;
                 for p in rest {
-                    if Some(p.source) == source {
+                    let source = self.slots[slot].open.as_ref().map(|o| o.source);
+                    let queued = self.slots[slot].held.iter().any(|h| h.source == p.source);
+                    if Some(p.source) == source && !queued {
                         self.write(slot, p, now, out);
                     } else {
                         self.slots[slot].held_bytes += p.bytes.len();
@@ -408,6 +425,24 @@ struct RouterState {
     ended: bool,
 }
 
+/// Writes typed input to a worker's terminal, whose master is non-blocking: a full input queue
+/// (a large paste while the worker is busy) is waited out, up to 10 s; a worker that exited
+/// meanwhile gets nothing.
+fn write_input(terminal: &mut File, mut bytes: &[u8]) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !bytes.is_empty() {
+        match terminal.write(bytes) {
+            Ok(0) => return,
+            Ok(n) => bytes = &bytes[n..],
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(_) => return,
+        }
+    }
+}
+
 /// The terminal's end-of-file character (`VEOF`, Ctrl-D): what a worker reading its terminal
 /// sees as the end of input.
 const EOF_CHAR: u8 = 4;
@@ -427,26 +462,30 @@ impl StdinRouter {
             let tty = io::stdin().is_terminal();
             let mut stdin = io::stdin().lock();
             let mut buf = [0u8; 4096];
+            let mut last_was_eof = false;
             loop {
                 match stdin.read(&mut buf) {
                     Ok(0) => {
                         let mut st = state.lock().expect("the router's lock is never poisoned");
                         if let Some((_, f)) = st.target.as_mut() {
-                            let _ = f.write_all(&[EOF_CHAR]);
+                            write_input(f, &[EOF_CHAR]);
                         }
-                        if !tty {
+                        // A terminal gives end-of-file once per Ctrl-D; one that keeps giving it
+                        // was hung up.
+                        if !tty || last_was_eof {
                             st.ended = true;
                             return;
                         }
+                        last_was_eof = true;
                     }
                     Ok(n) => {
+                        last_was_eof = false;
                         if tty && buf[..n].contains(&b'\n') {
                             console.typed();
                         }
                         let mut st = state.lock().expect("the router's lock is never poisoned");
                         if let Some((_, f)) = st.target.as_mut() {
-                            // A worker that exited meanwhile: its input is dropped.
-                            let _ = f.write_all(&buf[..n]);
+                            write_input(f, &buf[..n]);
                         }
                     }
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -467,7 +506,7 @@ impl StdinRouter {
     pub fn set(&self, id: u64, mut terminal: File) {
         let mut st = self.state.lock().expect("the router's lock is never poisoned");
         if st.ended {
-            let _ = terminal.write_all(&[EOF_CHAR]);
+            write_input(&mut terminal, &[EOF_CHAR]);
         }
         st.target = Some((id, terminal));
     }
@@ -704,6 +743,27 @@ mod tests {
         d.push(piece(1, " done", true, true, false), t0, &mut out);
         d.push(piece(2, "", true, true, false), t0, &mut out);
         assert_eq!(text(&out), "[1]:a1\n[2]:b1\n[1]:a2 done\n", "rank 2's end of a line already closed adds nothing");
+    }
+
+    #[test]
+    fn a_ranks_lines_keep_their_order_when_a_hold_ends_or_overflows() {
+        let t0 = Instant::now();
+        let mut d = Discipline::new(false, false);
+        let mut out = Vec::new();
+        d.push(piece(1, "long", false, false, true), t0, &mut out);
+        d.push(piece(2, "b1", true, false, false), t0, &mut out);
+        // The hold ran out before the console thread ticked: b1 still goes before b2.
+        d.push(piece(2, "b2", true, false, false), t0 + HOLD * 2, &mut out);
+        assert_eq!(text(&out), "[1]:long\n[2]:b1\n[2]:b2\n");
+        // Past the held-bytes cap: the long line breaks, held lines go first, in order.
+        let mut d = Discipline::new(false, false);
+        let mut out = Vec::new();
+        d.push(piece(1, "long", false, false, true), t0, &mut out);
+        d.push(piece(2, "b1", true, false, false), t0, &mut out);
+        let big = "x".repeat(HOLD_BYTES);
+        d.push(piece(2, &big, false, false, false), t0, &mut out);
+        assert_eq!(text(&out), format!("[1]:long\n[2]:b1\n[2]:{big}"));
+        assert_eq!(d.slots[0].held.len(), 0);
     }
 
     #[test]

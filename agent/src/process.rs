@@ -109,9 +109,11 @@ fn spawn_worker_with(
         Some(p) => cmd.stderr(Stdio::from(p.slave.try_clone()?)),
         None => cmd.stderr(Stdio::piped()),
     };
-    let session = out_pty.is_some() || err_pty.is_some();
-    // Its controlling terminal: stdout's, else stderr's (descriptors as the worker has them).
-    let ctty_fd = if out_pty.is_some() { libc::STDOUT_FILENO } else { libc::STDERR_FILENO };
+    // The rank that gets typed input has its terminal as its controlling one (`/dev/tty`, as
+    // getpass opens); the others keep none, so a prompt there fails at once instead of waiting
+    // for input that never comes.
+    let session = stdin_master.is_some();
+    let ctty_fd = libc::STDOUT_FILENO;
     if !session {
         cmd.process_group(0);
     }

@@ -614,7 +614,7 @@ pub fn comma_separated_list(value: &str) -> Vec<String> {
 
 /// Signals an agent can stop on: not the ones that cannot be caught (SIGKILL, SIGSTOP) nor
 /// those the kernel sends for a fault of the agent itself (SIGSEGV and the like).
-const HANDLEABLE_SIGNALS: [(&str, i32); 9] = [
+const HANDLEABLE_SIGNALS: [(&str, i32); 18] = [
     ("SIGHUP", libc::SIGHUP),
     ("SIGINT", libc::SIGINT),
     ("SIGQUIT", libc::SIGQUIT),
@@ -624,6 +624,15 @@ const HANDLEABLE_SIGNALS: [(&str, i32); 9] = [
     ("SIGALRM", libc::SIGALRM),
     ("SIGXCPU", libc::SIGXCPU),
     ("SIGXFSZ", libc::SIGXFSZ),
+    ("SIGPWR", libc::SIGPWR),
+    ("SIGVTALRM", libc::SIGVTALRM),
+    ("SIGPROF", libc::SIGPROF),
+    ("SIGWINCH", libc::SIGWINCH),
+    ("SIGCONT", libc::SIGCONT),
+    ("SIGTSTP", libc::SIGTSTP),
+    ("SIGURG", libc::SIGURG),
+    ("SIGIO", libc::SIGIO),
+    ("SIGPIPE", libc::SIGPIPE),
 ];
 
 /// `SIGTERM,SIGUSR1` (torchrun's spelling; `TERM` and any case are taken too) into numbers.
