@@ -72,11 +72,12 @@ fn run_loud_failure(body_limit: Option<&str>) -> (i32, usize, String) {
     (status.code().unwrap_or(-1), starts(dir.path(), "start_"), a.output())
 }
 
-/// Scenario 1: a failure report the service refuses (413) is never taken as sent: one start,
+/// Scenario 1 (a body limit of 1 KiB: smaller than even the bounded report of five long lines,
+/// each kept whole and cut for the wire): a failure report the service refuses (413) is never taken as sent: one start,
 /// the worker's exit code, and the job over — not a crash loop around the budget.
 #[test]
 fn a_refused_failure_report_ends_the_run_with_the_workers_exit_code_after_one_start() {
-    let (code, n, log) = run_loud_failure(Some("2048"));
+    let (code, n, log) = run_loud_failure(Some("1024"));
     let tail = &log[log.len().saturating_sub(3000)..];
     assert_eq!(code, 3, "the worker's exit code: {tail}");
     assert_eq!(n, 1, "exactly one start: {tail}");
