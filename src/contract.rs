@@ -83,6 +83,14 @@ pub fn signal_name(signal: i32) -> String {
     name.to_string()
 }
 
+/// The number of the signal `SIGTERM` (or `TERM`, in any case) names: the inverse of
+/// [`signal_name`].
+pub fn signal_by_name(name: &str) -> Option<i32> {
+    let upper = name.trim().to_ascii_uppercase();
+    let full = if upper.starts_with("SIG") { upper } else { format!("SIG{upper}") };
+    (1..32).find(|&n| signal_name(n) == full)
+}
+
 /// The first failure of a worker group, with everything a person needs to start debugging.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RootCause {

@@ -47,6 +47,9 @@ pub struct WorkerEnv {
     /// True when `MASTER_ADDR:MASTER_PORT` is a TCPStore the agent already serves.
     pub use_agent_store: bool,
     pub error_file: Option<String>,
+    /// The signals the agent stops the job on (`--signals-to-handle`), as torchrun leaves them
+    /// in the workers' environment: set always, whatever the agent's own environment says.
+    pub signals_to_handle: String,
 }
 
 /// Why the worker environment could not be read.
@@ -91,9 +94,7 @@ impl WorkerEnv {
         if !agent_env.contains_key(OMP_NUM_THREADS) && self.local_world_size > 1 {
             vars.push((OMP_NUM_THREADS, "1".to_string()));
         }
-        if !agent_env.contains_key(SIGNALS_TO_HANDLE) {
-            vars.push((SIGNALS_TO_HANDLE, DEFAULT_SIGNALS_TO_HANDLE.to_string()));
-        }
+        vars.push((SIGNALS_TO_HANDLE, self.signals_to_handle.clone()));
         vars
     }
 
@@ -143,6 +144,7 @@ impl WorkerEnv {
             run_id: get(RUN_ID).unwrap_or_else(|| "none".into()),
             use_agent_store: get(USE_AGENT_STORE).is_some_and(|v| v.eq_ignore_ascii_case("true") || v == "1"),
             error_file: get(ERROR_FILE),
+            signals_to_handle: get(SIGNALS_TO_HANDLE).unwrap_or_else(|| DEFAULT_SIGNALS_TO_HANDLE.into()),
         })
     }
 }
@@ -169,6 +171,7 @@ mod tests {
             run_id: "job42".into(),
             use_agent_store: true,
             error_file: Some("/tmp/e.json".into()),
+            signals_to_handle: "SIGTERM,SIGUSR1".into(),
         }
     }
 
@@ -185,13 +188,16 @@ mod tests {
     }
 
     #[test]
-    fn user_settings_of_omp_and_nccl_are_not_overridden() {
-        let agent: BTreeMap<String, String> = [(OMP_NUM_THREADS, "8"), (NCCL_ASYNC_ERROR_HANDLING, "0")]
-            .into_iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
+    fn user_settings_of_omp_and_nccl_are_not_overridden_but_the_handled_signals_are() {
+        let agent: BTreeMap<String, String> =
+            [(OMP_NUM_THREADS, "8"), (NCCL_ASYNC_ERROR_HANDLING, "0"), (SIGNALS_TO_HANDLE, "SIGHUP")]
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
         let vars = sample().to_vars(&agent);
         assert!(!vars.iter().any(|(k, _)| *k == OMP_NUM_THREADS || *k == NCCL_ASYNC_ERROR_HANDLING));
+        // torchrun sets the list it handles, whatever it inherited.
+        assert!(vars.contains(&(SIGNALS_TO_HANDLE, "SIGTERM,SIGUSR1".to_string())));
     }
 
     #[test]

@@ -167,6 +167,16 @@ pub enum Event {
 /// How the run ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
+    /// The job is over for this node, as the launcher reports it.
+    Run(RunOutcome),
+    /// The rendezvous could not be used (unreachable for the whole join timeout, a join
+    /// refused, a job that failed without a root cause): the agent's own failure.
+    Rendezvous { message: String },
+}
+
+/// How a job ended on this node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RunOutcome {
     Succeeded {
         restarts: u32,
     },
@@ -175,15 +185,25 @@ pub enum Outcome {
         root_cause: Box<RootCause>,
         restarts: u32,
     },
-    /// The agent was told to stop.
+    /// The agent was told to stop by a signal.
     Interrupted {
         signal: i32,
     },
-    /// The rendezvous could not be used (unreachable for the whole join timeout, a join
-    /// refused, a job that failed without a root cause): the agent's own failure.
-    Rendezvous {
-        message: String,
-    },
+}
+
+impl RunOutcome {
+    /// The launcher's exit code: 0, the failing worker's own code (128+signal if it was killed
+    /// by one), or 128+signal when the agent itself was stopped by a signal.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            RunOutcome::Succeeded { .. } => 0,
+            RunOutcome::Failed { root_cause, .. } => match root_cause.exit.shell_code() {
+                0 => 1,
+                c => c,
+            },
+            RunOutcome::Interrupted { signal } => 128 + signal,
+        }
+    }
 }
 
 /// Something to do.
@@ -307,6 +327,26 @@ fn ms(d: Duration) -> Millis {
 
 /// torchrun's `--signals-to-handle` default: these stop the job, forwarded to the workers first.
 pub const DEFAULT_HANDLED_SIGNALS: [i32; 4] = [libc::SIGTERM, libc::SIGINT, libc::SIGHUP, libc::SIGQUIT];
+
+/// Whether the agent can stop on `signal`: not one that cannot be caught (SIGKILL, SIGSTOP),
+/// one the kernel sends for a fault of the agent itself (SIGSEGV and the like), one that is the
+/// agent's own business (SIGCHLD; SIGTTIN/SIGTTOU, which it ignores on a terminal).
+pub fn can_handle(signal: i32) -> bool {
+    !matches!(
+        signal,
+        libc::SIGKILL
+            | libc::SIGSTOP
+            | libc::SIGILL
+            | libc::SIGTRAP
+            | libc::SIGABRT
+            | libc::SIGBUS
+            | libc::SIGFPE
+            | libc::SIGSEGV
+            | libc::SIGCHLD
+            | libc::SIGTTIN
+            | libc::SIGTTOU
+    )
+}
 
 /// Signals that stop the job whether handled or not, so that nothing of it is left running;
 /// the others (SIGUSR1, SIGUSR2) are relayed to the workers unless handled.
@@ -446,7 +486,7 @@ impl Core {
                 self.phase = Phase::Leaving { signal };
                 self.send(Report::Leave, now, now.saturating_add(ms(ttl)), out);
             }
-            None => self.exit(Outcome::Interrupted { signal }, out),
+            None => self.exit(Outcome::Run(RunOutcome::Interrupted { signal }), out),
         }
     }
 
@@ -502,7 +542,7 @@ impl Core {
             }
             Err(CallError::JobFinished) => {
                 let restarts = self.restarts;
-                self.exit(Outcome::Succeeded { restarts }, out);
+                self.exit(Outcome::Run(RunOutcome::Succeeded { restarts }), out);
             }
             Err(CallError::JobFailed(reason)) => self.job_failed(reason, out),
             Err(CallError::NotMember) => self.join(out),
@@ -527,7 +567,7 @@ impl Core {
                 match &self.membership {
                     Membership::Fixed { .. } => {
                         let restarts = self.restarts;
-                        self.exit(Outcome::Succeeded { restarts }, out);
+                        self.exit(Outcome::Run(RunOutcome::Succeeded { restarts }), out);
                     }
                     Membership::Elastic { .. } => {
                         self.phase = Phase::Running { placement: placement.clone(), succeeded: true };
@@ -541,7 +581,7 @@ impl Core {
                 let then = match &self.membership {
                     Membership::Fixed { max_restarts, .. } if self.restarts < *max_restarts => AfterStop::Restart,
                     Membership::Fixed { .. } => {
-                        AfterStop::Exit(Outcome::Failed { root_cause: rc, restarts: self.restarts })
+                        AfterStop::Exit(Outcome::Run(RunOutcome::Failed { root_cause: rc, restarts: self.restarts }))
                     }
                     Membership::Elastic { .. } => AfterStop::ReportFailure(rc),
                 };
@@ -596,7 +636,7 @@ impl Core {
                 self.rejoin(round, succeeded, out);
             }
             Ok(Watch::Finished) | Err(CallError::JobFinished) => {
-                let outcome = Outcome::Succeeded { restarts: placement.restart_count };
+                let outcome = Outcome::Run(RunOutcome::Succeeded { restarts: placement.restart_count });
                 if succeeded {
                     self.exit(outcome, out);
                 } else {
@@ -623,7 +663,7 @@ impl Core {
                     out.push(Action::Note(format!(
                         "the rendezvous no longer answers ({e}) and this node's success was acknowledged; exiting"
                     )));
-                    self.exit(Outcome::Succeeded { restarts: placement.restart_count }, out);
+                    self.exit(Outcome::Run(RunOutcome::Succeeded { restarts: placement.restart_count }), out);
                 } else {
                     self.watch_retry_at = Some(now.saturating_add(ms(RETRY_DELAY)));
                 }
@@ -681,7 +721,7 @@ impl Core {
                         let restarts = self.restarts;
                         match report {
                             Report::Leave => self.acknowledged(report, out),
-                            _ => self.exit(Outcome::Succeeded { restarts }, out),
+                            _ => self.exit(Outcome::Run(RunOutcome::Succeeded { restarts }), out),
                         }
                     }
                 }
@@ -712,7 +752,7 @@ impl Core {
             }
             Report::Leave => {
                 let Phase::Leaving { signal } = self.phase else { return };
-                self.exit(Outcome::Interrupted { signal }, out);
+                self.exit(Outcome::Run(RunOutcome::Interrupted { signal }), out);
             }
         }
     }
@@ -731,7 +771,7 @@ impl Core {
             Report::Leave => {
                 out.push(Action::Note(format!("could not leave the job ({why}); its heartbeats lapse instead")));
                 let Phase::Leaving { signal } = self.phase else { return };
-                self.exit(Outcome::Interrupted { signal }, out);
+                self.exit(Outcome::Run(RunOutcome::Interrupted { signal }), out);
             }
         }
     }
@@ -745,7 +785,7 @@ impl Core {
         match self.local_failure.clone() {
             Some(root_cause) => {
                 let restarts = self.restarts;
-                self.exit(Outcome::Failed { root_cause, restarts }, out);
+                self.exit(Outcome::Run(RunOutcome::Failed { root_cause, restarts }), out);
             }
             None => self.exit(Outcome::Rendezvous { message: "the job ended without a root cause".into() }, out),
         }
@@ -776,7 +816,7 @@ impl Core {
         match rc.or_else(|| self.local_failure.clone()) {
             Some(root_cause) => {
                 let restarts = root_cause.restart_count.max(self.restarts);
-                self.exit(Outcome::Failed { root_cause, restarts }, out);
+                self.exit(Outcome::Run(RunOutcome::Failed { root_cause, restarts }), out);
             }
             None => self.exit(Outcome::Rendezvous { message: format!("the job failed: {reason}") }, out),
         }
@@ -797,7 +837,7 @@ impl Core {
         }
         let then = match self.elastic() {
             Some(_) => AfterStop::Leave(signal),
-            None => AfterStop::Exit(Outcome::Interrupted { signal }),
+            None => AfterStop::Exit(Outcome::Run(RunOutcome::Interrupted { signal })),
         };
         match &mut self.phase {
             Phase::Running { placement, succeeded: false } => {

@@ -249,12 +249,12 @@ impl Io<'_> {
                     j.abort();
                 }
                 return Ok(Some(match outcome {
-                    Outcome::Succeeded { restarts } => {
-                        info!(restarts, "the job succeeded");
-                        Ok(RunOutcome::Succeeded { restarts })
+                    Outcome::Run(run) => {
+                        if let RunOutcome::Succeeded { restarts } = run {
+                            info!(restarts, "the job succeeded");
+                        }
+                        Ok(run)
                     }
-                    Outcome::Failed { root_cause, restarts } => Ok(RunOutcome::Failed { root_cause, restarts }),
-                    Outcome::Interrupted { signal } => Ok(RunOutcome::Interrupted { signal }),
                     Outcome::Rendezvous { message } => {
                         let source = self.last_error.lock().unwrap_or_else(|p| p.into_inner()).take();
                         Err(AgentError::Rendezvous { message, source: source.map(Box::new) })
@@ -360,19 +360,14 @@ impl Io<'_> {
     /// per attempt: `attempt_{n}/filtered_stdout.log`).
     fn group_io(&self, attempt: u32) -> Result<GroupIo, AgentError> {
         let dir = self.ctx.log_root.join(format!("attempt_{attempt}"));
-        let filters = [
-            (&self.config.duplicate_stdout_filters, "filtered_stdout.log"),
-            (&self.config.duplicate_stderr_filters, "filtered_stderr.log"),
-        ];
-        let mut dup = [None, None];
-        for (slot, (needles, name)) in dup.iter_mut().zip(filters) {
-            if needles.iter().all(|n| n.is_empty()) {
-                continue;
-            }
-            std::fs::create_dir_all(&dir).map_err(|source| AgentError::LogDir { path: dir.clone(), source })?;
+        let open = |needles: &[String], name: &str| {
             let path = dir.join(name);
-            *slot = DupFilter::open(needles, path.clone()).map_err(|source| AgentError::LogDir { path, source })?;
-        }
+            DupFilter::open(needles, path.clone()).map_err(|source| AgentError::LogDir { path, source })
+        };
+        let dup = [
+            open(&self.config.duplicate_stdout_filters, "filtered_stdout.log")?,
+            open(&self.config.duplicate_stderr_filters, "filtered_stderr.log")?,
+        ];
         Ok(GroupIo { console: self.ctx.console.clone(), stdin: self.ctx.stdin.clone(), dup })
     }
 

@@ -67,37 +67,7 @@ pub enum AgentError {
     },
 }
 
-/// How a job ended on this node.
-#[derive(Debug)]
-pub enum RunOutcome {
-    Succeeded {
-        restarts: u32,
-    },
-    /// Workers failed and the restart budget is spent.
-    Failed {
-        root_cause: Box<RootCause>,
-        restarts: u32,
-    },
-    /// The agent was told to stop (SIGTERM, SIGINT, SIGHUP, SIGQUIT).
-    Interrupted {
-        signal: i32,
-    },
-}
-
-impl RunOutcome {
-    /// The launcher's exit code: 0, the failing worker's own code (128+signal if it was killed
-    /// by one), or 128+signal when the agent itself was stopped by a signal.
-    pub fn exit_code(&self) -> i32 {
-        match self {
-            RunOutcome::Succeeded { .. } => 0,
-            RunOutcome::Failed { root_cause, .. } => match root_cause.exit.shell_code() {
-                0 => 1,
-                c => c,
-            },
-            RunOutcome::Interrupted { signal } => 128 + signal,
-        }
-    }
-}
+pub use core::RunOutcome;
 
 /// The agent's signal handlers: every signal it stops on or relays arrives here, in order.
 pub(crate) struct Signals {
@@ -302,6 +272,8 @@ pub(crate) fn worker_specs(
 ) -> Vec<WorkerSpec> {
     let (log_root, host) = (ctx.log_root, ctx.host);
     let restart_count = p.restart_count;
+    let signals: Vec<String> = config.handled_signals.iter().map(|s| rlaunch::contract::signal_name(*s)).collect();
+    let signals_to_handle = signals.join(",");
     (0..config.nproc_per_node)
         .map(|local_rank| {
             let rank = p.rank_offset + local_rank;
@@ -350,20 +322,15 @@ pub(crate) fn worker_specs(
                     run_id: config.run_id.clone(),
                     use_agent_store: true,
                     error_file: Some(dir.join("error.json").to_string_lossy().into_owned()),
+                    signals_to_handle: signals_to_handle.clone(),
                 },
                 prefix,
                 terminal,
                 cpus: ctx.cpus.as_ref().map(|sets| sets[local_rank as usize]),
-                overrides: {
-                    // torchrun sets its handled signals in its own environment, which the workers
-                    // inherit.
-                    let handled: Vec<String> =
-                        config.handled_signals.iter().map(|s| rlaunch::contract::signal_name(*s)).collect();
-                    let mut vars = vec![(rlaunch::env::SIGNALS_TO_HANDLE, handled.join(","))];
-                    if config.virtual_local_rank {
-                        vars.extend(virtual_local_rank(local_rank, ctx.agent_env));
-                    }
-                    vars
+                overrides: if config.virtual_local_rank {
+                    virtual_local_rank(local_rank, ctx.agent_env)
+                } else {
+                    Vec::new()
                 },
                 dir,
                 files,

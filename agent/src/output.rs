@@ -200,30 +200,13 @@ impl Discipline {
         }
     }
 
-    /// Lets held pieces through, in order, until one opens a line that holds again.
+    /// Lets held pieces through, each as if it arrived now: in order per source, and waiting
+    /// again behind a line that opens a new hold.
     fn release(&mut self, slot: usize, now: Instant, out: &mut Vec<Out>) {
-        while let Some(piece) = self.slots[slot].held.pop_front() {
-            self.slots[slot].held_bytes -= piece.bytes.len();
-            self.write(slot, piece, now, out);
-            let s = &self.slots[slot];
-            if s.open.as_ref().is_some_and(|o| o.hold_until.is_some()) {
-                // Whatever is still held waits for this line now (re-queued in front).
-                let rest: Vec<Piece> = self.slots[slot].held.drain(..).collect();
-                self.slots[slot].held_bytes = 0;
-                for p in rest {
-                    let source = self.slots[slot].open.as_ref().map(|o| o.source);
-                    let queued = self.slots[slot].held.iter().any(|h| h.source == p.source);
-                    if Some(p.source) == source && !queued {
-                        self.write(slot, p, now, out);
-                    } else {
-                        self.slots[slot].held_bytes += p.bytes.len();
-                        self.slots[slot].held.push_back(p);
-                    }
-                }
-                if self.slots[slot].open.as_ref().is_some_and(|o| o.hold_until.is_some()) {
-                    return;
-                }
-            }
+        let held = std::mem::take(&mut self.slots[slot].held);
+        self.slots[slot].held_bytes = 0;
+        for piece in held {
+            self.push(piece, now, out);
         }
     }
 
@@ -385,11 +368,15 @@ pub struct DupFilter {
 }
 
 impl DupFilter {
-    /// Opens (creates, or appends to) `path`; `None` for an empty list of needles.
+    /// Opens (creates, with its directory, or appends to) `path`; `None`, and nothing created,
+    /// for an empty list of needles.
     pub fn open(needles: &[String], path: PathBuf) -> io::Result<Option<Arc<DupFilter>>> {
         let needles: Vec<String> = needles.iter().filter(|n| !n.is_empty()).cloned().collect();
         if needles.is_empty() {
             return Ok(None);
+        }
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)?;
         }
         let file = open_log(&path)?;
         Ok(Some(Arc::new(DupFilter { needles, file: Mutex::new(Some(io::BufWriter::new(file))), path })))
@@ -633,25 +620,28 @@ impl LineState {
     }
 
     fn end_line(&mut self, sink: &Sink, line: Vec<u8>) {
-        let whole: Vec<u8> = if self.head.is_empty() {
-            line[..line.len().min(MAX_LINE)].to_vec()
-        } else {
-            let mut w = std::mem::take(&mut self.head);
-            let room = MAX_LINE.saturating_sub(w.len());
-            w.extend_from_slice(&line[..line.len().min(room)]);
-            w
-        };
-        if let Some(dup) = &sink.dup {
-            if sink.console.is_some() {
+        let head = std::mem::take(&mut self.head);
+        let dup = sink.dup.as_ref().filter(|_| sink.console.is_some());
+        if dup.is_some() || sink.tail.is_some() {
+            // The line's first MAX_LINE bytes, with what went ahead in pieces.
+            let whole: std::borrow::Cow<[u8]> = if head.is_empty() {
+                (&line[..line.len().min(MAX_LINE)]).into()
+            } else {
+                let mut w = head;
+                let room = MAX_LINE.saturating_sub(w.len());
+                w.extend_from_slice(&line[..line.len().min(room)]);
+                w.into()
+            };
+            if let Some(dup) = dup {
                 dup.line(&self.prefix, &whole);
             }
-        }
-        if let Some(tail) = &sink.tail {
-            let mut t = tail.lock().expect("tail lock is never poisoned");
-            if t.len() == TAIL_LINES {
-                t.pop_front();
+            if let Some(tail) = &sink.tail {
+                let mut t = tail.lock().expect("tail lock is never poisoned");
+                if t.len() == TAIL_LINES {
+                    t.pop_front();
+                }
+                t.push_back(String::from_utf8_lossy(&whole).into_owned());
             }
-            t.push_back(String::from_utf8_lossy(&whole).into_owned());
         }
         self.piece(sink, line, true, false);
     }
@@ -815,6 +805,15 @@ mod tests {
         d.tick(t0 + HOLD, &mut out);
         d.push(piece(1, "rest", true, true, false), t0 + HOLD, &mut out);
         assert_eq!(text(&out), "[1]:xxxx\n[2]:short\n[1]:rest\n");
+
+        // Released lines wait again behind a held line that is itself long.
+        let mut out = Vec::new();
+        d.push(piece(1, "aaaa", false, false, true), t0, &mut out);
+        d.push(piece(2, "bbbb", false, false, true), t0, &mut out);
+        d.push(piece(3, "c", true, false, false), t0, &mut out);
+        d.push(piece(2, "bend", true, true, false), t0, &mut out);
+        d.push(piece(1, "aend", true, true, false), t0, &mut out);
+        assert_eq!(text(&out), "[1]:aaaaaend\n[2]:bbbbbend\n[3]:c\n");
     }
 
     #[test]
@@ -843,7 +842,8 @@ mod tests {
     #[tokio::test]
     async fn duplicate_filters_copy_matching_console_lines_with_their_prefix() {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("filtered_stdout.log");
+        // The attempt's directory is made when a filter needs it.
+        let path = dir.path().join("attempt_0/filtered_stdout.log");
         let dup = DupFilter::open(&["apple".into(), "or,ange".into()], path.clone()).unwrap();
         let (tx, _rx) = sync_channel(64);
         let console = Console { tx, tty: false, stderr_tty: false, next_source: Arc::new(AtomicU64::new(1)) };
@@ -858,6 +858,7 @@ mod tests {
         pump(&b"an apple\npear\nor,ange juice\norange\n"[..], sink).await.unwrap();
         let got = std::fs::read_to_string(&path).unwrap();
         assert_eq!(got, "[default0]:an apple\n[default0]:or,ange juice\n");
-        assert!(DupFilter::open(&[], dir.path().join("none")).unwrap().is_none());
+        assert!(DupFilter::open(&["".into()], dir.path().join("attempt_1/none")).unwrap().is_none());
+        assert!(!dir.path().join("attempt_1").exists(), "no filter, nothing made");
     }
 }

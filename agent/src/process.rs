@@ -53,8 +53,8 @@ pub struct Placement {
 /// A started worker: the process, its output streams, and where its stdin can be written.
 pub struct Spawned {
     pub proc: WorkerProc,
-    pub stdout: Box<dyn tokio::io::AsyncRead + Unpin + Send>,
-    pub stderr: Box<dyn tokio::io::AsyncRead + Unpin + Send>,
+    pub stdout: Reader,
+    pub stderr: Reader,
     /// The worker's terminal, for its input (when [`Terminal::stdin`]).
     pub stdin: Option<std::fs::File>,
 }
@@ -186,21 +186,23 @@ fn spawn_worker_with(
         })?;
         Exited::Thread(tokio::sync::Mutex::new(Some(rx)))
     };
-    type Reader = Box<dyn tokio::io::AsyncRead + Unpin + Send>;
-    let stdout: Reader = match (child.stdout.take(), out_pty) {
-        (_, Some(pty)) => Box::new(PtyReader::new(pty.master)?),
-        (Some(p), None) => Box::new(tokio::net::unix::pipe::Receiver::from_owned_fd(OwnedFd::from(p))?),
-        (None, None) => unreachable!("a stream is either piped or on a terminal"),
-    };
-    let stderr: Reader = match (child.stderr.take(), err_pty) {
-        (_, Some(pty)) => Box::new(PtyReader::new(pty.master)?),
-        (Some(p), None) => Box::new(tokio::net::unix::pipe::Receiver::from_owned_fd(OwnedFd::from(p))?),
-        (None, None) => unreachable!("a stream is either piped or on a terminal"),
-    };
+    let stdout = output_reader(child.stdout.take(), out_pty)?;
+    let stderr = output_reader(child.stderr.take(), err_pty)?;
     // Dropping std's `Child` neither waits nor kills: the pidfd is how the worker is awaited.
     drop(child);
     let proc = WorkerProc { pid, exited, reaped: std::sync::Mutex::new(false) };
     Ok(Spawned { proc, stdout, stderr, stdin: stdin_master })
+}
+
+type Reader = Box<dyn tokio::io::AsyncRead + Unpin + Send>;
+
+/// The agent's end of one output stream of a worker: its terminal's master, else its pipe.
+fn output_reader(pipe: Option<impl Into<OwnedFd>>, pty: Option<Pty>) -> io::Result<Reader> {
+    Ok(match (pipe, pty) {
+        (_, Some(pty)) => Box::new(PtyReader::new(pty.master)?),
+        (Some(p), None) => Box::new(tokio::net::unix::pipe::Receiver::from_owned_fd(p.into())?),
+        (None, None) => unreachable!("a stream is either piped or on a terminal"),
+    })
 }
 
 /// A pseudo-terminal pair: the agent keeps the master, the worker gets the slave.

@@ -278,16 +278,8 @@ fn duplicate_stdout_filters_copy_matching_lines_to_the_attempts_filtered_log() {
 
 /// The first two CPUs this process may run on.
 fn two_allowed_cpus() -> (u32, u32) {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let list = status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).unwrap().trim().to_owned();
-    let mut cpus = Vec::new();
-    for part in list.split(',') {
-        match part.split_once('-') {
-            Some((a, b)) => cpus.extend(a.parse::<u32>().unwrap()..=b.parse::<u32>().unwrap()),
-            None => cpus.push(part.parse::<u32>().unwrap()),
-        }
-    }
-    assert!(cpus.len() >= 2, "the NUMA binding test needs two CPUs; this machine allows {list}");
+    let cpus: Vec<u32> = rlaunch_agent::numa::allowed_cpus().expect("sched_getaffinity").into_iter().collect();
+    assert!(cpus.len() >= 2, "the NUMA binding test needs two CPUs; this machine allows {cpus:?}");
     (cpus[0], cpus[1])
 }
 

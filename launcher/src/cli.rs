@@ -227,8 +227,8 @@ pub struct Args {
 
     /// Print a shell completion script for rlaunch and exit (torchrun's flag), e.g.
     /// `rlaunch --print-completion bash > /etc/bash_completion.d/rlaunch`.
-    #[arg(long = "print-completion", alias = "print_completion", value_parser = ["bash", "zsh", "fish", "elvish", "powershell"])]
-    pub print_completion: Option<String>,
+    #[arg(long = "print-completion", alias = "print_completion", value_enum)]
+    pub print_completion: Option<clap_complete::Shell>,
 
     /// The program to run on every worker, then its arguments.
     #[arg(required_unless_present_any = ["print_config", "print_completion"], trailing_var_arg = true, value_name = "PROGRAM [ARGS]...")]
@@ -612,40 +612,20 @@ pub fn comma_separated_list(value: &str) -> Vec<String> {
     escaped.split(',').map(|item| item.replace(PLACEHOLDER, ",")).collect()
 }
 
-/// Signals an agent can stop on: not the ones that cannot be caught (SIGKILL, SIGSTOP) nor
-/// those the kernel sends for a fault of the agent itself (SIGSEGV and the like).
-const HANDLEABLE_SIGNALS: [(&str, i32); 18] = [
-    ("SIGHUP", libc::SIGHUP),
-    ("SIGINT", libc::SIGINT),
-    ("SIGQUIT", libc::SIGQUIT),
-    ("SIGTERM", libc::SIGTERM),
-    ("SIGUSR1", libc::SIGUSR1),
-    ("SIGUSR2", libc::SIGUSR2),
-    ("SIGALRM", libc::SIGALRM),
-    ("SIGXCPU", libc::SIGXCPU),
-    ("SIGXFSZ", libc::SIGXFSZ),
-    ("SIGPWR", libc::SIGPWR),
-    ("SIGVTALRM", libc::SIGVTALRM),
-    ("SIGPROF", libc::SIGPROF),
-    ("SIGWINCH", libc::SIGWINCH),
-    ("SIGCONT", libc::SIGCONT),
-    ("SIGTSTP", libc::SIGTSTP),
-    ("SIGURG", libc::SIGURG),
-    ("SIGIO", libc::SIGIO),
-    ("SIGPIPE", libc::SIGPIPE),
-];
-
 /// `SIGTERM,SIGUSR1` (torchrun's spelling; `TERM` and any case are taken too) into numbers.
 pub fn parse_signals(list: &str) -> Result<Vec<i32>, String> {
+    use rlaunch::contract::{signal_by_name, signal_name};
+    use rlaunch_agent::core::can_handle;
     let mut out = Vec::new();
     for name in list.split(',').map(str::trim).filter(|n| !n.is_empty()) {
-        let upper = name.to_ascii_uppercase();
-        let full = if upper.starts_with("SIG") { upper } else { format!("SIG{upper}") };
-        match HANDLEABLE_SIGNALS.iter().find(|(n, _)| *n == full) {
-            Some((_, sig)) if !out.contains(sig) => out.push(*sig),
+        match signal_by_name(name).filter(|s| can_handle(*s)) {
+            Some(sig) if !out.contains(&sig) => out.push(sig),
             Some(_) => {}
             None => {
-                let names: Vec<&str> = HANDLEABLE_SIGNALS.iter().map(|(n, _)| *n).collect();
+                let names: Vec<String> = (1..32)
+                    .filter(|s| can_handle(*s) && signal_by_name(&signal_name(*s)).is_some())
+                    .map(signal_name)
+                    .collect();
                 return Err(format!("`{name}` is not a signal the launcher can handle (one of {})", names.join(", ")));
             }
         }
@@ -654,15 +634,7 @@ pub fn parse_signals(list: &str) -> Result<Vec<i32>, String> {
 }
 
 /// `--print-completion SHELL`: the completion script for `shell` on stdout.
-pub fn print_completion(shell: &str) {
-    use clap_complete::Shell;
-    let shell = match shell {
-        "bash" => Shell::Bash,
-        "zsh" => Shell::Zsh,
-        "fish" => Shell::Fish,
-        "elvish" => Shell::Elvish,
-        _ => Shell::PowerShell,
-    };
+pub fn print_completion(shell: clap_complete::Shell) {
     let mut script = Vec::new();
     clap_complete::generate(shell, &mut Args::command(), "rlaunch", &mut script);
     // A reader that stops early (`| head`) is not an error of ours.
@@ -842,6 +814,21 @@ fn validate_endpoint(e: &str) -> Result<(), UsageError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn signals_to_handle_take_torchruns_spelling_and_refuse_what_cannot_be_handled() {
+        let names = |list: &str| -> Vec<String> {
+            parse_signals(list).unwrap().into_iter().map(rlaunch::contract::signal_name).collect()
+        };
+        assert_eq!(names("SIGTERM, usr1,TERM,sigPwr"), ["SIGTERM", "SIGUSR1", "SIGPWR"], "deduplicated, in order");
+        assert!(names("").is_empty());
+        for bad in ["SIGKILL", "SIGSEGV", "SIGCHLD", "SIGBOGUS", "15"] {
+            let e = parse_signals(bad).unwrap_err();
+            let (named, choices) = e.split_once("(one of").unwrap();
+            assert!(named.contains(&format!("`{bad}`")), "{e}");
+            assert!(choices.contains("SIGUSR1") && !choices.contains("SIGKILL") && !choices.contains("SIGSEGV"), "{e}");
+        }
+    }
 
     #[test]
     fn nnodes_grammar() {

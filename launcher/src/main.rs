@@ -23,7 +23,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    if let Some(shell) = &args.print_completion {
+    if let Some(shell) = args.print_completion {
         cli::print_completion(shell);
         return ExitCode::SUCCESS;
     }

@@ -167,7 +167,9 @@ fn fixed_membership_restarts_within_its_budget_then_fails_with_the_workers_exit(
     assert_eq!(s.ev(Event::WorkersEnded(failure(7))), vec![STOP]);
     let a = s.ev(Event::WorkersStopped);
     match &a[..] {
-        [Action::Exit(Outcome::Failed { root_cause, restarts: 1 })] => assert_eq!(root_cause.exit, Exit::Code(7)),
+        [Action::Exit(Outcome::Run(RunOutcome::Failed { root_cause, restarts: 1 }))] => {
+            assert_eq!(root_cause.exit, Exit::Code(7))
+        }
         other => panic!("{other:?}"),
     }
     assert_eq!(s.starts, 2);
@@ -180,7 +182,7 @@ fn fixed_membership_succeeds_and_relays_and_stops_on_signals() {
     assert_eq!(s.ev(Event::Signal(libc::SIGUSR1)), vec![Action::Relay(libc::SIGUSR1)]);
     assert_eq!(
         s.ev(Event::WorkersEnded(WorkersEnd::Succeeded)),
-        vec![Action::Exit(Outcome::Succeeded { restarts: 0 })]
+        vec![Action::Exit(Outcome::Run(RunOutcome::Succeeded { restarts: 0 }))]
     );
 
     let mut s = Sim::new(fixed(3));
@@ -192,7 +194,10 @@ fn fixed_membership_succeeds_and_relays_and_stops_on_signals() {
     );
     // A worker failing while the stop is under way does not turn it into a restart.
     assert!(s.ev(Event::WorkersEnded(failure(1))).is_empty());
-    assert_eq!(s.ev(Event::WorkersStopped), vec![Action::Exit(Outcome::Interrupted { signal: libc::SIGINT })]);
+    assert_eq!(
+        s.ev(Event::WorkersStopped),
+        vec![Action::Exit(Outcome::Run(RunOutcome::Interrupted { signal: libc::SIGINT }))]
+    );
     assert_eq!(s.starts, 1);
 }
 
@@ -206,7 +211,10 @@ fn handled_signals_reach_the_workers_first_and_unhandled_ones_still_stop_or_rela
     assert_eq!(s.ev(Event::Signal(libc::SIGUSR1)), vec![Action::StopWorkers { first: libc::SIGUSR1 }]);
     // A second signal during the stop changes neither the stop nor its first signal.
     assert!(s.ev(Event::Signal(libc::SIGTERM)).is_empty());
-    assert_eq!(s.ev(Event::WorkersStopped), vec![Action::Exit(Outcome::Interrupted { signal: libc::SIGTERM })]);
+    assert_eq!(
+        s.ev(Event::WorkersStopped),
+        vec![Action::Exit(Outcome::Run(RunOutcome::Interrupted { signal: libc::SIGTERM }))]
+    );
 
     // SIGINT is not listed: it still stops the job (nothing is left running), with SIGTERM.
     let mut s = Sim::new(fixed(3).with_handled_signals(&handled));
@@ -232,7 +240,7 @@ fn elastic_happy_path_reports_success_and_ends_when_the_job_finishes() {
     assert!(s.ev(Event::Reported { kind: ReportKind::Success, result: Ok(()) }).is_empty());
     assert_eq!(
         s.ev(Event::Watched { round: 1, answer: Ok(Watch::Finished) }),
-        vec![Action::Exit(Outcome::Succeeded { restarts: 0 })]
+        vec![Action::Exit(Outcome::Run(RunOutcome::Succeeded { restarts: 0 }))]
     );
 }
 
@@ -253,7 +261,7 @@ fn a_refused_failure_report_ends_the_run_with_the_workers_exit_and_one_start() {
         result: Err(CallError::Refused("413 payload too large".into())),
     });
     assert!(
-        matches!(a.last(), Some(Action::Exit(Outcome::Failed { root_cause, .. })) if root_cause.exit == Exit::Code(3)),
+        matches!(a.last(), Some(Action::Exit(Outcome::Run(RunOutcome::Failed { root_cause, .. }))) if root_cause.exit == Exit::Code(3)),
         "{a:?}"
     );
     assert_eq!(s.starts, 1);
@@ -306,7 +314,10 @@ fn a_failure_report_that_never_arrives_ends_with_the_local_failure_after_the_joi
         let a =
             s.at(t).ev(Event::Reported { kind: ReportKind::Failure, result: Err(CallError::Transient("down".into())) });
         if let Some(Action::Exit(o)) = a.last() {
-            assert!(matches!(o, Outcome::Failed { root_cause, .. } if root_cause.exit == Exit::Code(9)), "{o:?}");
+            assert!(
+                matches!(o, Outcome::Run(RunOutcome::Failed { root_cause, .. }) if root_cause.exit == Exit::Code(9)),
+                "{o:?}"
+            );
             break;
         }
         assert!(sends(&s.tick(t + 2_000), ReportKind::Failure), "sent again after the backoff");
@@ -333,7 +344,7 @@ fn a_success_report_that_failed_once_is_sent_again_and_the_job_ends() {
     assert!(sends(&a, ReportKind::Success) && a.contains(&Action::Watch { round: 1 }), "{a:?}");
     assert!(s.ev(Event::Reported { kind: ReportKind::Success, result: Ok(()) }).is_empty());
     let a = s.ev(Event::Watched { round: 1, answer: Ok(Watch::Finished) });
-    assert_eq!(a, vec![Action::Exit(Outcome::Succeeded { restarts: 0 })]);
+    assert_eq!(a, vec![Action::Exit(Outcome::Run(RunOutcome::Succeeded { restarts: 0 }))]);
 }
 
 #[test]
@@ -350,7 +361,7 @@ fn after_an_acknowledged_success_a_vanished_rendezvous_ends_the_run_successfully
         t += 400;
     }
     let a = s.at(11_500).ev(gone());
-    assert!(matches!(a.last(), Some(Action::Exit(Outcome::Succeeded { .. }))), "{a:?}");
+    assert!(matches!(a.last(), Some(Action::Exit(Outcome::Run(RunOutcome::Succeeded { .. })))), "{a:?}");
 }
 
 #[test]
@@ -449,7 +460,7 @@ fn a_job_that_failed_ends_with_the_rendezvous_root_cause_else_the_local_one() {
     assert_eq!(s.ev(Event::WorkersStopped), vec![Action::FetchRootCause]);
     let WorkersEnd::Failed(remote) = failure(7) else { unreachable!() };
     let a = s.ev(Event::RootCauseFetched(Some(remote.clone())));
-    assert_eq!(a, vec![Action::Exit(Outcome::Failed { root_cause: remote, restarts: 2 })]);
+    assert_eq!(a, vec![Action::Exit(Outcome::Run(RunOutcome::Failed { root_cause: remote, restarts: 2 }))]);
 
     // The rendezvous lost it: this node's own failure is the report.
     let mut s = Sim::new(elastic());
@@ -461,7 +472,9 @@ fn a_job_that_failed_ends_with_the_rendezvous_root_cause_else_the_local_one() {
         vec![Action::FetchRootCause]
     );
     let a = s.ev(Event::RootCauseFetched(None));
-    assert!(matches!(&a[..], [Action::Exit(Outcome::Failed { root_cause, .. })] if root_cause.exit == Exit::Code(5)));
+    assert!(
+        matches!(&a[..], [Action::Exit(Outcome::Run(RunOutcome::Failed { root_cause, .. }))] if root_cause.exit == Exit::Code(5))
+    );
 }
 
 #[test]
@@ -487,7 +500,7 @@ fn a_join_refused_or_a_finished_job_ends_the_run() {
     s.ev(Event::WorkersStopped);
     assert_eq!(
         s.ev(Event::Joined(Err(CallError::JobFinished))),
-        vec![Action::Exit(Outcome::Succeeded { restarts: 0 })]
+        vec![Action::Exit(Outcome::Run(RunOutcome::Succeeded { restarts: 0 }))]
     );
 }
 
@@ -516,7 +529,7 @@ fn the_unsignalled_script_finishes() {
     for (t, e) in elastic_script() {
         s.at(t).ev(e);
     }
-    assert_eq!(s.exit, Some(Outcome::Succeeded { restarts: 1 }));
+    assert_eq!(s.exit, Some(Outcome::Run(RunOutcome::Succeeded { restarts: 1 })));
     assert_eq!(s.starts, 3);
 }
 
@@ -552,7 +565,7 @@ fn a_stop_signal_at_every_step_stops_leaves_and_ends_interrupted() {
         }
         assert_eq!(
             s.exit,
-            Some(Outcome::Interrupted { signal: libc::SIGTERM }),
+            Some(Outcome::Run(RunOutcome::Interrupted { signal: libc::SIGTERM })),
             "signal after step {cut}: {:?}",
             s.log
         );
@@ -574,7 +587,7 @@ fn a_relay_signal_at_every_step_changes_nothing() {
             }
             s.at(t).ev(e);
         }
-        assert_eq!(s.exit, Some(Outcome::Succeeded { restarts: 1 }), "relay at step {cut}");
+        assert_eq!(s.exit, Some(Outcome::Run(RunOutcome::Succeeded { restarts: 1 })), "relay at step {cut}");
     }
 }
 
@@ -590,7 +603,7 @@ fn leaving_gives_up_after_the_ttl_and_still_ends_interrupted() {
         t += 300;
         let a = s.at(t).ev(Event::Reported { kind: ReportKind::Leave, result: Err(CallError::Transient("x".into())) });
         if let Some(Action::Exit(o)) = a.last() {
-            assert_eq!(*o, Outcome::Interrupted { signal: libc::SIGHUP });
+            assert_eq!(*o, Outcome::Run(RunOutcome::Interrupted { signal: libc::SIGHUP }));
             break;
         }
         s.tick(t + 2_000);
