@@ -214,6 +214,21 @@ impl Topology {
         format!(" under {}", self.sysfs_root.join("bus/pci/devices").display())
     }
 
+    /// `cpus` grouped by what they share (a physical core, a last-level cache), each group named
+    /// by its lowest CPU.
+    fn group(
+        &self,
+        cpus: &BTreeSet<u32>,
+        key: impl Fn(&CpuInfo) -> &Result<u32, String>,
+    ) -> Result<BTreeMap<u32, BTreeSet<u32>>, String> {
+        let mut groups: BTreeMap<u32, BTreeSet<u32>> = BTreeMap::new();
+        for &cpu in cpus {
+            let k = key(self.cpu(cpu)?).clone()?;
+            groups.entry(k).or_default().insert(cpu);
+        }
+        Ok(groups)
+    }
+
     fn cpu(&self, cpu: u32) -> Result<&CpuInfo, String> {
         self.cpus.get(&cpu).ok_or_else(|| format!("CPU {cpu} is missing from the topology read from sysfs"))
     }
@@ -289,11 +304,7 @@ impl Topology {
         node: u32,
         node_cpus: &BTreeSet<u32>,
     ) -> Result<BTreeSet<u32>, String> {
-        let mut cores: BTreeMap<u32, BTreeSet<u32>> = BTreeMap::new();
-        for &cpu in node_cpus {
-            let core = self.cpu(cpu)?.core.clone()?;
-            cores.entry(core).or_default().insert(cpu);
-        }
+        let cores = self.group(node_cpus, |c| &c.core)?;
         let (position, gpus) = self.position_on_node(device_index, node);
         let per_gpu = cores.len() / gpus;
         let extra = cores.len() % gpus;
@@ -315,12 +326,7 @@ impl Topology {
         node: u32,
         node_cpus: &BTreeSet<u32>,
     ) -> Result<BTreeSet<u32>, String> {
-        let mut caches: BTreeMap<u32, BTreeSet<u32>> = BTreeMap::new();
-        for &cpu in node_cpus {
-            let cache = self.cpu(cpu)?.cache.clone()?;
-            caches.entry(cache).or_default().insert(cpu);
-        }
-        let mut caches: Vec<(u32, BTreeSet<u32>)> = caches.into_iter().collect();
+        let mut caches: Vec<(u32, BTreeSet<u32>)> = self.group(node_cpus, |c| &c.cache)?.into_iter().collect();
         caches.sort_by_key(|(cache, cpus)| (Reverse(cpus.len()), *cache));
         let (position, _) = self.position_on_node(device_index, node);
         let count = caches.len();
