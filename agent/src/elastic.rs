@@ -5,13 +5,16 @@
 use std::net::{SocketAddr, ToSocketAddrs, UdpSocket};
 use std::time::Duration;
 
+use std::collections::HashSet;
+
 use tokio::sync::mpsc::UnboundedSender;
-use tokio::task::JoinHandle;
+use tokio::task::{JoinHandle, JoinSet};
 use tracing::{info, warn};
 
 use rlaunch::contract::{HostPort, NodeInfo};
 use rlaunch_rendezvous::api::{serve as serve_api, AppState};
-use rlaunch_rendezvous::{Backend, Rendezvous, RendezvousClient};
+use rlaunch_rendezvous::detector::{ProbeReport, ProbeRequest};
+use rlaunch_rendezvous::{Backend, Beat, HeartbeatAnswer, RdzvError, Rendezvous, RendezvousClient};
 
 use crate::core::Event;
 use crate::driver::call_error;
@@ -72,10 +75,14 @@ pub(crate) async fn setup(
         })?,
     };
     info!(node_id = %node.node_id, endpoints = ?d.endpoints, min = d.settings.min_nodes, max = d.settings.max_nodes, "elastic rendezvous");
+    // Probe outcomes must reach the rendezvous before its probe timeout: leave room for the
+    // heartbeat that carries them.
+    let probe_within = d.settings.probe_timeout.mul_f64(0.6);
     let heartbeats = AbortOnDrop(tokio::spawn(heartbeat_loop(
         client.clone(),
         node.node_id.clone(),
         d.settings.heartbeat_interval,
+        probe_within,
         events,
     )));
     Ok(ElasticSetup {
@@ -88,19 +95,114 @@ pub(crate) async fn setup(
     })
 }
 
-async fn heartbeat_loop(client: RendezvousClient, node_id: String, every: Duration, events: UnboundedSender<Event>) {
+/// Most heartbeats in flight at once: a heartbeat held up by a retransmission does not hold up
+/// the next (each takes its own kept-alive connection), yet a rendezvous that answers nothing
+/// is not sent an unbounded pile.
+const MAX_IN_FLIGHT: usize = 4;
+/// Probe attempts per probed node, started this far apart (a lost SYN costs a second; a second
+/// attempt on another connection does not wait for it).
+const PROBE_ATTEMPTS: u32 = 3;
+const PROBE_STAGGER: Duration = Duration::from_millis(150);
+
+enum Done {
+    /// A heartbeat's answer, with the probe outcomes it carried (kept for the next one when
+    /// this one did not get through).
+    Beat(Result<HeartbeatAnswer, RdzvError>, Vec<ProbeReport>),
+    Probe(ProbeReport),
+}
+
+/// Sends a heartbeat every `every` without waiting for the previous answer, makes the probes
+/// the rendezvous asks for (and sends their outcomes at once), and tells the core of each
+/// answer. Every task it starts ends with it.
+async fn heartbeat_loop(
+    client: RendezvousClient,
+    node_id: String,
+    every: Duration,
+    probe_within: Duration,
+    events: UnboundedSender<Event>,
+) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut tasks: JoinSet<Done> = JoinSet::new();
+    let (mut seq, mut in_flight) = (0u64, 0usize);
+    let mut reports: Vec<ProbeReport> = Vec::new();
+    let mut probing: HashSet<String> = HashSet::new();
     loop {
-        tick.tick().await;
-        let result = client.heartbeat(&node_id).await;
-        if let Err(e) = &result {
-            tracing::debug!(error = %e, "heartbeat failed");
-        }
-        if events.send(Event::Heartbeat(result.map_err(|e| call_error(&e)))).is_err() {
-            return;
+        let send_now = tokio::select! {
+            _ = tick.tick() => true,
+            Some(done) = tasks.join_next() => match done {
+                Ok(Done::Beat(result, carried)) => {
+                    in_flight -= 1;
+                    match &result {
+                        Ok(answer) => {
+                            for req in &answer.probe {
+                                if probing.insert(req.node_id.clone()) {
+                                    seq += 1;
+                                    tasks.spawn(probe_node(req.clone(), seq as u32, probe_within));
+                                }
+                            }
+                        }
+                        Err(e) => {
+                            tracing::debug!(error = %e, "heartbeat failed");
+                            if e.is_transient() {
+                                reports.extend(carried);
+                            }
+                        }
+                    }
+                    if events.send(Event::Heartbeat(result.map(|_| ()).map_err(|e| call_error(&e)))).is_err() {
+                        return;
+                    }
+                    false
+                }
+                Ok(Done::Probe(report)) => {
+                    probing.remove(&report.node_id);
+                    if !report.reached {
+                        info!(node = %report.node_id, "probe: could not reach the suspected node");
+                    }
+                    reports.push(report);
+                    true
+                }
+                Err(_) => false,
+            },
+        };
+        if send_now && in_flight < MAX_IN_FLIGHT {
+            seq += 1;
+            // Only the latest outcome per node matters.
+            reports.reverse();
+            let mut seen = HashSet::new();
+            reports.retain(|r| seen.insert(r.node_id.clone()));
+            let beat = Beat { seq: Some(seq), probes: std::mem::take(&mut reports) };
+            let (client, node_id) = (client.clone(), node_id.clone());
+            in_flight += 1;
+            tasks.spawn(async move {
+                let carried = beat.probes.clone();
+                Done::Beat(client.heartbeat(&node_id, beat).await, carried)
+            });
         }
     }
+}
+
+/// Reaches a suspected node's store directly: a few attempts, staggered, the first answer wins;
+/// none within `within` is a miss.
+async fn probe_node(req: ProbeRequest, nonce: u32, within: Duration) -> Done {
+    let addr = req.addr.to_string();
+    let mut attempts = JoinSet::new();
+    for i in 0..PROBE_ATTEMPTS {
+        let (addr, delay) = (addr.clone(), PROBE_STAGGER * i);
+        let Some(left) = within.checked_sub(delay) else { break };
+        attempts.spawn(async move {
+            tokio::time::sleep(delay).await;
+            rlaunch::store::probe(&addr, nonce.wrapping_add(i), left).await
+        });
+    }
+    let mut reached = false;
+    while let Some(r) = attempts.join_next().await {
+        if matches!(r, Ok(Ok(_))) {
+            reached = true;
+            break;
+        }
+    }
+    Done::Probe(ProbeReport { node_id: req.node_id, reached })
 }
 
 /// Where the rendezvous runs. For `--rdzv-backend rlaunch`, if no server answers and the first

@@ -58,7 +58,7 @@ pub struct Args {
     pub rdzv_token_file: Option<PathBuf>,
 
     /// Rendezvous settings `key=value,…` (join_timeout, last_call_timeout, heartbeat_interval,
-    /// node_ttl in seconds; token).
+    /// node_ttl, probe_timeout in seconds; token).
     #[arg(long = "rdzv-conf", alias = "rdzv_conf", env = "PET_RDZV_CONF", default_value = "")]
     pub rdzv_conf: String,
 
@@ -370,11 +370,12 @@ pub fn parse_rdzv_conf(s: &str) -> Result<RdzvConf, UsageError> {
             "last_call_timeout" => t.last_call_timeout = parse_seconds(&flag, v)?,
             "heartbeat_interval" | "keep_alive_interval" => t.heartbeat_interval = parse_seconds(&flag, v)?,
             "node_ttl" => t.node_ttl = parse_seconds(&flag, v)?,
+            "probe_timeout" => t.probe_timeout = parse_seconds(&flag, v)?,
             "token" => conf.token = Some(v.to_string()),
             k if IGNORED_TORCHRUN_KEYS.contains(&k) => {}
             _ => {
                 return usage(format!(
-                    "--rdzv-conf: unknown key `{k}` (known: join_timeout, last_call_timeout, heartbeat_interval, node_ttl, token)"
+                    "--rdzv-conf: unknown key `{k}` (known: join_timeout, last_call_timeout, heartbeat_interval, node_ttl, probe_timeout, token)"
                 ))
             }
         }

@@ -3,6 +3,7 @@
 
 use clap::Parser;
 
+use rlaunch_rendezvous::round::NodeStatus;
 use rlaunch_rendezvous::{Backend, JobSettings, JobStatus, RendezvousClient};
 
 /// Show a job's state as the rendezvous keeps it.
@@ -46,6 +47,14 @@ pub async fn run(args: StatusArgs) -> Result<String, String> {
     Ok(render(&status))
 }
 
+/// The heartbeat loss and detector columns of one node: loss as a percentage, `ok` or
+/// `SUSPECTED`.
+fn health_columns(n: &NodeStatus) -> (String, String) {
+    let loss = n.health.heartbeat_loss.map(|l| format!("{:.0}%", l * 100.0)).unwrap_or_else(|| "-".into());
+    let state = if n.health.suspected_for_ms.is_some() { "SUSPECTED" } else { "ok" };
+    (loss, state.to_owned())
+}
+
 pub fn render(s: &JobStatus) -> String {
     let mut out = format!(
         "job {}: {} — round {}, world size {}, restarts {}/{}\n",
@@ -55,7 +64,7 @@ pub fn render(s: &JobStatus) -> String {
     if let Some(f) = &s.failure {
         out += &format!("  failure: {f}\n");
     }
-    out += "  group_rank  workers  ranks      last heartbeat  node\n";
+    out += "  group_rank  workers  ranks      last heartbeat  hb loss  health     node\n";
     let mut offset = 0;
     for m in &s.members {
         let ranks = format!("{}-{}", offset, offset + m.local_world_size.saturating_sub(1));
@@ -64,10 +73,29 @@ pub fn render(s: &JobStatus) -> String {
             m.last_heartbeat_ago_ms.map(|ms| format!("{:.1} s ago", ms as f64 / 1000.0)).unwrap_or_else(|| "-".into());
         let rank = m.group_rank.map(|r| r.to_string()).unwrap_or_else(|| "-".into());
         let done = if m.succeeded { " (succeeded)" } else { "" };
-        out += &format!("  {rank:<10}  {:<7}  {ranks:<9}  {hb:<14}  {}{done}\n", m.local_world_size, m.node_id);
+        let (loss, health) = health_columns(m);
+        out += &format!(
+            "  {rank:<10}  {:<7}  {ranks:<9}  {hb:<14}  {loss:<7}  {health:<9}  {}{done}\n",
+            m.local_world_size, m.node_id
+        );
     }
     for p in &s.pending {
-        out += &format!("  waiting     {:<7}  -          -               {}\n", p.local_world_size, p.node_id);
+        let (loss, health) = health_columns(p);
+        out += &format!(
+            "  waiting     {:<7}  -          -               {loss:<7}  {health:<9}  {}\n",
+            p.local_world_size, p.node_id
+        );
+    }
+    for n in s.members.iter().chain(&s.pending) {
+        let h = &n.health;
+        if let Some(ms) = h.suspected_for_ms {
+            let probes = match (&h.reached_by, h.missed_by.is_empty()) {
+                (Some(by), _) => format!("reached by {by}"),
+                (None, false) => format!("not reached by {}", h.missed_by.join(", ")),
+                (None, true) => "probes under way".to_owned(),
+            };
+            out += &format!("  suspected: {} for {:.1} s ({probes})\n", n.node_id, ms as f64 / 1000.0);
+        }
     }
     if let Some(rc) = &s.last_root_cause {
         out += &format!("  last root cause: {}\n", rc.summary());

@@ -21,6 +21,7 @@ fn settings(n: u32) -> JobSettings {
         last_call_timeout: Duration::from_secs(1),
         heartbeat_interval: Duration::from_millis(500),
         node_ttl: Duration::from_secs(30),
+        probe_timeout: Duration::from_secs(1),
         max_restarts: 0,
         stop_grace: Duration::ZERO,
     }

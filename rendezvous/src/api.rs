@@ -5,7 +5,7 @@
 //! | method, path | body | answer |
 //! |---|---|---|
 //! | `POST /v1/jobs/{run_id}/join` | `{settings, node, wait_ms?}` | `{"status":"round","data":RoundInfo}` or `{"status":"wait","data":{round,state}}` |
-//! | `POST /v1/jobs/{run_id}/heartbeat` | `{node_id}` | `{}` |
+//! | `POST /v1/jobs/{run_id}/heartbeat` | `{node_id, seq?, probes?: [{node_id, reached}]}` | `{probe?: [{node_id, addr}]}`: probes owed |
 //! | `POST /v1/jobs/{run_id}/watch` | `{after_round, wait_ms?}` | `{"event":"new_round","data":N}` / `finished` / `failed` / `no_change` |
 //! | `POST /v1/jobs/{run_id}/failure` | `{node_id, round, root_cause}` | `{}` |
 //! | `POST /v1/jobs/{run_id}/success` | `{node_id, round}` | `{}` |
@@ -36,7 +36,7 @@ use tracing::error;
 
 use crate::error::RdzvError;
 use crate::round::{JobSettings, NodeInfo};
-use crate::service::{JoinAnswer, Rendezvous, WatchEvent};
+use crate::service::{Beat, HeartbeatAnswer, JoinAnswer, Rendezvous, WatchEvent};
 
 /// Largest request body accepted (a root cause with a stderr tail fits easily).
 pub const DEFAULT_BODY_LIMIT: usize = 256 * 1024;
@@ -69,6 +69,14 @@ pub struct JoinRequest {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct NodeRequest {
     pub node_id: String,
+}
+
+/// Body of a heartbeat: the node, its counter and the outcomes of probes it was asked for.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct HeartbeatRequest {
+    pub node_id: String,
+    #[serde(flatten)]
+    pub beat: Beat,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -182,10 +190,9 @@ async fn join(
 async fn heartbeat(
     State(app): State<AppState>,
     Path(run_id): Path<String>,
-    ApiJson(req): ApiJson<NodeRequest>,
-) -> ApiResult<Empty> {
-    app.rdzv.heartbeat(&run_id, &req.node_id).await?;
-    Ok(Json(Empty {}))
+    ApiJson(req): ApiJson<HeartbeatRequest>,
+) -> ApiResult<HeartbeatAnswer> {
+    Ok(Json(app.rdzv.heartbeat(&run_id, &req.node_id, req.beat).await?))
 }
 
 async fn watch(

@@ -13,10 +13,10 @@ use serde::Serialize;
 use tokio::task::JoinHandle;
 use tracing::{debug, warn};
 
-use crate::api::{ErrorBody, FailureRequest, JoinRequest, NodeRequest, SuccessRequest, WatchRequest};
+use crate::api::{ErrorBody, FailureRequest, HeartbeatRequest, JoinRequest, NodeRequest, SuccessRequest, WatchRequest};
 use crate::error::RdzvError;
 use crate::round::{JobSettings, JobStatus, NodeInfo, RoundInfo};
-use crate::service::{JoinAnswer, Rendezvous, WatchEvent};
+use crate::service::{Beat, HeartbeatAnswer, JoinAnswer, Rendezvous, WatchEvent};
 use crate::store::etcd::EtcdStore;
 use crate::store::Store;
 
@@ -249,7 +249,7 @@ impl RendezvousClient {
             every.tick().await;
             loop {
                 every.tick().await;
-                if let Err(error) = self.heartbeat(&node_id).await {
+                if let Err(error) = self.heartbeat(&node_id, Beat::default()).await {
                     debug!(node_id = %node_id, error = %error, "heartbeat while joining failed");
                 }
             }
@@ -286,16 +286,20 @@ impl RendezvousClient {
         }
     }
 
-    /// Tells the rendezvous this node is alive; call every heartbeat interval on its own task.
-    /// `UnknownNode` means the node was declared lost: stop workers and rejoin.
-    pub async fn heartbeat(&self, node_id: &str) -> Result<(), RdzvError> {
+    /// Tells the rendezvous this node is alive, with its counter and the outcomes of probes it
+    /// was asked for; answers the probes it owes now. Call every heartbeat interval without
+    /// waiting for the previous answer (several may be in flight: one lost packet must not
+    /// silence a node). `UnknownNode` means the node was declared lost: stop workers and rejoin.
+    pub async fn heartbeat(&self, node_id: &str, beat: Beat) -> Result<HeartbeatAnswer, RdzvError> {
         match &self.inner.transport {
             Transport::Http(h) => {
-                let timeout = (self.settings.node_ttl / 3).max(Duration::from_millis(250));
-                let body = NodeRequest { node_id: node_id.to_owned() };
-                h.call::<Empty>(Method::POST, &self.path("heartbeat"), Some(json(&body)), timeout).await.map(|_| ())
+                // A heartbeat that arrives late still counts: give it the TTL, and retransmit
+                // on the kept-alive connection rather than give up and reconnect.
+                let timeout = self.settings.node_ttl.max(Duration::from_millis(250));
+                let body = HeartbeatRequest { node_id: node_id.to_owned(), beat };
+                h.call(Method::POST, &self.path("heartbeat"), Some(json(&body)), timeout).await
             }
-            Transport::Local { rdzv, .. } => rdzv.heartbeat(&self.run_id, node_id).await,
+            Transport::Local { rdzv, .. } => rdzv.heartbeat(&self.run_id, node_id, beat).await,
         }
     }
 
@@ -374,8 +378,8 @@ impl RendezvousClient {
             loop {
                 every.tick().await;
                 let Some(rdzv) = rdzv.upgrade() else { return };
-                match rdzv.heartbeat(&run_id, &node).await {
-                    Ok(()) => {}
+                match rdzv.heartbeat(&run_id, &node, Beat::default()).await {
+                    Ok(_) => {}
                     // Lease gone: the node was declared lost; its next join registers anew.
                     Err(RdzvError::UnknownNode { .. }) => return,
                     Err(error) => warn!(node_id = %node, error = %error, "lease keep-alive failed"),

@@ -75,6 +75,7 @@
 
 pub mod api;
 pub mod client;
+pub mod detector;
 pub mod error;
 pub mod round;
 pub mod service;
@@ -83,5 +84,5 @@ pub mod store;
 pub use client::{Backend, RendezvousClient};
 pub use error::RdzvError;
 pub use round::{apply, check_nesting, Job, JobSettings, JobStatus, Member, NodeInfo, RoundInfo, SettingsError};
-pub use service::{JoinAnswer, Rendezvous, WatchEvent};
+pub use service::{Beat, HeartbeatAnswer, JoinAnswer, Rendezvous, WatchEvent};
 pub use store::Store;

@@ -21,6 +21,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::detector::{self, Health, ProbeReport, ProbeRequest, Timing, Verdict};
 pub use rlaunch::contract::{HostPort, Member, NodeInfo, RootCause, RoundInfo};
 
 /// Milliseconds: the machine's clock unit (wall-clock millis since the Unix epoch at the edges).
@@ -44,9 +45,15 @@ pub struct JobSettings {
     /// How often agents send heartbeats.
     #[serde(rename = "heartbeat_interval_ms", with = "duration_ms")]
     pub heartbeat_interval: Duration,
-    /// A node not heard from for this long is lost (on etcd: the lease TTL, rounded up to seconds).
+    /// A node not heard from for this long is suspected at the latest (sooner when its heartbeats
+    /// are late by much more than their usual jitter) and probed by other members; on etcd, the
+    /// lease TTL, rounded up to whole seconds. See [`crate::detector`].
     #[serde(rename = "node_ttl_ms", with = "duration_ms")]
     pub node_ttl: Duration,
+    /// How long the probes of a suspected node may take: a node no member reached within it is
+    /// lost. Detection of a dead node therefore takes at most TTL + this.
+    #[serde(rename = "probe_timeout_ms", with = "duration_ms", default = "default_probe_timeout")]
+    pub probe_timeout: Duration,
     /// Global restart budget: how many reported failures the job survives.
     pub max_restarts: u32,
     /// How long an agent may take to stop its workers (`--shutdown-timeout`). A forming round
@@ -57,8 +64,14 @@ pub struct JobSettings {
     pub stop_grace: Duration,
 }
 
+fn default_probe_timeout() -> Duration {
+    Duration::from_secs(1)
+}
+
 impl Default for JobSettings {
-    /// Node loss detected in ≤ 2 s plus one tick: heartbeat 0.5 s, TTL 2 s.
+    /// A dead node is lost within 3 s of its last heartbeat (suspected after about 1.3 s on a
+    /// clean link, at the latest at the 2 s TTL, then 1 s of probes): heartbeat 0.5 s, TTL 2 s,
+    /// probe timeout 1 s.
     fn default() -> Self {
         Self {
             min_nodes: 1,
@@ -67,6 +80,7 @@ impl Default for JobSettings {
             last_call_timeout: Duration::from_secs(1),
             heartbeat_interval: Duration::from_millis(500),
             node_ttl: Duration::from_secs(2),
+            probe_timeout: default_probe_timeout(),
             max_restarts: 0,
             stop_grace: Duration::ZERO,
         }
@@ -112,6 +126,10 @@ impl JobSettings {
         if self.heartbeat_interval.is_zero() {
             return Err(SettingsError::Zero { name: "heartbeat_interval" });
         }
+        if self.probe_timeout.is_zero() {
+            return Err(SettingsError::Zero { name: "probe_timeout" });
+        }
+        check_nesting(&[("probe_timeout", self.probe_timeout), ("join_timeout", self.join_timeout)])?;
         check_nesting(&[
             ("heartbeat_interval", self.heartbeat_interval),
             ("node_ttl", self.node_ttl),
@@ -138,6 +156,15 @@ impl JobSettings {
 
     fn ms(d: Duration) -> Millis {
         u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// The failure detector's timing.
+    pub fn timing(&self) -> Timing {
+        Timing {
+            interval: Self::ms(self.heartbeat_interval),
+            ttl: Self::ms(self.node_ttl),
+            probe_timeout: Self::ms(self.probe_timeout),
+        }
     }
 }
 
@@ -214,6 +241,13 @@ pub struct Job {
     pub succeeded: Vec<String>,
     /// Last time each live node (member, pending or previous) was heard from.
     pub last_seen: BTreeMap<String, Millis>,
+    /// The failure detector's view of those nodes: recent arrivals, suspicions and probes.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub health: BTreeMap<String, Health>,
+    /// Nodes suspected at the last tick (so a heartbeat finds the probes it owes without going
+    /// through every node; a suspicion cleared since is skipped).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub suspects: Vec<String>,
     /// Restarts spent from the global budget (failures only; node loss and scale-up are free).
     pub restart_count: u32,
     /// Root cause of the last reported failure, as the agent sent it.
@@ -299,8 +333,14 @@ pub enum Rejection {
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum Event {
     Join(NodeInfo),
+    /// A sign of life, with the sender's sequence number and the outcomes of the probes it was
+    /// asked for.
     Heartbeat {
         node_id: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        seq: Option<u64>,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        probes: Vec<ProbeReport>,
     },
     /// Time passed: check heartbeats, the last call and the join timeout.
     Tick,
@@ -319,7 +359,7 @@ pub enum Event {
 }
 
 /// One node as `status` shows it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct NodeStatus {
     pub node_id: String,
     pub group_rank: Option<u32>,
@@ -328,10 +368,31 @@ pub struct NodeStatus {
     /// Milliseconds since last heard from; `None` when not tracked (lost, left, succeeded and gone).
     pub last_heartbeat_ago_ms: Option<u64>,
     pub succeeded: bool,
+    /// The failure detector's view of the node.
+    #[serde(default)]
+    pub health: NodeHealth,
+}
+
+/// What the failure detector knows of a node, for operators.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct NodeHealth {
+    /// How late its heartbeats are now, as phi (suspected from 8 on).
+    pub phi: Option<f64>,
+    /// Share of its recent heartbeats that never arrived (from their sequence numbers).
+    pub heartbeat_loss: Option<f64>,
+    /// Milliseconds since it became suspected, while it is.
+    pub suspected_for_ms: Option<u64>,
+    /// The member that reached it in the current probe round, if one did.
+    pub reached_by: Option<String>,
+    /// Members that could not reach it in the current probe round.
+    pub missed_by: Vec<String>,
+    /// Probes of it that reached it / did not, over the job's life.
+    pub probes_reached: u64,
+    pub probes_missed: u64,
 }
 
 /// A job as `rlaunch status` shows it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct JobStatus {
     pub run_id: String,
     pub state: String,
@@ -360,11 +421,20 @@ impl Job {
             previous: Vec::new(),
             succeeded: Vec::new(),
             last_seen: BTreeMap::new(),
+            health: BTreeMap::new(),
+            suspects: Vec::new(),
             restart_count: 0,
             last_root_cause: None,
             last_reason: "job created; round 1 forming".to_owned(),
             created_at: now,
         }
+    }
+
+    /// Whether the job still counts on `node_id`: a member, pending, or expected back.
+    pub fn tracks(&self, node_id: &str) -> bool {
+        (matches!(self.phase, Phase::Running { .. }) && self.is_member(node_id))
+            || self.is_pending(node_id)
+            || self.previous.iter().any(|p| p == node_id)
     }
 
     pub fn is_member(&self, node_id: &str) -> bool {
@@ -420,6 +490,7 @@ impl Job {
                     store_addr: m.store_addr.clone(),
                     last_heartbeat_ago_ms: ago(&m.node_id),
                     succeeded: self.succeeded.contains(&m.node_id),
+                    health: self.node_health(&m.node_id, now),
                 })
                 .collect(),
             pending: self
@@ -432,6 +503,7 @@ impl Job {
                     store_addr: p.node.store_addr.clone(),
                     last_heartbeat_ago_ms: ago(&p.node.node_id),
                     succeeded: false,
+                    health: self.node_health(&p.node.node_id, now),
                 })
                 .collect(),
             world_size: self.world_size(),
@@ -455,11 +527,151 @@ impl Job {
         }
     }
 
+    /// The failure detector's view of `node_id` for status.
+    pub fn node_health(&self, node_id: &str, now: Millis) -> NodeHealth {
+        let t = self.settings.timing();
+        let Some(h) = self.health.get(node_id) else { return NodeHealth::default() };
+        let s = h.suspicion.as_ref();
+        NodeHealth {
+            phi: self.last_seen.get(node_id).map(|last| h.phi(*last, now, &t).min(1e6)),
+            heartbeat_loss: h.loss_rate(),
+            suspected_for_ms: s.map(|s| now.saturating_sub(s.since)),
+            reached_by: s.and_then(|s| s.reached_by.clone()),
+            missed_by: s.map(|s| s.missed_by.clone()).unwrap_or_default(),
+            probes_reached: h.probes_reached,
+            probes_missed: h.probes_missed,
+        }
+    }
+
+    /// Whether the failure detector holds `node_id` lost at `now`. A node that succeeded may go
+    /// quiet: it is only forgotten after a TTL, never probed.
     fn lapsed(&self, node_id: &str, now: Millis) -> bool {
+        let last = self.last_seen.get(node_id).copied();
+        if self.succeeded.iter().any(|s| s == node_id) {
+            let ttl = JobSettings::ms(self.settings.node_ttl);
+            return last.is_none_or(|seen| now.saturating_sub(seen) >= ttl);
+        }
+        let t = self.settings.timing();
+        match self.health.get(node_id) {
+            Some(h) => h.verdict(last, now, &t) == Verdict::Lost,
+            // Not yet seen by a tick: suspected at most, never lost without probes.
+            None => false,
+        }
+    }
+
+    /// Nodes the detector watches: members of the running round still at work, pending nodes,
+    /// and survivors of the previous round on their way back.
+    fn watched(&self) -> Vec<String> {
+        let running = matches!(self.phase, Phase::Running { .. });
+        let mut ids: Vec<String> = self
+            .members
+            .iter()
+            .map(|m| m.node_id.clone())
+            .filter(|id| running && !self.succeeded.contains(id))
+            .chain(self.pending.iter().map(|p| p.node.node_id.clone()))
+            .chain(self.previous.iter().cloned())
+            .collect();
+        ids.sort();
+        ids.dedup();
+        ids
+    }
+
+    /// Who probes `target`: up to [`detector::PROBERS`] other watched nodes, neither suspected
+    /// nor silent for a TTL, the most recently heard from first.
+    fn probers(&self, target: &str, now: Millis) -> Vec<String> {
         let ttl = JobSettings::ms(self.settings.node_ttl);
-        match self.last_seen.get(node_id) {
-            Some(seen) => now.saturating_sub(*seen) >= ttl,
-            None => true,
+        let has_addr = |id: &str| self.addr_of(id).is_some();
+        let mut candidates: Vec<(Millis, String)> = self
+            .watched()
+            .into_iter()
+            .filter(|id| id != target && has_addr(id))
+            .filter(|id| self.health.get(id).is_none_or(|h| h.suspicion.is_none()))
+            .filter_map(|id| {
+                let silence = now.saturating_sub(*self.last_seen.get(&id)?);
+                (silence < ttl).then_some((silence, id))
+            })
+            .collect();
+        candidates.sort();
+        candidates.into_iter().take(detector::PROBERS).map(|(_, id)| id).collect()
+    }
+
+    /// Where `node_id` can be reached: its store, which its agent serves.
+    fn addr_of(&self, node_id: &str) -> Option<&HostPort> {
+        self.members
+            .iter()
+            .find(|m| m.node_id == node_id)
+            .map(|m| &m.store_addr)
+            .or_else(|| self.pending.iter().find(|p| p.node.node_id == node_id).map(|p| &p.node.store_addr))
+    }
+
+    /// The probes `prober` owes: every suspected node whose probe round asked it.
+    pub fn probes_for(&self, prober: &str) -> Vec<ProbeRequest> {
+        self.suspects
+            .iter()
+            .filter(|id| self.health.get(*id).is_some_and(|h| h.asks(prober)))
+            .filter_map(|id| Some(ProbeRequest { node_id: id.clone(), addr: self.addr_of(id)?.clone() }))
+            .collect()
+    }
+
+    /// Starts suspicions that are due and the next probe round of those some member reached;
+    /// returns what changed, in words.
+    fn update_suspicions(&mut self, now: Millis) -> Vec<String> {
+        let t = self.settings.timing();
+        let mut notes = Vec::new();
+        for id in self.watched() {
+            let last = self.last_seen.get(&id).copied();
+            let (due, start) = match self.health.get(&id) {
+                None => (Health::default().suspect_due(last, now, &t), true),
+                Some(h) => match &h.suspicion {
+                    None => (h.suspect_due(last, now, &t), true),
+                    Some(s) => (now >= s.deadline && h.verdict(last, now, &t) == Verdict::Suspected, false),
+                },
+            };
+            if !due {
+                continue;
+            }
+            let probers = self.probers(&id, now);
+            let asked = if probers.is_empty() {
+                "nobody to probe it".to_owned()
+            } else {
+                format!("probed by {}", probers.join(", "))
+            };
+            let h = self.health.entry(id.clone()).or_default();
+            if start {
+                let silence = last.map_or_else(
+                    || "never heard from".to_owned(),
+                    |l| format!("silent for {} ms", now.saturating_sub(l)),
+                );
+                let phi = last
+                    .filter(|_| h.arrivals.len() >= detector::MIN_ARRIVALS)
+                    .map(|l| h.phi(l, now, &t))
+                    .filter(|p| *p < 1e6)
+                    .map(|p| format!(", phi {p:.1}"))
+                    .unwrap_or_default();
+                let loss = h.loss_rate().map(|l| format!(", heartbeat loss {:.0}%", l * 100.0)).unwrap_or_default();
+                notes.push(format!("node {id} suspected ({silence}{phi}{loss}); {asked}"));
+            } else {
+                let by = h.suspicion.as_ref().and_then(|s| s.reached_by.clone()).unwrap_or_default();
+                notes.push(format!("suspected node {id} answered a probe by {by}: kept, {asked} again"));
+            }
+            h.suspect(probers, now, &t);
+        }
+        self.suspects = self.health.iter().filter(|(_, h)| h.suspicion.is_some()).map(|(id, _)| id.clone()).collect();
+        notes
+    }
+
+    /// Why `node_id` is lost, in words.
+    fn loss_detail(&self, node_id: &str, now: Millis) -> String {
+        let silence = self
+            .last_seen
+            .get(node_id)
+            .map_or_else(|| "never heard from".to_owned(), |l| format!("silent for {} ms", now.saturating_sub(*l)));
+        match self.health.get(node_id).and_then(|h| h.suspicion.as_ref()) {
+            Some(s) if s.reached_by.is_some() => format!("{node_id} ({silence}, past the silence limit)"),
+            Some(s) if !s.missed_by.is_empty() => {
+                format!("{node_id} ({silence}; not reached by {})", s.missed_by.join(", "))
+            }
+            _ => format!("{node_id} ({silence}; no member reached it)"),
         }
     }
 
@@ -472,11 +684,14 @@ impl Job {
             .chain(self.pending.iter().map(|p| p.node.node_id.as_str()))
             .chain(self.previous.iter().map(String::as_str))
             .collect();
-        if keep.len() >= self.last_seen.len() && self.last_seen.keys().all(|id| keep.contains(id.as_str())) {
+        if self.last_seen.keys().all(|id| keep.contains(id.as_str()))
+            && self.health.keys().all(|id| keep.contains(id.as_str()))
+        {
             return;
         }
         let keep: HashSet<String> = keep.into_iter().map(str::to_owned).collect();
         self.last_seen.retain(|id, _| keep.contains(id));
+        self.health.retain(|id, _| keep.contains(id));
     }
 }
 
@@ -499,7 +714,7 @@ pub fn apply_in_place(job: &mut Job, ev: Event, now: Millis) -> Decision {
     let next = job;
     let decision = match ev {
         Event::Join(node) => join(next, node, now),
-        Event::Heartbeat { node_id } => heartbeat(next, &node_id, now),
+        Event::Heartbeat { node_id, seq, probes } => heartbeat(next, &node_id, seq, &probes, now),
         Event::Tick => tick(next, now),
         Event::ReportFailure { node_id, round, root_cause } => report_failure(next, &node_id, round, *root_cause, now),
         Event::NodeSucceeded { node_id, round } => node_succeeded(next, &node_id, round, now),
@@ -548,6 +763,7 @@ fn join(job: &mut Job, node: NodeInfo, now: Millis) -> Decision {
     }
     let id = node.node_id.clone();
     job.last_seen.insert(id.clone(), now);
+    job.health.entry(id.clone()).or_default().arrived(None, now);
     if matches!(job.phase, Phase::Running { .. }) && job.is_member(&id) {
         let same = job
             .members
@@ -605,16 +821,29 @@ fn join(job: &mut Job, node: NodeInfo, now: Millis) -> Decision {
     evaluate_forming(job, now, base)
 }
 
-fn heartbeat(job: &mut Job, node_id: &str, now: Millis) -> Decision {
+fn heartbeat(job: &mut Job, node_id: &str, seq: Option<u64>, probes: &[ProbeReport], now: Millis) -> Decision {
     if let Some(r) = job.rejection_if_terminal() {
         return reject(r);
     }
-    match job.last_seen.get_mut(node_id) {
-        Some(seen) => {
-            *seen = (*seen).max(now);
-            decide(Action::HeartbeatRecorded, format!("heartbeat from {node_id}"))
+    let Some(seen) = job.last_seen.get_mut(node_id) else {
+        return reject(Rejection::UnknownNode { node_id: node_id.to_owned() });
+    };
+    *seen = (*seen).max(now);
+    job.health.entry(node_id.to_owned()).or_default().arrived(seq, now);
+    let mut notes = Vec::new();
+    for p in probes {
+        if p.node_id == node_id {
+            continue;
         }
-        None => reject(Rejection::UnknownNode { node_id: node_id.to_owned() }),
+        if job.health.get_mut(&p.node_id).is_some_and(|h| h.probed(node_id, p.reached)) {
+            let how = if p.reached { "reached" } else { "could not reach" };
+            notes.push(format!("{node_id} {how} suspected node {}", p.node_id));
+        }
+    }
+    if notes.is_empty() {
+        decide(Action::HeartbeatRecorded, format!("heartbeat from {node_id}"))
+    } else {
+        decide(Action::Updated, format!("probe: {}", notes.join("; ")))
     }
 }
 
@@ -622,19 +851,34 @@ fn tick(job: &mut Job, now: Millis) -> Decision {
     if job.phase.is_terminal() {
         return decide(Action::Nothing, "job is over");
     }
+    let suspects_before = job.suspects.clone();
+    let mut suspicions = job.update_suspicions(now);
+    let cleared: Vec<&str> = suspects_before
+        .iter()
+        .filter(|id| !job.suspects.contains(id) && job.health.contains_key(*id))
+        .map(String::as_str)
+        .collect();
+    if !cleared.is_empty() {
+        suspicions.push(format!("node(s) {} heard from again: no longer suspected", cleared.join(", ")));
+    }
     let before = (job.pending.len(), job.previous.len());
-    let lapsed_pending: Vec<String> =
-        job.pending.iter().map(|p| p.node.node_id.clone()).filter(|id| job.lapsed(id, now)).collect();
-    job.pending.retain(|p| !lapsed_pending.contains(&p.node.node_id));
-    let mut dropped = lapsed_pending;
-    let lapsed_previous: Vec<String> = job.previous.iter().filter(|id| job.lapsed(id, now)).cloned().collect();
-    job.previous.retain(|id| !lapsed_previous.contains(id));
-    dropped.extend(lapsed_previous.into_iter().filter(|id| !dropped.contains(id)).collect::<Vec<_>>());
-    let dropped_note = if dropped.is_empty() {
-        String::new()
-    } else {
-        format!("node(s) {} missed heartbeats for the TTL and were dropped; ", dropped.join(", "))
-    };
+    let mut dropped: Vec<String> = job
+        .pending
+        .iter()
+        .map(|p| p.node.node_id.clone())
+        .chain(job.previous.iter().cloned())
+        .filter(|id| job.lapsed(id, now))
+        .collect();
+    dropped.sort();
+    dropped.dedup();
+    let mut notes = suspicions;
+    if !dropped.is_empty() {
+        let details: Vec<String> = dropped.iter().map(|id| job.loss_detail(id, now)).collect();
+        notes.push(format!("node(s) {} lost and dropped", details.join(", ")));
+    }
+    job.pending.retain(|p| !dropped.contains(&p.node.node_id));
+    job.previous.retain(|id| !dropped.contains(id));
+    let note = notes.join("; ");
 
     match job.phase {
         Phase::Running { .. } => {
@@ -645,30 +889,28 @@ fn tick(job: &mut Job, now: Millis) -> Decision {
                 .filter(|id| !job.succeeded.contains(id) && job.lapsed(id, now))
                 .collect();
             if !lost.is_empty() {
-                let reason = format!(
-                    "{dropped_note}node(s) {} of round {} missed heartbeats for the TTL ({:?}): node loss",
-                    lost.join(", "),
-                    job.round,
-                    job.settings.node_ttl
-                );
+                let details: Vec<String> = lost.iter().map(|id| job.loss_detail(id, now)).collect();
+                let prefix = if note.is_empty() { String::new() } else { format!("{note}; ") };
+                let reason = format!("{prefix}node(s) {} of round {} lost: node loss", details.join(", "), job.round);
                 return open_round(job, now, RoundCause::NodeLost { nodes: lost.clone() }, &lost, reason);
             }
             // Succeeded members may go quiet; forget them without disturbing the round.
             let quiet: Vec<String> = job.succeeded.iter().filter(|id| job.lapsed(id, now)).cloned().collect();
             for id in &quiet {
                 job.last_seen.remove(id);
+                job.health.remove(id);
             }
             job.prune_last_seen();
-            if before != (job.pending.len(), job.previous.len()) {
-                decide(Action::Updated, dropped_note.trim_end_matches("; ").to_owned())
+            if !note.is_empty() {
+                decide(Action::Updated, note)
             } else {
                 decide(Action::Nothing, "nothing due")
             }
         }
         Phase::Waiting { .. } | Phase::LastCall { .. } => {
             job.prune_last_seen();
-            let changed = before != (job.pending.len(), job.previous.len());
-            let d = evaluate_forming(job, now, dropped_note.trim_end_matches("; ").to_owned());
+            let changed = before != (job.pending.len(), job.previous.len()) || !note.is_empty();
+            let d = evaluate_forming(job, now, note);
             if d.action == Action::Nothing && changed {
                 decide(Action::Updated, d.reason)
             } else {
@@ -754,6 +996,7 @@ fn node_succeeded(job: &mut Job, node_id: &str, round: u64, now: Millis) -> Deci
 fn leave(job: &mut Job, node_id: &str, now: Millis) -> Decision {
     if job.phase.is_terminal() {
         job.last_seen.remove(node_id);
+        job.health.remove(node_id);
         return decide(Action::Nothing, format!("node {node_id} left after the job ended"));
     }
     let was_pending = job.is_pending(node_id);
@@ -762,6 +1005,7 @@ fn leave(job: &mut Job, node_id: &str, now: Millis) -> Decision {
     job.previous.retain(|p| p != node_id);
     if matches!(job.phase, Phase::Running { .. }) && job.is_member(node_id) {
         job.last_seen.remove(node_id);
+        job.health.remove(node_id);
         if job.succeeded.iter().any(|s| s == node_id) {
             return decide(Action::Updated, format!("node {node_id} left after succeeding"));
         }
@@ -773,6 +1017,7 @@ fn leave(job: &mut Job, node_id: &str, now: Millis) -> Decision {
         return decide(Action::Nothing, format!("node {node_id} left but was not known"));
     }
     job.last_seen.remove(node_id);
+    job.health.remove(node_id);
     let base = format!("node {node_id} left");
     if job.phase.is_forming() {
         let d = evaluate_forming(job, now, base);
@@ -794,6 +1039,7 @@ fn open_round(job: &mut Job, now: Millis, cause: RoundCause, gone: &[String], re
     job.succeeded.clear();
     for id in gone {
         job.last_seen.remove(id);
+        job.health.remove(id);
     }
     job.phase = Phase::Waiting { since: now };
     job.prune_last_seen();

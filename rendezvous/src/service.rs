@@ -14,6 +14,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
+use crate::detector::{ProbeReport, ProbeRequest};
 use crate::error::RdzvError;
 use crate::round::{
     Action, Decision, Event, Job, JobSettings, JobStatus, Millis, NodeInfo, Phase, RoundCause, RoundInfo,
@@ -38,6 +39,25 @@ pub enum JoinAnswer {
     Round(RoundInfo),
     /// Still forming (or running without this node): join again.
     Wait { round: u64, state: String },
+}
+
+/// What a heartbeat carries besides the node's id.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Beat {
+    /// The sender's heartbeat counter (the rendezvous derives the loss rate from the gaps).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seq: Option<u64>,
+    /// Outcomes of probes this node was asked for.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub probes: Vec<ProbeReport>,
+}
+
+/// Answer to one heartbeat: the probes the node is asked to make (reach each node directly and
+/// report with a heartbeat).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeartbeatAnswer {
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub probe: Vec<ProbeRequest>,
 }
 
 /// Answer to one watch call.
@@ -77,6 +97,8 @@ struct Metrics {
     rounds_member_left: AtomicU64,
     jobs_finished: AtomicU64,
     jobs_failed: AtomicU64,
+    probes_reached: AtomicU64,
+    probes_missed: AtomicU64,
 }
 
 /// The rendezvous over one store. Create with [`Rendezvous::new`]; a ticker task runs while it
@@ -119,6 +141,7 @@ impl Rendezvous {
             Action::Nothing | Action::HeartbeatRecorded => {
                 debug!(run_id, reason = %d.reason, "no transition");
             }
+            Action::Updated if d.reason.contains("suspected") => warn!(run_id, reason = %d.reason, "failure detector"),
             Action::Updated => info!(run_id, reason = %d.reason, "rendezvous updated"),
             Action::RoundClosed { round } => {
                 m.rounds_closed.fetch_add(1, Ordering::Relaxed);
@@ -199,14 +222,20 @@ impl Rendezvous {
         }
     }
 
-    pub async fn heartbeat(&self, run_id: &str, node_id: &str) -> Result<(), RdzvError> {
+    /// A sign of life from `node_id`, with its sequence number and the outcomes of the probes
+    /// it was asked for; answers the probes it owes now.
+    pub async fn heartbeat(&self, run_id: &str, node_id: &str, beat: Beat) -> Result<HeartbeatAnswer, RdzvError> {
         self.metrics.requests.fetch_add(1, Ordering::Relaxed);
         validate_run_id(run_id)?;
-        let d = self.store.heartbeat(run_id, node_id, now_ms()).await?;
+        for p in &beat.probes {
+            let counter = if p.reached { &self.metrics.probes_reached } else { &self.metrics.probes_missed };
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
+        let (d, probe) = self.store.heartbeat(run_id, node_id, beat.seq, beat.probes, now_ms()).await?;
         self.observe(run_id, &d);
         match d.action {
             Action::Rejected(r) => Err(r.into()),
-            _ => Ok(()),
+            _ => Ok(HeartbeatAnswer { probe }),
         }
     }
 
@@ -297,6 +326,10 @@ impl Rendezvous {
         counter(opened, help, "{cause=\"member_left\"}", &m.rounds_member_left, false);
         counter("rlaunch_rdzv_jobs_finished_total", "Jobs finished.", "", &m.jobs_finished, true);
         counter("rlaunch_rdzv_jobs_failed_total", "Jobs failed.", "", &m.jobs_failed, true);
+        let probes = "rlaunch_rdzv_probes_total";
+        let help = "Indirect probes of suspected nodes reported to this process, by outcome.";
+        counter(probes, help, "{result=\"reached\"}", &m.probes_reached, true);
+        counter(probes, help, "{result=\"missed\"}", &m.probes_missed, false);
         let _ = writeln!(out, "# HELP rlaunch_rdzv_jobs Jobs in the store, by state.\n# TYPE rlaunch_rdzv_jobs gauge");
         match self.store.jobs(now_ms()).await {
             Ok(jobs) => {
@@ -304,6 +337,7 @@ impl Rendezvous {
                     let n = jobs.iter().filter(|(_, j)| j.phase.name() == state).count();
                     let _ = writeln!(out, "rlaunch_rdzv_jobs{{state=\"{state}\"}} {n}");
                 }
+                health_metrics(&mut out, &jobs, now_ms());
             }
             Err(error) => warn!(error = %error, "metrics could not list jobs"),
         }
@@ -313,6 +347,45 @@ impl Rendezvous {
         );
         let _ = writeln!(out, "rlaunch_rdzv_store_info{{store=\"{}\"}} 1", self.store.name());
         out
+    }
+}
+
+/// Per-node gauges of the failure detector: suspicion, heartbeat loss and phi of every node a
+/// live job watches.
+fn health_metrics(out: &mut String, jobs: &[(String, Job)], now: Millis) {
+    let gauges = [
+        (
+            "rlaunch_rdzv_node_suspected",
+            "1 while the failure detector suspects the node (probes under way or answered).",
+        ),
+        ("rlaunch_rdzv_node_heartbeat_loss_ratio", "Share of the node's recent heartbeats that never arrived."),
+        ("rlaunch_rdzv_node_phi", "How late the node's heartbeats are (phi accrual; suspected from 8)."),
+        ("rlaunch_rdzv_node_probes_reached_total", "Probes of the node by other members that reached it."),
+        ("rlaunch_rdzv_node_probes_missed_total", "Probes of the node by other members that did not reach it."),
+    ];
+    let mut rows: Vec<[Option<f64>; 5]> = Vec::new();
+    let mut labels = Vec::new();
+    for (run_id, job) in jobs.iter().filter(|(_, j)| !j.phase.is_terminal()) {
+        for node_id in job.last_seen.keys().chain(job.health.keys().filter(|id| !job.last_seen.contains_key(*id))) {
+            let h = job.node_health(node_id, now);
+            rows.push([
+                Some(if h.suspected_for_ms.is_some() { 1.0 } else { 0.0 }),
+                h.heartbeat_loss,
+                h.phi,
+                Some(h.probes_reached as f64),
+                Some(h.probes_missed as f64),
+            ]);
+            labels.push(format!("{{run_id=\"{run_id}\",node_id=\"{}\"}}", node_id.replace(['\\', '"'], "_")));
+        }
+    }
+    for (i, (name, help)) in gauges.iter().enumerate() {
+        let kind = if name.ends_with("_total") { "counter" } else { "gauge" };
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        for (row, label) in rows.iter().zip(&labels) {
+            if let Some(v) = row[i] {
+                let _ = writeln!(out, "{name}{label} {v}");
+            }
+        }
     }
 }
 

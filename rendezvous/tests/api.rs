@@ -39,6 +39,7 @@ fn calm(min: u32, max: u32) -> JobSettings {
         last_call_timeout: Duration::from_secs(60),
         heartbeat_interval: Duration::from_secs(10),
         node_ttl: Duration::from_secs(60),
+        probe_timeout: Duration::from_secs(1),
         max_restarts: 1,
         stop_grace: Duration::ZERO,
     }
@@ -53,6 +54,7 @@ fn fast(min: u32, max: u32) -> JobSettings {
         last_call_timeout: Duration::from_millis(300),
         heartbeat_interval: Duration::from_millis(100),
         node_ttl: Duration::from_millis(500),
+        probe_timeout: Duration::from_secs(1),
         max_restarts: 1,
         stop_grace: Duration::ZERO,
     }
@@ -351,7 +353,7 @@ async fn node_loss_is_seen_by_the_survivor_within_the_ttl() {
         let a = a.clone();
         tokio::spawn(async move {
             loop {
-                let _ = a.heartbeat("a").await;
+                let _ = a.heartbeat("a", Default::default()).await;
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         })
@@ -373,7 +375,7 @@ async fn node_loss_is_seen_by_the_survivor_within_the_ttl() {
     let again = within("rejoin", a.join(node("a"))).await.expect("survivor rejoins");
     assert_eq!((again.group_world_size, again.group_rank), (1, 0));
     assert_eq!(again.restart_count, 0);
-    match within("heartbeat of the lost node", b.heartbeat("bb")).await {
+    match within("heartbeat of the lost node", b.heartbeat("bb", Default::default())).await {
         Err(RdzvError::UnknownNode { node_id }) => assert_eq!(node_id, "bb"),
         other => panic!("{other:?}"),
     }
@@ -408,7 +410,7 @@ async fn one_node_succeeding_leaves_the_others_running_until_all_succeed() {
     a.report_success("a", round).await.expect("success");
     // a's agent goes away; b keeps running and heartbeating.
     for _ in 0..8 {
-        b.heartbeat("bb").await.expect("b stays a member");
+        b.heartbeat("bb", Default::default()).await.expect("b stays a member");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(b.status().await.expect("status").state, "running");
@@ -444,7 +446,7 @@ async fn client_fails_over_to_the_next_endpoint() {
     let a = http_client(vec![dead_addr, s1.endpoint(), s2.endpoint()], "jo", fast(1, 1)).await;
     let r = within("join", a.join(node("a"))).await.expect("join through the live endpoint");
     s1.stop().await;
-    a.heartbeat("a").await.expect("heartbeat fails over to s2");
+    a.heartbeat("a", Default::default()).await.expect("heartbeat fails over to s2");
     assert_eq!(within("watch", a.watch(r.round + 5)).await.expect("watch"), WatchEvent::NewRound(r.round));
     s2.stop().await;
 }

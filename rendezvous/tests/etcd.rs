@@ -175,6 +175,7 @@ fn settings(min: u32, max: u32) -> JobSettings {
         last_call_timeout: Duration::from_millis(500),
         heartbeat_interval: Duration::from_millis(300),
         node_ttl: Duration::from_secs(2),
+        probe_timeout: Duration::from_secs(1),
         max_restarts: 3,
         stop_grace: Duration::ZERO,
     }
@@ -193,7 +194,7 @@ fn beat(c: &RendezvousClient, id: &str) -> JoinHandle<()> {
     let (c, id) = (c.clone(), id.to_owned());
     tokio::spawn(async move {
         loop {
-            let _ = c.heartbeat(&id).await;
+            let _ = c.heartbeat(&id, Default::default()).await;
             tokio::time::sleep(c.settings().heartbeat_interval).await;
         }
     })

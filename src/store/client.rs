@@ -452,3 +452,29 @@ impl PrefixStore {
         self.inner
     }
 }
+
+/// Whether a store answers at `addr` within `timeout`: connect, validate, ping, and the nonce
+/// echoed. The failure detector's probe (an agent serves its node's store, so an answer means
+/// that agent's process runs and is reachable). Never blocks past `timeout`.
+pub async fn probe(addr: &str, nonce: u32, timeout: Duration) -> io::Result<Duration> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let started = tokio::time::Instant::now();
+    let attempt = async {
+        let mut stream = tokio::net::TcpStream::connect(addr).await?;
+        stream.set_nodelay(true)?;
+        let mut frame = Vec::with_capacity(10);
+        Request::Validate { magic: VALIDATION_MAGIC }.encode(&mut frame);
+        Request::Ping { nonce }.encode(&mut frame);
+        stream.write_all(&frame).await?;
+        let mut echoed = [0u8; 4];
+        stream.read_exact(&mut echoed).await?;
+        if u32::from_le_bytes(echoed) != nonce {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "the store echoed another nonce"));
+        }
+        Ok(started.elapsed())
+    };
+    match tokio::time::timeout(timeout, attempt).await {
+        Ok(r) => r,
+        Err(_) => Err(io::Error::new(io::ErrorKind::TimedOut, format!("no answer within {timeout:?}"))),
+    }
+}

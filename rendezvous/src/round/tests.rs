@@ -5,6 +5,7 @@ use std::time::Duration;
 use serde_json::json;
 
 use super::*;
+use crate::detector::{ProbeReport, ProbeRequest};
 
 fn rc(message: impl ToString) -> Box<RootCause> {
     Box::new(RootCause::from_message(message.to_string()))
@@ -18,6 +19,7 @@ fn settings(min: u32, max: u32) -> JobSettings {
         last_call_timeout: Duration::from_secs(5),
         heartbeat_interval: Duration::from_millis(500),
         node_ttl: Duration::from_secs(2),
+        probe_timeout: Duration::from_secs(1),
         max_restarts: 2,
         stop_grace: Duration::ZERO,
     }
@@ -50,7 +52,7 @@ fn join(job: &Job, id: &str, now: Millis) -> (Job, Decision) {
 }
 
 fn hb(job: &Job, id: &str, now: Millis) -> Job {
-    let (j, d) = step(job, Event::Heartbeat { node_id: id.to_owned() }, now);
+    let (j, d) = step(job, Event::Heartbeat { node_id: id.to_owned(), seq: None, probes: Vec::new() }, now);
     assert_eq!(d.action, Action::HeartbeatRecorded, "{d:?}");
     j
 }
@@ -234,7 +236,7 @@ fn join_with_bad_details_is_rejected_and_leaves_the_job_untouched() {
 #[test]
 fn heartbeat_from_an_unknown_node_is_rejected() {
     let job = running(&["a"], settings(1, 1));
-    let (after, d) = step(&job, Event::Heartbeat { node_id: "zz".into() }, 10);
+    let (after, d) = step(&job, Event::Heartbeat { node_id: "zz".into(), seq: None, probes: Vec::new() }, 10);
     assert_eq!(d.action, Action::Rejected(Rejection::UnknownNode { node_id: "zz".into() }));
     assert_eq!(after, job);
 }
@@ -254,17 +256,29 @@ fn node_loss_opens_a_new_round_with_the_survivors() {
     let job = hb(&hb(&job, "a", 1900), "c", 1900);
     let (job, d) = tick(&job, 2099);
     assert_eq!(d.action, Action::Nothing, "b's TTL has not run out yet");
+    // Silent for the TTL: suspected, and the others are asked to reach it.
     let (job, d) = tick(&job, 2100);
+    assert_eq!(d.action, Action::Updated);
+    assert!(d.reason.contains("node b suspected (silent for 2000 ms); probed by a, c"), "{}", d.reason);
+    assert_eq!(job.probes_for("a"), [ProbeRequest { node_id: "b".into(), addr: "b:29500".parse().unwrap() }]);
+    assert_eq!(job.probes_for("c").len(), 1);
+    assert!(job.probes_for("b").is_empty());
+    assert_eq!(job.round, 1, "a suspected node is not lost yet");
+    let job = hb(&hb(&job, "a", 2400), "c", 2400);
+    let (job, d) = tick(&job, 3099);
+    assert_eq!(d.action, Action::Nothing, "the probes still have time");
+    // Nobody reached it within the probe timeout: lost.
+    let (job, d) = tick(&job, 3100);
     assert_eq!(d.action, Action::RoundOpened { round: 2, cause: RoundCause::NodeLost { nodes: vec!["b".into()] } });
-    assert!(d.reason.contains("missed heartbeats"), "{}", d.reason);
+    assert!(d.reason.contains("b (silent for 3000 ms; no member reached it)"), "{}", d.reason);
     assert_eq!(job.previous, ["a", "c"]);
     assert!(!job.last_seen.contains_key("b"));
     // The lost node learns it is unknown and must rejoin.
-    let (_, d) = step(&job, Event::Heartbeat { node_id: "b".into() }, 2200);
+    let (_, d) = step(&job, Event::Heartbeat { node_id: "b".into(), seq: None, probes: Vec::new() }, 3200);
     assert!(matches!(d.action, Action::Rejected(Rejection::UnknownNode { .. })));
     // Survivors come back: the last call is skipped; ranks keep the old order.
-    let (job, _) = join(&job, "c", 2300);
-    let (job, d) = join(&job, "a", 2400);
+    let (job, _) = join(&job, "c", 3300);
+    let (job, d) = join(&job, "a", 3400);
     assert_eq!(d.action, Action::RoundClosed { round: 2 });
     assert_eq!(member_ids(&job), ["a", "c"]);
     assert_eq!(job.round_info("c").unwrap().rank_offset, 2);
@@ -276,11 +290,15 @@ fn several_lost_nodes_are_noticed_in_one_tick() {
     let job = running(&["a", "b", "c"], settings(1, 3));
     let job = hb(&job, "a", 3000);
     let (job, d) = tick(&job, 3000);
+    assert_eq!(d.action, Action::Updated, "both suspected at once: {}", d.reason);
+    assert_eq!(job.suspects, ["b", "c"]);
+    let job = hb(&job, "a", 3500);
+    let (job, d) = tick(&job, 4000);
     assert_eq!(
         d.action,
         Action::RoundOpened { round: 2, cause: RoundCause::NodeLost { nodes: vec!["b".into(), "c".into()] } }
     );
-    let (job, d) = join(&job, "a", 3100);
+    let (job, d) = join(&job, "a", 4100);
     assert_eq!(d.action, Action::RoundClosed { round: 2 });
     assert_eq!(job.world_size(), 2);
 }
@@ -289,21 +307,23 @@ fn several_lost_nodes_are_noticed_in_one_tick() {
 fn fewer_than_min_survivors_wait_then_fail_at_the_join_timeout() {
     let job = running(&["a", "b"], settings(2, 2));
     let job = hb(&job, "a", 2000);
-    let (job, d) = tick(&job, 2150);
+    let (job, _) = tick(&job, 2150);
+    let job = hb(&job, "a", 2500);
+    let (job, d) = tick(&job, 3150);
     assert!(matches!(d.action, Action::RoundOpened { round: 2, .. }));
-    let (job, d) = join(&job, "a", 2200);
+    let (job, d) = join(&job, "a", 3200);
     assert_eq!(d.action, Action::Updated);
-    assert!(matches!(job.phase, Phase::Waiting { since: 2150 }));
+    assert!(matches!(job.phase, Phase::Waiting { since: 3150 }));
     let mut job = job;
-    let mut t = 2200;
-    while t < 2150 + 60_000 - 500 {
+    let mut t = 3200;
+    while t < 3150 + 60_000 - 500 {
         t += 500;
         job = hb(&job, "a", t);
         let (j, d) = tick(&job, t);
         assert_eq!(d.action, Action::Nothing, "at {t}: {d:?}");
         job = j;
     }
-    let (job, d) = tick(&job, 2150 + 60_000);
+    let (job, d) = tick(&job, 3150 + 60_000);
     assert_eq!(d.action, Action::Failed);
     let Phase::Failed { kind, reason, .. } = &job.phase else { panic!("{job:?}") };
     assert_eq!(*kind, FailureKind::JoinTimeout);
@@ -317,7 +337,9 @@ fn a_joiner_rescues_a_round_below_min_before_the_timeout() {
     let job = running(&["a", "b"], settings(2, 2));
     let job = hb(&job, "a", 2000);
     let (job, _) = tick(&job, 2150);
-    let (job, _) = join(&job, "a", 2200);
+    let job = hb(&job, "a", 2500);
+    let (job, _) = tick(&job, 3150);
+    let (job, _) = join(&job, "a", 3200);
     let (job, d) = join(&job, "n", 30_000);
     assert_eq!(d.action, Action::RoundClosed { round: 2 });
     assert_eq!(member_ids(&job), ["a", "n"], "the previous member keeps rank 0");
@@ -426,9 +448,12 @@ fn a_node_joining_a_job_at_max_waits_as_a_standby() {
     assert_eq!(job.pending.len(), 1);
     // b is lost: the standby takes its place in round 2.
     let job = hb(&hb(&job, "a", 2000), "s", 2000);
-    let (job, d) = tick(&job, 2200);
+    let (job, _) = tick(&job, 2200);
+    assert_eq!(job.probes_for("s").len(), 1, "a standby probes too");
+    let job = hb(&hb(&job, "a", 2700), "s", 2700);
+    let (job, d) = tick(&job, 3200);
     assert!(matches!(d.action, Action::RoundOpened { round: 2, .. }));
-    let (job, d) = join(&job, "a", 2300);
+    let (job, d) = join(&job, "a", 3300);
     assert_eq!(d.action, Action::RoundClosed { round: 2 });
     assert_eq!(member_ids(&job), ["a", "s"]);
 }
@@ -521,8 +546,12 @@ fn a_pending_node_that_goes_silent_is_dropped() {
     let (job, _) = join(&job, "a", 0);
     let (job, d) = tick(&job, 2000);
     assert_eq!(d.action, Action::Updated);
+    assert!(d.reason.contains("node a suspected (silent for 2000 ms); nobody to probe it"), "{}", d.reason);
+    assert_eq!(job.pending.len(), 1, "suspected, not yet dropped");
+    let (job, d) = tick(&job, 3000);
+    assert_eq!(d.action, Action::Updated);
     assert!(job.pending.is_empty());
-    assert!(job.last_seen.is_empty());
+    assert!(job.last_seen.is_empty() && job.health.is_empty());
 }
 
 #[test]
@@ -534,8 +563,12 @@ fn a_lapsed_previous_member_no_longer_holds_the_round_back() {
     let (job, d) = join(&job, "b", 3000);
     assert_eq!(d.action, Action::Updated, "c may still come back: last call");
     assert!(matches!(job.phase, Phase::LastCall { .. }));
-    // c's heartbeat lapses: every *surviving* previous member is back, so the round closes.
+    // c's heartbeat lapses: once it is lost, every *surviving* previous member is back, so the
+    // round closes.
     let (job, d) = tick(&job, 3200);
+    assert_eq!(d.action, Action::Updated, "c suspected: {}", d.reason);
+    let job = hb(&hb(&job, "a", 3700), "b", 3700);
+    let (job, d) = tick(&job, 4200);
     assert_eq!(d.action, Action::RoundClosed { round: 2 }, "{}", d.reason);
     assert_eq!(member_ids(&job), ["a", "b"]);
 }
@@ -571,7 +604,7 @@ fn terminal_jobs_reject_heartbeats_and_ignore_ticks() {
     s.max_restarts = 0;
     let job = running(&["a"], s);
     let (job, _) = step(&job, Event::ReportFailure { node_id: "a".into(), round: 1, root_cause: rc(json!(1)) }, 1500);
-    let (_, d) = step(&job, Event::Heartbeat { node_id: "a".into() }, 1600);
+    let (_, d) = step(&job, Event::Heartbeat { node_id: "a".into(), seq: None, probes: Vec::new() }, 1600);
     assert!(matches!(d.action, Action::Rejected(Rejection::JobFailed { .. })));
     let (after, d) = tick(&job, 1_000_000);
     assert_eq!(d.action, Action::Nothing);
@@ -640,7 +673,7 @@ fn random_event_sequences_keep_the_invariants() {
             let id = ids[rng.below(ids.len() as u64) as usize].to_owned();
             let ev = match rng.below(10) {
                 0..=2 => Event::Join(node(&id)),
-                3..=5 => Event::Heartbeat { node_id: id },
+                3..=5 => Event::Heartbeat { node_id: id, seq: None, probes: Vec::new() },
                 6 => Event::Tick,
                 7 => Event::ReportFailure {
                     node_id: id,
@@ -714,6 +747,9 @@ fn a_survivor_still_stopping_its_workers_is_waited_for_within_the_shutdown_timeo
     assert!(!matches!(d.action, Action::RoundClosed { .. }), "b was last heard at 1 s: {d:?}");
     let job = hb(&hb(&job, "a", 3_000), "c", 3_000);
     let (job, d) = tick(&job, 3_100);
+    assert!(!matches!(d.action, Action::RoundClosed { .. }), "b is suspected, not lost: {d:?}");
+    let job = hb(&hb(&job, "a", 3_500), "c", 3_500);
+    let (job, d) = tick(&job, 4_100);
     assert_eq!(d.action, Action::RoundClosed { round: 2 }, "{d:?}");
     assert_eq!(member_ids(&job), ["a", "c"]);
 
@@ -809,4 +845,107 @@ fn nodes_may_differ_in_their_shutdown_timeout_only() {
     let b = JobSettings { stop_grace: Duration::from_secs(9), ..a.clone() };
     assert!(a.same_job(&b));
     assert!(!a.same_job(&JobSettings { max_restarts: 7, ..a.clone() }));
+}
+
+fn beat(job: &Job, id: &str, seq: Option<u64>, probes: &[(&str, bool)], now: Millis) -> (Job, Decision) {
+    let probes = probes.iter().map(|(n, r)| ProbeReport { node_id: (*n).to_owned(), reached: *r }).collect();
+    step(job, Event::Heartbeat { node_id: id.to_owned(), seq, probes }, now)
+}
+
+/// Round 1 running with a, b, c; a and c heartbeat every 500 ms from 0 to `until`, b went silent
+/// after joining (t = 100).
+fn b_silent(until: Millis) -> Job {
+    let mut job = running(&["a", "b", "c"], settings(1, 3));
+    for t in (0..=until).step_by(500) {
+        job = hb(&hb(&job, "a", t), "c", t);
+    }
+    job
+}
+
+#[test]
+fn a_suspected_node_a_member_reaches_is_kept_and_cleared_by_its_next_heartbeat() {
+    let job = b_silent(2000);
+    let (job, d) = tick(&job, 2100);
+    assert!(d.reason.contains("node b suspected"), "{}", d.reason);
+    // a reached b directly; c could not.
+    let (job, d) = beat(&job, "a", None, &[("b", true)], 2300);
+    assert_eq!(d.action, Action::Updated);
+    assert_eq!(d.reason, "probe: a reached suspected node b");
+    let (job, _) = beat(&job, "c", None, &[("b", false)], 2300);
+    let st = job.status("j", 2400);
+    assert_eq!(st.members[1].health.reached_by.as_deref(), Some("a"));
+    assert_eq!(st.members[1].health.missed_by, ["c"]);
+    assert_eq!(st.members[1].health.suspected_for_ms, Some(300));
+    // At the probe timeout it is kept and probed again, not lost.
+    let job = hb(&hb(&job, "a", 2600), "c", 2600);
+    let (job, d) = tick(&job, 3100);
+    assert_eq!(d.action, Action::Updated);
+    assert!(d.reason.contains("suspected node b answered a probe by a: kept, probed by a, c again"), "{}", d.reason);
+    assert_eq!(job.round, 1);
+    assert_eq!(job.probes_for("a").len(), 1, "asked again");
+    // Its heartbeats get through again: no longer suspected, no round lost.
+    let (job, d) = beat(&job, "b", Some(7), &[], 3300);
+    assert_eq!(d.action, Action::HeartbeatRecorded);
+    let (job, d) = tick(&job, 3400);
+    assert!(d.reason.contains("node(s) b heard from again"), "{}", d.reason);
+    assert!(job.suspects.is_empty() && job.probes_for("a").is_empty());
+    assert_eq!((job.round, job.health["b"].probes_reached, job.health["b"].probes_missed), (1, 1, 1));
+}
+
+#[test]
+fn probe_reports_nobody_asked_for_change_nothing() {
+    let job = b_silent(2000);
+    let (job, _) = tick(&job, 2100);
+    // b speaking for itself, a node that was not asked, and a report on a node not suspected.
+    let (job, d) = beat(&job, "b", None, &[("b", true)], 2200);
+    assert_eq!(d.action, Action::HeartbeatRecorded, "its own heartbeat clears it anyway");
+    let (job, _) = tick(&job, 2300);
+    let (job, _) = tick(&job, 4400);
+    assert!(job.suspects.contains(&"b".to_owned()), "silent again since 2.2 s");
+    let (_, d) = beat(&job, "a", None, &[("c", true)], 4500);
+    assert_eq!(d.action, Action::HeartbeatRecorded, "c is not suspected: {d:?}");
+}
+
+#[test]
+fn a_node_reached_by_probes_but_never_heard_from_is_lost_at_the_silence_limit() {
+    let mut job = b_silent(2000);
+    let mut t = 2000;
+    let mut lost_at = None;
+    while t < 20_000 {
+        t += 100;
+        if t % 500 == 0 {
+            job = hb(&hb(&job, "a", t), "c", t);
+            // a reaches b whenever asked (say b's link to the rendezvous alone is down).
+            if !job.probes_for("a").is_empty() {
+                job = beat(&job, "a", None, &[("b", true)], t).0;
+            }
+        }
+        let (j, d) = tick(&job, t);
+        job = j;
+        if matches!(d.action, Action::RoundOpened { .. }) {
+            assert!(d.reason.contains("past the silence limit"), "{}", d.reason);
+            lost_at = Some(t);
+            break;
+        }
+    }
+    let limit = 100 + 3 * 2000;
+    let lost_at = lost_at.expect("lost in the end");
+    assert!((limit..=limit + 1000).contains(&lost_at), "lost at {lost_at}, silence limit ends at {limit}");
+}
+
+#[test]
+fn status_shows_each_nodes_heartbeat_loss_from_sequence_numbers() {
+    let mut job = running(&["a", "b"], settings(2, 2));
+    for seq in 0..40u64 {
+        let t = 200 + seq * 500;
+        job = hb(&job, "a", t);
+        if seq % 5 != 0 {
+            job = beat(&job, "b", Some(seq), &[], t).0;
+        }
+    }
+    let st = job.status("j", 20_000);
+    assert_eq!(st.members[0].health.heartbeat_loss, None, "a sends no sequence numbers");
+    let loss = st.members[1].health.heartbeat_loss.expect("b's loss rate");
+    assert!((loss - 0.2).abs() < 0.05, "{loss}");
+    assert!(st.members[1].health.phi.is_some_and(|p| p < 1.0));
 }

@@ -12,7 +12,7 @@
 //! One background task per store watches the whole prefix: a `state` change wakes long-polls, an
 //! `alive` key deleted (lease expiry, revoke) nudges the ticker so loss is acted on at once.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -28,6 +28,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
+use crate::detector::{ProbeReport, ProbeRequest};
 use crate::error::RdzvError;
 use crate::round::{self, Action, Decision, Event, Job, JobSettings, Millis};
 
@@ -55,6 +56,9 @@ struct Inner {
     expired: Arc<Notify>,
     /// Latest job versions seen by the watch, so long-polls need not re-read whole jobs.
     versions: Arc<std::sync::Mutex<HashMap<String, u64>>>,
+    /// Jobs with suspected nodes as last seen (watch, reads): only their heartbeats look up the
+    /// probes they owe.
+    probing: Arc<std::sync::Mutex<HashSet<String>>>,
     /// Events waiting for their job's next batched update, by run id: this process's own
     /// updates of a job never conflict with each other (only with other replicas or agents).
     queues: std::sync::Mutex<HashMap<String, JobQueue>>,
@@ -141,6 +145,9 @@ fn alive_key(run_id: &str, node_id: &str) -> String {
 fn stored(job: &Job) -> Job {
     let mut j = job.clone();
     j.last_seen.clear();
+    for h in j.health.values_mut() {
+        h.arrivals.clear();
+    }
     j
 }
 
@@ -183,13 +190,21 @@ impl EtcdStore {
         let (changes, _) = watch::channel(0u64);
         let expired = Arc::new(Notify::new());
         let versions = Arc::new(std::sync::Mutex::new(HashMap::new()));
-        let watcher = tokio::spawn(watch_loop(clients.clone(), changes.clone(), expired.clone(), versions.clone()));
+        let probing = Arc::new(std::sync::Mutex::new(HashSet::new()));
+        let watcher = tokio::spawn(watch_loop(
+            clients.clone(),
+            changes.clone(),
+            expired.clone(),
+            versions.clone(),
+            probing.clone(),
+        ));
         let inner = Inner {
             clients,
             current: AtomicUsize::new(0),
             changes,
             expired,
             versions,
+            probing,
             queues: std::sync::Mutex::new(HashMap::new()),
             keepers: std::sync::Mutex::new(HashMap::new()),
             watcher,
@@ -249,8 +264,9 @@ impl EtcdStore {
         for kv in resp.kvs() {
             let key = String::from_utf8_lossy(kv.key());
             if key == skey {
-                let job = serde_json::from_slice(kv.value())
+                let job: Job = serde_json::from_slice(kv.value())
                     .map_err(|source| RdzvError::Corrupt { run_id: run_id.to_owned(), source })?;
+                note_probing(&self.inner.probing, run_id, !job.suspects.is_empty());
                 snap.job = Some(job);
                 snap.mod_revision = kv.mod_revision();
             } else if let Some(node) = key.strip_prefix(&aprefix) {
@@ -260,9 +276,52 @@ impl EtcdStore {
         Ok(snap)
     }
 
+    /// The job with liveness from leases: a node whose key exists was just heard from (and is
+    /// no longer suspected); any other is silent.
     fn with_liveness(mut job: Job, alive: &[String], now: Millis) -> Job {
         job.last_seen = alive.iter().map(|id| (id.clone(), now)).collect();
+        for id in alive {
+            if let Some(h) = job.health.get_mut(id) {
+                h.suspicion = None;
+            }
+        }
         job
+    }
+
+    /// A heartbeat through etcd: the lease kept alive (renewed when it lapsed while the job
+    /// still counts the node: suspected, not lost), probe outcomes written to the job, and the
+    /// probes this node owes read back only for a job that has suspects.
+    pub async fn heartbeat(
+        &self,
+        run_id: &str,
+        node_id: &str,
+        probes: Vec<ProbeReport>,
+        now: Millis,
+    ) -> Result<(Decision, Vec<ProbeRequest>), RdzvError> {
+        let decision = match self.keep_alive(run_id, node_id).await {
+            Ok(d) => d,
+            Err(RdzvError::UnknownNode { .. }) => {
+                let job = self.load(run_id, now).await?;
+                let Some(job) = job.filter(|j| j.tracks(node_id)) else {
+                    return Err(RdzvError::UnknownNode { node_id: node_id.to_owned() });
+                };
+                self.register_node(run_id, node_id, job.settings.node_ttl).await?;
+                let reason = format!("lease of {node_id} renewed after it lapsed (the job still counts the node)");
+                Decision { action: Action::HeartbeatRecorded, reason }
+            }
+            Err(e) => return Err(e),
+        };
+        if !probes.is_empty() {
+            let ev = Event::Heartbeat { node_id: node_id.to_owned(), seq: None, probes };
+            self.apply(run_id, None, ev, now).await?;
+        }
+        let probing = self.inner.probing.lock().unwrap_or_else(|p| p.into_inner()).contains(run_id);
+        let owed = if probing {
+            self.load(run_id, now).await?.map(|j| j.probes_for(node_id)).unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        Ok((decision, owed))
     }
 
     /// Applies `ev` to the job in etcd. Concurrent callers in this process are grouped: one
@@ -422,6 +481,7 @@ impl EtcdStore {
             if tail == "state" {
                 match serde_json::from_slice::<Job>(kv.value()) {
                     Ok(job) => {
+                        note_probing(&self.inner.probing, run_id, !job.suspects.is_empty());
                         states.insert(run_id.to_owned(), job);
                     }
                     Err(error) => warn!(run_id, %error, "skipping unreadable job state"),
@@ -623,12 +683,22 @@ impl EtcdStore {
     }
 }
 
+fn note_probing(probing: &std::sync::Mutex<HashSet<String>>, run_id: &str, any: bool) {
+    let mut probing = probing.lock().unwrap_or_else(|p| p.into_inner());
+    if any {
+        probing.insert(run_id.to_owned());
+    } else {
+        probing.remove(run_id);
+    }
+}
+
 /// Watches the whole prefix for as long as the store lives; reconnects after errors.
 async fn watch_loop(
     clients: Vec<Client>,
     changes: watch::Sender<u64>,
     expired: Arc<Notify>,
     versions: Arc<std::sync::Mutex<HashMap<String, u64>>>,
+    probing: Arc<std::sync::Mutex<HashSet<String>>>,
 ) {
     let mut next_revision: i64 = 0;
     let mut member = 0usize;
@@ -674,7 +744,7 @@ async fn watch_loop(
                             expired.notify_one();
                         }
                         if ev.event_type() == EventType::Put {
-                            note_watched_version(&versions, kv.key(), kv.value());
+                            note_watched_version(&versions, &probing, kv.key(), kv.value());
                         }
                     }
                     if any {
@@ -693,14 +763,22 @@ async fn watch_loop(
 }
 
 /// Records the version of a job state seen in a watch event.
-fn note_watched_version(versions: &std::sync::Mutex<HashMap<String, u64>>, key: &[u8], value: &[u8]) {
+fn note_watched_version(
+    versions: &std::sync::Mutex<HashMap<String, u64>>,
+    probing: &std::sync::Mutex<HashSet<String>>,
+    key: &[u8],
+    value: &[u8],
+) {
     #[derive(serde::Deserialize)]
     struct VersionOnly {
         version: u64,
+        #[serde(default)]
+        suspects: Vec<serde::de::IgnoredAny>,
     }
     let key = String::from_utf8_lossy(key);
     let Some(run_id) = key.strip_prefix(PREFIX).and_then(|k| k.strip_suffix("/state")) else { return };
-    let Ok(VersionOnly { version }) = serde_json::from_slice(value) else { return };
+    let Ok(VersionOnly { version, suspects }) = serde_json::from_slice(value) else { return };
+    note_probing(probing, run_id, !suspects.is_empty());
     let mut versions = versions.lock().unwrap_or_else(|p| p.into_inner());
     let v = versions.entry(run_id.to_owned()).or_insert(version);
     *v = (*v).max(version);

@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use crate::detector::{ProbeReport, ProbeRequest};
 use crate::error::RdzvError;
 use crate::round::{Decision, Event, Job, JobSettings, Millis};
 
@@ -126,13 +127,22 @@ impl Store {
         }
     }
 
-    /// Records a sign of life: a heartbeat in memory, a lease keep-alive on etcd.
-    pub async fn heartbeat(&self, run_id: &str, node_id: &str, now: Millis) -> Result<Decision, RdzvError> {
+    /// Records a sign of life (a heartbeat in memory, a lease keep-alive on etcd) and the
+    /// outcomes of the probes it carries; answers the probes `node_id` owes.
+    pub async fn heartbeat(
+        &self,
+        run_id: &str,
+        node_id: &str,
+        seq: Option<u64>,
+        probes: Vec<ProbeReport>,
+        now: Millis,
+    ) -> Result<(Decision, Vec<ProbeRequest>), RdzvError> {
         match self {
-            Store::Memory(m) => m
-                .apply_view(run_id, None, Event::Heartbeat { node_id: node_id.to_owned() }, now, |_| ())
-                .map(|(_, d)| d),
-            Store::Etcd(e) => e.keep_alive(run_id, node_id).await,
+            Store::Memory(m) => {
+                let ev = Event::Heartbeat { node_id: node_id.to_owned(), seq, probes };
+                m.apply_view(run_id, None, ev, now, |job| job.probes_for(node_id)).map(|(probes, d)| (d, probes))
+            }
+            Store::Etcd(e) => e.heartbeat(run_id, node_id, probes, now).await,
         }
     }
 
