@@ -13,7 +13,7 @@ use tracing::{info, warn};
 
 use rlaunch::contract::{HostPort, NodeInfo};
 use rlaunch_rendezvous::api::{serve as serve_api, AppState};
-use rlaunch_rendezvous::detector::{ProbeReport, ProbeRequest};
+use rlaunch_rendezvous::detector::{ProbeReport, ProbeRequest, Sent};
 use rlaunch_rendezvous::{Backend, Beat, HeartbeatAnswer, RdzvError, Rendezvous, RendezvousClient};
 
 use crate::core::Event;
@@ -104,11 +104,38 @@ const MAX_IN_FLIGHT: usize = 4;
 const PROBE_ATTEMPTS: u32 = 3;
 const PROBE_STAGGER: Duration = Duration::from_millis(150);
 
+/// A heartbeat answered this much over the fastest recent round trip was held up by a
+/// retransmission (Linux waits at least 200 ms before resending a lost segment).
+const SLOW_MARGIN: Duration = Duration::from_millis(150);
+/// Round trips remembered to find the fastest.
+const RTT_WINDOW: usize = 64;
+
 enum Done {
-    /// A heartbeat's answer, with the probe outcomes it carried (kept for the next one when
-    /// this one did not get through).
-    Beat(Result<HeartbeatAnswer, RdzvError>, Vec<ProbeReport>),
+    /// A heartbeat's answer and round trip, with the probe outcomes it carried (kept for the
+    /// next one when this one did not get through).
+    Beat(Result<HeartbeatAnswer, RdzvError>, Duration, Vec<ProbeReport>),
     Probe(ProbeReport),
+}
+
+/// Which heartbeat answers were late: the node's own view of its link, sent along so the
+/// rendezvous can show each node's loss (over TCP a lost packet is a late answer, not a gap).
+#[derive(Default)]
+struct RoundTrips {
+    recent: std::collections::VecDeque<Duration>,
+    slow: u64,
+}
+
+impl RoundTrips {
+    fn answered(&mut self, rtt: Duration) {
+        let fastest = self.recent.iter().min().copied();
+        if fastest.is_some_and(|f| rtt > f + SLOW_MARGIN) {
+            self.slow += 1;
+        }
+        if self.recent.len() == RTT_WINDOW {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(rtt);
+    }
 }
 
 /// Sends a heartbeat every `every` without waiting for the previous answer, makes the probes
@@ -124,21 +151,23 @@ async fn heartbeat_loop(
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut tasks: JoinSet<Done> = JoinSet::new();
-    let (mut seq, mut in_flight) = (0u64, 0usize);
+    let (mut seq, mut nonce, mut in_flight) = (0u64, 0u32, 0usize);
+    let mut rtts = RoundTrips::default();
     let mut reports: Vec<ProbeReport> = Vec::new();
     let mut probing: HashSet<String> = HashSet::new();
     loop {
         let send_now = tokio::select! {
             _ = tick.tick() => true,
             Some(done) = tasks.join_next() => match done {
-                Ok(Done::Beat(result, carried)) => {
+                Ok(Done::Beat(result, rtt, carried)) => {
                     in_flight -= 1;
                     match &result {
                         Ok(answer) => {
+                            rtts.answered(rtt);
                             for req in &answer.probe {
                                 if probing.insert(req.node_id.clone()) {
-                                    seq += 1;
-                                    tasks.spawn(probe_node(req.clone(), seq as u32, probe_within));
+                                    nonce = nonce.wrapping_add(PROBE_ATTEMPTS);
+                                    tasks.spawn(probe_node(req.clone(), nonce, probe_within));
                                 }
                             }
                         }
@@ -171,12 +200,14 @@ async fn heartbeat_loop(
             reports.reverse();
             let mut seen = HashSet::new();
             reports.retain(|r| seen.insert(r.node_id.clone()));
-            let beat = Beat { seq: Some(seq), probes: std::mem::take(&mut reports) };
+            let beat = Beat { sent: Some(Sent { seq, slow: rtts.slow }), probes: std::mem::take(&mut reports) };
             let (client, node_id) = (client.clone(), node_id.clone());
             in_flight += 1;
             tasks.spawn(async move {
                 let carried = beat.probes.clone();
-                Done::Beat(client.heartbeat(&node_id, beat).await, carried)
+                let started = tokio::time::Instant::now();
+                let result = client.heartbeat(&node_id, beat).await;
+                Done::Beat(result, started.elapsed(), carried)
             });
         }
     }
@@ -297,4 +328,22 @@ pub(crate) fn rand_u32() -> u32 {
         return std::process::id() ^ 0x9e37_79b9;
     }
     u32::from_le_bytes(b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn answers_well_over_the_fastest_round_trip_count_as_slow() {
+        let mut r = RoundTrips::default();
+        for ms in [3, 2, 4, 2, 210, 3, 2, 420, 150] {
+            r.answered(Duration::from_millis(ms));
+        }
+        // 210 and 420 waited for a retransmission; 150 is within the margin of 2 ms + 150 ms.
+        assert_eq!(r.slow, 2);
+        let mut first = RoundTrips::default();
+        first.answered(Duration::from_millis(900));
+        assert_eq!(first.slow, 0, "nothing to compare the first answer with");
+    }
 }

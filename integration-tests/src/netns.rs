@@ -294,6 +294,28 @@ impl Host {
     pub fn restore_link(&self) {
         sh(&["ip", "link", "set", &self.veth, "up"]);
     }
+
+    /// A lossy link: each packet this host sends or receives (loopback excepted) is dropped
+    /// with probability `percent`/100, by netfilter inside the host's namespace (so the rules
+    /// go with it). With `peer`, only packets to and from that address.
+    pub fn set_loss(&self, percent: u32, peer: Option<&str>) {
+        let p = format!("{:.4}", f64::from(percent) / 100.0);
+        for (chain, dev_flag, addr_flag) in [("INPUT", "-i", "-s"), ("OUTPUT", "-o", "-d")] {
+            let mut rule = vec!["ip", "netns", "exec", &self.ns, "iptables", "-w", "-A", chain, "!", dev_flag, "lo"];
+            if let Some(peer) = peer {
+                rule.extend([addr_flag, peer]);
+            }
+            rule.extend(["-m", "statistic", "--mode", "random", "--probability", &p, "-j", "DROP"]);
+            sh(&rule);
+        }
+    }
+
+    /// Removes every loss rule [`Host::set_loss`] added.
+    pub fn clear_loss(&self) {
+        for chain in ["INPUT", "OUTPUT"] {
+            sh(&["ip", "netns", "exec", &self.ns, "iptables", "-w", "-F", chain]);
+        }
+    }
 }
 
 /// A child process killed (SIGKILL) and reaped when dropped; when the test is failing, the tail

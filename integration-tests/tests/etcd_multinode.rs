@@ -319,3 +319,46 @@ fn the_job_carries_on_when_the_etcd_leader_is_killed() {
     eprintln!("etcd leader killed, then node loss: host a running alone after {took:.2} s");
     finish(dir.path(), &mut agents[..1]);
 }
+
+#[test]
+fn on_etcd_a_lossy_link_loses_no_node_and_a_lapsed_lease_is_kept_while_probes_reach_the_node() {
+    let cluster = Cluster::new(2);
+    let etcd = Etcd::start(&cluster, 1);
+    let dir = tempdir();
+    let conf = format!("{CONF},probe_timeout=1");
+    let mut args = agent_args("etcd", "1:2", &etcd.endpoints(), "etcd-loss", dir.path());
+    let at = args.iter().position(|a| a == CONF).expect("the conf argument");
+    args[at] = conf;
+    let mut agents: Vec<Proc> = cluster.hosts().iter().map(|h| h.rlaunch(dir.path(), &args)).collect();
+    let group = wait_formed(dir.path(), &["a", "b"], &mut agents, FORM);
+    let seconds = std::env::var("RL_LOSS_SECONDS").ok().and_then(|s| s.parse().ok()).unwrap_or(60.0);
+    // 15 % of host b's packets dropped each way, to etcd and to host a alike.
+    cluster.host(1).set_loss(15, None);
+    assert_undisturbed(dir.path(), &group, &mut agents, seconds, "15 % loss on host b's link (etcd)");
+    cluster.host(1).clear_loss();
+    // Nothing between b and etcd for 2.7 s (b fences itself after 4 s without an answer): its
+    // 2 s lease lapses, a reaches b directly, so b is
+    // suspected and kept; b takes a new lease when etcd answers again.
+    std::thread::sleep(Duration::from_secs(2));
+    cluster.host(1).set_loss(100, Some(&cluster.root_ip()));
+    let mut reached = serde_json::Value::Null;
+    let blackout = Instant::now();
+    while blackout.elapsed() < Duration::from_millis(2700) {
+        let s = rdzv_status("etcd", &etcd.endpoints(), "etcd-loss");
+        if let Some(b) = s["members"].as_array().and_then(|m| {
+            m.iter().find(|n| {
+                n["node_id"].as_str().is_some_and(|id| id.starts_with("b-")) && n["health"]["reached_by"].is_string()
+            })
+        }) {
+            reached = b["health"].clone();
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    cluster.host(1).clear_loss();
+    assert!(
+        reached["reached_by"].as_str().is_some_and(|by| by.starts_with("a-")),
+        "b's lease lapsed, it was suspected and a reached it: {reached}"
+    );
+    assert_undisturbed(dir.path(), &group, &mut agents, 8.0, "a 2.7 s blackout between etcd and host b");
+    finish(dir.path(), &mut agents);
+}

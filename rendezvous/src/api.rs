@@ -5,7 +5,7 @@
 //! | method, path | body | answer |
 //! |---|---|---|
 //! | `POST /v1/jobs/{run_id}/join` | `{settings, node, wait_ms?}` | `{"status":"round","data":RoundInfo}` or `{"status":"wait","data":{round,state}}` |
-//! | `POST /v1/jobs/{run_id}/heartbeat` | `{node_id, seq?, probes?: [{node_id, reached}]}` | `{probe?: [{node_id, addr}]}`: probes owed |
+//! | `POST /v1/jobs/{run_id}/heartbeat` | `{node_id, sent?: {seq, slow}, probes?: [{node_id, reached}]}` | `{probe?: [{node_id, addr}]}`: probes owed |
 //! | `POST /v1/jobs/{run_id}/watch` | `{after_round, wait_ms?}` | `{"event":"new_round","data":N}` / `finished` / `failed` / `no_change` |
 //! | `POST /v1/jobs/{run_id}/failure` | `{node_id, round, root_cause}` | `{}` |
 //! | `POST /v1/jobs/{run_id}/success` | `{node_id, round}` | `{}` |

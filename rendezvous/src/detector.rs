@@ -17,8 +17,10 @@
 //!    [`SILENCE_LIMIT_TTLS`] TTLs is lost whatever the probes say: its own agent has stopped its
 //!    workers by then (it fences after a TTL and 2 s without an answer).
 //!
-//! A heartbeat clears a suspicion. Heartbeats carry a sequence number, so the rendezvous also
-//! knows each node's heartbeat loss rate (shown in status and metrics) before it costs anything.
+//! A heartbeat clears a suspicion. Heartbeats carry a sequence number and the sender's count of
+//! heartbeats whose answer came late (a retransmission: over TCP a lost packet shows as delay,
+//! not as a gap), so the rendezvous knows each node's heartbeat loss rate (shown in status and
+//! metrics) before it costs anything.
 
 use std::collections::VecDeque;
 
@@ -62,11 +64,23 @@ impl Timing {
     }
 }
 
+/// What a node says of the heartbeats it has sent.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Sent {
+    /// This heartbeat's number (one per heartbeat sent).
+    pub seq: u64,
+    /// How many of the heartbeats sent before this one were answered late (a round trip well
+    /// over the node's fastest: a packet retransmitted).
+    #[serde(default)]
+    pub slow: u64,
+}
+
 /// One heartbeat as it arrived.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Arrival {
-    /// The sender's sequence number, when it sends one.
-    pub seq: Option<u64>,
+    /// What the sender said, when it says it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sent: Option<Sent>,
     pub at: Millis,
 }
 
@@ -127,11 +141,11 @@ pub enum Verdict {
 
 impl Health {
     /// Records a heartbeat at `at`: it clears any suspicion.
-    pub fn arrived(&mut self, seq: Option<u64>, at: Millis) {
+    pub fn arrived(&mut self, sent: Option<Sent>, at: Millis) {
         if self.arrivals.len() == WINDOW {
             self.arrivals.pop_front();
         }
-        self.arrivals.push_back(Arrival { seq, at });
+        self.arrivals.push_back(Arrival { sent, at });
         self.suspicion = None;
     }
 
@@ -161,16 +175,21 @@ impl Health {
         phi(now.saturating_sub(last) as f64, mean, std)
     }
 
-    /// The share of heartbeats lost among the recent ones, from their sequence numbers.
+    /// The share of recent heartbeats that were lost: never arrived (gaps in the sequence
+    /// numbers), or arrived after a retransmission (the sender's count of late answers).
     pub fn loss_rate(&self) -> Option<f64> {
-        let seqs: Vec<u64> = self.arrivals.iter().filter_map(|a| a.seq).collect();
-        let (lo, hi) = (seqs.iter().min()?, seqs.iter().max()?);
-        let sent = hi.checked_sub(*lo)?.checked_add(1)?;
-        if sent < 2 {
+        let sent: Vec<Sent> = self.arrivals.iter().filter_map(|a| a.sent).collect();
+        let lo = sent.iter().min_by_key(|s| s.seq)?;
+        let hi = sent.iter().max_by_key(|s| s.seq)?;
+        let span = hi.seq.checked_sub(lo.seq)?;
+        if span == 0 {
             return None;
         }
-        let got = (seqs.len() as u64).min(sent);
-        Some(1.0 - got as f64 / sent as f64)
+        // Heartbeats lo+1 ..= hi: those that never came, and those that came late.
+        let arrived = sent.iter().filter(|s| s.seq > lo.seq).count() as u64;
+        let missing = span.saturating_sub(arrived);
+        let late = hi.slow.saturating_sub(lo.slow);
+        Some(((missing + late) as f64 / span as f64).min(1.0))
     }
 
     /// Whether the node should now be suspected (not yet suspected, silent since `last`, or
@@ -190,7 +209,10 @@ impl Health {
 
     /// The verdict at `now` given the last arrival.
     pub fn verdict(&self, last: Option<Millis>, now: Millis, t: &Timing) -> Verdict {
-        let silent_too_long = last.is_none_or(|l| now.saturating_sub(l) >= t.silence_limit());
+        // Without a last arrival (on etcd: the lease is gone), the node fell silent a TTL
+        // before it was first suspected.
+        let silent_since = last.or_else(|| self.suspicion.as_ref().map(|s| s.since.saturating_sub(t.ttl)));
+        let silent_too_long = silent_since.is_none_or(|l| now.saturating_sub(l) >= t.silence_limit());
         match &self.suspicion {
             None if self.suspect_due(last, now, t) => Verdict::Suspected,
             None => Verdict::Alive,

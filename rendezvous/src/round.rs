@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::detector::{self, Health, ProbeReport, ProbeRequest, Timing, Verdict};
+use crate::detector::{self, Health, ProbeReport, ProbeRequest, Sent, Timing, Verdict};
 pub use rlaunch::contract::{HostPort, Member, NodeInfo, RootCause, RoundInfo};
 
 /// Milliseconds: the machine's clock unit (wall-clock millis since the Unix epoch at the edges).
@@ -333,12 +333,12 @@ pub enum Rejection {
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum Event {
     Join(NodeInfo),
-    /// A sign of life, with the sender's sequence number and the outcomes of the probes it was
-    /// asked for.
+    /// A sign of life, with the sender's count of heartbeats and the outcomes of the probes it
+    /// was asked for.
     Heartbeat {
         node_id: String,
         #[serde(default, skip_serializing_if = "Option::is_none")]
-        seq: Option<u64>,
+        sent: Option<Sent>,
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         probes: Vec<ProbeReport>,
     },
@@ -714,7 +714,7 @@ pub fn apply_in_place(job: &mut Job, ev: Event, now: Millis) -> Decision {
     let next = job;
     let decision = match ev {
         Event::Join(node) => join(next, node, now),
-        Event::Heartbeat { node_id, seq, probes } => heartbeat(next, &node_id, seq, &probes, now),
+        Event::Heartbeat { node_id, sent, probes } => heartbeat(next, &node_id, sent, &probes, now),
         Event::Tick => tick(next, now),
         Event::ReportFailure { node_id, round, root_cause } => report_failure(next, &node_id, round, *root_cause, now),
         Event::NodeSucceeded { node_id, round } => node_succeeded(next, &node_id, round, now),
@@ -821,7 +821,7 @@ fn join(job: &mut Job, node: NodeInfo, now: Millis) -> Decision {
     evaluate_forming(job, now, base)
 }
 
-fn heartbeat(job: &mut Job, node_id: &str, seq: Option<u64>, probes: &[ProbeReport], now: Millis) -> Decision {
+fn heartbeat(job: &mut Job, node_id: &str, sent: Option<Sent>, probes: &[ProbeReport], now: Millis) -> Decision {
     if let Some(r) = job.rejection_if_terminal() {
         return reject(r);
     }
@@ -829,7 +829,7 @@ fn heartbeat(job: &mut Job, node_id: &str, seq: Option<u64>, probes: &[ProbeRepo
         return reject(Rejection::UnknownNode { node_id: node_id.to_owned() });
     };
     *seen = (*seen).max(now);
-    job.health.entry(node_id.to_owned()).or_default().arrived(seq, now);
+    job.health.entry(node_id.to_owned()).or_default().arrived(sent, now);
     let mut notes = Vec::new();
     for p in probes {
         if p.node_id == node_id {

@@ -14,7 +14,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
-use crate::detector::{ProbeReport, ProbeRequest};
+use crate::detector::{ProbeReport, ProbeRequest, Sent};
 use crate::error::RdzvError;
 use crate::round::{
     Action, Decision, Event, Job, JobSettings, JobStatus, Millis, NodeInfo, Phase, RoundCause, RoundInfo,
@@ -44,9 +44,9 @@ pub enum JoinAnswer {
 /// What a heartbeat carries besides the node's id.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Beat {
-    /// The sender's heartbeat counter (the rendezvous derives the loss rate from the gaps).
+    /// The sender's heartbeat counts (the rendezvous derives the loss rate from them).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub seq: Option<u64>,
+    pub sent: Option<Sent>,
     /// Outcomes of probes this node was asked for.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub probes: Vec<ProbeReport>,
@@ -231,7 +231,7 @@ impl Rendezvous {
             let counter = if p.reached { &self.metrics.probes_reached } else { &self.metrics.probes_missed };
             counter.fetch_add(1, Ordering::Relaxed);
         }
-        let (d, probe) = self.store.heartbeat(run_id, node_id, beat.seq, beat.probes, now_ms()).await?;
+        let (d, probe) = self.store.heartbeat(run_id, node_id, beat.sent, beat.probes, now_ms()).await?;
         self.observe(run_id, &d);
         match d.action {
             Action::Rejected(r) => Err(r.into()),

@@ -10,7 +10,7 @@ fn steady(every: Millis, until: Millis) -> (Health, Millis) {
     let mut t = 0;
     let mut seq = 0;
     while t <= until {
-        h.arrived(Some(seq), t);
+        h.arrived(Some(Sent { seq, slow: 0 }), t);
         seq += 1;
         t += every;
     }
@@ -53,7 +53,7 @@ fn a_jittery_link_waits_longer_but_never_past_the_ttl() {
     let mut t = 0;
     for (i, g) in gaps.iter().cycle().take(40).enumerate() {
         t += g;
-        h.arrived(Some(i as u64), t);
+        h.arrived(Some(Sent { seq: i as u64, slow: 0 }), t);
     }
     let (mean, std) = h.intervals(&T);
     assert!(mean > 700.0 && std > 300.0, "mean {mean}, std {std}");
@@ -64,11 +64,11 @@ fn a_jittery_link_waits_longer_but_never_past_the_ttl() {
 fn a_new_node_is_suspected_by_the_ttl_alone_until_it_has_a_history() {
     let mut h = Health::default();
     for seq in 0..(MIN_ARRIVALS as u64 - 1) {
-        h.arrived(Some(seq), seq * 500);
+        h.arrived(Some(Sent { seq, slow: 0 }), seq * 500);
     }
     let last = (MIN_ARRIVALS as u64 - 2) * 500;
     assert_eq!(suspected_after(&h, last), T.ttl);
-    h.arrived(Some(99), last + 500);
+    h.arrived(Some(Sent { seq: 99, slow: 0 }), last + 500);
     assert!(suspected_after(&h, last + 500) < T.ttl, "with a history, phi speaks first");
 }
 
@@ -125,10 +125,21 @@ fn a_node_one_member_reaches_stays_until_the_silence_limit() {
 fn a_heartbeat_clears_the_suspicion() {
     let (mut h, last) = steady(500, 5_000);
     h.suspect(vec!["b".into()], last + 1500, &T);
-    h.arrived(Some(99), last + 1700);
+    h.arrived(Some(Sent { seq: 99, slow: 0 }), last + 1700);
     assert_eq!(h.suspicion, None);
     assert_eq!(h.verdict(Some(last + 1700), last + 1800, &T), Verdict::Alive);
     assert!(!h.probed("b", true), "a late probe answer for a cleared suspicion is ignored");
+}
+
+#[test]
+fn late_answers_the_sender_counted_are_loss_too() {
+    // Over TCP nothing goes missing: a lost packet is retransmitted and the answer comes late.
+    let mut h = Health::default();
+    for seq in 0..20u64 {
+        h.arrived(Some(Sent { seq, slow: seq / 4 }), seq * 500);
+    }
+    let loss = h.loss_rate().expect("a rate");
+    assert!((loss - 0.25).abs() < 0.05, "{loss}");
 }
 
 #[test]
@@ -137,7 +148,7 @@ fn the_loss_rate_comes_from_sequence_numbers() {
     assert_eq!(h.loss_rate(), None);
     // 0..40, every fourth lost; the window keeps the last 32 arrivals.
     for seq in (0..40u64).filter(|s| s % 4 != 3) {
-        h.arrived(Some(seq), seq * 500);
+        h.arrived(Some(Sent { seq, slow: 0 }), seq * 500);
     }
     let loss = h.loss_rate().expect("a rate");
     assert!((loss - 0.25).abs() < 0.03, "{loss}");
@@ -155,9 +166,26 @@ fn heartbeats_in_a_burst_do_not_shrink_the_expected_interval() {
     let mut h = Health::default();
     // Pairs 10 ms apart every second: the mean gap is about 500 ms, never below the interval.
     for i in 0..20u64 {
-        h.arrived(Some(2 * i), i * 1000);
-        h.arrived(Some(2 * i + 1), i * 1000 + 10);
+        h.arrived(Some(Sent { seq: 2 * i, slow: 0 }), i * 1000);
+        h.arrived(Some(Sent { seq: 2 * i + 1, slow: 0 }), i * 1000 + 10);
     }
     let (mean, std) = h.intervals(&T);
     assert!(mean >= 500.0 && std > 400.0, "mean {mean}, std {std}");
+}
+
+#[test]
+fn a_node_without_arrivals_that_members_reach_is_kept_until_the_silence_limit() {
+    // On etcd a lapsed lease leaves no last arrival: the silence is counted from a TTL before
+    // the suspicion began.
+    let mut h = Health::default();
+    h.suspect(vec!["a".into()], 10_000, &T);
+    let mut now = 10_000;
+    while now + T.probe_timeout < 10_000 - T.ttl + T.silence_limit() {
+        assert!(h.probed("a", true));
+        now += T.probe_timeout;
+        assert_eq!(h.verdict(None, now, &T), Verdict::Suspected, "at {now}");
+        h.suspect(vec!["a".into()], now, &T);
+    }
+    assert!(h.probed("a", true));
+    assert_eq!(h.verdict(None, 10_000 - T.ttl + T.silence_limit() + T.probe_timeout, &T), Verdict::Lost);
 }

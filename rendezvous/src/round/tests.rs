@@ -5,7 +5,7 @@ use std::time::Duration;
 use serde_json::json;
 
 use super::*;
-use crate::detector::{ProbeReport, ProbeRequest};
+use crate::detector::{ProbeReport, ProbeRequest, Sent};
 
 fn rc(message: impl ToString) -> Box<RootCause> {
     Box::new(RootCause::from_message(message.to_string()))
@@ -52,7 +52,7 @@ fn join(job: &Job, id: &str, now: Millis) -> (Job, Decision) {
 }
 
 fn hb(job: &Job, id: &str, now: Millis) -> Job {
-    let (j, d) = step(job, Event::Heartbeat { node_id: id.to_owned(), seq: None, probes: Vec::new() }, now);
+    let (j, d) = step(job, Event::Heartbeat { node_id: id.to_owned(), sent: None, probes: Vec::new() }, now);
     assert_eq!(d.action, Action::HeartbeatRecorded, "{d:?}");
     j
 }
@@ -236,7 +236,7 @@ fn join_with_bad_details_is_rejected_and_leaves_the_job_untouched() {
 #[test]
 fn heartbeat_from_an_unknown_node_is_rejected() {
     let job = running(&["a"], settings(1, 1));
-    let (after, d) = step(&job, Event::Heartbeat { node_id: "zz".into(), seq: None, probes: Vec::new() }, 10);
+    let (after, d) = step(&job, Event::Heartbeat { node_id: "zz".into(), sent: None, probes: Vec::new() }, 10);
     assert_eq!(d.action, Action::Rejected(Rejection::UnknownNode { node_id: "zz".into() }));
     assert_eq!(after, job);
 }
@@ -274,7 +274,7 @@ fn node_loss_opens_a_new_round_with_the_survivors() {
     assert_eq!(job.previous, ["a", "c"]);
     assert!(!job.last_seen.contains_key("b"));
     // The lost node learns it is unknown and must rejoin.
-    let (_, d) = step(&job, Event::Heartbeat { node_id: "b".into(), seq: None, probes: Vec::new() }, 3200);
+    let (_, d) = step(&job, Event::Heartbeat { node_id: "b".into(), sent: None, probes: Vec::new() }, 3200);
     assert!(matches!(d.action, Action::Rejected(Rejection::UnknownNode { .. })));
     // Survivors come back: the last call is skipped; ranks keep the old order.
     let (job, _) = join(&job, "c", 3300);
@@ -604,7 +604,7 @@ fn terminal_jobs_reject_heartbeats_and_ignore_ticks() {
     s.max_restarts = 0;
     let job = running(&["a"], s);
     let (job, _) = step(&job, Event::ReportFailure { node_id: "a".into(), round: 1, root_cause: rc(json!(1)) }, 1500);
-    let (_, d) = step(&job, Event::Heartbeat { node_id: "a".into(), seq: None, probes: Vec::new() }, 1600);
+    let (_, d) = step(&job, Event::Heartbeat { node_id: "a".into(), sent: None, probes: Vec::new() }, 1600);
     assert!(matches!(d.action, Action::Rejected(Rejection::JobFailed { .. })));
     let (after, d) = tick(&job, 1_000_000);
     assert_eq!(d.action, Action::Nothing);
@@ -673,7 +673,7 @@ fn random_event_sequences_keep_the_invariants() {
             let id = ids[rng.below(ids.len() as u64) as usize].to_owned();
             let ev = match rng.below(10) {
                 0..=2 => Event::Join(node(&id)),
-                3..=5 => Event::Heartbeat { node_id: id, seq: None, probes: Vec::new() },
+                3..=5 => Event::Heartbeat { node_id: id, sent: None, probes: Vec::new() },
                 6 => Event::Tick,
                 7 => Event::ReportFailure {
                     node_id: id,
@@ -849,7 +849,8 @@ fn nodes_may_differ_in_their_shutdown_timeout_only() {
 
 fn beat(job: &Job, id: &str, seq: Option<u64>, probes: &[(&str, bool)], now: Millis) -> (Job, Decision) {
     let probes = probes.iter().map(|(n, r)| ProbeReport { node_id: (*n).to_owned(), reached: *r }).collect();
-    step(job, Event::Heartbeat { node_id: id.to_owned(), seq, probes }, now)
+    let sent = seq.map(|seq| Sent { seq, slow: 0 });
+    step(job, Event::Heartbeat { node_id: id.to_owned(), sent, probes }, now)
 }
 
 /// Round 1 running with a, b, c; a and c heartbeat every 500 ms from 0 to `until`, b went silent

@@ -312,7 +312,7 @@ impl EtcdStore {
             Err(e) => return Err(e),
         };
         if !probes.is_empty() {
-            let ev = Event::Heartbeat { node_id: node_id.to_owned(), seq: None, probes };
+            let ev = Event::Heartbeat { node_id: node_id.to_owned(), sent: None, probes };
             self.apply(run_id, None, ev, now).await?;
         }
         let probing = self.inner.probing.lock().unwrap_or_else(|p| p.into_inner()).contains(run_id);

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::detector::{ProbeReport, ProbeRequest};
+use crate::detector::{ProbeReport, ProbeRequest, Sent};
 use crate::error::RdzvError;
 use crate::round::{Decision, Event, Job, JobSettings, Millis};
 
@@ -133,13 +133,13 @@ impl Store {
         &self,
         run_id: &str,
         node_id: &str,
-        seq: Option<u64>,
+        sent: Option<Sent>,
         probes: Vec<ProbeReport>,
         now: Millis,
     ) -> Result<(Decision, Vec<ProbeRequest>), RdzvError> {
         match self {
             Store::Memory(m) => {
-                let ev = Event::Heartbeat { node_id: node_id.to_owned(), seq, probes };
+                let ev = Event::Heartbeat { node_id: node_id.to_owned(), sent, probes };
                 m.apply_view(run_id, None, ev, now, |job| job.probes_for(node_id)).map(|(probes, d)| (d, probes))
             }
             Store::Etcd(e) => e.heartbeat(run_id, node_id, probes, now).await,
