@@ -102,3 +102,36 @@ pub fn render(s: &JobStatus) -> String {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use rlaunch_rendezvous::round::{apply, Event, Job};
+    use rlaunch_rendezvous::NodeInfo;
+
+    use super::*;
+
+    fn node(id: &str) -> NodeInfo {
+        NodeInfo { node_id: id.into(), local_world_size: 2, store_addr: format!("{id}:29500").parse().unwrap() }
+    }
+
+    #[test]
+    fn status_shows_heartbeat_loss_and_who_reached_a_suspected_node() {
+        let settings = JobSettings { min_nodes: 2, max_nodes: 2, ..JobSettings::default() };
+        let mut job = Job::new(settings, 0);
+        for (id, t) in [("a", 0), ("b", 10)] {
+            job = apply(&job, Event::Join(node(id)), t).0;
+        }
+        let ms = |d: Duration| d.as_millis() as u64;
+        let now = 10 + ms(Duration::from_secs(2));
+        job = apply(&job, Event::Heartbeat { node_id: "a".into(), sent: None, probes: vec![] }, now).0;
+        job = apply(&job, Event::Tick, now).0;
+        let report = rlaunch_rendezvous::detector::ProbeReport { node_id: "b".into(), reached: true };
+        job = apply(&job, Event::Heartbeat { node_id: "a".into(), sent: None, probes: vec![report] }, now + 100).0;
+        let text = render(&job.status("j", now + 300));
+        assert!(text.contains("hb loss  health"), "{text}");
+        assert!(text.contains("SUSPECTED  b"), "{text}");
+        assert!(text.contains("suspected: b for 0.3 s (reached by a)"), "{text}");
+    }
+}

@@ -7,6 +7,7 @@
 //!   ([`JobSettings`], validated so timeouts nest), rounds, ranks, the global restart budget.
 //! - [`store`]: [`Store::Memory`] (this process) or [`Store::Etcd`] (state key updated by
 //!   transactions on its mod revision, one lease per node, a watch on the prefix).
+//! - [`detector`]: the failure detector (phi-accrual suspicion, indirect probes), pure.
 //! - [`service`]: [`Rendezvous`], the operations over a store: long-polls, the ticker that drives
 //!   timers, metrics. Shared by the HTTP API and the in-process / etcd-direct client.
 //! - [`api`]: axum routes (`router(state)`, `serve(listener, state, shutdown)`).
@@ -25,8 +26,9 @@
 //!     // resolves when a round including this node closes; heartbeats for the node meanwhile;
 //!     // Err(JobFailed | JoinTimeout | JobFinished) when the job is over
 //!     pub async fn join(&self, node: NodeInfo /* node_id, local_world_size, store_addr */) -> Result<RoundInfo, RdzvError>;
-//!     pub async fn heartbeat(&self, node_id: &str) -> Result<(), RdzvError>; // every heartbeat interval, own task;
-//!                                                                            // Err(UnknownNode): declared lost, rejoin
+//!     // every heartbeat interval, several in flight; answers the probes this node owes;
+//!     // Err(UnknownNode): declared lost, rejoin
+//!     pub async fn heartbeat(&self, node_id: &str, beat: Beat /* sent: {seq, slow}, probes */) -> Result<HeartbeatAnswer, RdzvError>;
 //!     pub async fn watch(&self, after_round: u64) -> Result<WatchEvent, RdzvError>; // NewRound(n) | Finished | Failed(reason) | NoChange (≤ 5 s)
 //!     pub async fn report_failure(&self, node_id: &str, round: u64, root_cause: serde_json::Value) -> Result<(), RdzvError>;
 //!     pub async fn report_success(&self, node_id: &str, round: u64) -> Result<(), RdzvError>;
@@ -53,9 +55,11 @@
 //!
 //! # Default timings ([`JobSettings::default`])
 //!
-//! heartbeat every 0.5 s, node TTL 2 s (memory: loss acted on within TTL + 0.1 s tick; etcd:
-//! lease of 2 s, kept alive every TTL/3 by etcd-direct agents, by each heartbeat through a
-//! server; loss seen ≈ 2.0–2.5 s after the last keep-alive), last call 1 s, join timeout 600 s,
+//! heartbeat every 0.5 s, node TTL 2 s, probe timeout 1 s (see [`detector`]: a node is suspected
+//! when its heartbeats are late by much more than their jitter, at the latest after the TTL, and
+//! lost when no other member reaches it within the probe timeout: ≤ 3 s after its last heartbeat;
+//! etcd: a lease of 2 s, kept alive every TTL/3 by etcd-direct agents, by each heartbeat through a
+//! server, whose lapse starts the suspicion), last call 1 s, join timeout 600 s,
 //! restart budget 0 (torchrun's `--max-restarts` default). Long-polls answer within 5 s (client)
 //! or 10 s (server default, 60 s cap). Timeouts must nest: heartbeat < TTL < join timeout and
 //! last call < join timeout ([`check_nesting`] takes the launcher's longer chain).
