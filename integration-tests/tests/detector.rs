@@ -123,6 +123,12 @@ fn lossy_link_loses_no_node(percent: u32) {
     let status = rdzv_status("rlaunch", &format!("{}:{RDZV_PORT}", cluster.host(0).ip), &run_id);
     let b = member_health(&status, "b");
     eprintln!("{percent} % loss for {seconds} s: no restart; host b as the rendezvous sees it: {b}");
+    if percent >= 15 {
+        // The operator sees the bad link before it costs anything (at 5 % a 32-heartbeat window
+        // may hold no late one).
+        let loss = b["heartbeat_loss"].as_f64().unwrap_or(0.0);
+        assert!(loss > 0.0, "host b's heartbeat loss shows in status: {b}");
+    }
     cluster.host(1).clear_loss();
     assert_eq!(starts(dir.path()).len(), 2 * NPROC as usize, "one start per worker");
     finish(dir.path(), &mut agents);

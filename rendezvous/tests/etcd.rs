@@ -424,3 +424,89 @@ async fn a_replica_whose_etcd_is_gone_answers_a_generic_500() {
     let err = within("status via client", c.status()).await.expect_err("no etcd");
     assert!(err.is_transient(), "{err}");
 }
+
+/// What the agent's heartbeat task does with probe requests: reach each node's store directly.
+async fn probe_all(
+    reqs: &[rlaunch_rendezvous::detector::ProbeRequest],
+) -> Vec<rlaunch_rendezvous::detector::ProbeReport> {
+    let mut out = Vec::new();
+    for r in reqs {
+        let reached = rlaunch::store::probe(&r.addr.to_string(), 7, Duration::from_millis(500)).await.is_ok();
+        out.push(rlaunch_rendezvous::detector::ProbeReport { node_id: r.node_id.clone(), reached });
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lapsed_lease_is_a_suspicion_that_a_reachable_node_survives_and_then_takes_a_new_lease() {
+    use rlaunch_rendezvous::Beat;
+    let etcd = Etcd::start().await;
+    // b's agent serves its store; the rendezvous probes that.
+    let b_store = rlaunch::store::StoreServer::start("127.0.0.1:0".parse().unwrap()).await.expect("b's store");
+    let mut b_node = node("bb");
+    b_node.store_addr = b_store.local_addr().to_string().parse().unwrap();
+    let a = etcd_client(&etcd, "lapse", settings(1, 2)).await;
+    let b = etcd_client(&etcd, "lapse", settings(1, 2)).await;
+    let (ra, rb) = within("joins", async { tokio::join!(a.join(node("a")), b.join(b_node.clone())) }).await;
+    let (ra, _) = (ra.expect("a joins"), rb.expect("b joins"));
+    // b's link to etcd goes quiet (its keep-alives stop) while its store still answers.
+    drop(b);
+    let silent_at = Instant::now();
+    let reached_at = within("b suspected, probed by a, reached", async {
+        loop {
+            let answer = a.heartbeat("a", Beat::default()).await.expect("a's heartbeat");
+            if !answer.probe.is_empty() {
+                assert_eq!(answer.probe[0].node_id, "bb");
+                let probes = probe_all(&answer.probe).await;
+                assert!(probes[0].reached, "b's store answers the probe");
+                a.heartbeat("a", Beat { sent: None, probes }).await.expect("a reports the probe");
+                return Instant::now();
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    eprintln!("b's lease lapsed and a was asked to probe it {:?} after b fell silent", reached_at - silent_at);
+    // Past the probe timeout the job has not lost b: a member reached it.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let st = a.status().await.expect("status");
+    let b_status = st.members.iter().find(|m| m.node_id == "bb").expect("b is still a member");
+    assert!(b_status.health.suspected_for_ms.is_some(), "b is suspected: {b_status:?}");
+    assert_eq!(st.round, ra.round, "no new round: {}", st.last_reason);
+    // b's agent reaches etcd again: its lease lapsed, but the job still counts it, so it takes a
+    // new one, and the next tick clears the suspicion.
+    let b = etcd_client(&etcd, "lapse", settings(1, 2)).await;
+    b.heartbeat("bb", Beat::default()).await.expect("b's heartbeat renews its lease");
+    within("b no longer suspected", async {
+        loop {
+            let st = a.status().await.expect("status");
+            if st.members.iter().any(|m| m.node_id == "bb" && m.health.suspected_for_ms.is_none()) {
+                assert_eq!(st.round, ra.round, "{}", st.last_reason);
+                return;
+            }
+            let _ = b.heartbeat("bb", Beat::default()).await;
+            let _ = a.heartbeat("a", Beat::default()).await;
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    })
+    .await;
+    // Had nobody reached it, it would have been lost: b's store goes away, its lease lapses again.
+    b_store.shutdown().await.expect("b's store stops");
+    drop(b);
+    let beats = tokio::spawn({
+        let a = a.clone();
+        async move {
+            loop {
+                if let Ok(answer) = a.heartbeat("a", Beat::default()).await {
+                    if !answer.probe.is_empty() {
+                        let probes = probe_all(&answer.probe).await;
+                        let _ = a.heartbeat("a", Beat { sent: None, probes }).await;
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    });
+    assert_eq!(next_event(&a, ra.round).await, WatchEvent::NewRound(ra.round + 1));
+    beats.abort();
+}
