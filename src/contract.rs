@@ -404,6 +404,10 @@ pub struct NodeInfo {
     /// The TCPStore this node's agent hosts for the round it joins; group rank 0's is the
     /// master store.
     pub store_addr: HostPort,
+    /// Where other members reach this node's agent for the failure detector's probes, for the
+    /// agent's whole life (the store changes every round); the store when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub probe_addr: Option<HostPort>,
 }
 
 /// A member of a closed round.
@@ -415,6 +419,9 @@ pub struct Member {
     /// Global rank of this node's local rank 0: the sum of local world sizes before it.
     pub rank_offset: u32,
     pub store_addr: HostPort,
+    /// As in [`NodeInfo::probe_addr`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub probe_addr: Option<HostPort>,
 }
 
 /// What one member learns when its round closes.

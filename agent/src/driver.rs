@@ -279,18 +279,7 @@ impl Io<'_> {
         }
         self.store = None; // closes the previous round's store and every connection to it
         let e = self.elastic.as_mut().expect("joins come only from an elastic core");
-        // The store listens where it is advertised (`--store-bind` for setups that need more).
-        // A host name may resolve here to another address than other nodes see (Debian's
-        // 127.0.1.1 in /etc/hosts): then every address, as an address literal cannot mislead.
-        let bind = self.config.store_bind.clone().unwrap_or_else(|| {
-            let literal = e.advertise.trim_start_matches('[').trim_end_matches(']');
-            match literal.parse::<std::net::IpAddr>() {
-                Ok(_) => literal.to_owned(),
-                Err(_) => "0.0.0.0".to_owned(),
-            }
-        });
-        let bind =
-            HostPort::new(bind.trim_start_matches('[').trim_end_matches(']'), 0).map(|h| h.to_string()).unwrap_or(bind);
+        let bind = store_bind(self.config, &e.advertise);
         let store = start_store(&bind, self.config.store_max_bytes).await?;
         e.node.store_addr =
             HostPort::new(e.advertise.clone(), store.local_addr().port()).map_err(|err| AgentError::Store {
@@ -409,4 +398,19 @@ pub(crate) fn call_error(e: &RdzvError) -> CallError {
         e if e.is_transient() => CallError::Transient(e.to_string()),
         e => CallError::Refused(e.to_string()),
     }
+}
+
+/// Where this node's stores (and its probe endpoint) listen: where they are advertised
+/// (`--store-bind` for setups that need more). A host name may resolve here to another address
+/// than other nodes see (Debian's 127.0.1.1 in /etc/hosts): then every address, as an address
+/// literal cannot mislead.
+pub(crate) fn store_bind(config: &crate::AgentConfig, advertise: &str) -> String {
+    let bind = config.store_bind.clone().unwrap_or_else(|| {
+        let literal = advertise.trim_start_matches('[').trim_end_matches(']');
+        match literal.parse::<std::net::IpAddr>() {
+            Ok(_) => literal.to_owned(),
+            Err(_) => "0.0.0.0".to_owned(),
+        }
+    });
+    HostPort::new(bind.trim_start_matches('[').trim_end_matches(']'), 0).map(|h| h.to_string()).unwrap_or(bind)
 }

@@ -5,7 +5,7 @@
 use std::net::{SocketAddr, ToSocketAddrs, UdpSocket};
 use std::time::Duration;
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::task::{JoinHandle, JoinSet};
@@ -38,6 +38,8 @@ pub(crate) struct ElasticSetup {
     pub advertise: String,
     heartbeat_interval: Duration,
     _heartbeats: AbortOnDrop,
+    /// The probe endpoint, served while this node takes part.
+    _probe: rlaunch::store::StoreHandle,
     hosted: Option<AbortOnDrop>,
 }
 
@@ -65,6 +67,10 @@ pub(crate) async fn setup(
     let client = RendezvousClient::connect(backend, &config.run_id, d.settings.clone()).await.map_err(|e| {
         AgentError::Rendezvous { message: "cannot connect to the rendezvous".into(), source: Some(Box::new(e)) }
     })?;
+    // Other members probe this agent here while it lives (the round's store comes and goes):
+    // a store of its own that holds nothing and only answers pings.
+    let probe = crate::start_store(&crate::driver::store_bind(config, &advertise), PROBE_STORE_BYTES).await?;
+    let probe_addr = HostPort::new(advertise.clone(), probe.local_addr().port()).ok();
     let node = NodeInfo {
         node_id: format!("{host}-{}-{:08x}", std::process::id(), rand_u32()),
         local_world_size: config.nproc_per_node,
@@ -73,11 +79,17 @@ pub(crate) async fn setup(
             addr: advertise.clone(),
             source: std::io::Error::new(std::io::ErrorKind::InvalidInput, e),
         })?,
+        probe_addr,
     };
     info!(node_id = %node.node_id, endpoints = ?d.endpoints, min = d.settings.min_nodes, max = d.settings.max_nodes, "elastic rendezvous");
-    // Probe outcomes must reach the rendezvous before its probe timeout: leave room for the
-    // heartbeat that carries them.
-    let probe_within = d.settings.probe_timeout.mul_f64(0.6);
+    // A prober learns of a suspicion from its next heartbeat's answer (up to an interval after
+    // it began), and its outcome must reach the rendezvous before the probe timeout.
+    let probe_within = d
+        .settings
+        .probe_timeout
+        .saturating_sub(d.settings.heartbeat_interval)
+        .mul_f64(0.8)
+        .max(Duration::from_millis(200));
     let heartbeats = AbortOnDrop(tokio::spawn(heartbeat_loop(
         client.clone(),
         node.node_id.clone(),
@@ -91,10 +103,15 @@ pub(crate) async fn setup(
         advertise,
         heartbeat_interval: d.settings.heartbeat_interval,
         _heartbeats: heartbeats,
+        _probe: probe,
         hosted,
     })
 }
 
+/// The probe endpoint's store holds nothing: a set beyond this closes the connection.
+const PROBE_STORE_BYTES: usize = 1024;
+/// Most probes under way at once: a mass suspicion must not exhaust this agent's descriptors.
+const MAX_PROBES: usize = 16;
 /// Most heartbeats in flight at once: a heartbeat held up by a retransmission does not hold up
 /// the next (each takes its own kept-alive connection), yet a rendezvous that answers nothing
 /// is not sent an unbounded pile.
@@ -151,64 +168,81 @@ async fn heartbeat_loop(
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut tasks: JoinSet<Done> = JoinSet::new();
+    // What each task is, so that one that panicked still frees its slot.
+    let mut kinds: HashMap<tokio::task::Id, Option<String>> = HashMap::new();
     let (mut seq, mut nonce, mut in_flight) = (0u64, 0u32, 0usize);
     let mut rtts = RoundTrips::default();
-    let mut reports: Vec<ProbeReport> = Vec::new();
+    // The latest outcome per probed node, to go with the next heartbeat.
+    let mut reports: HashMap<String, bool> = HashMap::new();
     let mut probing: HashSet<String> = HashSet::new();
     loop {
         let send_now = tokio::select! {
             _ = tick.tick() => true,
-            Some(done) = tasks.join_next() => match done {
-                Ok(Done::Beat(result, rtt, carried)) => {
-                    in_flight -= 1;
-                    match &result {
-                        Ok(answer) => {
-                            rtts.answered(rtt);
-                            for req in &answer.probe {
-                                if probing.insert(req.node_id.clone()) {
-                                    nonce = nonce.wrapping_add(PROBE_ATTEMPTS);
-                                    tasks.spawn(probe_node(req.clone(), nonce, probe_within));
+            Some(done) = tasks.join_next_with_id() => {
+                let kind = kinds.remove(&match &done { Ok((id, _)) => *id, Err(e) => e.id() }).flatten();
+                match done {
+                    Ok((_, Done::Beat(result, rtt, carried))) => {
+                        in_flight -= 1;
+                        match &result {
+                            Ok(answer) => {
+                                rtts.answered(rtt);
+                                for req in &answer.probe {
+                                    if probing.len() < MAX_PROBES && probing.insert(req.node_id.clone()) {
+                                        nonce = nonce.wrapping_add(PROBE_ATTEMPTS);
+                                        let task = tasks.spawn(probe_node(req.clone(), nonce, probe_within));
+                                        kinds.insert(task.id(), Some(req.node_id.clone()));
+                                    }
+                                }
+                            }
+                            Err(e) => {
+                                tracing::debug!(error = %e, "heartbeat failed");
+                                if e.is_transient() {
+                                    // Sent again, unless a newer outcome came meanwhile.
+                                    for r in carried {
+                                        reports.entry(r.node_id).or_insert(r.reached);
+                                    }
                                 }
                             }
                         }
-                        Err(e) => {
-                            tracing::debug!(error = %e, "heartbeat failed");
-                            if e.is_transient() {
-                                reports.extend(carried);
-                            }
+                        if events.send(Event::Heartbeat(result.map(|_| ()).map_err(|e| call_error(&e)))).is_err() {
+                            return;
                         }
+                        false
                     }
-                    if events.send(Event::Heartbeat(result.map(|_| ()).map_err(|e| call_error(&e)))).is_err() {
-                        return;
+                    Ok((_, Done::Probe(report))) => {
+                        probing.remove(&report.node_id);
+                        if !report.reached {
+                            info!(node = %report.node_id, "probe: could not reach the suspected node");
+                        }
+                        reports.insert(report.node_id, report.reached);
+                        true
                     }
-                    false
+                    Err(e) => {
+                        warn!(error = %e, "a heartbeat or probe task failed");
+                        match kind {
+                            Some(node) => {
+                                probing.remove(&node);
+                            }
+                            None => in_flight -= 1,
+                        }
+                        false
+                    }
                 }
-                Ok(Done::Probe(report)) => {
-                    probing.remove(&report.node_id);
-                    if !report.reached {
-                        info!(node = %report.node_id, "probe: could not reach the suspected node");
-                    }
-                    reports.push(report);
-                    true
-                }
-                Err(_) => false,
-            },
+            }
         };
         if send_now && in_flight < MAX_IN_FLIGHT {
             seq += 1;
-            // Only the latest outcome per node matters.
-            reports.reverse();
-            let mut seen = HashSet::new();
-            reports.retain(|r| seen.insert(r.node_id.clone()));
-            let beat = Beat { sent: Some(Sent { seq, slow: rtts.slow }), probes: std::mem::take(&mut reports) };
+            let probes = reports.drain().map(|(node_id, reached)| ProbeReport { node_id, reached }).collect();
+            let beat = Beat { sent: Some(Sent { seq, slow: rtts.slow }), probes };
             let (client, node_id) = (client.clone(), node_id.clone());
             in_flight += 1;
-            tasks.spawn(async move {
+            let task = tasks.spawn(async move {
                 let carried = beat.probes.clone();
                 let started = tokio::time::Instant::now();
                 let result = client.heartbeat(&node_id, beat).await;
                 Done::Beat(result, started.elapsed(), carried)
             });
+            kinds.insert(task.id(), None);
         }
     }
 }

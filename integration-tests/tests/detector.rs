@@ -165,7 +165,8 @@ fn loss_between_the_rendezvous_and_one_node_is_outvoted_by_the_probes_and_shown(
     eprintln!("host b as the rendezvous sees it: {b}\nhost a: {a}");
     let loss = b["heartbeat_loss"].as_f64().expect("b's heartbeat loss rate is known");
     assert!(loss > 0.0, "the lossy link shows in b's heartbeat loss: {b}");
-    assert_eq!(a["heartbeat_loss"].as_f64(), Some(0.0), "a's link is clean: {a}");
+    // (A clean link can show a late answer or two on a busy machine, never as many.)
+    assert!(a["heartbeat_loss"].as_f64().is_some_and(|l| l < loss), "a's link is the clean one: {a}");
     let metrics = http_get(&endpoint, "/metrics");
     assert!(metrics.contains("rlaunch_rdzv_node_heartbeat_loss_ratio{run_id=\"rdzvloss\",node_id=\"b-"), "{metrics}");
     cluster.host(1).clear_loss();
@@ -174,22 +175,17 @@ fn loss_between_the_rendezvous_and_one_node_is_outvoted_by_the_probes_and_shown(
     // 4 s after which b would fence itself): b is suspected, a reaches it directly, and b is
     // kept until its heartbeats come back.
     std::thread::sleep(Duration::from_secs(2));
+    let probed_before = server.output().matches("reached suspected node b-").count();
     cluster.host(1).set_loss(100, Some(&cluster.root_ip()));
-    let mut seen_suspected = serde_json::Value::Null;
-    let blackout = std::time::Instant::now();
-    while blackout.elapsed() < Duration::from_millis(2500) {
-        let h = member_health(&rdzv_status("rlaunch", &endpoint, "rdzvloss"), "b");
-        if h["reached_by"].is_string() {
-            seen_suspected = h;
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    std::thread::sleep(Duration::from_millis(2500));
     cluster.host(1).clear_loss();
-    assert!(
-        seen_suspected["reached_by"].as_str().is_some_and(|by| by.starts_with("a-")),
-        "b was suspected and reached by a during the blackout: {seen_suspected}"
-    );
     assert_undisturbed(dir.path(), &mut agents, 8, "a 2.5 s blackout between the rendezvous and host b");
+    let log = server.output();
+    assert!(
+        log.matches("reached suspected node b-").count() > probed_before,
+        "during the blackout b was suspected and a reached it; the server's log ends:\n{}",
+        server.log_tail(4000)
+    );
     let b = member_health(&rdzv_status("rlaunch", &endpoint, "rdzvloss"), "b");
     assert!(b["suspected_for_ms"].is_null(), "no longer suspected once heard from: {b}");
     assert!(b["probes_reached"].as_u64().is_some_and(|n| n >= 1), "{b}");
@@ -238,6 +234,13 @@ fn a_link_cut_and_a_killed_host_are_acted_on_within_three_seconds() {
         let (took, _) = survivor_recovery(dir.path(), &mut agents[..1], t0);
         eprintln!("{fault}: host a's workers running again alone {took:.2} s after the fault");
         assert!(took < RECOVERY_BOUND_S, "{fault}: took {took:.2} s (bound {RECOVERY_BOUND_S} s)");
+        // The second opinion was asked for: a (hosting the rendezvous) could not reach b.
+        let log = agents[0].output();
+        assert!(
+            log.contains("not reached by a-"),
+            "{fault}: the loss names the failed probe:\n{}",
+            agents[0].log_tail(3000)
+        );
         std::fs::write(dir.path().join("stop"), b"").expect("touch stop");
         let status = agents[0].wait(Duration::from_secs(20));
         assert!(status.success(), "host a's agent failed ({status}):\n{}", agents[0].log_tail(3000));

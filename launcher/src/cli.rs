@@ -359,6 +359,7 @@ pub fn parse_rdzv_conf(s: &str) -> Result<RdzvConf, UsageError> {
         token: None,
     };
     let t = &mut conf.settings;
+    let mut probe_timeout_given = false;
     for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         let Some((k, v)) = part.split_once('=') else {
             return usage(format!("--rdzv-conf: `{part}` is not key=value"));
@@ -370,7 +371,10 @@ pub fn parse_rdzv_conf(s: &str) -> Result<RdzvConf, UsageError> {
             "last_call_timeout" => t.last_call_timeout = parse_seconds(&flag, v)?,
             "heartbeat_interval" | "keep_alive_interval" => t.heartbeat_interval = parse_seconds(&flag, v)?,
             "node_ttl" => t.node_ttl = parse_seconds(&flag, v)?,
-            "probe_timeout" => t.probe_timeout = parse_seconds(&flag, v)?,
+            "probe_timeout" => {
+                t.probe_timeout = parse_seconds(&flag, v)?;
+                probe_timeout_given = true;
+            }
             "token" => conf.token = Some(v.to_string()),
             k if IGNORED_TORCHRUN_KEYS.contains(&k) => {}
             _ => {
@@ -379,6 +383,12 @@ pub fn parse_rdzv_conf(s: &str) -> Result<RdzvConf, UsageError> {
                 ))
             }
         }
+    }
+    if !probe_timeout_given {
+        // Probers hear of a suspicion with their next heartbeat's answer: slower heartbeats
+        // (torchrun's keep_alive_interval=5) get a longer probe timeout than the default 1 s.
+        let t = &mut conf.settings;
+        t.probe_timeout = t.probe_timeout.max(t.heartbeat_interval * 2);
     }
     Ok(conf)
 }
@@ -860,6 +870,14 @@ mod tests {
         assert!(c.settings.validate().is_ok());
         assert!(parse_rdzv_conf("heartbeat_interval=3,node_ttl=2").unwrap().settings.validate().is_err());
         assert!(parse_rdzv_conf("node_ttl=700").unwrap().settings.validate().is_err());
+        // The probe timeout follows slow heartbeats unless given; given, it must leave probers
+        // two heartbeat intervals.
+        let slow = parse_rdzv_conf("keep_alive_interval=5,node_ttl=15").unwrap().settings;
+        assert_eq!(slow.probe_timeout, Duration::from_secs(10));
+        assert!(slow.validate().is_ok());
+        assert_eq!(parse_rdzv_conf("").unwrap().settings.probe_timeout, Duration::from_secs(1));
+        let err = parse_rdzv_conf("heartbeat_interval=1,node_ttl=3,probe_timeout=1").unwrap().settings.validate();
+        assert!(err.unwrap_err().to_string().contains("probe_timeout"));
     }
 
     #[test]

@@ -113,7 +113,12 @@ mod tests {
     use super::*;
 
     fn node(id: &str) -> NodeInfo {
-        NodeInfo { node_id: id.into(), local_world_size: 2, store_addr: format!("{id}:29500").parse().unwrap() }
+        NodeInfo {
+            node_id: id.into(),
+            local_world_size: 2,
+            store_addr: format!("{id}:29500").parse().unwrap(),
+            probe_addr: None,
+        }
     }
 
     #[test]

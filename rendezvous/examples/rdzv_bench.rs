@@ -42,6 +42,7 @@ async fn one(rdzv: Arc<Rendezvous>, n: u32, run_id: &str) -> Result<Duration> {
         node_id: format!("agent-{i:05}"),
         local_world_size: 8,
         store_addr: format!("10.0.0.1:{}", 20000 + i).parse().expect("a valid address"),
+        probe_addr: None,
     };
     let mut joins: Vec<tokio::task::JoinHandle<Result<_, rlaunch_rendezvous::RdzvError>>> = Vec::new();
     for i in 0..n - 1 {

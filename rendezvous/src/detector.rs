@@ -13,9 +13,10 @@
 //! 2. **Indirect probes** (as in SWIM): a suspected node is probed directly by up to
 //!    [`PROBERS`] other live members of its job, asked through the answers to their heartbeats.
 //!    A node that answers any of them stays (suspected, not lost) and is probed again; a node
-//!    nobody reached within the probe timeout is lost. A node never heard from for
-//!    [`SILENCE_LIMIT_TTLS`] TTLs is lost whatever the probes say: its own agent has stopped its
-//!    workers by then (it fences after a TTL and 2 s without an answer).
+//!    nobody reached within the probe timeout — and silent for at least the TTL — is lost (also
+//!    when there was nobody to ask). A node not heard from for [`SILENCE_LIMIT_TTLS`] TTLs is
+//!    lost whatever the probes say: its own agent has stopped its workers by then (it fences
+//!    after a TTL and 2 s without an answer, which is sooner for any TTL of 1 s or more).
 //!
 //! A heartbeat clears a suspicion. Heartbeats carry a sequence number and the sender's count of
 //! heartbeats whose answer came late (a retransmission: over TCP a lost packet shows as delay,
@@ -201,8 +202,13 @@ impl Health {
         match last {
             None => true,
             Some(last) => {
-                now.saturating_sub(last) >= t.ttl
-                    || (self.arrivals.len() >= MIN_ARRIVALS && self.phi(last, now, t) >= PHI_THRESHOLD)
+                let silence = now.saturating_sub(last);
+                // phi cannot reach the threshold within 2.5 intervals (the mean is at least the
+                // interval, the spread at least 0.3 of it): most ticks stop here.
+                silence >= t.ttl
+                    || (silence > t.interval.saturating_mul(5) / 2
+                        && self.arrivals.len() >= MIN_ARRIVALS
+                        && self.phi(last, now, t) >= PHI_THRESHOLD)
             }
         }
     }
@@ -213,10 +219,12 @@ impl Health {
         // before it was first suspected.
         let silent_since = last.or_else(|| self.suspicion.as_ref().map(|s| s.since.saturating_sub(t.ttl)));
         let silent_too_long = silent_since.is_none_or(|l| now.saturating_sub(l) >= t.silence_limit());
+        // phi may start the probes early, but a node is never lost before a TTL of silence.
+        let past_ttl = silent_since.is_none_or(|l| now.saturating_sub(l) >= t.ttl);
         match &self.suspicion {
             None if self.suspect_due(last, now, t) => Verdict::Suspected,
             None => Verdict::Alive,
-            Some(s) if now < s.deadline => Verdict::Suspected,
+            Some(s) if now < s.deadline || !past_ttl => Verdict::Suspected,
             Some(s) if s.reached_by.is_some() && !silent_too_long => Verdict::Suspected,
             Some(_) => Verdict::Lost,
         }

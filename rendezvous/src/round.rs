@@ -129,7 +129,13 @@ impl JobSettings {
         if self.probe_timeout.is_zero() {
             return Err(SettingsError::Zero { name: "probe_timeout" });
         }
-        check_nesting(&[("probe_timeout", self.probe_timeout), ("join_timeout", self.join_timeout)])?;
+        // Probers learn of a suspicion from the answer to their next heartbeat, up to an
+        // interval later, and need time to probe and report before the verdict.
+        check_nesting(&[
+            ("2 x heartbeat_interval", self.heartbeat_interval.saturating_mul(2)),
+            ("probe_timeout", self.probe_timeout + Duration::from_millis(1)),
+            ("join_timeout", self.join_timeout),
+        ])?;
         check_nesting(&[
             ("heartbeat_interval", self.heartbeat_interval),
             ("node_ttl", self.node_ttl),
@@ -430,6 +436,11 @@ impl Job {
         }
     }
 
+    /// The nodes the failure detector watches (see [`Job::tracks`]).
+    pub fn watched_ids(&self) -> Vec<&str> {
+        self.watched()
+    }
+
     /// Whether the job still counts on `node_id`: a member, pending, or expected back.
     pub fn tracks(&self, node_id: &str) -> bool {
         (matches!(self.phase, Phase::Running { .. }) && self.is_member(node_id))
@@ -561,47 +572,61 @@ impl Job {
 
     /// Nodes the detector watches: members of the running round still at work, pending nodes,
     /// and survivors of the previous round on their way back.
-    fn watched(&self) -> Vec<String> {
+    fn watched(&self) -> Vec<&str> {
         let running = matches!(self.phase, Phase::Running { .. });
-        let mut ids: Vec<String> = self
+        let succeeded: HashSet<&str> = self.succeeded.iter().map(String::as_str).collect();
+        let mut ids: Vec<&str> = self
             .members
             .iter()
-            .map(|m| m.node_id.clone())
-            .filter(|id| running && !self.succeeded.contains(id))
-            .chain(self.pending.iter().map(|p| p.node.node_id.clone()))
-            .chain(self.previous.iter().cloned())
+            .map(|m| m.node_id.as_str())
+            .filter(|id| running && !succeeded.contains(id))
+            .chain(self.pending.iter().map(|p| p.node.node_id.as_str()))
+            .chain(self.previous.iter().map(String::as_str))
             .collect();
-        ids.sort();
+        ids.sort_unstable();
         ids.dedup();
         ids
     }
 
-    /// Who probes `target`: up to [`detector::PROBERS`] other watched nodes, neither suspected
-    /// nor silent for a TTL, the most recently heard from first.
-    fn probers(&self, target: &str, now: Millis) -> Vec<String> {
+    /// Nodes that may probe others now: watched, not suspected, heard from within the TTL;
+    /// sorted, so the choice below is the same on every replica.
+    fn prober_candidates(&self, now: Millis) -> Vec<&str> {
         let ttl = JobSettings::ms(self.settings.node_ttl);
-        let has_addr = |id: &str| self.addr_of(id).is_some();
-        let mut candidates: Vec<(Millis, String)> = self
-            .watched()
+        self.watched()
             .into_iter()
-            .filter(|id| id != target && has_addr(id))
-            .filter(|id| self.health.get(id).is_none_or(|h| h.suspicion.is_none()))
-            .filter_map(|id| {
-                let silence = now.saturating_sub(*self.last_seen.get(&id)?);
-                (silence < ttl).then_some((silence, id))
-            })
-            .collect();
-        candidates.sort();
-        candidates.into_iter().take(detector::PROBERS).map(|(_, id)| id).collect()
+            .filter(|id| self.health.get(*id).is_none_or(|h| h.suspicion.is_none()))
+            .filter(|id| self.last_seen.get(*id).is_some_and(|seen| now.saturating_sub(*seen) < ttl))
+            .collect()
     }
 
-    /// Where `node_id` can be reached: its store, which its agent serves.
+    /// Who probes `target`: up to [`detector::PROBERS`] of `candidates` other than it, starting
+    /// at a place that depends on the target (and the probe round), so that many suspects at
+    /// once spread their probes over the job rather than all landing on the same three nodes.
+    fn probers(candidates: &[&str], target: &str, round: u32) -> Vec<String> {
+        let others: Vec<&str> = candidates.iter().copied().filter(|id| *id != target).collect();
+        if others.is_empty() {
+            return Vec::new();
+        }
+        // FNV-1a: stable across processes and versions (the etcd replicas must agree).
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in target.bytes().chain(round.to_le_bytes()) {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+        let start = (h % others.len() as u64) as usize;
+        others.iter().cycle().skip(start).take(detector::PROBERS.min(others.len())).map(|id| (*id).to_owned()).collect()
+    }
+
+    /// Where `node_id`'s agent answers probes: its probe endpoint, else its store (the one it
+    /// joined with last: a pending node's newer details first).
     fn addr_of(&self, node_id: &str) -> Option<&HostPort> {
-        self.members
+        self.pending
             .iter()
-            .find(|m| m.node_id == node_id)
-            .map(|m| &m.store_addr)
-            .or_else(|| self.pending.iter().find(|p| p.node.node_id == node_id).map(|p| &p.node.store_addr))
+            .find(|p| p.node.node_id == node_id)
+            .map(|p| p.node.probe_addr.as_ref().unwrap_or(&p.node.store_addr))
+            .or_else(|| {
+                let m = self.members.iter().find(|m| m.node_id == node_id)?;
+                Some(m.probe_addr.as_ref().unwrap_or(&m.store_addr))
+            })
     }
 
     /// The probes `prober` owes: every suspected node whose probe round asked it.
@@ -618,19 +643,32 @@ impl Job {
     fn update_suspicions(&mut self, now: Millis) -> Vec<String> {
         let t = self.settings.timing();
         let mut notes = Vec::new();
-        for id in self.watched() {
+        // Only the few nodes due for a (new) probe round are copied out of the job.
+        let due: Vec<(String, bool)> = self
+            .watched()
+            .into_iter()
+            .filter_map(|id| {
+                let last = self.last_seen.get(id).copied();
+                let (due, start) = match self.health.get(id) {
+                    None => (Health::default().suspect_due(last, now, &t), true),
+                    Some(h) => match &h.suspicion {
+                        None => (h.suspect_due(last, now, &t), true),
+                        Some(s) => (now >= s.deadline && h.verdict(last, now, &t) == Verdict::Suspected, false),
+                    },
+                };
+                due.then(|| (id.to_owned(), start))
+            })
+            .collect();
+        let candidates: Vec<String> = if due.is_empty() {
+            Vec::new()
+        } else {
+            self.prober_candidates(now).into_iter().map(str::to_owned).collect()
+        };
+        let candidates: Vec<&str> = candidates.iter().map(String::as_str).collect();
+        for (id, start) in due {
             let last = self.last_seen.get(&id).copied();
-            let (due, start) = match self.health.get(&id) {
-                None => (Health::default().suspect_due(last, now, &t), true),
-                Some(h) => match &h.suspicion {
-                    None => (h.suspect_due(last, now, &t), true),
-                    Some(s) => (now >= s.deadline && h.verdict(last, now, &t) == Verdict::Suspected, false),
-                },
-            };
-            if !due {
-                continue;
-            }
-            let probers = self.probers(&id, now);
+            let round = self.health.get(&id).and_then(|h| h.suspicion.as_ref()).map_or(0, |s| s.rounds);
+            let probers = Self::probers(&candidates, &id, round);
             let asked = if probers.is_empty() {
                 "nobody to probe it".to_owned()
             } else {
@@ -693,6 +731,18 @@ impl Job {
         self.last_seen.retain(|id, _| keep.contains(id));
         self.health.retain(|id, _| keep.contains(id));
     }
+
+    /// Forgets the detector's view of nodes it no longer watches (a survivor dropped from a
+    /// forming round stays in the old round's members until the next closes).
+    fn prune_health(&mut self) {
+        if self.health.len() <= self.watched().len() && self.suspects.is_empty() {
+            return;
+        }
+        let watched: HashSet<String> = self.watched().into_iter().map(str::to_owned).collect();
+        let succeeded: HashSet<&String> = self.succeeded.iter().collect();
+        self.health.retain(|id, _| watched.contains(id) || succeeded.contains(id));
+        self.suspects.retain(|id| watched.contains(id));
+    }
 }
 
 /// Applies one event to a job at time `now`. Pure: the same inputs give the same outputs.
@@ -712,6 +762,7 @@ pub fn apply(job: &Job, ev: Event, now: Millis) -> (Job, Decision) {
 pub fn apply_in_place(job: &mut Job, ev: Event, now: Millis) -> Decision {
     let version = job.version;
     let next = job;
+    let ticked = matches!(ev, Event::Tick);
     let decision = match ev {
         Event::Join(node) => join(next, node, now),
         Event::Heartbeat { node_id, sent, probes } => heartbeat(next, &node_id, sent, &probes, now),
@@ -720,6 +771,9 @@ pub fn apply_in_place(job: &mut Job, ev: Event, now: Millis) -> Decision {
         Event::NodeSucceeded { node_id, round } => node_succeeded(next, &node_id, round, now),
         Event::Leave { node_id } => leave(next, &node_id, now),
     };
+    if ticked && !next.phase.is_terminal() {
+        next.prune_health();
+    }
     match decision.action {
         Action::Rejected(_) | Action::Nothing | Action::HeartbeatRecorded => {}
         Action::Updated => next.last_reason = decision.reason.clone(),
@@ -853,9 +907,10 @@ fn tick(job: &mut Job, now: Millis) -> Decision {
     }
     let suspects_before = job.suspects.clone();
     let mut suspicions = job.update_suspicions(now);
+    let now_suspected: HashSet<&String> = job.suspects.iter().collect();
     let cleared: Vec<&str> = suspects_before
         .iter()
-        .filter(|id| !job.suspects.contains(id) && job.health.contains_key(*id))
+        .filter(|id| !now_suspected.contains(id) && job.health.contains_key(*id))
         .map(String::as_str)
         .collect();
     if !cleared.is_empty() {
@@ -978,6 +1033,9 @@ fn node_succeeded(job: &mut Job, node_id: &str, round: u64, now: Millis) -> Deci
         return decide(Action::Nothing, format!("success of {node_id} already noted"));
     }
     job.succeeded.push(node_id.to_owned());
+    if let Some(h) = job.health.get_mut(node_id) {
+        h.suspicion = None;
+    }
     if job.members.iter().all(|m| job.succeeded.contains(&m.node_id)) {
         job.phase = Phase::Finished { at: now };
         job.pending.clear();
@@ -1171,6 +1229,7 @@ fn close_round(job: &mut Job, now: Millis, reason: String) -> Decision {
                 local_world_size: p.node.local_world_size,
                 rank_offset: offset,
                 store_addr: p.node.store_addr,
+                probe_addr: p.node.probe_addr,
             };
             offset = offset.saturating_add(m.local_world_size);
             m

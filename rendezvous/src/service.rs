@@ -227,15 +227,17 @@ impl Rendezvous {
     pub async fn heartbeat(&self, run_id: &str, node_id: &str, beat: Beat) -> Result<HeartbeatAnswer, RdzvError> {
         self.metrics.requests.fetch_add(1, Ordering::Relaxed);
         validate_run_id(run_id)?;
-        for p in &beat.probes {
-            let counter = if p.reached { &self.metrics.probes_reached } else { &self.metrics.probes_missed };
-            counter.fetch_add(1, Ordering::Relaxed);
-        }
+        let (reached, missed) =
+            beat.probes.iter().fold((0, 0), |(r, m), p| if p.reached { (r + 1, m) } else { (r, m + 1) });
         let (d, probe) = self.store.heartbeat(run_id, node_id, beat.sent, beat.probes, now_ms()).await?;
         self.observe(run_id, &d);
         match d.action {
             Action::Rejected(r) => Err(r.into()),
-            _ => Ok(HeartbeatAnswer { probe }),
+            _ => {
+                self.metrics.probes_reached.fetch_add(reached, Ordering::Relaxed);
+                self.metrics.probes_missed.fetch_add(missed, Ordering::Relaxed);
+                Ok(HeartbeatAnswer { probe })
+            }
         }
     }
 
@@ -359,7 +361,7 @@ fn health_metrics(out: &mut String, jobs: &[(String, Job)], now: Millis) {
             "1 while the failure detector suspects the node (probes under way or answered).",
         ),
         ("rlaunch_rdzv_node_heartbeat_loss_ratio", "Share of the node's recent heartbeats that never arrived."),
-        ("rlaunch_rdzv_node_phi", "How late the node's heartbeats are (phi accrual; suspected from 8)."),
+        ("rlaunch_rdzv_node_phi", "How late a suspected node's heartbeats are (phi accrual; suspected from 8)."),
         ("rlaunch_rdzv_node_probes_reached_total", "Probes of the node by other members that reached it."),
         ("rlaunch_rdzv_node_probes_missed_total", "Probes of the node by other members that did not reach it."),
     ];
@@ -368,12 +370,16 @@ fn health_metrics(out: &mut String, jobs: &[(String, Job)], now: Millis) {
     for (run_id, job) in jobs.iter().filter(|(_, j)| !j.phase.is_terminal()) {
         for node_id in job.last_seen.keys().chain(job.health.keys().filter(|id| !job.last_seen.contains_key(*id))) {
             let h = job.node_health(node_id, now);
+            // At 10,000 nodes five series each is a lot: phi only while suspected, probe
+            // counts only once a node was probed.
+            let suspected = h.suspected_for_ms.is_some();
+            let probed = h.probes_reached + h.probes_missed > 0;
             rows.push([
-                Some(if h.suspected_for_ms.is_some() { 1.0 } else { 0.0 }),
+                Some(if suspected { 1.0 } else { 0.0 }),
                 h.heartbeat_loss,
-                h.phi,
-                Some(h.probes_reached as f64),
-                Some(h.probes_missed as f64),
+                h.phi.filter(|_| suspected),
+                Some(h.probes_reached as f64).filter(|_| probed),
+                Some(h.probes_missed as f64).filter(|_| probed),
             ]);
             labels.push(format!("{{run_id=\"{run_id}\",node_id=\"{}\"}}", node_id.replace(['\\', '"'], "_")));
         }

@@ -65,6 +65,7 @@ fn node(id: &str) -> NodeInfo {
         node_id: id.to_owned(),
         local_world_size: 2,
         store_addr: format!("127.0.0.1:{}", 29500 + id.len()).parse().unwrap(),
+        probe_addr: None,
     }
 }
 

@@ -186,6 +186,7 @@ fn node(id: &str) -> NodeInfo {
         node_id: id.to_owned(),
         local_world_size: 1,
         store_addr: format!("127.0.0.1:{}", 30000 + id.len()).parse().unwrap(),
+        probe_addr: None,
     }
 }
 
@@ -449,29 +450,39 @@ async fn a_lapsed_lease_is_a_suspicion_that_a_reachable_node_survives_and_then_t
     let b = etcd_client(&etcd, "lapse", settings(1, 2)).await;
     let (ra, rb) = within("joins", async { tokio::join!(a.join(node("a")), b.join(b_node.clone())) }).await;
     let (ra, _) = (ra.expect("a joins"), rb.expect("b joins"));
-    // b's link to etcd goes quiet (its keep-alives stop) while its store still answers.
+    // a does what its agent's heartbeat task does: heartbeat, probe what it is asked to, report.
+    let reports = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let prober = tokio::spawn({
+        let (a, reports) = (a.clone(), reports.clone());
+        async move {
+            loop {
+                if let Ok(answer) = a.heartbeat("a", Beat::default()).await {
+                    if !answer.probe.is_empty() {
+                        let probes = probe_all(&answer.probe).await;
+                        reports.lock().unwrap().extend(probes.clone());
+                        let _ = a.heartbeat("a", Beat { sent: None, probes }).await;
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    });
+    // b's link to etcd goes quiet (its keep-alives stop) while its agent still answers probes.
     drop(b);
     let silent_at = Instant::now();
-    let reached_at = within("b suspected, probed by a, reached", async {
-        loop {
-            let answer = a.heartbeat("a", Beat::default()).await.expect("a's heartbeat");
-            if !answer.probe.is_empty() {
-                assert_eq!(answer.probe[0].node_id, "bb");
-                let probes = probe_all(&answer.probe).await;
-                assert!(probes[0].reached, "b's store answers the probe");
-                a.heartbeat("a", Beat { sent: None, probes }).await.expect("a reports the probe");
-                return Instant::now();
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
+    within("b suspected, probed by a, reached", async {
+        while !reports.lock().unwrap().iter().any(|r| r.node_id == "bb" && r.reached) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     })
     .await;
-    eprintln!("b's lease lapsed and a was asked to probe it {:?} after b fell silent", reached_at - silent_at);
-    // Past the probe timeout the job has not lost b: a member reached it.
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    eprintln!("b's lease lapsed and a reached it {:?} after b fell silent", silent_at.elapsed());
+    // Past the probe timeout, twice, the job has not lost b: a member keeps reaching it.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
     let st = a.status().await.expect("status");
     let b_status = st.members.iter().find(|m| m.node_id == "bb").expect("b is still a member");
     assert!(b_status.health.suspected_for_ms.is_some(), "b is suspected: {b_status:?}");
+    assert_eq!(b_status.health.reached_by.as_deref(), Some("a"), "{b_status:?}");
     assert_eq!(st.round, ra.round, "no new round: {}", st.last_reason);
     // b's agent reaches etcd again: its lease lapsed, but the job still counts it, so it takes a
     // new one, and the next tick clears the suspicion.
@@ -485,28 +496,15 @@ async fn a_lapsed_lease_is_a_suspicion_that_a_reachable_node_survives_and_then_t
                 return;
             }
             let _ = b.heartbeat("bb", Beat::default()).await;
-            let _ = a.heartbeat("a", Beat::default()).await;
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     })
     .await;
-    // Had nobody reached it, it would have been lost: b's store goes away, its lease lapses again.
+    // Had nobody reached it, it would have been lost: b's agent goes away, its lease lapses
+    // again, and a's probes find nothing.
     b_store.shutdown().await.expect("b's store stops");
     drop(b);
-    let beats = tokio::spawn({
-        let a = a.clone();
-        async move {
-            loop {
-                if let Ok(answer) = a.heartbeat("a", Beat::default()).await {
-                    if !answer.probe.is_empty() {
-                        let probes = probe_all(&answer.probe).await;
-                        let _ = a.heartbeat("a", Beat { sent: None, probes }).await;
-                    }
-                }
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-        }
-    });
     assert_eq!(next_event(&a, ra.round).await, WatchEvent::NewRound(ra.round + 1));
-    beats.abort();
+    assert!(reports.lock().unwrap().iter().any(|r| r.node_id == "bb" && !r.reached), "a's probe missed");
+    prober.abort();
 }

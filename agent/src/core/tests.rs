@@ -39,6 +39,7 @@ fn round(n: u64, restart_count: u32) -> RoundInfo {
             local_world_size: 4,
             rank_offset: 0,
             store_addr: addr.clone(),
+            probe_addr: None,
         }],
         master_store_addr: addr,
         restart_count,

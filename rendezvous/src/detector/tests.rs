@@ -189,3 +189,29 @@ fn a_node_without_arrivals_that_members_reach_is_kept_until_the_silence_limit() 
     assert!(h.probed("a", true));
     assert_eq!(h.verdict(None, 10_000 - T.ttl + T.silence_limit() + T.probe_timeout, &T), Verdict::Lost);
 }
+
+#[test]
+fn phi_never_reaches_the_threshold_within_two_and_a_half_intervals() {
+    // The shortcut in suspect_due skips phi below 2.5 intervals of silence; whatever the
+    // history, phi there is under the threshold.
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    for interval in [10, 100, 500, 5000] {
+        let t = Timing { interval, ttl: interval * 4, probe_timeout: 1000 };
+        for _ in 0..200 {
+            let mut h = Health::default();
+            let mut at = 0;
+            for seq in 0..WINDOW as u64 {
+                at += interval / 2 + next() % (interval * 2);
+                h.arrived(Some(Sent { seq, slow: 0 }), at);
+            }
+            let p = h.phi(at, at + interval * 5 / 2, &t);
+            assert!(p < PHI_THRESHOLD, "phi {p} at 2.5 intervals (interval {interval})");
+        }
+    }
+}

@@ -26,7 +26,12 @@ fn settings(min: u32, max: u32) -> JobSettings {
 }
 
 fn node(id: &str) -> NodeInfo {
-    NodeInfo { node_id: id.to_owned(), local_world_size: 2, store_addr: format!("{id}:29500").parse().unwrap() }
+    NodeInfo {
+        node_id: id.to_owned(),
+        local_world_size: 2,
+        store_addr: format!("{id}:29500").parse().unwrap(),
+        probe_addr: None,
+    }
 }
 
 /// Applies an event, asserting that the version moves exactly when the decision says so.
@@ -155,7 +160,12 @@ fn waits_for_min_nodes_before_closing() {
 fn ranks_are_contiguous_with_prefix_sum_offsets() {
     let mut job = Job::new(settings(3, 3), 0);
     for (i, (id, lws)) in [("a", 4), ("b", 1), ("c", 3)].into_iter().enumerate() {
-        let n = NodeInfo { node_id: id.into(), local_world_size: lws, store_addr: format!("{id}:1").parse().unwrap() };
+        let n = NodeInfo {
+            node_id: id.into(),
+            local_world_size: lws,
+            store_addr: format!("{id}:1").parse().unwrap(),
+            probe_addr: None,
+        };
         job = step(&job, Event::Join(n), i as u64).0;
     }
     let ranks: Vec<(u32, u32)> = job.members.iter().map(|m| (m.group_rank, m.rank_offset)).collect();
@@ -223,9 +233,9 @@ fn repeated_join_of_a_running_member_returns_the_same_round() {
 fn join_with_bad_details_is_rejected_and_leaves_the_job_untouched() {
     let job = Job::new(settings(2, 2), 0);
     for bad in [
-        NodeInfo { node_id: String::new(), local_world_size: 1, store_addr: "h:1".parse().unwrap() },
-        NodeInfo { node_id: "a/b".into(), local_world_size: 1, store_addr: "h:1".parse().unwrap() },
-        NodeInfo { node_id: "a".into(), local_world_size: 0, store_addr: "h:1".parse().unwrap() },
+        NodeInfo { node_id: String::new(), local_world_size: 1, store_addr: "h:1".parse().unwrap(), probe_addr: None },
+        NodeInfo { node_id: "a/b".into(), local_world_size: 1, store_addr: "h:1".parse().unwrap(), probe_addr: None },
+        NodeInfo { node_id: "a".into(), local_world_size: 0, store_addr: "h:1".parse().unwrap(), probe_addr: None },
     ] {
         let (after, d) = step(&job, Event::Join(bad), 5);
         assert!(matches!(d.action, Action::Rejected(Rejection::InvalidNode { .. })), "{d:?}");
@@ -259,7 +269,7 @@ fn node_loss_opens_a_new_round_with_the_survivors() {
     // Silent for the TTL: suspected, and the others are asked to reach it.
     let (job, d) = tick(&job, 2100);
     assert_eq!(d.action, Action::Updated);
-    assert!(d.reason.contains("node b suspected (silent for 2000 ms); probed by a, c"), "{}", d.reason);
+    assert!(d.reason.contains("node b suspected (silent for 2000 ms); probed by c, a"), "{}", d.reason);
     assert_eq!(job.probes_for("a"), [ProbeRequest { node_id: "b".into(), addr: "b:29500".parse().unwrap() }]);
     assert_eq!(job.probes_for("c").len(), 1);
     assert!(job.probes_for("b").is_empty());
@@ -949,4 +959,27 @@ fn status_shows_each_nodes_heartbeat_loss_from_sequence_numbers() {
     let loss = st.members[1].health.heartbeat_loss.expect("b's loss rate");
     assert!((loss - 0.2).abs() < 0.05, "{loss}");
     assert!(st.members[1].health.phi.is_some_and(|p| p < 1.0));
+}
+
+#[test]
+fn a_forward_jump_of_the_rendezvous_clock_loses_nobody_who_keeps_heartbeating() {
+    // The wall clock steps 30 s ahead (NTP): every node looks silent for far longer than the
+    // TTL at the next tick, but a heartbeat within the probe timeout clears each suspicion.
+    let mut job = running(&["a", "b", "c"], settings(3, 3));
+    for t in (0..=5_000).step_by(500) {
+        for id in ["a", "b", "c"] {
+            job = hb(&job, id, t);
+        }
+    }
+    let jumped = 35_000;
+    let (j, d) = tick(&job, jumped);
+    assert_eq!(d.action, Action::Updated, "{}", d.reason);
+    assert_eq!(j.suspects, ["a", "b", "c"], "everyone suspected, nobody to probe them");
+    let mut job = j;
+    for id in ["a", "b", "c"] {
+        job = hb(&job, id, jumped + 400);
+    }
+    let (job, d) = tick(&job, jumped + 1_000);
+    assert_eq!(job.round, 1, "nobody lost: {}", d.reason);
+    assert!(job.suspects.is_empty(), "{:?}", job.suspects);
 }

@@ -56,9 +56,9 @@ struct Inner {
     expired: Arc<Notify>,
     /// Latest job versions seen by the watch, so long-polls need not re-read whole jobs.
     versions: Arc<std::sync::Mutex<HashMap<String, u64>>>,
-    /// Jobs with suspected nodes as last seen (watch, reads): only their heartbeats look up the
-    /// probes they owe.
-    probing: Arc<std::sync::Mutex<HashSet<String>>>,
+    /// The probes each node owes, by job, as last seen (watch, reads) for jobs with suspected
+    /// nodes: a heartbeat answers from here without reading etcd.
+    probing: Arc<std::sync::Mutex<Owed>>,
     /// Events waiting for their job's next batched update, by run id: this process's own
     /// updates of a job never conflict with each other (only with other replicas or agents).
     queues: std::sync::Mutex<HashMap<String, JobQueue>>,
@@ -148,6 +148,8 @@ fn stored(job: &Job) -> Job {
     for h in j.health.values_mut() {
         h.arrivals.clear();
     }
+    // Only what the detector must remember across processes: suspicions and probe counts.
+    j.health.retain(|_, h| h.suspicion.is_some() || h.probes_reached + h.probes_missed > 0);
     j
 }
 
@@ -190,7 +192,7 @@ impl EtcdStore {
         let (changes, _) = watch::channel(0u64);
         let expired = Arc::new(Notify::new());
         let versions = Arc::new(std::sync::Mutex::new(HashMap::new()));
-        let probing = Arc::new(std::sync::Mutex::new(HashSet::new()));
+        let probing = Arc::new(std::sync::Mutex::new(Owed::new()));
         let watcher = tokio::spawn(watch_loop(
             clients.clone(),
             changes.clone(),
@@ -266,7 +268,7 @@ impl EtcdStore {
             if key == skey {
                 let job: Job = serde_json::from_slice(kv.value())
                     .map_err(|source| RdzvError::Corrupt { run_id: run_id.to_owned(), source })?;
-                note_probing(&self.inner.probing, run_id, !job.suspects.is_empty());
+                note_probing(&self.inner.probing, run_id, Some(&job));
                 snap.job = Some(job);
                 snap.mod_revision = kv.mod_revision();
             } else if let Some(node) = key.strip_prefix(&aprefix) {
@@ -290,7 +292,8 @@ impl EtcdStore {
 
     /// A heartbeat through etcd: the lease kept alive (renewed when it lapsed while the job
     /// still counts the node: suspected, not lost), probe outcomes written to the job, and the
-    /// probes this node owes read back only for a job that has suspects.
+    /// probes this node owes answered from what the watch saw. Only the keep-alive decides the
+    /// answer: reporting probes is best effort, so a busy etcd never silences a live node.
     pub async fn heartbeat(
         &self,
         run_id: &str,
@@ -298,30 +301,74 @@ impl EtcdStore {
         probes: Vec<ProbeReport>,
         now: Millis,
     ) -> Result<(Decision, Vec<ProbeRequest>), RdzvError> {
-        let decision = match self.keep_alive(run_id, node_id).await {
+        let mut decision = match self.keep_alive(run_id, node_id).await {
             Ok(d) => d,
             Err(RdzvError::UnknownNode { .. }) => {
-                let job = self.load(run_id, now).await?;
-                let Some(job) = job.filter(|j| j.tracks(node_id)) else {
+                if !self.renew_if_tracked(run_id, node_id).await? {
                     return Err(RdzvError::UnknownNode { node_id: node_id.to_owned() });
-                };
-                self.register_node(run_id, node_id, job.settings.node_ttl).await?;
+                }
                 let reason = format!("lease of {node_id} renewed after it lapsed (the job still counts the node)");
                 Decision { action: Action::HeartbeatRecorded, reason }
             }
             Err(e) => return Err(e),
         };
-        if !probes.is_empty() {
-            let ev = Event::Heartbeat { node_id: node_id.to_owned(), sent: None, probes };
-            self.apply(run_id, None, ev, now).await?;
-        }
-        let probing = self.inner.probing.lock().unwrap_or_else(|p| p.into_inner()).contains(run_id);
-        let owed = if probing {
-            self.load(run_id, now).await?.map(|j| j.probes_for(node_id)).unwrap_or_default()
-        } else {
-            Vec::new()
+        let owed = |store: &Self| -> Option<HashMap<String, Vec<ProbeRequest>>> {
+            store.inner.probing.lock().unwrap_or_else(|p| p.into_inner()).get(run_id).cloned()
         };
+        // Only outcomes for nodes still suspected go to etcd (a stale one would cost a write).
+        let probing = owed(self);
+        let relevant: Vec<ProbeReport> = match &probing {
+            Some(owed) => probes
+                .into_iter()
+                .filter(|p| owed.get(node_id).is_some_and(|reqs| reqs.iter().any(|r| r.node_id == p.node_id)))
+                .collect(),
+            None => Vec::new(),
+        };
+        if !relevant.is_empty() {
+            let ev = Event::Heartbeat { node_id: node_id.to_owned(), sent: None, probes: relevant };
+            match self.apply(run_id, None, ev, now).await {
+                Ok((_, d)) if d.action == Action::Updated => decision = d,
+                Ok(_) => {}
+                Err(error) => debug!(run_id, node_id, error = %error, "probe outcomes not recorded"),
+            }
+        }
+        let owed = owed(self).and_then(|mut o| o.remove(node_id)).unwrap_or_default();
         Ok((decision, owed))
+    }
+
+    /// Gives `node_id` a new lease and key if the job still counts it, atomically with the
+    /// job's state as read: a loss committed meanwhile wins (and the key is not written).
+    async fn renew_if_tracked(&self, run_id: &str, node_id: &str) -> Result<bool, RdzvError> {
+        for _ in 0..3 {
+            let snap = self.read(run_id).await?;
+            let Some(job) = snap.job.as_ref().filter(|j| j.tracks(node_id)) else { return Ok(false) };
+            let ttl_s = i64::try_from(job.settings.node_ttl.as_millis().div_ceil(1000)).unwrap_or(i64::MAX).max(1);
+            let lease = self.run("lease grant", |mut c| async move { c.lease_grant(ttl_s, None).await }).await?.id();
+            let txn = Txn::new()
+                .when([Compare::mod_revision(state_key(run_id), CompareOp::Equal, snap.mod_revision)])
+                .and_then([TxnOp::put(
+                    alive_key(run_id, node_id),
+                    node_id.as_bytes().to_vec(),
+                    Some(PutOptions::new().with_lease(lease)),
+                )]);
+            let done = self
+                .run("renew lease", |mut c| {
+                    let txn = txn.clone();
+                    async move { c.txn(txn).await }
+                })
+                .await;
+            match done {
+                Ok(resp) if resp.succeeded() => {
+                    debug!(run_id, node_id, lease, "lapsed lease renewed");
+                    return Ok(true);
+                }
+                other => {
+                    let _ = self.run("lease revoke", |mut c| async move { c.lease_revoke(lease).await }).await;
+                    other?;
+                }
+            }
+        }
+        Err(RdzvError::Store { message: format!("could not renew the lease of {node_id}: the job kept changing") })
     }
 
     /// Applies `ev` to the job in etcd. Concurrent callers in this process are grouped: one
@@ -430,12 +477,21 @@ impl EtcdStore {
                     break;
                 }
             };
-            let cmp = if created {
+            let mut cmps = vec![if created {
                 Compare::version(key.clone(), CompareOp::Equal, 0)
             } else {
                 Compare::mod_revision(key.clone(), CompareOp::Equal, snap.mod_revision)
-            };
-            let txn = Txn::new().when([cmp]).and_then([TxnOp::put(key.clone(), value, None)]);
+            }];
+            // A node dropped because its key was missing must still have none: a lease renewed
+            // meanwhile (renew_if_tracked) makes this update read the job again.
+            if let Some(before) = &snap.job {
+                for id in before.watched_ids() {
+                    if !snap.alive.iter().any(|a| a == id) && !next.tracks(id) {
+                        cmps.push(Compare::version(alive_key(run_id, id), CompareOp::Equal, 0));
+                    }
+                }
+            }
+            let txn = Txn::new().when(cmps).and_then([TxnOp::put(key.clone(), value, None)]);
             match self
                 .run("transaction", |mut c| {
                     let txn = txn.clone();
@@ -481,7 +537,7 @@ impl EtcdStore {
             if tail == "state" {
                 match serde_json::from_slice::<Job>(kv.value()) {
                     Ok(job) => {
-                        note_probing(&self.inner.probing, run_id, !job.suspects.is_empty());
+                        note_probing(&self.inner.probing, run_id, Some(&job));
                         states.insert(run_id.to_owned(), job);
                     }
                     Err(error) => warn!(run_id, %error, "skipping unreadable job state"),
@@ -683,12 +739,28 @@ impl EtcdStore {
     }
 }
 
-fn note_probing(probing: &std::sync::Mutex<HashSet<String>>, run_id: &str, any: bool) {
+/// Probes owed, by job and prober.
+type Owed = HashMap<String, HashMap<String, Vec<ProbeRequest>>>;
+
+/// Records the probes `job` (None: none suspected) asks of each of its nodes.
+fn note_probing(probing: &std::sync::Mutex<Owed>, run_id: &str, job: Option<&Job>) {
+    let owed: HashMap<String, Vec<ProbeRequest>> = job
+        .filter(|j| !j.suspects.is_empty())
+        .map(|j| {
+            let probers: HashSet<&String> = j
+                .suspects
+                .iter()
+                .filter_map(|id| j.health.get(id)?.suspicion.as_ref())
+                .flat_map(|s| s.asked.iter())
+                .collect();
+            probers.into_iter().map(|p| (p.clone(), j.probes_for(p))).filter(|(_, v)| !v.is_empty()).collect()
+        })
+        .unwrap_or_default();
     let mut probing = probing.lock().unwrap_or_else(|p| p.into_inner());
-    if any {
-        probing.insert(run_id.to_owned());
-    } else {
+    if owed.is_empty() {
         probing.remove(run_id);
+    } else {
+        probing.insert(run_id.to_owned(), owed);
     }
 }
 
@@ -698,7 +770,7 @@ async fn watch_loop(
     changes: watch::Sender<u64>,
     expired: Arc<Notify>,
     versions: Arc<std::sync::Mutex<HashMap<String, u64>>>,
-    probing: Arc<std::sync::Mutex<HashSet<String>>>,
+    probing: Arc<std::sync::Mutex<Owed>>,
 ) {
     let mut next_revision: i64 = 0;
     let mut member = 0usize;
@@ -765,7 +837,7 @@ async fn watch_loop(
 /// Records the version of a job state seen in a watch event.
 fn note_watched_version(
     versions: &std::sync::Mutex<HashMap<String, u64>>,
-    probing: &std::sync::Mutex<HashSet<String>>,
+    probing: &std::sync::Mutex<Owed>,
     key: &[u8],
     value: &[u8],
 ) {
@@ -778,7 +850,9 @@ fn note_watched_version(
     let key = String::from_utf8_lossy(key);
     let Some(run_id) = key.strip_prefix(PREFIX).and_then(|k| k.strip_suffix("/state")) else { return };
     let Ok(VersionOnly { version, suspects }) = serde_json::from_slice(value) else { return };
-    note_probing(probing, run_id, !suspects.is_empty());
+    // The whole job is parsed only while some node is suspected.
+    let job = if suspects.is_empty() { None } else { serde_json::from_slice::<Job>(value).ok() };
+    note_probing(probing, run_id, job.as_ref());
     let mut versions = versions.lock().unwrap_or_else(|p| p.into_inner());
     let v = versions.entry(run_id.to_owned()).or_insert(version);
     *v = (*v).max(version);

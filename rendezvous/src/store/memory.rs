@@ -116,7 +116,8 @@ mod tests {
     fn terminal_jobs_are_forgotten_after_the_retention() {
         let store = MemoryStore::default();
         let settings = JobSettings::default();
-        let node = NodeInfo { node_id: "a".into(), local_world_size: 1, store_addr: "h:1".parse().unwrap() };
+        let node =
+            NodeInfo { node_id: "a".into(), local_world_size: 1, store_addr: "h:1".parse().unwrap(), probe_addr: None };
         store.apply("r", Some(&settings), Event::Join(node), 0).expect("join");
         store.apply("r", None, Event::NodeSucceeded { node_id: "a".into(), round: 1 }, 10).expect("success");
         let retention = super::super::TERMINAL_RETENTION.as_millis() as u64;
