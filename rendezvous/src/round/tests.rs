@@ -637,7 +637,7 @@ impl XorShift {
     }
 }
 
-fn check_invariants(job: &Job, before: &Job, d: &Decision, seed: u64, step_no: usize) {
+fn check_invariants(job: &Job, before: &Job, d: &Decision, ticked: bool, seed: u64, step_no: usize) {
     let ctx = format!("seed {seed}, step {step_no}: {d:?}");
     assert!(job.version >= before.version, "{ctx}");
     assert!(job.round >= before.round, "{ctx}");
@@ -664,6 +664,22 @@ fn check_invariants(job: &Job, before: &Job, d: &Decision, seed: u64, step_no: u
     if matches!(d.action, Action::RoundOpened { .. }) {
         assert_eq!(job.round, before.round + 1, "{ctx}");
     }
+    // The detector only remembers nodes the job knows, and suspects only nodes it watches.
+    let known = |id: &String| job.is_member(id) || job.tracks(id);
+    if !job.phase.is_terminal() {
+        assert!(job.health.keys().all(known), "health of unknown nodes: {:?} {ctx}", job.health.keys());
+    }
+    if ticked && matches!(d.action, Action::Nothing | Action::Updated) && !job.phase.is_terminal() {
+        // (`suspects` is what the last tick saw.)
+        let watched = job.watched_ids();
+        assert!(job.suspects.iter().all(|id| watched.contains(&id.as_str())), "{:?} {ctx}", job.suspects);
+    }
+    for (id, h) in &job.health {
+        if let Some(s) = &h.suspicion {
+            assert!(!s.asked.contains(id), "a node never probes itself: {ctx}");
+            assert!(s.asked.len() <= crate::detector::PROBERS, "{ctx}");
+        }
+    }
 }
 
 #[test]
@@ -683,7 +699,16 @@ fn random_event_sequences_keep_the_invariants() {
             let id = ids[rng.below(ids.len() as u64) as usize].to_owned();
             let ev = match rng.below(10) {
                 0..=2 => Event::Join(node(&id)),
-                3..=5 => Event::Heartbeat { node_id: id, sent: None, probes: Vec::new() },
+                3..=5 => {
+                    // Sometimes with probe outcomes, asked for or not, about any node.
+                    let probes = (0..rng.below(3))
+                        .map(|_| ProbeReport {
+                            node_id: ids[rng.below(ids.len() as u64) as usize].to_owned(),
+                            reached: rng.below(2) == 0,
+                        })
+                        .collect();
+                    Event::Heartbeat { node_id: id, sent: Some(Sent { seq: step_no as u64, slow: 0 }), probes }
+                }
                 6 => Event::Tick,
                 7 => Event::ReportFailure {
                     node_id: id,
@@ -693,8 +718,9 @@ fn random_event_sequences_keep_the_invariants() {
                 8 => Event::NodeSucceeded { node_id: id, round: job.round },
                 _ => Event::Leave { node_id: id },
             };
+            let ticked = matches!(ev, Event::Tick);
             let (next, d) = step(&job, ev, now);
-            check_invariants(&next, &job, &d, seed, step_no);
+            check_invariants(&next, &job, &d, ticked, seed, step_no);
             seen.insert(match &d.action {
                 Action::RoundOpened { cause, .. } => format!(
                     "opened:{}",
