@@ -38,8 +38,8 @@ pub(crate) struct ElasticSetup {
     pub advertise: String,
     heartbeat_interval: Duration,
     _heartbeats: AbortOnDrop,
-    /// The probe endpoint, served while this node takes part.
-    _probe: rlaunch::store::StoreHandle,
+    /// The probe endpoint (TCP and UDP), served while this node takes part.
+    _probe: (rlaunch::store::StoreHandle, Option<AbortOnDrop>),
     hosted: Option<AbortOnDrop>,
 }
 
@@ -71,6 +71,14 @@ pub(crate) async fn setup(
     // a store of its own that holds nothing and only answers pings.
     let probe = crate::start_store(&crate::driver::store_bind(config, &advertise), PROBE_STORE_BYTES).await?;
     let probe_addr = HostPort::new(advertise.clone(), probe.local_addr().port()).ok();
+    // And a UDP echo on the same port, which loss delays far less than a TCP handshake.
+    let udp = match tokio::net::UdpSocket::bind(probe.local_addr()).await {
+        Ok(socket) => Some(AbortOnDrop(tokio::spawn(rlaunch::store::serve_udp_probes(socket)))),
+        Err(e) => {
+            warn!(error = %e, port = probe.local_addr().port(), "no UDP probe endpoint (probes use TCP only)");
+            None
+        }
+    };
     let node = NodeInfo {
         node_id: format!("{host}-{}-{:08x}", std::process::id(), rand_u32()),
         local_world_size: config.nproc_per_node,
@@ -103,7 +111,7 @@ pub(crate) async fn setup(
         advertise,
         heartbeat_interval: d.settings.heartbeat_interval,
         _heartbeats: heartbeats,
-        _probe: probe,
+        _probe: (probe, udp),
         hosted,
     })
 }
@@ -115,11 +123,13 @@ const MAX_PROBES: usize = 16;
 /// Most heartbeats in flight at once: a heartbeat held up by a retransmission does not hold up
 /// the next (each takes its own kept-alive connection), yet a rendezvous that answers nothing
 /// is not sent an unbounded pile.
-const MAX_IN_FLIGHT: usize = 4;
-/// Probe attempts per probed node, started this far apart (a lost SYN costs a second; a second
-/// attempt on another connection does not wait for it).
+const MAX_IN_FLIGHT: usize = 6;
+/// TCP probe attempts per probed node, started this far apart (a lost SYN costs a second; a
+/// second attempt on another connection does not wait for it), beside UDP datagrams sent every
+/// `PROBE_UDP_EVERY`.
 const PROBE_ATTEMPTS: u32 = 3;
 const PROBE_STAGGER: Duration = Duration::from_millis(150);
+const PROBE_UDP_EVERY: Duration = Duration::from_millis(40);
 
 /// A heartbeat answered this much over the fastest recent round trip was held up by a
 /// retransmission (Linux waits at least 200 ms before resending a lost segment).
@@ -188,7 +198,7 @@ async fn heartbeat_loop(
                                 rtts.answered(rtt);
                                 for req in &answer.probe {
                                     if probing.len() < MAX_PROBES && probing.insert(req.node_id.clone()) {
-                                        nonce = nonce.wrapping_add(PROBE_ATTEMPTS);
+                                        nonce = nonce.wrapping_add(PROBE_ATTEMPTS + 1);
                                         let task = tasks.spawn(probe_node(req.clone(), nonce, probe_within));
                                         kinds.insert(task.id(), Some(req.node_id.clone()));
                                     }
@@ -252,12 +262,16 @@ async fn heartbeat_loop(
 async fn probe_node(req: ProbeRequest, nonce: u32, within: Duration) -> Done {
     let addr = req.addr.to_string();
     let mut attempts = JoinSet::new();
+    {
+        let addr = addr.clone();
+        attempts.spawn(async move { rlaunch::store::probe_udp(&addr, nonce, PROBE_UDP_EVERY, within).await });
+    }
     for i in 0..PROBE_ATTEMPTS {
         let (addr, delay) = (addr.clone(), PROBE_STAGGER * i);
         let Some(left) = within.checked_sub(delay) else { break };
         attempts.spawn(async move {
             tokio::time::sleep(delay).await;
-            rlaunch::store::probe(&addr, nonce.wrapping_add(i), left).await
+            rlaunch::store::probe(&addr, nonce.wrapping_add(i + 1), left).await
         });
     }
     let mut reached = false;

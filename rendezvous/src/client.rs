@@ -293,9 +293,10 @@ impl RendezvousClient {
     pub async fn heartbeat(&self, node_id: &str, beat: Beat) -> Result<HeartbeatAnswer, RdzvError> {
         match &self.inner.transport {
             Transport::Http(h) => {
-                // A heartbeat that arrives late still counts: give it the TTL, and retransmit
-                // on the kept-alive connection rather than give up and reconnect.
-                let timeout = self.settings.node_ttl.max(Duration::from_millis(250));
+                // A heartbeat that arrives late still counts (until the probes' verdict): give
+                // it that long, retransmitting on its kept-alive connection, rather than give up
+                // and reconnect (a lost SYN costs a second).
+                let timeout = (self.settings.node_ttl + self.settings.probe_timeout).max(Duration::from_millis(250));
                 let body = HeartbeatRequest { node_id: node_id.to_owned(), beat };
                 h.call(Method::POST, &self.path("heartbeat"), Some(json(&body)), timeout).await
             }

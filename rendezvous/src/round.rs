@@ -129,16 +129,16 @@ impl JobSettings {
         if self.probe_timeout.is_zero() {
             return Err(SettingsError::Zero { name: "probe_timeout" });
         }
+        check_nesting(&[
+            ("heartbeat_interval", self.heartbeat_interval),
+            ("node_ttl", self.node_ttl),
+            ("join_timeout", self.join_timeout),
+        ])?;
         // Probers learn of a suspicion from the answer to their next heartbeat, up to an
         // interval later, and need time to probe and report before the verdict.
         check_nesting(&[
             ("2 x heartbeat_interval", self.heartbeat_interval.saturating_mul(2)),
             ("probe_timeout", self.probe_timeout + Duration::from_millis(1)),
-            ("join_timeout", self.join_timeout),
-        ])?;
-        check_nesting(&[
-            ("heartbeat_interval", self.heartbeat_interval),
-            ("node_ttl", self.node_ttl),
             ("join_timeout", self.join_timeout),
         ])?;
         if !self.stop_grace.is_zero() {

@@ -478,3 +478,56 @@ pub async fn probe(addr: &str, nonce: u32, timeout: Duration) -> io::Result<Dura
         Err(_) => Err(io::Error::new(io::ErrorKind::TimedOut, format!("no answer within {timeout:?}"))),
     }
 }
+
+/// What a UDP probe carries: this prefix, then a nonce the endpoint echoes back.
+pub const PROBE_DATAGRAM: &[u8; 14] = b"rlaunch-probe\0";
+
+/// Echoes probe datagrams (the prefix and a nonce, at most 64 bytes) on `socket` until the
+/// task is dropped: the UDP half of an agent's probe endpoint. A lost datagram costs nothing but
+/// itself, so under heavy loss a UDP probe gets through where a TCP handshake waits a second.
+pub async fn serve_udp_probes(socket: tokio::net::UdpSocket) {
+    let mut buf = [0u8; 64];
+    loop {
+        let Ok((n, from)) = socket.recv_from(&mut buf).await else { continue };
+        if n == PROBE_DATAGRAM.len() + 4 && buf.starts_with(PROBE_DATAGRAM) {
+            let _ = socket.send_to(&buf[..n], from).await;
+        }
+    }
+}
+
+/// Whether a probe endpoint echoes within `timeout` over UDP: a datagram every `every`, the
+/// first echo of this nonce wins.
+pub async fn probe_udp(addr: &str, nonce: u32, every: Duration, timeout: Duration) -> io::Result<Duration> {
+    let started = tokio::time::Instant::now();
+    let target = tokio::net::lookup_host(addr)
+        .await?
+        .next()
+        .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, format!("{addr} resolves to nothing")))?;
+    let bind = if target.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" };
+    let socket = tokio::net::UdpSocket::bind(bind).await?;
+    socket.connect(target).await?;
+    let mut datagram = PROBE_DATAGRAM.to_vec();
+    datagram.extend_from_slice(&nonce.to_le_bytes());
+    let attempt = async {
+        let mut tick = tokio::time::interval(every);
+        let mut buf = [0u8; 64];
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {
+                    // An unreachable port answers ICMP: a send or receive error then.
+                    socket.send(&datagram).await?;
+                }
+                got = socket.recv(&mut buf) => {
+                    let n = got?;
+                    if buf[..n] == datagram[..] {
+                        return Ok(started.elapsed());
+                    }
+                }
+            }
+        }
+    };
+    match tokio::time::timeout(timeout, attempt).await {
+        Ok(r) => r,
+        Err(_) => Err(io::Error::new(io::ErrorKind::TimedOut, format!("no echo within {timeout:?}"))),
+    }
+}

@@ -20,7 +20,7 @@ pub mod state;
 
 use std::time::Duration;
 
-pub use client::{probe, PrefixStore, StoreClient};
+pub use client::{probe, probe_udp, serve_udp_probes, PrefixStore, StoreClient, PROBE_DATAGRAM};
 pub use protocol::Limits;
 pub use server::{ServerConfig, StoreHandle, StoreServer, DEFAULT_MAX_TOTAL_BYTES};
 

@@ -563,3 +563,32 @@ fn a_store_flooded_past_its_cap_closes_the_flooding_client_and_keeps_every_key()
     assert!(after.delete_key("/flood").expect("delete"));
     after.set("/new", &vec![0u8; 200 * 1024]).expect("room again once keys are deleted");
 }
+
+#[tokio::test]
+async fn probes_reach_a_live_endpoint_over_tcp_and_udp_and_miss_a_dead_or_frozen_one() {
+    use std::time::Duration;
+    let store = StoreServer::start("127.0.0.1:0".parse().unwrap()).await.expect("a store");
+    let addr = store.local_addr();
+    let udp = tokio::net::UdpSocket::bind(addr).await.expect("udp on the store's port");
+    let echo = tokio::spawn(super::serve_udp_probes(udp));
+    let a = addr.to_string();
+    super::probe(&a, 7, Duration::from_secs(2)).await.expect("the store answers a ping");
+    super::probe_udp(&a, 8, Duration::from_millis(20), Duration::from_secs(2)).await.expect("the echo answers");
+    echo.abort();
+    // Nothing there: refused at once (TCP reset, ICMP port unreachable), well before the timeout.
+    store.shutdown().await.expect("store stops");
+    let _ = echo.await;
+    let t = std::time::Instant::now();
+    assert!(super::probe(&a, 9, Duration::from_secs(5)).await.is_err());
+    assert!(super::probe_udp(&a, 10, Duration::from_millis(20), Duration::from_secs(5)).await.is_err());
+    assert!(t.elapsed() < Duration::from_secs(2), "refusals are quick: {:?}", t.elapsed());
+    // A socket that never answers (a frozen agent): a miss at the timeout.
+    let silent = tokio::net::UdpSocket::bind("127.0.0.1:0").await.expect("udp");
+    let s = silent.local_addr().unwrap().to_string();
+    let err = super::probe_udp(&s, 11, Duration::from_millis(20), Duration::from_millis(300)).await.unwrap_err();
+    assert_eq!(err.kind(), std::io::ErrorKind::TimedOut);
+    let frozen = std::net::TcpListener::bind("127.0.0.1:0").expect("tcp");
+    let f = frozen.local_addr().unwrap().to_string();
+    let err = super::probe(&f, 12, Duration::from_millis(300)).await.unwrap_err();
+    assert_eq!(err.kind(), std::io::ErrorKind::TimedOut, "accepted by the kernel, never answered");
+}
