@@ -276,7 +276,8 @@ pub(crate) fn worker_specs(
     let signals_to_handle = signals.join(",");
     (0..config.nproc_per_node)
         .map(|local_rank| {
-            let rank = p.rank_offset + local_rank;
+            // The rendezvous bounds nodes and workers per node, so this never saturates there.
+            let rank = p.rank_offset.saturating_add(local_rank);
             let dir = worker_dir(log_root, restart_count, local_rank);
             let redirect = config.redirects.get(local_rank);
             let tee = config.tee.get(local_rank);

@@ -27,6 +27,12 @@ pub use rlaunch::contract::{HostPort, Member, NodeInfo, RootCause, RoundInfo};
 /// Milliseconds: the machine's clock unit (wall-clock millis since the Unix epoch at the edges).
 pub type Millis = u64;
 
+/// Most nodes a job may have: with [`MAX_LOCAL_WORLD_SIZE`], every rank (and the world size)
+/// fits a `u32` with room to spare.
+pub const MAX_NODES: u32 = 1 << 20;
+/// Most workers one node may run.
+pub const MAX_LOCAL_WORLD_SIZE: u32 = 4096;
+
 /// How a job's rendezvous behaves; fixed when the job is created by its first join.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct JobSettings {
@@ -94,6 +100,8 @@ pub enum SettingsError {
     MinNodesZero { min: u32 },
     #[error("min nodes ({min}) must not exceed max nodes ({max})")]
     MinAboveMax { min: u32, max: u32 },
+    #[error("max nodes ({max}) is over the bound of {bound} nodes per job")]
+    TooManyNodes { max: u32, bound: u32 },
     #[error("{name} must be greater than zero")]
     Zero { name: &'static str },
     #[error("timeouts must nest: {smaller} ({smaller_value:?}) must be less than {larger} ({larger_value:?})")]
@@ -122,6 +130,9 @@ impl JobSettings {
         }
         if self.min_nodes > self.max_nodes {
             return Err(SettingsError::MinAboveMax { min: self.min_nodes, max: self.max_nodes });
+        }
+        if self.max_nodes > MAX_NODES {
+            return Err(SettingsError::TooManyNodes { max: self.max_nodes, bound: MAX_NODES });
         }
         if self.heartbeat_interval.is_zero() {
             return Err(SettingsError::Zero { name: "heartbeat_interval" });
@@ -456,8 +467,9 @@ impl Job {
         self.pending.iter().any(|p| p.node.node_id == node_id)
     }
 
+    /// Ranks in the round; the bounds on nodes and workers per node keep it within `u32`.
     pub fn world_size(&self) -> u32 {
-        self.members.iter().map(|m| m.local_world_size).sum()
+        self.members.iter().fold(0u32, |sum, m| sum.saturating_add(m.local_world_size))
     }
 
     /// The round this node runs in, if the job is running a round that includes it.
@@ -802,8 +814,8 @@ fn validate_node(node: &NodeInfo) -> Result<(), Rejection> {
     if node.node_id.chars().any(|c| c.is_control() || c == '/') {
         return invalid("node_id must not contain '/' or control characters");
     }
-    if node.local_world_size == 0 {
-        return invalid("local_world_size must be at least 1");
+    if node.local_world_size == 0 || node.local_world_size > MAX_LOCAL_WORLD_SIZE {
+        return invalid(&format!("local_world_size must be 1 to {MAX_LOCAL_WORLD_SIZE}"));
     }
     Ok(())
 }

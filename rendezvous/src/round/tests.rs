@@ -1009,3 +1009,27 @@ fn a_forward_jump_of_the_rendezvous_clock_loses_nobody_who_keeps_heartbeating() 
     assert_eq!(job.round, 1, "nobody lost: {}", d.reason);
     assert!(job.suspects.is_empty(), "{:?}", job.suspects);
 }
+
+#[test]
+fn a_node_asking_for_more_workers_than_the_bound_is_refused_and_no_world_size_wraps() {
+    // A client sent local_world_size 4294967295: the world size wrapped (3, rank offset
+    // 4294967295). Now the join is refused, naming the bound, and nothing changes.
+    let job = running(&["a"], settings(1, 3));
+    let huge = NodeInfo { local_world_size: u32::MAX, ..node("x") };
+    let (after, d) = step(&job, Event::Join(huge), 500);
+    let Action::Rejected(Rejection::InvalidNode { message }) = &d.action else { panic!("{d:?}") };
+    assert!(message.contains("local_world_size must be 1 to 4096"), "{message}");
+    assert_eq!(after, job);
+    // At the bound, ranks and the world size add up.
+    let mut job = Job::new(settings(3, 3), 0);
+    for id in ["a", "b", "c"] {
+        let n = NodeInfo { local_world_size: MAX_LOCAL_WORLD_SIZE, ..node(id) };
+        job = step(&job, Event::Join(n), 10).0;
+    }
+    assert_eq!(job.world_size(), 3 * MAX_LOCAL_WORLD_SIZE);
+    assert_eq!(job.round_info("c").unwrap().rank_offset, 2 * MAX_LOCAL_WORLD_SIZE);
+    // And a job cannot ask for more nodes than the bound.
+    let mut s = settings(1, 1);
+    s.max_nodes = MAX_NODES + 1;
+    assert!(s.validate().unwrap_err().to_string().contains("over the bound of 1048576 nodes"));
+}
