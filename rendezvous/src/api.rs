@@ -49,11 +49,13 @@ pub struct AppState {
     pub rdzv: Arc<Rendezvous>,
     pub token: Option<Arc<str>>,
     pub body_limit: usize,
+    /// `/metrics` needs the token too (it names every job and node).
+    pub protect_metrics: bool,
 }
 
 impl AppState {
     pub fn new(rdzv: Arc<Rendezvous>, token: Option<String>) -> Self {
-        Self { rdzv, token: token.map(Arc::from), body_limit: DEFAULT_BODY_LIMIT }
+        Self { rdzv, token: token.map(Arc::from), body_limit: DEFAULT_BODY_LIMIT, protect_metrics: false }
     }
 }
 
@@ -253,11 +255,11 @@ fn same(a: &[u8], b: &[u8]) -> bool {
 
 async fn require_token(State(app): State<AppState>, req: Request, next: Next) -> Response {
     if let Some(token) = &app.token {
-        let given = req
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
+        // The scheme is case-insensitive (RFC 9110 §11.1); the token is not.
+        let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| {
+            let (scheme, token) = v.split_once(' ')?;
+            scheme.eq_ignore_ascii_case("bearer").then(|| token.trim_start())
+        });
         if !given.is_some_and(|g| same(g.as_bytes(), token.as_bytes())) {
             return ApiError::from(RdzvError::Unauthorized).into_response();
         }
@@ -281,10 +283,17 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/jobs/{run_id}/success", post(success))
         .route("/v1/jobs/{run_id}/leave", post(leave))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_token));
+    let metrics_route = if state.protect_metrics {
+        Router::new()
+            .route("/metrics", get(metrics))
+            .route_layer(middleware::from_fn_with_state(state.clone(), require_token))
+    } else {
+        Router::new().route("/metrics", get(metrics))
+    };
     Router::new()
         .merge(v1)
+        .merge(metrics_route)
         .route("/healthz", get(healthz))
-        .route("/metrics", get(metrics))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(state.body_limit))
         .with_state(state)

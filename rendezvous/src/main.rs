@@ -21,6 +21,7 @@ enum StoreKind {
 /// The rlaunch rendezvous service: agents join rounds, heartbeat and watch for restarts here.
 #[derive(Debug, Parser)]
 #[command(name = "rlaunch-rendezvous", version)]
+#[command(group = clap::ArgGroup::new("token_or_file").args(["token", "token_file"]))]
 struct Args {
     /// Address to listen on.
     #[arg(long, env = "RLAUNCH_RDZV_LISTEN", default_value = "0.0.0.0:29400")]
@@ -31,9 +32,16 @@ struct Args {
     /// etcd endpoints, comma-separated (with `--store etcd`).
     #[arg(long, env = "RLAUNCH_RDZV_ETCD_ENDPOINTS", value_delimiter = ',', default_value = "http://127.0.0.1:2379")]
     etcd_endpoints: Vec<String>,
-    /// Bearer token every `/v1` request must carry (none: open).
-    #[arg(long, env = "RLAUNCH_RDZV_TOKEN", hide_env_values = true)]
+    /// Bearer token every `/v1` request must carry (none: open). Prefer `--token-file` or the
+    /// environment variable: a flag's value is visible in `ps`.
+    #[arg(long, env = "RLAUNCH_RDZV_TOKEN", hide_env_values = true, conflicts_with = "token_file")]
     token: Option<String>,
+    /// A file holding the bearer token (its first line).
+    #[arg(long, env = "RLAUNCH_RDZV_TOKEN_FILE")]
+    token_file: Option<std::path::PathBuf>,
+    /// `/metrics` needs the token too (it names every job and node).
+    #[arg(long, env = "RLAUNCH_RDZV_PROTECT_METRICS", requires = "token_or_file")]
+    protect_metrics: bool,
     /// Largest request body, in bytes.
     #[arg(long, env = "RLAUNCH_RDZV_BODY_LIMIT", default_value_t = api::DEFAULT_BODY_LIMIT)]
     body_limit: usize,
@@ -91,14 +99,26 @@ async fn main() -> Result<()> {
             Store::Etcd(connect_etcd(&args.etcd_endpoints, Duration::from_millis(args.etcd_wait_ms)).await?)
         }
     };
+    let token = match &args.token_file {
+        Some(path) => {
+            let text =
+                std::fs::read_to_string(path).with_context(|| format!("reading the token file {}", path.display()))?;
+            let token = text.lines().next().unwrap_or("").trim().to_owned();
+            anyhow::ensure!(!token.is_empty(), "the token file {} is empty", path.display());
+            Some(token)
+        }
+        None => args.token.clone(),
+    };
     let rdzv = Rendezvous::new(store);
-    let mut state = AppState::new(rdzv, args.token.clone());
+    let auth = token.is_some();
+    let mut state = AppState::new(rdzv, token);
     state.body_limit = args.body_limit;
+    state.protect_metrics = args.protect_metrics;
 
     let listener =
         tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("binding {}", args.listen))?;
     let local = listener.local_addr().context("reading the bound address")?;
-    info!(listen = %local, store = ?args.store, auth = args.token.is_some(), "rlaunch-rendezvous serving");
+    info!(listen = %local, store = ?args.store, auth, protect_metrics = args.protect_metrics, "rlaunch-rendezvous serving");
 
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(api::serve(listener, state, async move {

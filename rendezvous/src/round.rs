@@ -32,6 +32,11 @@ pub type Millis = u64;
 pub const MAX_NODES: u32 = 1 << 20;
 /// Most workers one node may run.
 pub const MAX_LOCAL_WORLD_SIZE: u32 = 4096;
+/// Longest any timeout of a job may be: a forming job that never expires holds the service's
+/// memory for good.
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(7 * 24 * 3600);
+/// Shortest heartbeat interval: faster ones only load the service.
+pub const MIN_HEARTBEAT: Duration = Duration::from_millis(10);
 
 /// How a job's rendezvous behaves; fixed when the job is created by its first join.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -102,6 +107,8 @@ pub enum SettingsError {
     MinAboveMax { min: u32, max: u32 },
     #[error("max nodes ({max}) is over the bound of {bound} nodes per job")]
     TooManyNodes { max: u32, bound: u32 },
+    #[error("{name} ({value:?}) must be {bound}")]
+    OutOfRange { name: &'static str, value: Duration, bound: &'static str },
     #[error("{name} must be greater than zero")]
     Zero { name: &'static str },
     #[error("timeouts must nest: {smaller} ({smaller_value:?}) must be less than {larger} ({larger_value:?})")]
@@ -136,6 +143,24 @@ impl JobSettings {
         }
         if self.heartbeat_interval.is_zero() {
             return Err(SettingsError::Zero { name: "heartbeat_interval" });
+        }
+        if self.heartbeat_interval < MIN_HEARTBEAT {
+            return Err(SettingsError::OutOfRange {
+                name: "heartbeat_interval",
+                value: self.heartbeat_interval,
+                bound: "at least 10 ms",
+            });
+        }
+        for (name, value) in [
+            ("join_timeout", self.join_timeout),
+            ("last_call_timeout", self.last_call_timeout),
+            ("node_ttl", self.node_ttl),
+            ("probe_timeout", self.probe_timeout),
+            ("shutdown timeout", self.stop_grace),
+        ] {
+            if value > MAX_TIMEOUT {
+                return Err(SettingsError::OutOfRange { name, value, bound: "at most 7 days" });
+            }
         }
         if self.probe_timeout.is_zero() {
             return Err(SettingsError::Zero { name: "probe_timeout" });

@@ -572,3 +572,75 @@ async fn client_reports_a_settings_mismatch() {
     }
     server.stop().await;
 }
+
+#[tokio::test]
+async fn the_bearer_scheme_is_matched_whatever_its_case_and_metrics_can_require_the_token() {
+    let (app, _) = app_with_waiting_job(Some("s3cret")).await;
+    for auth in ["bearer s3cret", "BEARER s3cret", "Bearer  s3cret"] {
+        let mut req = Request::get("/v1/jobs/j1").body(Body::empty()).expect("req");
+        req.headers_mut().insert(header::AUTHORIZATION, auth.parse().expect("header value"));
+        let (status, v) = send(&app, req).await;
+        assert_eq!(status, StatusCode::OK, "{auth}: {v}");
+    }
+    let mut state = AppState::new(Rendezvous::in_memory(), Some("s3cret".into()));
+    state.protect_metrics = true;
+    let app = api::router(state);
+    let (status, _) = send(&app, Request::get("/metrics").body(Body::empty()).expect("req")).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED, "metrics name every job and node");
+    let mut req = Request::get("/metrics").body(Body::empty()).expect("req");
+    req.headers_mut().insert(header::AUTHORIZATION, "Bearer s3cret".parse().expect("header value"));
+    assert_eq!(send(&app, req).await.0, StatusCode::OK);
+    let (status, _) = send(&app, Request::get("/healthz").body(Body::empty()).expect("req")).await;
+    assert_eq!(status, StatusCode::OK, "health probes need no token");
+}
+
+/// `GET path` with an optional bearer token over plain HTTP/1.1; the status code.
+fn get_status(addr: &str, path: &str, token: Option<&str>) -> Option<u16> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    let auth = token.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n{auth}Connection: close\r\n\r\n").ok()?;
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out.split_whitespace().nth(1)?.parse().ok()
+}
+
+#[test]
+fn the_service_reads_its_token_from_a_file_and_refuses_an_empty_one() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("token");
+    std::fs::write(&file, "s3cret\n").expect("token file");
+    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("port").port();
+    let listen = format!("127.0.0.1:{port}");
+    let bin = env!("CARGO_BIN_EXE_rlaunch-rendezvous");
+    let mut child = std::process::Command::new(bin)
+        .args(["--listen", &listen, "--token-file"])
+        .arg(&file)
+        .arg("--protect-metrics")
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start rlaunch-rendezvous");
+    let started = std::time::Instant::now();
+    while get_status(&listen, "/healthz", None).is_none() {
+        assert!(started.elapsed() < Duration::from_secs(10), "the service did not answer");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let results = (
+        get_status(&listen, "/v1/jobs", None),
+        get_status(&listen, "/v1/jobs", Some("s3cret")),
+        get_status(&listen, "/metrics", None),
+        get_status(&listen, "/metrics", Some("s3cret")),
+    );
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(results, (Some(401), Some(200), Some(401), Some(200)));
+    std::fs::write(&file, "\n").expect("empty token file");
+    let out = std::process::Command::new(bin)
+        .args(["--listen", "127.0.0.1:0", "--token-file"])
+        .arg(&file)
+        .output()
+        .expect("run rlaunch-rendezvous");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("is empty"), "{}", String::from_utf8_lossy(&out.stderr));
+}

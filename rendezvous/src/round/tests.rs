@@ -1033,3 +1033,15 @@ fn a_node_asking_for_more_workers_than_the_bound_is_refused_and_no_world_size_wr
     s.max_nodes = MAX_NODES + 1;
     assert!(s.validate().unwrap_err().to_string().contains("over the bound of 1048576 nodes"));
 }
+
+#[test]
+fn settings_and_details_beyond_their_bounds_are_refused_naming_the_bound() {
+    let mut s = settings(1, 1);
+    s.join_timeout = Duration::from_millis(1_000_000_000_000);
+    assert_eq!(s.validate().unwrap_err().to_string(), "join_timeout (1000000000s) must be at most 7 days");
+    let mut s = settings(1, 1);
+    s.heartbeat_interval = Duration::from_millis(1);
+    assert!(s.validate().unwrap_err().to_string().contains("heartbeat_interval (1ms) must be at least 10 ms"));
+    // (A host of more than 253 characters is refused where a HostPort is parsed.)
+    assert!(HostPort::new("h".repeat(250_000), 1).is_err());
+}
