@@ -325,6 +325,8 @@ fn survives(abuse: impl FnOnce(&TestServer)) {
         TestServer::start_with(ServerConfig { stall_timeout: Duration::from_millis(300), ..ServerConfig::default() });
     let mut good = server.client();
     good.set("precious", b"keep me").expect("set");
+    // A set has no answer: read it back, so the abuse on other connections comes after it.
+    assert_eq!(good.get("precious").expect("get"), b"keep me");
     abuse(&server);
     assert_eq!(good.get("precious").expect("old client still served"), b"keep me");
     let mut fresh = server.client();
