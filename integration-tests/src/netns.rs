@@ -590,3 +590,18 @@ pub fn wait_formed(dir: &Path, hosts: &[&str], nproc: u32, agents: &mut [Proc], 
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+/// Whether something accepts TCP connections at `addr` (`ip:port`) now.
+pub fn listening(addr: &str) -> bool {
+    let addr: std::net::SocketAddr = addr.parse().expect("an ip:port");
+    std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok()
+}
+
+/// Stops the looping workers (`DIR/stop`) and expects every agent in `agents` to exit 0.
+pub fn finish(dir: &Path, agents: &mut [Proc]) {
+    std::fs::write(dir.join("stop"), b"").expect("touch stop");
+    for a in agents.iter_mut() {
+        let status = a.wait(Duration::from_secs(20));
+        assert!(status.success(), "{} did not succeed ({status}):\n{}", a.name, a.log_tail(3000));
+    }
+}

@@ -10,7 +10,9 @@
 use std::path::Path;
 use std::time::Duration;
 
-use integration_tests::netns::{self, loop_worker, now_unix_f64, rdzv_status, starts, Cluster, Proc, Start};
+use integration_tests::netns::{
+    self, finish, listening, loop_worker, now_unix_f64, rdzv_status, starts, Cluster, Proc, Start,
+};
 use integration_tests::{bin, pid_alive, tempdir, wait_until};
 
 const NPROC: u32 = 2;
@@ -53,11 +55,6 @@ fn agent_args(endpoint: &str, run_id: &str, dir: &Path) -> Vec<String> {
     a
 }
 
-fn listening(addr: &str) -> bool {
-    let addr: std::net::SocketAddr = addr.parse().expect("an ip:port");
-    std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok()
-}
-
 /// Hosts a and b running the looping worker under `--nnodes 1:2`; the rendezvous hosted by a's
 /// agent, or by `rlaunch-rendezvous` in the root namespace when `server` is given.
 fn start_job(cluster: &Cluster, dir: &Path, run_id: &str, server: Option<&str>) -> Vec<Proc> {
@@ -74,14 +71,6 @@ fn start_server(cluster: &Cluster, dir: &Path) -> (Proc, String) {
     let mut cmd = std::process::Command::new(bin("rlaunch-rendezvous"));
     cmd.args(["--listen", &listen, "--store", "memory"]).env("RUST_LOG", "info");
     (Proc::spawn(cmd, "rlaunch-rendezvous", &dir.join("server.log")), listen)
-}
-
-fn finish(dir: &Path, agents: &mut [Proc]) {
-    std::fs::write(dir.join("stop"), b"").expect("touch stop");
-    for a in agents.iter_mut() {
-        let status = a.wait(Duration::from_secs(20));
-        assert!(status.success(), "{} did not succeed ({status}):\n{}", a.name, a.log_tail(3000));
-    }
 }
 
 /// Keeps an eye on the job for `seconds`: no worker may start again (a false loss restarts

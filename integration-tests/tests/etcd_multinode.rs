@@ -13,7 +13,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use integration_tests::netns::{
-    self, latest_per_worker, loop_worker, now_unix_f64, rdzv_status, starts, status_members, Cluster, Proc, Start,
+    self, finish, latest_per_worker, loop_worker, now_unix_f64, rdzv_status, starts, status_members, Cluster, Proc,
+    Start,
 };
 use integration_tests::{bin, pid_alive, tempdir, wait_until, which};
 
@@ -169,14 +170,6 @@ fn lose_host(cluster: &Cluster, lost: usize, dir: &Path, survivors: &[&str], age
         "recovery took {took:.2} s, more than the TTL ({TTL_S} s) + {RECOVERY_SLACK_S} s"
     );
     took
-}
-
-fn finish(dir: &Path, agents: &mut [Proc]) {
-    std::fs::write(dir.join("stop"), b"").expect("touch stop");
-    for a in agents.iter_mut() {
-        let status = a.wait(Duration::from_secs(20));
-        assert!(status.success(), "{} did not succeed ({status}):\n{}", a.name, a.log_tail(3000));
-    }
 }
 
 #[test]

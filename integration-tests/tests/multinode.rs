@@ -6,12 +6,12 @@
 //! Run as root, after `cargo build --workspace --bins --examples`:
 //! `cargo test -p integration-tests --test multinode -- --test-threads 1`.
 
-use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use integration_tests::netns::{
-    self, formed, loop_worker, now_unix_f64, rdzv_status, starts, status_members, Cluster, Proc, Start,
+    self, finish, formed, listening, loop_worker, now_unix_f64, rdzv_status, starts, status_members, Cluster, Proc,
+    Start,
 };
 use integration_tests::{bin, pid_alive, target_dir, tempdir, wait_until, worker};
 
@@ -51,11 +51,6 @@ fn agent_args(nnodes: &str, endpoint: &str, run_id: &str, extra: &[&str], progra
     a.extend(extra.iter().map(|s| s.to_string()));
     a.extend(program.iter().map(|s| s.to_string()));
     a
-}
-
-fn listening(addr: &str) -> bool {
-    let addr: SocketAddr = addr.parse().expect("an ip:port");
-    TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok()
 }
 
 /// Waits until `hosts` run one consistent group (see `netns::formed`); panics early if an
@@ -177,15 +172,6 @@ fn start_loop_job(
         }
     }
     agents
-}
-
-/// Stops the looping workers and expects every agent in `agents` to exit 0.
-fn finish(dir: &Path, agents: &mut [Proc]) {
-    touch(&dir.join("stop"));
-    for a in agents.iter_mut() {
-        let status = a.wait(Duration::from_secs(20));
-        assert!(status.success(), "{} did not succeed ({status}):\n{}", a.name, a.log_tail(3000));
-    }
 }
 
 /// Seconds from `t0` until the last of `group`'s workers started.

@@ -472,11 +472,6 @@ impl Job {
         }
     }
 
-    /// The nodes the failure detector watches (see [`Job::tracks`]).
-    pub fn watched_ids(&self) -> Vec<&str> {
-        self.watched()
-    }
-
     /// Whether the job still counts on `node_id`: a member, pending, or expected back.
     pub fn tracks(&self, node_id: &str) -> bool {
         (matches!(self.phase, Phase::Running { .. }) && self.is_member(node_id))
@@ -609,7 +604,7 @@ impl Job {
 
     /// Nodes the detector watches: members of the running round still at work, pending nodes,
     /// and survivors of the previous round on their way back.
-    fn watched(&self) -> Vec<&str> {
+    pub fn watched(&self) -> Vec<&str> {
         let running = matches!(self.phase, Phase::Running { .. });
         let succeeded: HashSet<&str> = self.succeeded.iter().map(String::as_str).collect();
         let mut ids: Vec<&str> = self
@@ -772,9 +767,6 @@ impl Job {
     /// Forgets the detector's view of nodes it no longer watches (a survivor dropped from a
     /// forming round stays in the old round's members until the next closes).
     fn prune_health(&mut self) {
-        if self.health.len() <= self.watched().len() && self.suspects.is_empty() {
-            return;
-        }
         let watched: HashSet<String> = self.watched().into_iter().map(str::to_owned).collect();
         let succeeded: HashSet<&String> = self.succeeded.iter().collect();
         self.health.retain(|id, _| watched.contains(id) || succeeded.contains(id));

@@ -671,7 +671,7 @@ fn check_invariants(job: &Job, before: &Job, d: &Decision, ticked: bool, seed: u
     }
     if ticked && matches!(d.action, Action::Nothing | Action::Updated) && !job.phase.is_terminal() {
         // (`suspects` is what the last tick saw.)
-        let watched = job.watched_ids();
+        let watched = job.watched();
         assert!(job.suspects.iter().all(|id| watched.contains(&id.as_str())), "{:?} {ctx}", job.suspects);
     }
     for (id, h) in &job.health {

@@ -312,18 +312,19 @@ impl EtcdStore {
             }
             Err(e) => return Err(e),
         };
-        let owed = |store: &Self| -> Option<HashMap<String, Vec<ProbeRequest>>> {
-            store.inner.probing.lock().unwrap_or_else(|p| p.into_inner()).get(run_id).cloned()
-        };
-        // Only outcomes for nodes still suspected go to etcd (a stale one would cost a write).
-        let probing = owed(self);
-        let relevant: Vec<ProbeReport> = match &probing {
-            Some(owed) => probes
-                .into_iter()
-                .filter(|p| owed.get(node_id).is_some_and(|reqs| reqs.iter().any(|r| r.node_id == p.node_id)))
-                .collect(),
-            None => Vec::new(),
-        };
+        // This node's probes, as the watch last saw the job: only outcomes for those go to etcd
+        // (a stale one would cost a write), and those not answered now are still owed.
+        let mut owed: Vec<ProbeRequest> = self
+            .inner
+            .probing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(run_id)
+            .and_then(|by_prober| by_prober.get(node_id).cloned())
+            .unwrap_or_default();
+        let relevant: Vec<ProbeReport> =
+            probes.into_iter().filter(|p| owed.iter().any(|r| r.node_id == p.node_id)).collect();
+        owed.retain(|r| !relevant.iter().any(|p| p.node_id == r.node_id));
         if !relevant.is_empty() {
             let ev = Event::Heartbeat { node_id: node_id.to_owned(), sent: None, probes: relevant };
             match self.apply(run_id, None, ev, now).await {
@@ -332,7 +333,6 @@ impl EtcdStore {
                 Err(error) => debug!(run_id, node_id, error = %error, "probe outcomes not recorded"),
             }
         }
-        let owed = owed(self).and_then(|mut o| o.remove(node_id)).unwrap_or_default();
         Ok((decision, owed))
     }
 
@@ -485,7 +485,7 @@ impl EtcdStore {
             // A node dropped because its key was missing must still have none: a lease renewed
             // meanwhile (renew_if_tracked) makes this update read the job again.
             if let Some(before) = &snap.job {
-                for id in before.watched_ids() {
+                for id in before.watched() {
                     if !snap.alive.iter().any(|a| a == id) && !next.tracks(id) {
                         cmps.push(Compare::version(alive_key(run_id, id), CompareOp::Equal, 0));
                     }
