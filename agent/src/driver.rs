@@ -217,10 +217,10 @@ impl Io<'_> {
             Action::StopWorkers { first } => self.command(GroupCmd::Stop { first }),
             Action::Relay(sig) => self.command(GroupCmd::Signal(sig)),
             Action::Watch { round } => {
-                let (client, _) = self.client();
+                let (client, node) = self.client();
                 let (tx, slot) = (self.tx.clone(), self.last_error.clone());
                 self.calls.spawn(async move {
-                    let answer = seen(&slot, client.watch(round).await);
+                    let answer = seen(&slot, client.watch(Some(&node.node_id), round).await);
                     let answer = answer.map(|w| match w {
                         WatchEvent::NoChange => Watch::NoChange,
                         WatchEvent::NewRound(n) => Watch::NewRound(n),
@@ -389,10 +389,12 @@ impl Io<'_> {
 pub(crate) fn call_error(e: &RdzvError) -> CallError {
     match e {
         // A rendezvous that lost the job (a memory store restarted) knows this node no more:
-        // rejoining creates the job again.
-        RdzvError::UnknownNode { .. } | RdzvError::NotMember { .. } | RdzvError::UnknownJob { .. } => {
-            CallError::NotMember
-        }
+        // rejoining creates the job again. A node whose id another agent now holds (forbidden)
+        // is no member either: it stops its workers and joins again.
+        RdzvError::UnknownNode { .. }
+        | RdzvError::NotMember { .. }
+        | RdzvError::UnknownJob { .. }
+        | RdzvError::Forbidden { .. } => CallError::NotMember,
         RdzvError::JobFinished => CallError::JobFinished,
         RdzvError::JobFailed { reason } | RdzvError::JoinTimeout { reason } => CallError::JobFailed(reason.clone()),
         e if e.is_transient() => CallError::Transient(e.to_string()),

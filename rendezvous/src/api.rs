@@ -4,22 +4,28 @@
 //!
 //! | method, path | body | answer |
 //! |---|---|---|
-//! | `POST /v1/jobs/{run_id}/join` | `{settings, node, wait_ms?}` | `{"status":"round","data":RoundInfo}` or `{"status":"wait","data":{round,state}}` |
-//! | `POST /v1/jobs/{run_id}/heartbeat` | `{node_id, sent?: {seq, slow}, probes?: [{node_id, reached}]}` | `{probe?: [{node_id, addr}]}`: probes owed |
-//! | `POST /v1/jobs/{run_id}/watch` | `{after_round, wait_ms?}` | `{"event":"new_round","data":N}` / `finished` / `failed` / `no_change` |
-//! | `POST /v1/jobs/{run_id}/failure` | `{node_id, round, root_cause}` | `{}` |
-//! | `POST /v1/jobs/{run_id}/success` | `{node_id, round}` | `{}` |
-//! | `POST /v1/jobs/{run_id}/leave` | `{node_id}` | `{}` |
+//! | `POST /v1/jobs/{run_id}/join` | `{settings, node, secret?, wait_ms?}` | `{"status":"round","data":RoundInfo,"secret":S}` or `{"status":"wait","data":{round,state},"secret":S}` |
+//! | `POST /v1/jobs/{run_id}/heartbeat` | `{node_id, secret, sent?: {seq, slow}, probes?: [{node_id, reached}]}` | `{probe?: [{node_id, addr}]}`: probes owed |
+//! | `POST /v1/jobs/{run_id}/watch` | `{after_round, node_id?, secret?, wait_ms?}` | `{"event":"new_round","data":N}` / `finished` / `failed` / `no_change` |
+//! | `POST /v1/jobs/{run_id}/failure` | `{node_id, secret, round, root_cause}` | `{}` |
+//! | `POST /v1/jobs/{run_id}/success` | `{node_id, secret, round}` | `{}` |
+//! | `POST /v1/jobs/{run_id}/leave` | `{node_id, secret}` | `{}` |
 //! | `GET /v1/jobs/{run_id}` | | `JobStatus` |
 //! | `GET /v1/jobs` | | `[JobStatus]` |
 //! | `GET /healthz` | | `ok` |
 //! | `GET /metrics` | | Prometheus text |
 //!
-//! Errors: `{"error": code, "message": text}` with 400 (bad input), 401 (token), 404 (unknown job
-//! or node), 409 (not a member, settings mismatch), 410 (job over), 413 (body too large); a 5xx
-//! logs its cause and says only "internal error".
+//! Node identity: a node's first join answers a secret (256 random bits, hex); every later call
+//! for the node carries it as `secret` (a re-join too), or is refused with 403 whatever else the
+//! caller knows. A node the job forgot (lost, left) joins afresh and gets a new one.
+//!
+//! Errors: `{"error": code, "message": text}` with 400 (bad input, a setting out of bounds),
+//! 401 (token), 403 (not the node's secret), 404 (unknown job or node), 409 (not a member,
+//! settings mismatch), 410 (job over), 413 (body too large), 429 (a bound of the service: jobs,
+//! nodes per job); a 5xx logs its cause and says only "internal error".
 
 use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -32,11 +38,12 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
-use tracing::error;
+use tokio::sync::Notify;
+use tracing::{debug, error, warn};
 
 use crate::error::RdzvError;
 use crate::round::{JobSettings, NodeInfo};
-use crate::service::{Beat, HeartbeatAnswer, JoinAnswer, Rendezvous, WatchEvent};
+use crate::service::{Beat, HeartbeatAnswer, Joined, Rendezvous, WatchEvent};
 
 /// Largest request body accepted (a root cause with a stderr tail fits easily).
 pub const DEFAULT_BODY_LIMIT: usize = 256 * 1024;
@@ -64,6 +71,9 @@ impl AppState {
 pub struct JoinRequest {
     pub settings: JobSettings,
     pub node: NodeInfo,
+    /// The secret an earlier join answered (none for a node's first join).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret: Option<String>,
     #[serde(default)]
     pub wait_ms: Option<u64>,
 }
@@ -71,12 +81,16 @@ pub struct JoinRequest {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct NodeRequest {
     pub node_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret: Option<String>,
 }
 
 /// Body of a heartbeat: the node, its counter and the outcomes of probes it was asked for.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct HeartbeatRequest {
     pub node_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret: Option<String>,
     #[serde(flatten)]
     pub beat: Beat,
 }
@@ -84,6 +98,11 @@ pub struct HeartbeatRequest {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct WatchRequest {
     pub after_round: u64,
+    /// The watching node and its secret (an anonymous watch only learns round numbers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret: Option<String>,
     #[serde(default)]
     pub wait_ms: Option<u64>,
 }
@@ -91,6 +110,8 @@ pub struct WatchRequest {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct FailureRequest {
     pub node_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret: Option<String>,
     pub round: u64,
     pub root_cause: Box<crate::round::RootCause>,
 }
@@ -98,6 +119,8 @@ pub struct FailureRequest {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SuccessRequest {
     pub node_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret: Option<String>,
     pub round: u64,
 }
 
@@ -120,6 +143,8 @@ impl From<RdzvError> for ApiError {
         let status = match &e {
             RdzvError::InvalidSettings(_) | RdzvError::BadRequest { .. } => StatusCode::BAD_REQUEST,
             RdzvError::Unauthorized => StatusCode::UNAUTHORIZED,
+            RdzvError::Forbidden { .. } => StatusCode::FORBIDDEN,
+            RdzvError::LimitReached { .. } => StatusCode::TOO_MANY_REQUESTS,
             RdzvError::UnknownJob { .. } | RdzvError::UnknownNode { .. } => StatusCode::NOT_FOUND,
             RdzvError::NotMember { .. } | RdzvError::SettingsMismatch { .. } => StatusCode::CONFLICT,
             RdzvError::JobFinished | RdzvError::JobFailed { .. } | RdzvError::JoinTimeout { .. } => StatusCode::GONE,
@@ -185,8 +210,9 @@ async fn join(
     State(app): State<AppState>,
     Path(run_id): Path<String>,
     ApiJson(req): ApiJson<JoinRequest>,
-) -> ApiResult<JoinAnswer> {
-    Ok(Json(app.rdzv.join(&run_id, &req.settings, req.node, wait_of(req.wait_ms)).await?))
+) -> ApiResult<Joined> {
+    let secret = req.secret.as_deref();
+    Ok(Json(app.rdzv.join(&run_id, &req.settings, req.node, secret, wait_of(req.wait_ms)).await?))
 }
 
 async fn heartbeat(
@@ -194,7 +220,7 @@ async fn heartbeat(
     Path(run_id): Path<String>,
     ApiJson(req): ApiJson<HeartbeatRequest>,
 ) -> ApiResult<HeartbeatAnswer> {
-    Ok(Json(app.rdzv.heartbeat(&run_id, &req.node_id, req.beat).await?))
+    Ok(Json(app.rdzv.heartbeat(&run_id, &req.node_id, req.secret.as_deref(), req.beat).await?))
 }
 
 async fn watch(
@@ -202,7 +228,8 @@ async fn watch(
     Path(run_id): Path<String>,
     ApiJson(req): ApiJson<WatchRequest>,
 ) -> ApiResult<WatchEvent> {
-    Ok(Json(app.rdzv.watch(&run_id, req.after_round, wait_of(req.wait_ms)).await?))
+    let node = req.node_id.as_deref().map(|id| (id, req.secret.as_deref()));
+    Ok(Json(app.rdzv.watch(&run_id, req.after_round, node, wait_of(req.wait_ms)).await?))
 }
 
 async fn failure(
@@ -210,7 +237,7 @@ async fn failure(
     Path(run_id): Path<String>,
     ApiJson(req): ApiJson<FailureRequest>,
 ) -> ApiResult<Empty> {
-    app.rdzv.report_failure(&run_id, &req.node_id, req.round, req.root_cause).await?;
+    app.rdzv.report_failure(&run_id, &req.node_id, req.secret.as_deref(), req.round, req.root_cause).await?;
     Ok(Json(Empty {}))
 }
 
@@ -219,7 +246,7 @@ async fn success(
     Path(run_id): Path<String>,
     ApiJson(req): ApiJson<SuccessRequest>,
 ) -> ApiResult<Empty> {
-    app.rdzv.report_success(&run_id, &req.node_id, req.round).await?;
+    app.rdzv.report_success(&run_id, &req.node_id, req.secret.as_deref(), req.round).await?;
     Ok(Json(Empty {}))
 }
 
@@ -228,7 +255,7 @@ async fn leave(
     Path(run_id): Path<String>,
     ApiJson(req): ApiJson<NodeRequest>,
 ) -> ApiResult<Empty> {
-    app.rdzv.leave(&run_id, &req.node_id).await?;
+    app.rdzv.leave(&run_id, &req.node_id, req.secret.as_deref()).await?;
     Ok(Json(Empty {}))
 }
 
@@ -299,11 +326,148 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
+/// How the server holds against slow and numerous clients.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ServeLimits {
+    /// Most connections open at once. At the bound, the connection idle the longest (no request
+    /// in progress: a kept-alive one, or one still sending its headers) is closed to admit the
+    /// new one; when every connection is busy, the new one is closed.
+    pub max_connections: usize,
+    /// A request's headers must arrive within this, and a kept-alive connection may sit idle
+    /// this long (a half-sent request holds nothing for longer).
+    pub header_timeout: Duration,
+}
+
+impl Default for ServeLimits {
+    fn default() -> Self {
+        Self { max_connections: 8192, header_timeout: Duration::from_secs(10) }
+    }
+}
+
+/// The open connections, by accept order: whether each is serving a request, and how to close it.
+#[derive(Default)]
+struct Connections {
+    open: std::sync::Mutex<std::collections::BTreeMap<u64, Conn>>,
+}
+
+/// One open connection: requests in progress on it, and how to close it.
+struct Conn {
+    busy: Arc<AtomicUsize>,
+    close: Arc<Notify>,
+}
+
+impl Connections {
+    /// Makes room for one more connection within `max`: closes the oldest idle one if needed.
+    /// False when every connection is busy.
+    fn make_room(&self, max: usize) -> bool {
+        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        if open.len() < max {
+            return true;
+        }
+        let idle = open.iter().find(|(_, c)| c.busy.load(Ordering::Relaxed) == 0).map(|(id, _)| *id);
+        match idle.and_then(|id| open.remove(&id)) {
+            Some(Conn { close, .. }) => {
+                // Out of the count at once; the connection closes when its task next runs.
+                close.notify_one();
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// Counts a request in progress on its connection for as long as it lives.
+struct Busy(Arc<AtomicUsize>);
+
+impl Busy {
+    fn enter(count: &Arc<AtomicUsize>) -> Self {
+        count.fetch_add(1, Ordering::Relaxed);
+        Busy(count.clone())
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// Serves the API on `listener` until `shutdown` resolves, then lets requests in flight finish.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: AppState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(state)).with_graceful_shutdown(shutdown).await
+    serve_with(listener, state, ServeLimits::default(), shutdown).await
+}
+
+/// [`serve`] with explicit limits: HTTP/1.1 connections with a header-read (and idle) timeout,
+/// at most `limits.max_connections` of them.
+pub async fn serve_with(
+    listener: tokio::net::TcpListener,
+    state: AppState,
+    limits: ServeLimits,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    use tower::ServiceExt as _;
+
+    let app = router(state);
+    let connections = Arc::new(Connections::default());
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder.timer(TokioTimer::new()).header_read_timeout(limits.header_timeout).keep_alive(true);
+    tokio::pin!(shutdown);
+    let mut next_id = 0u64;
+    loop {
+        let accepted = tokio::select! {
+            r = listener.accept() => r,
+            () = &mut shutdown => break,
+        };
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(error) => {
+                // Out of file descriptors (or another transient accept error): free an idle
+                // connection and pause, rather than spin.
+                warn!(%error, "accept failed");
+                connections.make_room(0);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                continue;
+            }
+        };
+        if !connections.make_room(limits.max_connections.max(1)) {
+            debug!("connection refused: every connection is busy");
+            continue;
+        }
+        let _ = stream.set_nodelay(true);
+        let id = next_id;
+        next_id += 1;
+        let (busy, close) = (Arc::new(AtomicUsize::new(0)), Arc::new(Notify::new()));
+        connections
+            .open
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id, Conn { busy: busy.clone(), close: close.clone() });
+        let app = app.clone();
+        let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+            let guard = Busy::enter(&busy);
+            let app = app.clone();
+            async move {
+                let _guard = guard;
+                app.oneshot(req.map(axum::body::Body::new)).await
+            }
+        });
+        let conn = graceful.watch(builder.serve_connection(TokioIo::new(stream), service));
+        let connections = connections.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                r = conn => if let Err(error) = r { debug!(%error, "connection ended with an error") },
+                () = close.notified() => debug!("idle connection closed to admit a new one"),
+            }
+            connections.open.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+        });
+    }
+    drop(listener);
+    graceful.shutdown().await;
+    Ok(())
 }

@@ -16,7 +16,7 @@ use tracing::{debug, warn};
 use crate::api::{ErrorBody, FailureRequest, HeartbeatRequest, JoinRequest, NodeRequest, SuccessRequest, WatchRequest};
 use crate::error::RdzvError;
 use crate::round::{JobSettings, JobStatus, NodeInfo, RoundInfo};
-use crate::service::{Beat, HeartbeatAnswer, JoinAnswer, Rendezvous, WatchEvent};
+use crate::service::{Beat, HeartbeatAnswer, JoinAnswer, Joined, Rendezvous, WatchEvent};
 use crate::store::etcd::EtcdStore;
 use crate::store::Store;
 
@@ -53,6 +53,8 @@ pub struct RendezvousClient {
 
 struct Inner {
     transport: Transport,
+    /// Each node's secret, as its last join answered: in memory only, never written anywhere.
+    secrets: Arc<Mutex<HashMap<String, String>>>,
     /// etcd only: the lease keep-alive task of each node this process joined.
     keepers: Mutex<HashMap<String, JoinHandle<()>>>,
 }
@@ -146,6 +148,8 @@ fn error_from(endpoint: &str, status: u16, body: Option<ErrorBody>) -> RdzvError
     let quoted = |m: &str| m.split('`').nth(1).map(str::to_owned).unwrap_or_else(|| m.to_owned());
     match error.as_str() {
         "unauthorized" => RdzvError::Unauthorized,
+        "forbidden" => RdzvError::Forbidden { node_id: quoted(&message) },
+        "limit_reached" => RdzvError::LimitReached { message },
         "unknown_job" => RdzvError::UnknownJob { run_id: quoted(&message) },
         "unknown_node" => RdzvError::UnknownNode { node_id: quoted(&message) },
         "job_finished" => RdzvError::JobFinished,
@@ -202,7 +206,11 @@ impl RendezvousClient {
         Ok(Self {
             run_id: Arc::from(run_id),
             settings,
-            inner: Arc::new(Inner { transport, keepers: Mutex::new(HashMap::new()) }),
+            inner: Arc::new(Inner {
+                transport,
+                secrets: Arc::new(Mutex::new(HashMap::new())),
+                keepers: Mutex::new(HashMap::new()),
+            }),
         })
     }
 
@@ -218,25 +226,38 @@ impl RendezvousClient {
         format!("/v1/jobs/{}/{op}", self.run_id)
     }
 
-    /// One join call: a round, or "wait" after at most `wait`.
+    /// The secret `node_id` holds, if a join answered one.
+    fn secret(&self, node_id: &str) -> Option<String> {
+        self.inner.secrets.lock().unwrap_or_else(|p| p.into_inner()).get(node_id).cloned()
+    }
+
+    fn forget_secret(&self, node_id: &str) {
+        self.inner.secrets.lock().unwrap_or_else(|p| p.into_inner()).remove(node_id);
+    }
+
+    /// One join call: a round, or "wait" after at most `wait`. Presents the node's secret when
+    /// it has one and keeps the one answered.
     pub async fn join_once(&self, node: &NodeInfo, wait: Duration) -> Result<JoinAnswer, RdzvError> {
-        match &self.inner.transport {
+        let secret = self.secret(&node.node_id);
+        let joined: Joined = match &self.inner.transport {
             Transport::Http(h) => {
                 let body = JoinRequest {
                     settings: self.settings.clone(),
                     node: node.clone(),
+                    secret,
                     wait_ms: Some(wait.as_millis() as u64),
                 };
-                h.call(Method::POST, &self.path("join"), Some(json(&body)), wait + POLL_SLACK).await
+                h.call(Method::POST, &self.path("join"), Some(json(&body)), wait + POLL_SLACK).await?
             }
-            Transport::Local { rdzv, etcd } => {
-                let answer = rdzv.join(&self.run_id, &self.settings, node.clone(), wait).await?;
-                if *etcd {
-                    self.ensure_keeper(&node.node_id);
-                }
-                Ok(answer)
+            Transport::Local { rdzv, .. } => {
+                rdzv.join(&self.run_id, &self.settings, node.clone(), secret.as_deref(), wait).await?
             }
+        };
+        self.inner.secrets.lock().unwrap_or_else(|p| p.into_inner()).insert(node.node_id.clone(), joined.secret);
+        if let Transport::Local { etcd: true, .. } = &self.inner.transport {
+            self.ensure_keeper(&node.node_id);
         }
+        Ok(joined.answer)
     }
 
     /// Joins and resolves when a round including this node closes; heartbeats for the node
@@ -261,11 +282,27 @@ impl RendezvousClient {
             let mut unavailable_since: Option<tokio::time::Instant> = None;
             let mut backoff = Duration::from_millis(100);
             loop {
-                match self.join_once(&node, POLL_WAIT).await {
+                // A node without a secret asks for one at once (its heartbeats need it), then
+                // long-polls.
+                let wait = if self.secret(&node.node_id).is_some() { POLL_WAIT } else { Duration::ZERO };
+                match self.join_once(&node, wait).await {
                     Ok(JoinAnswer::Round(info)) => return Ok(info),
                     Ok(JoinAnswer::Wait { round, state }) => {
                         unavailable_since = None;
                         debug!(node_id = %node.node_id, round, state = %state, "still waiting for a round");
+                    }
+                    // The job holds a key for this id that is not ours: the answer to our first
+                    // join was lost (the entry lapses within TTL + probe timeout, then the id is
+                    // free), or another agent uses the same node id. Wait, within the patience.
+                    Err(e @ RdzvError::Forbidden { .. }) => {
+                        self.forget_secret(&node.node_id);
+                        let since = *unavailable_since.get_or_insert_with(tokio::time::Instant::now);
+                        if since.elapsed() >= patience {
+                            return Err(e);
+                        }
+                        warn!(node_id = %node.node_id, error = %e, "node id held by another agent; retrying the join");
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(Duration::from_secs(2));
                     }
                     Err(e) if e.is_transient() => {
                         let since = *unavailable_since.get_or_insert_with(tokio::time::Instant::now);
@@ -297,21 +334,33 @@ impl RendezvousClient {
                 // it that long, retransmitting on its kept-alive connection, rather than give up
                 // and reconnect (a lost SYN costs a second).
                 let timeout = (self.settings.node_ttl + self.settings.probe_timeout).max(Duration::from_millis(250));
-                let body = HeartbeatRequest { node_id: node_id.to_owned(), beat };
+                let body = HeartbeatRequest { node_id: node_id.to_owned(), secret: self.secret(node_id), beat };
                 h.call(Method::POST, &self.path("heartbeat"), Some(json(&body)), timeout).await
             }
-            Transport::Local { rdzv, .. } => rdzv.heartbeat(&self.run_id, node_id, beat).await,
+            Transport::Local { rdzv, .. } => {
+                rdzv.heartbeat(&self.run_id, node_id, self.secret(node_id).as_deref(), beat).await
+            }
         }
     }
 
-    /// Waits (bounded) for the job to leave round `after_round`.
-    pub async fn watch(&self, after_round: u64) -> Result<WatchEvent, RdzvError> {
+    /// Waits (bounded) for the job to leave round `after_round`; as `node_id` (with its
+    /// secret) when given.
+    pub async fn watch(&self, node_id: Option<&str>, after_round: u64) -> Result<WatchEvent, RdzvError> {
+        let secret = node_id.and_then(|id| self.secret(id));
         match &self.inner.transport {
             Transport::Http(h) => {
-                let body = WatchRequest { after_round, wait_ms: Some(POLL_WAIT.as_millis() as u64) };
+                let body = WatchRequest {
+                    after_round,
+                    node_id: node_id.map(str::to_owned),
+                    secret,
+                    wait_ms: Some(POLL_WAIT.as_millis() as u64),
+                };
                 h.call(Method::POST, &self.path("watch"), Some(json(&body)), POLL_WAIT + POLL_SLACK).await
             }
-            Transport::Local { rdzv, .. } => rdzv.watch(&self.run_id, after_round, POLL_WAIT).await,
+            Transport::Local { rdzv, .. } => {
+                let node = node_id.map(|id| (id, secret.as_deref()));
+                rdzv.watch(&self.run_id, after_round, node, POLL_WAIT).await
+            }
         }
     }
 
@@ -324,10 +373,14 @@ impl RendezvousClient {
     ) -> Result<(), RdzvError> {
         match &self.inner.transport {
             Transport::Http(h) => {
-                let body = FailureRequest { node_id: node_id.to_owned(), round, root_cause };
+                let body =
+                    FailureRequest { node_id: node_id.to_owned(), secret: self.secret(node_id), round, root_cause };
                 h.call::<Empty>(Method::POST, &self.path("failure"), Some(json(&body)), SHORT_TIMEOUT).await.map(|_| ())
             }
-            Transport::Local { rdzv, .. } => rdzv.report_failure(&self.run_id, node_id, round, root_cause).await,
+            Transport::Local { rdzv, .. } => {
+                let secret = self.secret(node_id);
+                rdzv.report_failure(&self.run_id, node_id, secret.as_deref(), round, root_cause).await
+            }
         }
     }
 
@@ -335,10 +388,12 @@ impl RendezvousClient {
     pub async fn report_success(&self, node_id: &str, round: u64) -> Result<(), RdzvError> {
         match &self.inner.transport {
             Transport::Http(h) => {
-                let body = SuccessRequest { node_id: node_id.to_owned(), round };
+                let body = SuccessRequest { node_id: node_id.to_owned(), secret: self.secret(node_id), round };
                 h.call::<Empty>(Method::POST, &self.path("success"), Some(json(&body)), SHORT_TIMEOUT).await.map(|_| ())
             }
-            Transport::Local { rdzv, .. } => rdzv.report_success(&self.run_id, node_id, round).await,
+            Transport::Local { rdzv, .. } => {
+                rdzv.report_success(&self.run_id, node_id, self.secret(node_id).as_deref(), round).await
+            }
         }
     }
 
@@ -347,13 +402,18 @@ impl RendezvousClient {
         if let Some(task) = self.inner.keepers.lock().unwrap_or_else(|p| p.into_inner()).remove(node_id) {
             task.abort();
         }
-        match &self.inner.transport {
+        let secret = self.secret(node_id);
+        let left = match &self.inner.transport {
             Transport::Http(h) => {
-                let body = NodeRequest { node_id: node_id.to_owned() };
+                let body = NodeRequest { node_id: node_id.to_owned(), secret };
                 h.call::<Empty>(Method::POST, &self.path("leave"), Some(json(&body)), SHORT_TIMEOUT).await.map(|_| ())
             }
-            Transport::Local { rdzv, .. } => rdzv.leave(&self.run_id, node_id).await,
+            Transport::Local { rdzv, .. } => rdzv.leave(&self.run_id, node_id, secret.as_deref()).await,
+        };
+        if left.is_ok() {
+            self.forget_secret(node_id);
         }
+        left
     }
 
     pub async fn status(&self) -> Result<JobStatus, RdzvError> {
@@ -372,14 +432,16 @@ impl RendezvousClient {
         }
         let Transport::Local { rdzv, .. } = &self.inner.transport else { return };
         let (rdzv, run_id, node) = (Arc::downgrade(rdzv), self.run_id.clone(), node_id.to_owned());
+        let secrets = Arc::downgrade(&self.inner.secrets);
         let period = self.settings.node_ttl / 3;
         let task = tokio::spawn(async move {
             let mut every = tokio::time::interval(period);
             every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 every.tick().await;
-                let Some(rdzv) = rdzv.upgrade() else { return };
-                match rdzv.heartbeat(&run_id, &node, Beat::default()).await {
+                let (Some(rdzv), Some(secrets)) = (rdzv.upgrade(), secrets.upgrade()) else { return };
+                let secret = secrets.lock().unwrap_or_else(|p| p.into_inner()).get(&node).cloned();
+                match rdzv.heartbeat(&run_id, &node, secret.as_deref(), Beat::default()).await {
                     Ok(_) => {}
                     // Lease gone: the node was declared lost; its next join registers anew.
                     Err(RdzvError::UnknownNode { .. }) => return,

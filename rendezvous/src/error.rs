@@ -18,6 +18,11 @@ pub enum RdzvError {
     UnknownNode { node_id: String },
     #[error("node `{node_id}` is not a member of round {round}")]
     NotMember { node_id: String, round: u64 },
+    #[error("node `{node_id}` is held by another agent: calls for it must carry the secret its join answered")]
+    Forbidden { node_id: String },
+    /// A bound of the service (jobs per service, nodes per job) is reached.
+    #[error("{message}")]
+    LimitReached { message: String },
     #[error("job `{run_id}` exists with other settings: {message}")]
     SettingsMismatch { run_id: String, message: String },
     #[error("the job has finished")]
@@ -62,6 +67,8 @@ impl RdzvError {
             RdzvError::UnknownJob { .. } => "unknown_job",
             RdzvError::UnknownNode { .. } => "unknown_node",
             RdzvError::NotMember { .. } => "not_member",
+            RdzvError::Forbidden { .. } => "forbidden",
+            RdzvError::LimitReached { .. } => "limit_reached",
             RdzvError::SettingsMismatch { .. } => "settings_mismatch",
             RdzvError::JobFinished => "job_finished",
             RdzvError::JobFailed { .. } => "job_failed",
@@ -110,6 +117,8 @@ impl From<Rejection> for RdzvError {
             Rejection::UnknownNode { node_id } => RdzvError::UnknownNode { node_id },
             Rejection::NotMember { node_id, round } => RdzvError::NotMember { node_id, round },
             Rejection::JobFinished => RdzvError::JobFinished,
+            Rejection::Forbidden { node_id } => RdzvError::Forbidden { node_id },
+            Rejection::LimitReached { message } => RdzvError::LimitReached { message },
             Rejection::JobFailed { kind: FailureKind::JoinTimeout, reason } => RdzvError::JoinTimeout { reason },
             Rejection::JobFailed { kind: FailureKind::RestartBudget, reason } => RdzvError::JobFailed { reason },
         }

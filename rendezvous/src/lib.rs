@@ -81,6 +81,7 @@ pub mod api;
 pub mod client;
 pub mod detector;
 pub mod error;
+pub mod identity;
 pub mod round;
 pub mod service;
 pub mod store;

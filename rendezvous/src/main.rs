@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::{Parser, ValueEnum};
-use rlaunch_rendezvous::api::{self, AppState};
+use rlaunch_rendezvous::api::{self, AppState, ServeLimits};
+use rlaunch_rendezvous::service::Limits;
 use rlaunch_rendezvous::store::etcd::EtcdStore;
 use rlaunch_rendezvous::{Rendezvous, Store};
 use tracing::{info, warn};
@@ -48,6 +49,24 @@ struct Args {
     /// How long to keep trying to reach etcd at start (it may come up after this service).
     #[arg(long, env = "RLAUNCH_RDZV_ETCD_WAIT_MS", default_value_t = 30_000)]
     etcd_wait_ms: u64,
+    /// Most jobs the service holds at once (finished and failed ones count for an hour); a join
+    /// that would create one more is refused with 429.
+    #[arg(long, env = "RLAUNCH_RDZV_MAX_JOBS", default_value_t = Limits::default().max_jobs)]
+    max_jobs: usize,
+    /// Most nodes per job: its `--nnodes` maximum and the nodes waiting to join it (at most
+    /// 1048576).
+    #[arg(long, env = "RLAUNCH_RDZV_MAX_NODES", default_value_t = Limits::default().max_nodes,
+          value_parser = clap::value_parser!(u32).range(1..=i64::from(rlaunch_rendezvous::round::MAX_NODES)))]
+    max_nodes: u32,
+    /// Most HTTP connections open at once (at most the open-file limit less some room): at the
+    /// bound, the longest idle connection is closed to admit a new one.
+    #[arg(long, env = "RLAUNCH_RDZV_MAX_CONNECTIONS", default_value_t = ServeLimits::default().max_connections)]
+    max_connections: usize,
+    /// How long a client may take to send a request's headers, and a kept-alive connection may
+    /// sit idle, in milliseconds.
+    #[arg(long, env = "RLAUNCH_RDZV_HEADER_TIMEOUT_MS", default_value_t = 10_000,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    header_timeout_ms: u64,
     /// After a shutdown signal, how long requests in flight (long-polls) may take to finish.
     #[arg(long, env = "RLAUNCH_RDZV_SHUTDOWN_GRACE_MS", default_value_t = 3000)]
     shutdown_grace_ms: u64,
@@ -82,6 +101,24 @@ async fn connect_etcd(endpoints: &[String], patience: Duration) -> Result<EtcdSt
     }
 }
 
+/// Raises the soft open-file limit to the hard one; returns the soft limit now in force.
+fn raise_open_files() -> Option<u64> {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit/setrlimit only read and write the struct passed.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
+            return None;
+        }
+        if lim.rlim_cur < lim.rlim_max {
+            let raised = libc::rlimit { rlim_cur: lim.rlim_max, rlim_max: lim.rlim_max };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+                lim.rlim_cur = lim.rlim_max;
+            }
+        }
+    }
+    Some(lim.rlim_cur)
+}
+
 #[tokio::main]
 async fn main() -> Result<()> {
     tracing_subscriber::fmt()
@@ -109,7 +146,17 @@ async fn main() -> Result<()> {
         }
         None => args.token.clone(),
     };
-    let rdzv = Rendezvous::new(store);
+    let rdzv = Rendezvous::with_limits(store, Limits { max_jobs: args.max_jobs, max_nodes: args.max_nodes });
+    // Connections stay below the open-file limit, so the listener (and etcd) always have room.
+    let mut max_connections = args.max_connections.max(1);
+    if let Some(files) = raise_open_files() {
+        let room = usize::try_from(files.saturating_sub(128)).unwrap_or(usize::MAX).max(16);
+        if max_connections > room {
+            warn!(max_connections, open_files = files, "--max-connections lowered to fit the open-file limit");
+            max_connections = room;
+        }
+    }
+    let serve_limits = ServeLimits { max_connections, header_timeout: Duration::from_millis(args.header_timeout_ms) };
     let auth = token.is_some();
     let mut state = AppState::new(rdzv, token);
     state.body_limit = args.body_limit;
@@ -118,10 +165,14 @@ async fn main() -> Result<()> {
     let listener =
         tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("binding {}", args.listen))?;
     let local = listener.local_addr().context("reading the bound address")?;
-    info!(listen = %local, store = ?args.store, auth, protect_metrics = args.protect_metrics, "rlaunch-rendezvous serving");
+    info!(
+        listen = %local, store = ?args.store, auth, protect_metrics = args.protect_metrics,
+        max_jobs = args.max_jobs, max_nodes = args.max_nodes, max_connections,
+        header_timeout_ms = args.header_timeout_ms, "rlaunch-rendezvous serving"
+    );
 
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(api::serve(listener, state, async move {
+    let server = tokio::spawn(api::serve_with(listener, state, serve_limits, async move {
         let _ = stop_rx.await;
     }));
     shutdown_signal().await;

@@ -105,7 +105,7 @@ pub enum SettingsError {
     MinNodesZero { min: u32 },
     #[error("min nodes ({min}) must not exceed max nodes ({max})")]
     MinAboveMax { min: u32, max: u32 },
-    #[error("max nodes ({max}) is over the bound of {bound} nodes per job")]
+    #[error("max nodes ({max}) is over the bound of {bound} nodes per job (rlaunch-rendezvous --max-nodes, at most 1048576)")]
     TooManyNodes { max: u32, bound: u32 },
     #[error("{name} ({value:?}) must be {bound}")]
     OutOfRange { name: &'static str, value: Duration, bound: &'static str },
@@ -290,6 +290,10 @@ pub struct Job {
     /// through every node; a suspicion cleared since is skipped).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub suspects: Vec<String>,
+    /// Each node's credential: the SHA-256 digest (hex) of the secret its first join answered.
+    /// Every later event for the node must carry that secret ([`apply_guarded`]).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub keys: BTreeMap<String, String>,
     /// Restarts spent from the global budget (failures only; node loss and scale-up are free).
     pub restart_count: u32,
     /// Root cause of the last reported failure, as the agent sent it.
@@ -368,6 +372,10 @@ pub enum Rejection {
     JobFinished,
     #[error("the job has failed: {reason}")]
     JobFailed { kind: FailureKind, reason: String },
+    #[error("node `{node_id}` is held by another agent: calls for it must carry the secret its join answered")]
+    Forbidden { node_id: String },
+    #[error("{message}")]
+    LimitReached { message: String },
 }
 
 /// Something that happened to a job.
@@ -465,6 +473,7 @@ impl Job {
             last_seen: BTreeMap::new(),
             health: BTreeMap::new(),
             suspects: Vec::new(),
+            keys: BTreeMap::new(),
             restart_count: 0,
             last_root_cause: None,
             last_reason: "job created; round 1 forming".to_owned(),
@@ -757,11 +766,34 @@ impl Job {
         if self.last_seen.keys().all(|id| keep.contains(id.as_str()))
             && self.health.keys().all(|id| keep.contains(id.as_str()))
         {
+            self.prune_keys();
             return;
         }
         let keep: HashSet<String> = keep.into_iter().map(str::to_owned).collect();
         self.last_seen.retain(|id, _| keep.contains(id));
         self.health.retain(|id, _| keep.contains(id));
+        self.prune_keys();
+    }
+
+    /// A node the job no longer counts on gives up its id (and key): a new agent may take it.
+    /// Members of a round torn down count only while expected back (`previous`).
+    fn prune_keys(&mut self) {
+        if self.keys.is_empty() {
+            return;
+        }
+        let forming = self.phase.is_forming();
+        let keep: HashSet<&str> = self
+            .members
+            .iter()
+            .filter(|_| !forming)
+            .map(|m| m.node_id.as_str())
+            .chain(self.pending.iter().map(|p| p.node.node_id.as_str()))
+            .chain(self.previous.iter().map(String::as_str))
+            .collect();
+        if self.keys.keys().any(|id| !keep.contains(id.as_str())) {
+            let keep: HashSet<String> = keep.into_iter().map(str::to_owned).collect();
+            self.keys.retain(|id, _| keep.contains(id));
+        }
     }
 
     /// Forgets the detector's view of nodes it no longer watches (a survivor dropped from a
@@ -814,6 +846,88 @@ pub fn apply_in_place(job: &mut Job, ev: Event, now: Millis) -> Decision {
     decision
 }
 
+/// What the service checks before an event for a node takes effect, decided atomically with
+/// the event (the same store update).
+#[derive(Debug, Clone, Default)]
+pub struct Guard {
+    /// The secret the caller presents for the event's node.
+    pub secret: Option<String>,
+    /// For a join: the secret the node gets if the job holds no key for it (minted at the edge,
+    /// since the machine draws no random numbers).
+    pub minted: Option<String>,
+    /// Most nodes that may wait to join (forming round and standbys); `None`: [`MAX_NODES`].
+    pub max_pending: Option<usize>,
+}
+
+impl Event {
+    /// The node an event speaks for (`None` for a tick).
+    pub fn node_id(&self) -> Option<&str> {
+        match self {
+            Event::Join(n) => Some(&n.node_id),
+            Event::Heartbeat { node_id, .. }
+            | Event::ReportFailure { node_id, .. }
+            | Event::NodeSucceeded { node_id, .. }
+            | Event::Leave { node_id } => Some(node_id),
+            Event::Tick => None,
+        }
+    }
+}
+
+/// Whether a caller presenting `secret` may speak for `node_id`: always when the job holds no
+/// key for it (a new node; a node the job forgot), else only with the secret of that key.
+pub fn authorize(job: &Job, node_id: &str, secret: Option<&str>) -> Result<(), Rejection> {
+    match job.keys.get(node_id) {
+        None => Ok(()),
+        Some(key) if secret.is_some_and(|s| crate::identity::matches(key, s)) => Ok(()),
+        Some(_) => Err(Rejection::Forbidden { node_id: node_id.to_owned() }),
+    }
+}
+
+/// [`apply_in_place`] behind the service's checks: the caller must hold the node's secret, a
+/// new node takes `guard.minted` as its key, and a join beyond the bound on waiting nodes is
+/// refused. Every refusal leaves `job` untouched.
+pub fn apply_guarded(job: &mut Job, ev: Event, guard: &Guard, now: Millis) -> Decision {
+    let new_node = match ev.node_id() {
+        Some(id) => {
+            if let Err(r) = authorize(job, id, guard.secret.as_deref()) {
+                return reject(r);
+            }
+            (matches!(ev, Event::Join(_)) && !job.keys.contains_key(id)).then(|| id.to_owned())
+        }
+        None => None,
+    };
+    if let (Event::Join(n), Some(max)) = (&ev, guard.max_pending) {
+        let id = n.node_id.as_str();
+        if !job.is_pending(id) && !job.is_member(id) && job.pending.len() >= max && !job.phase.is_terminal() {
+            return reject(Rejection::LimitReached {
+                message: format!(
+                    "job has {} nodes waiting to join: the service's bound on nodes per job \
+                     (rlaunch-rendezvous --max-nodes {max})",
+                    job.pending.len()
+                ),
+            });
+        }
+    }
+    let d = apply_in_place(job, ev, now);
+    if let (Some(id), Some(minted)) = (new_node, guard.minted.as_deref()) {
+        if !matches!(d.action, Action::Rejected(_)) && (job.is_pending(&id) || job.is_member(&id)) {
+            job.keys.insert(id, crate::identity::digest(minted));
+        }
+    }
+    d
+}
+
+/// The secret `node_id` holds after a guarded join: the minted one if the job took it, else the
+/// one the caller presented.
+pub fn secret_after_join(job: &Job, node_id: &str, guard: &Guard) -> Option<String> {
+    let key = job.keys.get(node_id)?;
+    [guard.minted.as_ref(), guard.secret.as_ref()]
+        .into_iter()
+        .flatten()
+        .find(|s| crate::identity::matches(key, s))
+        .cloned()
+}
+
 fn decide(action: Action, reason: impl Into<String>) -> Decision {
     Decision { action, reason: reason.into() }
 }
@@ -823,7 +937,8 @@ fn reject(r: Rejection) -> Decision {
     decide(Action::Rejected(r), reason)
 }
 
-fn validate_node(node: &NodeInfo) -> Result<(), Rejection> {
+/// Checks a node's details (id, workers) before anything is recorded for it.
+pub fn validate_node(node: &NodeInfo) -> Result<(), Rejection> {
     let invalid = |message: &str| Err(Rejection::InvalidNode { message: message.to_owned() });
     if node.node_id.is_empty() || node.node_id.len() > 256 {
         return invalid("node_id must be 1 to 256 characters");
@@ -1088,6 +1203,8 @@ fn leave(job: &mut Job, node_id: &str, now: Millis) -> Decision {
     }
     let was_pending = job.is_pending(node_id);
     let was_previous = job.previous.iter().any(|p| p == node_id);
+    // The id is free again: an agent that joins with it later is a new node.
+    job.keys.remove(node_id);
     job.pending.retain(|p| p.node.node_id != node_id);
     job.previous.retain(|p| p != node_id);
     if matches!(job.phase, Phase::Running { .. }) && job.is_member(node_id) {

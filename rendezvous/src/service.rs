@@ -17,7 +17,8 @@ use tracing::{debug, info, warn};
 use crate::detector::{ProbeReport, ProbeRequest, Sent};
 use crate::error::RdzvError;
 use crate::round::{
-    Action, Decision, Event, Job, JobSettings, JobStatus, Millis, NodeInfo, Phase, RoundCause, RoundInfo,
+    Action, Decision, Event, Guard, Job, JobSettings, JobStatus, Millis, NodeInfo, Phase, RoundCause, RoundInfo,
+    SettingsError, MAX_NODES,
 };
 use crate::store::Store;
 
@@ -39,6 +40,31 @@ pub enum JoinAnswer {
     Round(RoundInfo),
     /// Still forming (or running without this node): join again.
     Wait { round: u64, state: String },
+}
+
+/// Answer to a join over HTTP: the [`JoinAnswer`] and the node's secret, which every later call
+/// for the node must carry (`{"status", "data", "secret"}`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Joined {
+    #[serde(flatten)]
+    pub answer: JoinAnswer,
+    pub secret: String,
+}
+
+/// Bounds on what clients make the service keep; operators raise them with flags.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Most jobs the store holds (finished and failed ones count until forgotten).
+    pub max_jobs: usize,
+    /// Most nodes per job: its `max_nodes` setting and the nodes waiting to join it.
+    pub max_nodes: u32,
+}
+
+impl Default for Limits {
+    /// 10,000 jobs of up to 32,768 nodes (a 262,144-GPU job at 8 per node).
+    fn default() -> Self {
+        Self { max_jobs: 10_000, max_nodes: 32_768 }
+    }
 }
 
 /// What a heartbeat carries besides the node's id.
@@ -105,6 +131,7 @@ struct Metrics {
 /// lives.
 pub struct Rendezvous {
     store: Store,
+    limits: Limits,
     metrics: Metrics,
     ticker: std::sync::Mutex<Option<JoinHandle<()>>>,
 }
@@ -118,9 +145,15 @@ impl Drop for Rendezvous {
 }
 
 impl Rendezvous {
-    /// Wraps `store` and starts the ticker (needs a tokio runtime).
+    /// Wraps `store` and starts the ticker (needs a tokio runtime), with the default [`Limits`].
     pub fn new(store: Store) -> Arc<Self> {
-        let me = Arc::new(Self { store, metrics: Metrics::default(), ticker: std::sync::Mutex::new(None) });
+        Self::with_limits(store, Limits::default())
+    }
+
+    /// Wraps `store` with the given bounds and starts the ticker.
+    pub fn with_limits(store: Store, limits: Limits) -> Arc<Self> {
+        store.set_max_jobs(limits.max_jobs);
+        let me = Arc::new(Self { store, limits, metrics: Metrics::default(), ticker: std::sync::Mutex::new(None) });
         let handle = tokio::spawn(ticker(Arc::downgrade(&me)));
         *me.ticker.lock().unwrap_or_else(|p| p.into_inner()) = Some(handle);
         me
@@ -133,6 +166,19 @@ impl Rendezvous {
 
     pub fn store(&self) -> &Store {
         &self.store
+    }
+
+    pub fn limits(&self) -> Limits {
+        self.limits
+    }
+
+    /// The guard of an event for a node presenting `secret`.
+    fn guard(&self, secret: Option<&str>) -> Guard {
+        Guard {
+            secret: secret.map(str::to_owned),
+            minted: None,
+            max_pending: Some(self.limits.max_nodes.min(MAX_NODES) as usize),
+        }
     }
 
     fn observe(&self, run_id: &str, d: &Decision) {
@@ -172,10 +218,16 @@ impl Rendezvous {
         }
     }
 
-    async fn apply(&self, run_id: &str, create: Option<&JobSettings>, ev: Event) -> Result<Arc<Job>, RdzvError> {
+    async fn apply(
+        &self,
+        run_id: &str,
+        create: Option<&JobSettings>,
+        ev: Event,
+        guard: &Guard,
+    ) -> Result<Arc<Job>, RdzvError> {
         self.metrics.requests.fetch_add(1, Ordering::Relaxed);
         validate_run_id(run_id)?;
-        let (job, d) = self.store.apply(run_id, create, ev, now_ms()).await?;
+        let (job, d) = self.store.apply(run_id, create, ev, guard, now_ms()).await?;
         self.observe(run_id, &d);
         if let Action::Rejected(r) = d.action {
             return Err(r.into());
@@ -194,42 +246,83 @@ impl Rendezvous {
     }
 
     /// Joins (or re-joins) `node` to job `run_id`, creating the job with `settings` if needed,
-    /// and waits up to `wait` for a round including it to close.
+    /// and waits up to `wait` for a round including it to close. A node the job holds a key for
+    /// must present its `secret`; the answer carries the secret to use from now on (a new one
+    /// for a node new to the job).
     pub async fn join(
         &self,
         run_id: &str,
         settings: &JobSettings,
         node: NodeInfo,
+        secret: Option<&str>,
         wait: Duration,
-    ) -> Result<JoinAnswer, RdzvError> {
+    ) -> Result<Joined, RdzvError> {
         validate_run_id(run_id)?;
         settings.validate()?;
+        if settings.max_nodes > self.limits.max_nodes {
+            let bound = self.limits.max_nodes;
+            return Err(SettingsError::TooManyNodes { max: settings.max_nodes, bound }.into());
+        }
+        crate::round::validate_node(&node)?;
         let deadline = Instant::now() + wait.min(MAX_WAIT);
-        self.store.register_node(run_id, &node.node_id, settings.node_ttl).await?;
+        // Nothing is registered for a caller that may not speak for the node (etcd: a forged
+        // join must not keep a dead node's lease alive).
+        self.store.authorize(run_id, &node.node_id, secret).await?;
+        let registered = self.store.register_node(run_id, &node.node_id, settings.node_ttl).await?;
+        let mut guard = self.guard(secret);
+        guard.minted = Some(crate::identity::mint());
+        let mut first = true;
         loop {
             // Re-applying the join is idempotent, and re-adds a node dropped meanwhile.
-            let job = self.apply(run_id, Some(settings), Event::Join(node.clone())).await?;
-            if let Some(info) = job.round_info(&node.node_id) {
-                return Ok(JoinAnswer::Round(info));
-            }
-            if let Some(e) = Self::terminal_error(&job) {
+            let job = match self.apply(run_id, Some(settings), Event::Join(node.clone()), &guard).await {
+                Ok(job) => job,
+                Err(e) => {
+                    if first && registered {
+                        // A refused join leaves no lease behind.
+                        if let Err(error) = self.store.forget_node(run_id, &node.node_id).await {
+                            warn!(run_id, node_id = %node.node_id, %error, "could not revoke a refused join's lease");
+                        }
+                    }
+                    return Err(e);
+                }
+            };
+            first = false;
+            let Some(held) = crate::round::secret_after_join(&job, &node.node_id, &guard) else {
+                if let Some(e) = Self::terminal_error(&job) {
+                    return Err(e);
+                }
+                return Err(RdzvError::Store { message: format!("node {} was dropped while joining", node.node_id) });
+            };
+            guard.secret = Some(held.clone());
+            let answer = if let Some(info) = job.round_info(&node.node_id) {
+                JoinAnswer::Round(info)
+            } else if let Some(e) = Self::terminal_error(&job) {
                 return Err(e);
-            }
-            if Instant::now() >= deadline {
-                return Ok(JoinAnswer::Wait { round: job.round, state: job.phase.name().to_owned() });
-            }
-            self.store.wait_change(run_id, job.version, deadline).await?;
+            } else if Instant::now() >= deadline {
+                JoinAnswer::Wait { round: job.round, state: job.phase.name().to_owned() }
+            } else {
+                self.store.wait_change(run_id, job.version, deadline).await?;
+                continue;
+            };
+            return Ok(Joined { answer, secret: held });
         }
     }
 
     /// A sign of life from `node_id`, with its sequence number and the outcomes of the probes
     /// it was asked for; answers the probes it owes now.
-    pub async fn heartbeat(&self, run_id: &str, node_id: &str, beat: Beat) -> Result<HeartbeatAnswer, RdzvError> {
+    pub async fn heartbeat(
+        &self,
+        run_id: &str,
+        node_id: &str,
+        secret: Option<&str>,
+        beat: Beat,
+    ) -> Result<HeartbeatAnswer, RdzvError> {
         self.metrics.requests.fetch_add(1, Ordering::Relaxed);
         validate_run_id(run_id)?;
         let (reached, missed) =
             beat.probes.iter().fold((0, 0), |(r, m), p| if p.reached { (r + 1, m) } else { (r, m + 1) });
-        let (d, probe) = self.store.heartbeat(run_id, node_id, beat.sent, beat.probes, now_ms()).await?;
+        let guard = self.guard(secret);
+        let (d, probe) = self.store.heartbeat(run_id, node_id, beat.sent, beat.probes, &guard, now_ms()).await?;
         self.observe(run_id, &d);
         match d.action {
             Action::Rejected(r) => Err(r.into()),
@@ -241,17 +334,29 @@ impl Rendezvous {
         }
     }
 
-    /// Waits up to `wait` for job `run_id` to leave round `after_round` or end.
-    pub async fn watch(&self, run_id: &str, after_round: u64, wait: Duration) -> Result<WatchEvent, RdzvError> {
+    /// Waits up to `wait` for job `run_id` to leave round `after_round` or end. A watch for a
+    /// node (`Some((node_id, secret))`) must carry the node's secret.
+    pub async fn watch(
+        &self,
+        run_id: &str,
+        after_round: u64,
+        node: Option<(&str, Option<&str>)>,
+        wait: Duration,
+    ) -> Result<WatchEvent, RdzvError> {
         self.metrics.requests.fetch_add(1, Ordering::Relaxed);
         validate_run_id(run_id)?;
         let deadline = Instant::now() + wait.min(MAX_WAIT);
+        let mut checked = node.is_none();
         loop {
             let job = self
                 .store
                 .load(run_id, now_ms())
                 .await?
                 .ok_or_else(|| RdzvError::UnknownJob { run_id: run_id.to_owned() })?;
+            if let (Some((node_id, secret)), false) = (node, checked) {
+                crate::round::authorize(&job, node_id, secret)?;
+                checked = true;
+            }
             match &job.phase {
                 Phase::Finished { .. } => return Ok(WatchEvent::Finished),
                 Phase::Failed { reason, .. } => return Ok(WatchEvent::Failed(reason.clone())),
@@ -269,20 +374,27 @@ impl Rendezvous {
         &self,
         run_id: &str,
         node_id: &str,
+        secret: Option<&str>,
         round: u64,
         root_cause: Box<crate::round::RootCause>,
     ) -> Result<(), RdzvError> {
         let ev = Event::ReportFailure { node_id: node_id.to_owned(), round, root_cause };
-        self.apply(run_id, None, ev).await.map(|_| ())
+        self.apply(run_id, None, ev, &self.guard(secret)).await.map(|_| ())
     }
 
-    pub async fn report_success(&self, run_id: &str, node_id: &str, round: u64) -> Result<(), RdzvError> {
+    pub async fn report_success(
+        &self,
+        run_id: &str,
+        node_id: &str,
+        secret: Option<&str>,
+        round: u64,
+    ) -> Result<(), RdzvError> {
         let ev = Event::NodeSucceeded { node_id: node_id.to_owned(), round };
-        self.apply(run_id, None, ev).await.map(|_| ())
+        self.apply(run_id, None, ev, &self.guard(secret)).await.map(|_| ())
     }
 
-    pub async fn leave(&self, run_id: &str, node_id: &str) -> Result<(), RdzvError> {
-        self.apply(run_id, None, Event::Leave { node_id: node_id.to_owned() }).await?;
+    pub async fn leave(&self, run_id: &str, node_id: &str, secret: Option<&str>) -> Result<(), RdzvError> {
+        self.apply(run_id, None, Event::Leave { node_id: node_id.to_owned() }, &self.guard(secret)).await?;
         self.store.forget_node(run_id, node_id).await
     }
 

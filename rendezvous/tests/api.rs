@@ -188,7 +188,7 @@ async fn malformed_json_is_400_and_leaves_the_job_untouched() {
         &app,
         post_json(
             "/v1/jobs/j1/join",
-            &json!({"settings": calm(1,1), "node": {"node_id": "", "local_world_size": 1, "store_addr": "h:1"}}),
+            &json!({"settings": calm(1,1), "node": {"node_id": "z", "local_world_size": 1, "store_addr": "h:1"}}),
         ),
     )
     .await;
@@ -322,7 +322,7 @@ async fn failure_report_restarts_every_node_once_over_http() {
     let round = ra.expect("a joins").round;
     a.report_failure("a", round, rc(json!({"exit_code": 3}))).await.expect("report");
     b.report_failure("bb", round, rc(json!({"exit_code": 9}))).await.expect("second report is accepted");
-    assert_eq!(within("watch", b.watch(round)).await.expect("watch"), WatchEvent::NewRound(round + 1));
+    assert_eq!(within("watch", b.watch(None, round)).await.expect("watch"), WatchEvent::NewRound(round + 1));
     let (ra, rb) = within("rejoin", async { tokio::join!(a.join(node("a")), b.join(node("bb"))) }).await;
     let (ra, rb) = (ra.expect("a rejoins"), rb.expect("b rejoins"));
     assert_eq!((ra.round, ra.restart_count, rb.restart_count), (round + 1, 1, 1));
@@ -330,7 +330,7 @@ async fn failure_report_restarts_every_node_once_over_http() {
     assert_eq!(st.last_root_cause, Some(*rc(json!({"exit_code": 3}))));
     // Budget is 1: the next failure fails the job for everyone.
     a.report_failure("a", ra.round, rc(json!("again"))).await.expect("report");
-    match within("watch", b.watch(ra.round)).await.expect("watch") {
+    match within("watch", b.watch(None, ra.round)).await.expect("watch") {
         WatchEvent::Failed(reason) => assert!(reason.contains("restart budget exhausted"), "{reason}"),
         other => panic!("{other:?}"),
     }
@@ -362,7 +362,7 @@ async fn node_loss_is_seen_by_the_survivor_within_the_ttl() {
     let started = tokio::time::Instant::now();
     let ev = within("watch", async {
         loop {
-            match a.watch(ra.round).await.expect("watch") {
+            match a.watch(None, ra.round).await.expect("watch") {
                 WatchEvent::NoChange => continue,
                 ev => return ev,
             }
@@ -394,7 +394,7 @@ async fn a_node_joining_a_running_job_scales_it_up() {
     assert_eq!(r1.group_world_size, 1);
     let c = http_client(vec![server.endpoint()], "ju", s).await;
     let joiner = tokio::spawn(async move { c.join(node("ccc")).await });
-    assert_eq!(within("watch", a.watch(r1.round)).await.expect("watch"), WatchEvent::NewRound(r1.round + 1));
+    assert_eq!(within("watch", a.watch(None, r1.round)).await.expect("watch"), WatchEvent::NewRound(r1.round + 1));
     let r2 = within("a rejoins", a.join(node("a"))).await.expect("a rejoins");
     let rc = within("c joins", joiner).await.expect("task").expect("c joins");
     assert_eq!((r2.round, r2.group_world_size, r2.group_rank), (2, 2, 0));
@@ -417,7 +417,7 @@ async fn one_node_succeeding_leaves_the_others_running_until_all_succeed() {
     }
     assert_eq!(b.status().await.expect("status").state, "running");
     b.report_success("bb", round).await.expect("success");
-    assert_eq!(within("watch", a.watch(round)).await.expect("watch"), WatchEvent::Finished);
+    assert_eq!(within("watch", a.watch(None, round)).await.expect("watch"), WatchEvent::Finished);
     server.stop().await;
 }
 
@@ -449,7 +449,7 @@ async fn client_fails_over_to_the_next_endpoint() {
     let r = within("join", a.join(node("a"))).await.expect("join through the live endpoint");
     s1.stop().await;
     a.heartbeat("a", Default::default()).await.expect("heartbeat fails over to s2");
-    assert_eq!(within("watch", a.watch(r.round + 5)).await.expect("watch"), WatchEvent::NewRound(r.round));
+    assert_eq!(within("watch", a.watch(None, r.round + 5)).await.expect("watch"), WatchEvent::NewRound(r.round));
     s2.stop().await;
 }
 
@@ -476,7 +476,7 @@ async fn in_process_backend_runs_a_standalone_job() {
     let r = within("join", c.join(node("local"))).await.expect("join");
     assert_eq!((r.round, r.group_rank, r.world_size), (1, 0, 2));
     c.report_success("local", r.round).await.expect("success");
-    assert_eq!(within("watch", c.watch(r.round)).await.expect("watch"), WatchEvent::Finished);
+    assert_eq!(within("watch", c.watch(None, r.round)).await.expect("watch"), WatchEvent::Finished);
     assert!(matches!(c.join(node("local")).await, Err(RdzvError::JobFinished)));
 }
 
@@ -540,7 +540,7 @@ async fn a_member_leaving_opens_a_new_round_and_metrics_count_it() {
     let (ra, _) = within("joins", async { tokio::join!(a.join(node("a")), b.join(node("bb"))) }).await;
     let round = ra.expect("a joins").round;
     b.leave("bb").await.expect("leave");
-    assert_eq!(within("watch", a.watch(round)).await.expect("watch"), WatchEvent::NewRound(round + 1));
+    assert_eq!(within("watch", a.watch(None, round)).await.expect("watch"), WatchEvent::NewRound(round + 1));
     let again = within("rejoin", a.join(node("a"))).await.expect("rejoin");
     assert_eq!(again.group_world_size, 1);
     let http = reqwest::Client::builder().no_proxy().build().expect("http client");
@@ -643,4 +643,206 @@ fn the_service_reads_its_token_from_a_file_and_refuses_an_empty_one() {
         .expect("run rlaunch-rendezvous");
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("is empty"), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+// --- A service exposed to the whole cluster: identity, bounds, hostile connections ---
+
+/// Joins `id` over the router with `wait_ms` 0; the answer's status and secret.
+async fn raw_join(
+    app: &axum::Router,
+    run_id: &str,
+    s: &JobSettings,
+    n: &NodeInfo,
+    secret: Option<&str>,
+) -> (StatusCode, Value) {
+    let mut body = json!({"settings": s, "node": n, "wait_ms": 0});
+    if let Some(secret) = secret {
+        body["secret"] = json!(secret);
+    }
+    send(app, post_json(&format!("/v1/jobs/{run_id}/join"), &body)).await
+}
+
+#[tokio::test]
+async fn forged_calls_for_another_node_are_403_and_change_nothing() {
+    let rdzv = Rendezvous::in_memory();
+    let app = api::router(AppState::new(rdzv.clone(), None));
+    let s = calm(2, 2);
+    let (status, a) = raw_join(&app, "j", &s, &node("a"), None).await;
+    assert_eq!(status, StatusCode::OK, "{a}");
+    let secret_a = a["secret"].as_str().expect("a join answers a secret").to_owned();
+    assert!(secret_a.len() >= 32, "at least 128 bits: {secret_a}");
+    let (status, b) = raw_join(&app, "j", &s, &node("b"), None).await;
+    assert_eq!((status, b["status"].as_str()), (StatusCode::OK, Some("round")), "{b}");
+    let secret_b = b["secret"].as_str().expect("secret").to_owned();
+    assert_ne!(secret_a, secret_b);
+    let before = job(&rdzv, "j").await;
+
+    // Everything a client can learn: every node id (GET /v1/jobs/j) and its own secret.
+    let (_, listed) = send(&app, Request::get("/v1/jobs/j").body(Body::empty()).unwrap()).await;
+    assert!(!listed.to_string().contains(&secret_a), "status never shows a secret");
+    let mut hijack = node("a");
+    hijack.store_addr = "6.6.6.6:6666".parse().unwrap();
+    for secret in [None, Some(secret_b.as_str()), Some("0".repeat(64).as_str())] {
+        let with = |mut v: Value| {
+            if let Some(s) = secret {
+                v["secret"] = json!(s);
+            }
+            v
+        };
+        let (status, v) = raw_join(&app, "j", &s, &hijack, secret).await;
+        assert_eq!(status, StatusCode::FORBIDDEN, "re-join as a with {secret:?}: {v}");
+        assert_eq!(v["error"], "forbidden");
+        for _ in 0..5 {
+            let body = with(json!({"node_id": "a", "round": 1, "root_cause": rc("forged")}));
+            let (status, v) = send(&app, post_json("/v1/jobs/j/failure", &body)).await;
+            assert_eq!(status, StatusCode::FORBIDDEN, "failure for a: {v}");
+        }
+        for (path, body) in [
+            ("/v1/jobs/j/leave", json!({"node_id": "a"})),
+            ("/v1/jobs/j/heartbeat", json!({"node_id": "a"})),
+            ("/v1/jobs/j/success", json!({"node_id": "a", "round": 1})),
+            ("/v1/jobs/j/watch", json!({"node_id": "a", "after_round": 1, "wait_ms": 0})),
+        ] {
+            let (status, v) = send(&app, post_json(path, &with(body))).await;
+            assert_eq!(status, StatusCode::FORBIDDEN, "{path} with {secret:?}: {v}");
+        }
+    }
+    let after = job(&rdzv, "j").await;
+    assert_eq!(after, before, "no forged call changed the job");
+    // The real a still speaks for itself.
+    let (status, v) = raw_join(&app, "j", &s, &node("a"), Some(&secret_a)).await;
+    assert_eq!(
+        (status, v["status"].as_str(), v["secret"].as_str()),
+        (StatusCode::OK, Some("round"), Some(secret_a.as_str())),
+        "{v}"
+    );
+    let (status, v) = send(&app, post_json("/v1/jobs/j/heartbeat", &json!({"node_id": "a", "secret": secret_a}))).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+}
+
+#[tokio::test]
+async fn a_forged_heartbeat_does_not_keep_a_dead_node_alive() {
+    let rdzv = Rendezvous::in_memory();
+    let s = fast(1, 2);
+    let a = rdzv.join("hb", &s, node("a"), None, Duration::ZERO).await.expect("a joins");
+    let b = rdzv.join("hb", &s, node("b"), None, Duration::ZERO).await.expect("b joins");
+    let started = tokio::time::Instant::now();
+    let lost = loop {
+        assert!(started.elapsed() < Duration::from_secs(10), "a was never declared lost");
+        // b is alive; a is dead, and a forger beats for it without (or with b's) secret.
+        rdzv.heartbeat("hb", "b", Some(&b.secret), Default::default()).await.expect("b beats");
+        for forged in [None, Some(b.secret.as_str())] {
+            match rdzv.heartbeat("hb", "a", forged, Default::default()).await {
+                Err(RdzvError::Forbidden { node_id }) => assert_eq!(node_id, "a"),
+                Err(RdzvError::UnknownNode { .. }) => {}
+                other => panic!("forged heartbeat: {other:?}"),
+            }
+        }
+        let st = rdzv.status("hb").await.expect("status");
+        if st.round >= 2 {
+            break st;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(lost.last_reason.contains("node(s) a (") && lost.last_reason.contains("lost"), "{}", lost.last_reason);
+    drop(a);
+}
+
+#[tokio::test]
+async fn a_lost_join_answer_costs_a_wait_not_the_node_id() {
+    let rdzv = Rendezvous::in_memory();
+    let s = fast(1, 1);
+    // The first join's answer (and secret) never reaches the agent.
+    let lost = rdzv.join("la", &s, node("a"), None, Duration::ZERO).await.expect("join");
+    assert!(matches!(lost.answer, rlaunch_rendezvous::JoinAnswer::Round(_)));
+    let c = RendezvousClient::connect(Backend::InProcess(rdzv.clone()), "la", s).await.expect("client");
+    // The agent joins again without a secret: refused until the entry it cannot speak for lapses
+    // (TTL + probe timeout), then admitted as a new node with a new secret.
+    let info = within("join after a lost answer", c.join(node("a"))).await.expect("joins once the id is free");
+    assert_eq!(info.group_world_size, 1);
+    let st = rdzv.status("la").await.expect("status");
+    assert_eq!(st.members[0].node_id, "a");
+    c.heartbeat("a", Default::default()).await.expect("the client holds the new secret");
+}
+
+#[tokio::test]
+async fn the_service_bounds_jobs_and_nodes_per_job_and_names_the_flag() {
+    use rlaunch_rendezvous::service::Limits;
+    use rlaunch_rendezvous::Store;
+    let rdzv = Rendezvous::with_limits(Store::memory(), Limits { max_jobs: 2, max_nodes: 3 });
+    let app = api::router(AppState::new(rdzv.clone(), None));
+    for run in ["j1", "j2"] {
+        let (status, v) = raw_join(&app, run, &calm(1, 3), &node("a"), None).await;
+        assert_eq!(status, StatusCode::OK, "{v}");
+    }
+    let (status, v) = raw_join(&app, "j3", &calm(1, 3), &node("a"), None).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{v}");
+    assert!(v["message"].as_str().unwrap().contains("--max-jobs 2"), "{v}");
+    assert!(job(&rdzv, "j3").await.is_none(), "nothing kept for a refused job");
+    // Existing jobs still take joins.
+    let (status, v) = raw_join(&app, "j1", &calm(1, 3), &node("b"), None).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    // A job larger than the bound is refused up front, naming the flag.
+    let (status, v) = raw_join(&app, "j1", &calm(1, 4), &node("c"), None).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+    assert!(v["message"].as_str().unwrap().contains("--max-nodes"), "{v}");
+    // Squatters: at most 3 nodes wait to join a job, however many ids a client makes up.
+    let mut refused = 0;
+    for i in 0..8 {
+        let (status, _) = raw_join(&app, "j2", &calm(1, 3), &node(&format!("s{i}")), None).await;
+        if status == StatusCode::TOO_MANY_REQUESTS {
+            refused += 1;
+        }
+    }
+    let j2 = job(&rdzv, "j2").await.expect("j2");
+    assert!(j2.pending.len() <= 3 && refused >= 3, "pending {} refused {refused}", j2.pending.len());
+}
+
+#[test]
+fn half_sent_requests_and_a_connection_flood_do_not_stop_healthz() {
+    use std::io::{Read, Write};
+    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("port").port();
+    let listen = format!("127.0.0.1:{port}");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_rlaunch-rendezvous"))
+        .args(["--listen", &listen, "--max-connections", "64", "--header-timeout-ms", "1000"])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start rlaunch-rendezvous");
+    let started = std::time::Instant::now();
+    while get_status(&listen, "/healthz", None).is_none() {
+        assert!(started.elapsed() < Duration::from_secs(10), "the service did not answer");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // 300 clients that start a request and never finish its headers: more than the bound.
+    let mut flood = Vec::new();
+    for _ in 0..300 {
+        if let Ok(mut s) = std::net::TcpStream::connect(&listen) {
+            let _ = s.write_all(b"POST /v1/jobs/x/join HTTP/1.1\r\nHost: x\r\nContent-Le");
+            flood.push(s);
+        }
+    }
+    let mut took = Vec::new();
+    for _ in 0..10 {
+        let t = std::time::Instant::now();
+        let status = get_status(&listen, "/healthz", None);
+        took.push(t.elapsed());
+        assert_eq!(status, Some(200), "healthz under the flood");
+    }
+    took.sort();
+    // Half-sent requests hold nothing past the header timeout.
+    std::thread::sleep(Duration::from_millis(1600));
+    let still_open = flood
+        .iter_mut()
+        .filter(|s| {
+            let mut s: &std::net::TcpStream = s;
+            let _ = s.set_read_timeout(Some(Duration::from_millis(20)));
+            let mut buf = [0u8; 256];
+            // EOF (0) or a reset: closed; a timeout: still held.
+            matches!(s.read(&mut buf), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock || e.kind() == std::io::ErrorKind::TimedOut)
+        })
+        .count();
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(took[took.len() / 2] < Duration::from_millis(100), "healthz took {took:?}");
+    assert_eq!(still_open, 0, "half-sent requests still held after the header timeout");
 }

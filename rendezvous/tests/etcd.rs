@@ -205,7 +205,7 @@ fn beat(c: &RendezvousClient, id: &str) -> JoinHandle<()> {
 async fn next_event(c: &RendezvousClient, round: u64) -> WatchEvent {
     within("watch", async {
         loop {
-            match c.watch(round).await {
+            match c.watch(None, round).await {
                 Ok(WatchEvent::NoChange) => {}
                 Ok(ev) => return ev,
                 Err(e) => panic!("watch failed: {e}"),
@@ -294,7 +294,7 @@ async fn two_server_replicas_on_one_etcd_serve_the_same_job_and_survive_a_kill()
     // For longer than the TTL, nobody is declared lost: a's heartbeats fail over to r2.
     let quiet_until = Instant::now() + Duration::from_secs(4);
     while Instant::now() < quiet_until {
-        match within("watch", a.watch(ra.round)).await.expect("watch through r2") {
+        match within("watch", a.watch(None, ra.round)).await.expect("watch through r2") {
             WatchEvent::NoChange => {}
             other => panic!("the job was disturbed by losing a replica: {other:?}"),
         }
@@ -389,7 +389,7 @@ async fn job_carries_on_when_one_of_three_etcd_members_is_killed() {
     etcd.kill_member(0);
     let quiet_until = Instant::now() + Duration::from_secs(5);
     while Instant::now() < quiet_until {
-        match within("watch", a.watch(ra.round)).await {
+        match within("watch", a.watch(None, ra.round)).await {
             Ok(WatchEvent::NoChange) => {}
             // A request caught on the dying member may fail once; the next goes elsewhere.
             Err(e) => eprintln!("watch error while a member died: {e}"),
@@ -449,9 +449,15 @@ async fn a_lapsed_lease_is_a_suspicion_that_a_reachable_node_survives_and_then_t
     let mut b_node = node("bb");
     b_node.store_addr = b_store.local_addr().to_string().parse().unwrap();
     let a = etcd_client(&etcd, "lapse", settings(1, 2)).await;
-    let b = etcd_client(&etcd, "lapse", settings(1, 2)).await;
-    let (ra, rb) = within("joins", async { tokio::join!(a.join(node("a")), b.join(b_node.clone())) }).await;
-    let (ra, _) = (ra.expect("a joins"), rb.expect("b joins"));
+    // b's agent runs the machine itself, heartbeating only when this test says (its process
+    // keeps its secret across the silence).
+    let b = etcd_service(&etcd).await;
+    let s = settings(1, 2);
+    let (ra, rb) = within("joins", async {
+        tokio::join!(a.join(node("a")), b.join("lapse", &s, b_node.clone(), None, Duration::from_secs(10)))
+    })
+    .await;
+    let (ra, b_secret) = (ra.expect("a joins"), rb.expect("b joins").secret);
     // a does what its agent's heartbeat task does: heartbeat, probe what it is asked to, report.
     let reports = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let prober = tokio::spawn({
@@ -469,8 +475,7 @@ async fn a_lapsed_lease_is_a_suspicion_that_a_reachable_node_survives_and_then_t
             }
         }
     });
-    // b's link to etcd goes quiet (its keep-alives stop) while its agent still answers probes.
-    drop(b);
+    // b's link to etcd goes quiet (no keep-alives) while its agent still answers probes.
     let silent_at = Instant::now();
     within("b suspected, probed by a, reached", async {
         while !reports.lock().unwrap().iter().any(|r| r.node_id == "bb" && r.reached) {
@@ -488,8 +493,7 @@ async fn a_lapsed_lease_is_a_suspicion_that_a_reachable_node_survives_and_then_t
     assert_eq!(st.round, ra.round, "no new round: {}", st.last_reason);
     // b's agent reaches etcd again: its lease lapsed, but the job still counts it, so it takes a
     // new one, and the next tick clears the suspicion.
-    let b = etcd_client(&etcd, "lapse", settings(1, 2)).await;
-    b.heartbeat("bb", Beat::default()).await.expect("b's heartbeat renews its lease");
+    b.heartbeat("lapse", "bb", Some(&b_secret), Beat::default()).await.expect("b's heartbeat renews its lease");
     within("b no longer suspected", async {
         loop {
             let st = a.status().await.expect("status");
@@ -497,7 +501,7 @@ async fn a_lapsed_lease_is_a_suspicion_that_a_reachable_node_survives_and_then_t
                 assert_eq!(st.round, ra.round, "{}", st.last_reason);
                 return;
             }
-            let _ = b.heartbeat("bb", Beat::default()).await;
+            let _ = b.heartbeat("lapse", "bb", Some(&b_secret), Beat::default()).await;
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     })
@@ -509,4 +513,93 @@ async fn a_lapsed_lease_is_a_suspicion_that_a_reachable_node_survives_and_then_t
     assert_eq!(next_event(&a, ra.round).await, WatchEvent::NewRound(ra.round + 1));
     assert!(reports.lock().unwrap().iter().any(|r| r.node_id == "bb" && !r.reached), "a's probe missed");
     prober.abort();
+}
+
+/// A rendezvous service (what a replica runs) over this etcd.
+async fn etcd_service(etcd: &Etcd) -> std::sync::Arc<rlaunch_rendezvous::Rendezvous> {
+    use rlaunch_rendezvous::store::etcd::EtcdStore;
+    let store = EtcdStore::connect(std::slice::from_ref(&etcd.endpoint)).await.expect("store connects");
+    rlaunch_rendezvous::Rendezvous::new(rlaunch_rendezvous::Store::Etcd(store))
+}
+
+/// Every lease etcd holds, and every key under `prefix`.
+async fn leases_and_keys(etcd: &Etcd, prefix: &str) -> (Vec<i64>, Vec<String>) {
+    let mut c = etcd_client::Client::connect([etcd.endpoint.as_str()], None).await.expect("etcd client");
+    let mut leases: Vec<i64> = c.leases().await.expect("lease list").leases().iter().map(|l| l.id()).collect();
+    leases.sort_unstable();
+    let keys = c
+        .get(prefix, Some(etcd_client::GetOptions::new().with_prefix().with_keys_only()))
+        .await
+        .expect("get")
+        .kvs()
+        .iter()
+        .map(|kv| String::from_utf8_lossy(kv.key()).into_owned())
+        .collect();
+    (leases, keys)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_forged_calls_are_refused_and_keep_no_dead_node_alive() {
+    let etcd = Etcd::start().await;
+    let rdzv = etcd_service(&etcd).await;
+    let s = settings(1, 2);
+    let a = within("a joins", rdzv.join("forge", &s, node("a"), None, Duration::ZERO)).await.expect("a");
+    let b = within("b joins", rdzv.join("forge", &s, node("bb"), None, Duration::from_secs(5))).await.expect("b");
+    let round = match &b.answer {
+        rlaunch_rendezvous::JoinAnswer::Round(info) => info.round,
+        other => panic!("b did not get a round: {other:?}"),
+    };
+    let mut hijack = node("a");
+    hijack.store_addr = "6.6.6.6:6666".parse().unwrap();
+    let forbidden = |r: Result<(), RdzvError>, what: &str| match r {
+        Err(RdzvError::Forbidden { .. }) => {}
+        other => panic!("{what}: {other:?}"),
+    };
+    let joined = rdzv.join("forge", &s, hijack, Some(&b.secret), Duration::ZERO).await.map(|_| ());
+    forbidden(joined, "forged re-join");
+    forbidden(rdzv.report_failure("forge", "a", None, round, rc("forged")).await, "forged failure");
+    forbidden(rdzv.leave("forge", "a", Some(&b.secret)).await, "forged leave");
+    // a is dead; a forger keeps beating for it, b beats for itself: a is still lost.
+    let started = Instant::now();
+    loop {
+        assert!(started.elapsed() < Duration::from_secs(8), "a was never declared lost");
+        rdzv.heartbeat("forge", "bb", Some(&b.secret), Default::default()).await.expect("b beats");
+        let forged = rdzv.heartbeat("forge", "a", None, Default::default()).await.map(|_| ());
+        assert!(matches!(forged, Err(RdzvError::Forbidden { .. }) | Err(RdzvError::UnknownNode { .. })), "{forged:?}");
+        if rdzv.status("forge").await.expect("status").round > round {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let st = rdzv.status("forge").await.expect("status");
+    assert!(st.last_reason.contains("node(s) a ("), "{}", st.last_reason);
+    assert_eq!(st.restart_count, 0, "no forged failure was counted");
+    drop(a);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_a_refused_join_leaves_no_lease_and_no_key() {
+    let etcd = Etcd::start().await;
+    let rdzv = etcd_service(&etcd).await;
+    let s = settings(1, 2);
+    let a = within("a joins", rdzv.join("kept", &s, node("a"), None, Duration::ZERO)).await.expect("a");
+    let before = leases_and_keys(&etcd, "/rlaunch/").await;
+    // Another job's settings, a node no job may hold, a forged re-join, a job over the bound.
+    let mut other = s.clone();
+    other.max_restarts += 1;
+    let refused = rdzv.join("kept", &other, node("z"), None, Duration::ZERO).await;
+    assert!(matches!(refused, Err(RdzvError::SettingsMismatch { .. })), "{refused:?}");
+    let mut bad = node("y");
+    bad.local_world_size = 0;
+    let refused = rdzv.join("fresh", &s, bad, None, Duration::ZERO).await;
+    assert!(matches!(refused, Err(RdzvError::BadRequest { .. })), "{refused:?}");
+    let refused = rdzv.join("kept", &s, node("a"), None, Duration::ZERO).await;
+    assert!(matches!(refused, Err(RdzvError::Forbidden { .. })), "{refused:?}");
+    let mut huge = s.clone();
+    huge.max_nodes = 1 << 20;
+    let refused = rdzv.join("huge", &huge, node("x"), None, Duration::ZERO).await;
+    assert!(matches!(refused, Err(RdzvError::InvalidSettings(_))), "{refused:?}");
+    let after = leases_and_keys(&etcd, "/rlaunch/").await;
+    assert_eq!(after, before, "a refused join wrote nothing");
+    drop(a);
 }

@@ -1045,3 +1045,136 @@ fn settings_and_details_beyond_their_bounds_are_refused_naming_the_bound() {
     // (A host of more than 253 characters is refused where a HostPort is parsed.)
     assert!(HostPort::new("h".repeat(250_000), 1).is_err());
 }
+
+// --- Node identity: the guard around the machine ---
+
+/// Applies `ev` behind a guard presenting `secret` (and minting `minted` for a new node);
+/// a refusal must leave the job untouched.
+fn guarded(job: &Job, ev: Event, secret: Option<&str>, minted: Option<&str>, now: Millis) -> (Job, Decision) {
+    let guard = Guard { secret: secret.map(str::to_owned), minted: minted.map(str::to_owned), max_pending: None };
+    let mut next = job.clone();
+    let d = apply_guarded(&mut next, ev, &guard, now);
+    if matches!(d.action, Action::Rejected(_)) {
+        assert_eq!(&next, job, "a refused event leaves the job untouched");
+    }
+    (next, d)
+}
+
+fn forbidden(d: &Decision) -> bool {
+    matches!(d.action, Action::Rejected(Rejection::Forbidden { .. }))
+}
+
+/// Round 1 running with `a` and `b`, joined behind the guard with secrets "sa" and "sb".
+fn guarded_pair() -> Job {
+    let job = Job::new(settings(2, 2), 0);
+    let (job, _) = guarded(&job, Event::Join(node("a")), None, Some("sa"), 0);
+    let (job, d) = guarded(&job, Event::Join(node("b")), None, Some("sb"), 100);
+    assert!(matches!(d.action, Action::RoundClosed { round: 1 }), "{d:?}");
+    assert_eq!(job.keys.get("a"), Some(&crate::identity::digest("sa")));
+    assert!(!job.keys.values().any(|k| k == "sa"), "only digests are kept");
+    job
+}
+
+#[test]
+fn only_the_holder_of_a_nodes_secret_speaks_for_it() {
+    let job = guarded_pair();
+    let mut moved = node("a");
+    moved.store_addr = "6.6.6.6:6666".parse().unwrap();
+    let forged = [
+        Event::Join(moved.clone()),
+        Event::Join(node("a")),
+        Event::Heartbeat { node_id: "a".into(), sent: None, probes: vec![] },
+        Event::ReportFailure { node_id: "a".into(), round: 1, root_cause: rc("forged") },
+        Event::NodeSucceeded { node_id: "a".into(), round: 1 },
+        Event::Leave { node_id: "a".into() },
+    ];
+    // No secret, b's secret, a's digest, a guess: all refused, nothing changes.
+    let digest_a = crate::identity::digest("sa");
+    for secret in [None, Some("sb"), Some(digest_a.as_str()), Some("")] {
+        for ev in &forged {
+            let (_, d) = guarded(&job, ev.clone(), secret, Some("minted-by-forger"), 500);
+            assert!(forbidden(&d), "{ev:?} with {secret:?}: {d:?}");
+        }
+    }
+    // a itself, with its secret: a re-join is idempotent and keeps its key.
+    let (after, d) = guarded(&job, Event::Join(node("a")), Some("sa"), Some("new"), 500);
+    assert_eq!(d.action, Action::Nothing, "{d:?}");
+    assert_eq!(
+        secret_after_join(
+            &after,
+            "a",
+            &Guard { secret: Some("sa".into()), minted: Some("new".into()), max_pending: None }
+        )
+        .as_deref(),
+        Some("sa")
+    );
+    let (after, d) = guarded(
+        &after,
+        Event::ReportFailure { node_id: "a".into(), round: 1, root_cause: rc("real") },
+        Some("sa"),
+        None,
+        600,
+    );
+    assert!(matches!(d.action, Action::RoundOpened { round: 2, .. }), "{d:?}");
+    assert_eq!(after.restart_count, 1);
+}
+
+#[test]
+fn a_lost_or_departed_node_gives_up_its_id_and_key() {
+    let job = guarded_pair();
+    // b keeps beating; a falls silent and is lost: its key goes with it.
+    let mut job = job;
+    let mut now = 100;
+    let mut lost = false;
+    while now < 10_000 && !lost {
+        now += 250;
+        job =
+            guarded(&job, Event::Heartbeat { node_id: "b".into(), sent: None, probes: vec![] }, Some("sb"), None, now)
+                .0;
+        let (next, d) = tick(&job, now);
+        lost = matches!(d.action, Action::RoundOpened { cause: RoundCause::NodeLost { .. }, .. });
+        job = next;
+    }
+    assert!(lost, "a was never declared lost");
+    assert!(!job.keys.contains_key("a") && job.keys.contains_key("b"), "{:?}", job.keys);
+    // A new agent may now take the id, and gets a new secret.
+    let g = Guard { secret: None, minted: Some("sa2".into()), max_pending: None };
+    let mut next = job.clone();
+    let d = apply_guarded(&mut next, Event::Join(node("a")), &g, now + 10);
+    assert!(!matches!(d.action, Action::Rejected(_)), "{d:?}");
+    assert_eq!(secret_after_join(&next, "a", &g).as_deref(), Some("sa2"));
+    // b leaves: its id is free at once.
+    let (next, d) = guarded(&next, Event::Leave { node_id: "b".into() }, Some("sb"), None, now + 20);
+    assert!(!matches!(d.action, Action::Rejected(_)), "{d:?}");
+    assert!(!next.keys.contains_key("b"));
+}
+
+#[test]
+fn joins_beyond_the_bound_on_waiting_nodes_are_refused() {
+    let job = guarded_pair();
+    let bound = |secret: Option<&str>, minted: &str| Guard {
+        secret: secret.map(str::to_owned),
+        minted: Some(minted.to_owned()),
+        max_pending: Some(2),
+    };
+    let mut job = job;
+    for (i, id) in ["c", "d"].iter().enumerate() {
+        let d = apply_guarded(&mut job, Event::Join(node(id)), &bound(None, id), 200 + i as u64);
+        assert!(!matches!(d.action, Action::Rejected(_)), "{d:?}");
+    }
+    assert_eq!(job.pending.len(), 2, "two standbys");
+    let before = job.clone();
+    let d = apply_guarded(&mut job, Event::Join(node("e")), &bound(None, "e"), 300);
+    match &d.action {
+        Action::Rejected(Rejection::LimitReached { message }) => {
+            assert!(message.contains("--max-nodes 2"), "{message}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(job, before);
+    // Nodes already in (a member, a standby) are never refused by the bound.
+    let d = apply_guarded(&mut job, Event::Join(node("c")), &bound(Some("c"), "x"), 310);
+    assert!(!matches!(d.action, Action::Rejected(_)), "{d:?}");
+    let d = apply_guarded(&mut job, Event::Join(node("a")), &bound(Some("sa"), "x"), 320);
+    assert!(!matches!(d.action, Action::Rejected(_)), "{d:?}");
+}

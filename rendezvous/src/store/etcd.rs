@@ -30,7 +30,7 @@ use tracing::{debug, warn};
 
 use crate::detector::{ProbeReport, ProbeRequest};
 use crate::error::RdzvError;
-use crate::round::{self, Action, Decision, Event, Job, JobSettings, Millis};
+use crate::round::{self, Action, Decision, Event, Guard, Job, JobSettings, Millis};
 
 const PREFIX: &str = "/rlaunch/jobs/";
 /// Bound on every single etcd request (streams excepted), so a dead or partitioned member never
@@ -64,6 +64,12 @@ struct Inner {
     queues: std::sync::Mutex<HashMap<String, JobQueue>>,
     /// Open keep-alive streams, by alive key.
     keepers: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<Option<Keeper>>>>>,
+    /// Node keys (secret digests) by job, as last read: a heartbeat whose secret matches needs
+    /// no read of the job; any other is checked against etcd.
+    keys: std::sync::Mutex<HashMap<String, BTreeMap<String, String>>>,
+    /// Most jobs this store creates, and how many the last listing saw (plus those created since).
+    max_jobs: AtomicUsize,
+    job_count: AtomicUsize,
     watcher: JoinHandle<()>,
 }
 
@@ -77,6 +83,7 @@ impl Drop for Inner {
 struct Queued {
     create: Option<JobSettings>,
     ev: Event,
+    guard: Guard,
     now: Millis,
     reply: oneshot::Sender<Result<(Arc<Job>, Decision), RdzvError>>,
 }
@@ -209,6 +216,9 @@ impl EtcdStore {
             probing,
             queues: std::sync::Mutex::new(HashMap::new()),
             keepers: std::sync::Mutex::new(HashMap::new()),
+            keys: std::sync::Mutex::new(HashMap::new()),
+            max_jobs: AtomicUsize::new(usize::MAX),
+            job_count: AtomicUsize::new(0),
             watcher,
         };
         let store = Self { inner: Arc::new(inner) };
@@ -253,6 +263,34 @@ impl EtcdStore {
         self.inner.expired.clone()
     }
 
+    /// Most jobs this store creates (counted from the ticker's listing, so replicas together
+    /// may overshoot by the jobs created within one tick).
+    pub fn set_max_jobs(&self, n: usize) {
+        self.inner.max_jobs.store(n, Ordering::Relaxed);
+    }
+
+    fn note_keys(&self, run_id: &str, job: &Job) {
+        let mut keys = self.inner.keys.lock().unwrap_or_else(|p| p.into_inner());
+        if keys.get(run_id) != Some(&job.keys) {
+            keys.insert(run_id.to_owned(), job.keys.clone());
+        }
+    }
+
+    /// Checks the caller's secret for `node_id`: against the keys last read, else against etcd.
+    pub(crate) async fn authorize(&self, run_id: &str, node_id: &str, secret: Option<&str>) -> Result<(), RdzvError> {
+        let cached = {
+            let keys = self.inner.keys.lock().unwrap_or_else(|p| p.into_inner());
+            keys.get(run_id).and_then(|k| k.get(node_id)).cloned()
+        };
+        if cached.is_some_and(|key| secret.is_some_and(|s| crate::identity::matches(&key, s))) {
+            return Ok(());
+        }
+        match self.read(run_id).await?.job {
+            Some(job) => round::authorize(&job, node_id, secret).map_err(RdzvError::from),
+            None => Err(RdzvError::UnknownJob { run_id: run_id.to_owned() }),
+        }
+    }
+
     async fn read(&self, run_id: &str) -> Result<Snapshot, RdzvError> {
         let prefix = format!("{PREFIX}{run_id}/");
         let resp = self
@@ -269,6 +307,7 @@ impl EtcdStore {
                 let job: Job = serde_json::from_slice(kv.value())
                     .map_err(|source| RdzvError::Corrupt { run_id: run_id.to_owned(), source })?;
                 note_probing(&self.inner.probing, run_id, Some(&job));
+                self.note_keys(run_id, &job);
                 snap.job = Some(job);
                 snap.mod_revision = kv.mod_revision();
             } else if let Some(node) = key.strip_prefix(&aprefix) {
@@ -299,8 +338,11 @@ impl EtcdStore {
         run_id: &str,
         node_id: &str,
         probes: Vec<ProbeReport>,
+        guard: &Guard,
         now: Millis,
     ) -> Result<(Decision, Vec<ProbeRequest>), RdzvError> {
+        // Another agent's heartbeat must not keep this node's lease alive.
+        self.authorize(run_id, node_id, guard.secret.as_deref()).await?;
         let mut decision = match self.keep_alive(run_id, node_id).await {
             Ok(d) => d,
             Err(RdzvError::UnknownNode { .. }) => {
@@ -327,7 +369,7 @@ impl EtcdStore {
         owed.retain(|r| !relevant.iter().any(|p| p.node_id == r.node_id));
         if !relevant.is_empty() {
             let ev = Event::Heartbeat { node_id: node_id.to_owned(), sent: None, probes: relevant };
-            match self.apply(run_id, None, ev, now).await {
+            match self.apply(run_id, None, ev, guard.clone(), now).await {
                 Ok((_, d)) if d.action == Action::Updated => decision = d,
                 Ok(_) => {}
                 Err(error) => debug!(run_id, node_id, error = %error, "probe outcomes not recorded"),
@@ -380,10 +422,11 @@ impl EtcdStore {
         run_id: &str,
         create: Option<&JobSettings>,
         ev: Event,
+        guard: Guard,
         now: Millis,
     ) -> Result<(Arc<Job>, Decision), RdzvError> {
         let (tx, rx) = oneshot::channel();
-        let queued = Queued { create: create.cloned(), ev, now, reply: tx };
+        let queued = Queued { create: create.cloned(), ev, guard, now, reply: tx };
         let lead = {
             let mut queues = self.inner.queues.lock().unwrap_or_else(|p| p.into_inner());
             let q = queues.entry(run_id.to_owned()).or_default();
@@ -445,6 +488,15 @@ impl EtcdStore {
                         continue;
                     }
                     (Some(_), _) => {}
+                    (None, Some(_))
+                        if self.inner.job_count.load(Ordering::Relaxed)
+                            >= self.inner.max_jobs.load(Ordering::Relaxed) =>
+                    {
+                        let (n, max) =
+                            (self.inner.job_count.load(Ordering::Relaxed), self.inner.max_jobs.load(Ordering::Relaxed));
+                        outcomes.push(Err(super::too_many_jobs(n, max)));
+                        continue;
+                    }
                     (None, Some(settings)) => {
                         job = Some(Self::with_liveness(Job::new(settings.clone(), q.now), &snap.alive, q.now));
                     }
@@ -454,7 +506,7 @@ impl EtcdStore {
                     }
                 }
                 let j = job.as_mut().expect("the job exists or was just created");
-                let d = round::apply_in_place(j, q.ev.clone(), q.now);
+                let d = round::apply_guarded(j, q.ev.clone(), &q.guard, q.now);
                 if fresh && matches!(d.action, Action::Rejected(_)) {
                     // A refused first join creates nothing.
                     job = None;
@@ -500,6 +552,9 @@ impl EtcdStore {
                 .await
             {
                 Ok(resp) if resp.succeeded() => {
+                    if created {
+                        self.inner.job_count.fetch_add(1, Ordering::Relaxed);
+                    }
                     if let Some(v) = self.inner.versions.lock().unwrap_or_else(|p| p.into_inner()).get_mut(run_id) {
                         *v = (*v).max(next.version);
                     }
@@ -538,6 +593,7 @@ impl EtcdStore {
                 match serde_json::from_slice::<Job>(kv.value()) {
                     Ok(job) => {
                         note_probing(&self.inner.probing, run_id, Some(&job));
+                        self.note_keys(run_id, &job);
                         states.insert(run_id.to_owned(), job);
                     }
                     Err(error) => warn!(run_id, %error, "skipping unreadable job state"),
@@ -546,6 +602,8 @@ impl EtcdStore {
                 alive.entry(run_id.to_owned()).or_default().push(node.to_owned());
             }
         }
+        self.inner.job_count.store(states.len(), Ordering::Relaxed);
+        self.inner.keys.lock().unwrap_or_else(|p| p.into_inner()).retain(|run_id, _| states.contains_key(run_id));
         Ok(states
             .into_iter()
             .map(|(id, job)| {
@@ -594,7 +652,7 @@ impl EtcdStore {
             if stored(&next) == stored(&job) {
                 continue;
             }
-            match self.apply(&run_id, None, Event::Tick, now).await {
+            match self.apply(&run_id, None, Event::Tick, Guard::default(), now).await {
                 Ok((_, d)) if d.action != Action::Nothing => out.push((run_id, d)),
                 Ok(_) => {}
                 Err(error) => warn!(run_id, error = %error, "etcd ticker could not update job"),
@@ -698,10 +756,10 @@ impl EtcdStore {
         Err(last)
     }
 
-    /// Makes sure node `node_id` has a live lease and key.
-    pub async fn register_node(&self, run_id: &str, node_id: &str, ttl: Duration) -> Result<(), RdzvError> {
+    /// Makes sure node `node_id` has a live lease and key; returns whether it granted a new one.
+    pub async fn register_node(&self, run_id: &str, node_id: &str, ttl: Duration) -> Result<bool, RdzvError> {
         match self.keep_alive(run_id, node_id).await {
-            Ok(_) => return Ok(()),
+            Ok(_) => return Ok(false),
             Err(RdzvError::UnknownNode { .. }) => {}
             Err(e) => return Err(e),
         }
@@ -714,7 +772,7 @@ impl EtcdStore {
         })
         .await?;
         debug!(run_id, node_id, lease, ttl_s, "node lease granted");
-        Ok(())
+        Ok(true)
     }
 
     async fn get_alive(&self, run_id: &str, node_id: &str) -> Result<etcd_client::GetResponse, RdzvError> {

@@ -1,13 +1,14 @@
 //! The in-process store: jobs in a mutex-guarded map, a `watch` channel per job for waiters.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::error::RdzvError;
-use crate::round::{self, Action, Decision, Event, Job, JobSettings, Millis};
+use crate::round::{self, Action, Decision, Event, Guard, Job, JobSettings, Millis};
 
 struct Entry {
     job: Job,
@@ -15,9 +16,16 @@ struct Entry {
 }
 
 /// Jobs held in this process; cheap to clone (shared).
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct MemoryStore {
     jobs: Arc<Mutex<HashMap<String, Entry>>>,
+    max_jobs: Arc<AtomicUsize>,
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        Self { jobs: Arc::default(), max_jobs: Arc::new(AtomicUsize::new(usize::MAX)) }
+    }
 }
 
 impl MemoryStore {
@@ -27,14 +35,20 @@ impl MemoryStore {
         self.jobs.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
+    /// Most jobs this store creates (finished and failed ones count until forgotten).
+    pub fn set_max_jobs(&self, n: usize) {
+        self.max_jobs.store(n, Ordering::Relaxed);
+    }
+
     pub fn apply(
         &self,
         run_id: &str,
         create: Option<&JobSettings>,
         ev: Event,
+        guard: &Guard,
         now: Millis,
     ) -> Result<(Arc<Job>, Decision), RdzvError> {
-        self.apply_view(run_id, create, ev, now, |j| Arc::new(j.clone()))
+        self.apply_view(run_id, create, ev, guard, now, |j| Arc::new(j.clone()))
     }
 
     /// Applies `ev` in place under the lock and returns `view` of the result (of the untouched
@@ -44,6 +58,7 @@ impl MemoryStore {
         run_id: &str,
         create: Option<&JobSettings>,
         ev: Event,
+        guard: &Guard,
         now: Millis,
         view: impl FnOnce(&Job) -> R,
     ) -> Result<(R, Decision), RdzvError> {
@@ -55,14 +70,18 @@ impl MemoryStore {
                 }
             }
             let before = entry.job.version;
-            let decision = round::apply_in_place(&mut entry.job, ev, now);
+            let decision = round::apply_guarded(&mut entry.job, ev, guard, now);
             if entry.job.version != before {
                 entry.version.send_replace(entry.job.version);
             }
             return Ok((view(&entry.job), decision));
         }
         let mut job = super::existing_or_new(run_id, None, create, now)?;
-        let decision = round::apply_in_place(&mut job, ev, now);
+        let max_jobs = self.max_jobs.load(Ordering::Relaxed);
+        if jobs.len() >= max_jobs {
+            return Err(super::too_many_jobs(jobs.len(), max_jobs));
+        }
+        let decision = round::apply_guarded(&mut job, ev, guard, now);
         let out = view(&job);
         if !matches!(decision.action, Action::Rejected(_)) {
             let (tx, _) = watch::channel(job.version);
@@ -97,7 +116,7 @@ impl MemoryStore {
             self.lock().iter().filter(|(_, e)| !e.job.phase.is_terminal()).map(|(k, _)| k.clone()).collect();
         let mut out = Vec::new();
         for id in ids {
-            if let Ok(((), d)) = self.apply_view(&id, None, Event::Tick, now, |_| ()) {
+            if let Ok(((), d)) = self.apply_view(&id, None, Event::Tick, &Guard::default(), now, |_| ()) {
                 if d.action != Action::Nothing {
                     out.push((id, d));
                 }
@@ -118,8 +137,9 @@ mod tests {
         let settings = JobSettings::default();
         let node =
             NodeInfo { node_id: "a".into(), local_world_size: 1, store_addr: "h:1".parse().unwrap(), probe_addr: None };
-        store.apply("r", Some(&settings), Event::Join(node), 0).expect("join");
-        store.apply("r", None, Event::NodeSucceeded { node_id: "a".into(), round: 1 }, 10).expect("success");
+        let g = Guard::default();
+        store.apply("r", Some(&settings), Event::Join(node), &g, 0).expect("join");
+        store.apply("r", None, Event::NodeSucceeded { node_id: "a".into(), round: 1 }, &g, 10).expect("success");
         let retention = super::super::TERMINAL_RETENTION.as_millis() as u64;
         store.tick_all(10 + retention - 1);
         assert!(store.load("r").is_some(), "still readable within the retention");

@@ -15,7 +15,7 @@ use tokio::time::Instant;
 
 use crate::detector::{ProbeReport, ProbeRequest, Sent};
 use crate::error::RdzvError;
-use crate::round::{Decision, Event, Job, JobSettings, Millis};
+use crate::round::{Decision, Event, Guard, Job, JobSettings, Millis};
 
 /// The state backend of a [`crate::service::Rendezvous`].
 #[derive(Clone)]
@@ -51,6 +51,16 @@ pub(crate) fn mismatch(run_id: &str, job: &JobSettings, asked: &JobSettings) -> 
     }
 }
 
+/// A join that would create one job more than the service's bound.
+pub(crate) fn too_many_jobs(jobs: usize, bound: usize) -> RdzvError {
+    RdzvError::LimitReached {
+        message: format!(
+            "the service holds {jobs} jobs: its bound on jobs (rlaunch-rendezvous --max-jobs {bound}); \
+             finished and failed jobs count for an hour"
+        ),
+    }
+}
+
 /// Checks that a join's settings match the job's, or creates the job when there is none.
 pub(crate) fn existing_or_new(
     run_id: &str,
@@ -81,18 +91,28 @@ impl Store {
         }
     }
 
-    /// Applies `ev` to job `run_id` atomically, creating the job from `create` when it does not
-    /// exist (joins only). A rejected event leaves the stored job untouched.
+    /// Applies `ev` to job `run_id` atomically behind `guard` (the node's secret, the bound on
+    /// waiting nodes), creating the job from `create` when it does not exist (joins only). A
+    /// rejected event leaves the stored job untouched.
     pub async fn apply(
         &self,
         run_id: &str,
         create: Option<&JobSettings>,
         ev: Event,
+        guard: &Guard,
         now: Millis,
     ) -> Result<(Arc<Job>, Decision), RdzvError> {
         match self {
-            Store::Memory(m) => m.apply(run_id, create, ev, now),
-            Store::Etcd(e) => e.apply(run_id, create, ev, now).await,
+            Store::Memory(m) => m.apply(run_id, create, ev, guard, now),
+            Store::Etcd(e) => e.apply(run_id, create, ev, guard.clone(), now).await,
+        }
+    }
+
+    /// Most jobs the store creates.
+    pub fn set_max_jobs(&self, n: usize) {
+        match self {
+            Store::Memory(m) => m.set_max_jobs(n),
+            Store::Etcd(e) => e.set_max_jobs(n),
         }
     }
 
@@ -135,22 +155,36 @@ impl Store {
         node_id: &str,
         sent: Option<Sent>,
         probes: Vec<ProbeReport>,
+        guard: &Guard,
         now: Millis,
     ) -> Result<(Decision, Vec<ProbeRequest>), RdzvError> {
         match self {
             Store::Memory(m) => {
                 let ev = Event::Heartbeat { node_id: node_id.to_owned(), sent, probes };
-                m.apply_view(run_id, None, ev, now, |job| job.probes_for(node_id)).map(|(probes, d)| (d, probes))
+                m.apply_view(run_id, None, ev, guard, now, |job| job.probes_for(node_id)).map(|(probes, d)| (d, probes))
             }
-            Store::Etcd(e) => e.heartbeat(run_id, node_id, probes, now).await,
+            Store::Etcd(e) => e.heartbeat(run_id, node_id, probes, guard, now).await,
         }
     }
 
-    /// Makes sure a node about to join counts as alive (etcd: its lease and key exist).
-    pub async fn register_node(&self, run_id: &str, node_id: &str, ttl: Duration) -> Result<(), RdzvError> {
+    /// Makes sure a node about to join counts as alive (etcd: its lease and key exist); returns
+    /// whether it made a new lease (the caller revokes it when the join is then refused).
+    pub async fn register_node(&self, run_id: &str, node_id: &str, ttl: Duration) -> Result<bool, RdzvError> {
+        match self {
+            Store::Memory(_) => Ok(false),
+            Store::Etcd(e) => e.register_node(run_id, node_id, ttl).await,
+        }
+    }
+
+    /// Checks, before anything is written for it, that a caller presenting `secret` may speak
+    /// for `node_id` (memory: the update itself checks, atomically; an unknown job: anyone).
+    pub async fn authorize(&self, run_id: &str, node_id: &str, secret: Option<&str>) -> Result<(), RdzvError> {
         match self {
             Store::Memory(_) => Ok(()),
-            Store::Etcd(e) => e.register_node(run_id, node_id, ttl).await,
+            Store::Etcd(e) => match e.authorize(run_id, node_id, secret).await {
+                Err(RdzvError::UnknownJob { .. }) => Ok(()),
+                other => other,
+            },
         }
     }
 

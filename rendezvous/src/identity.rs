@@ -1,0 +1,55 @@
+//! Node identity: the secret a join answers, and how the rendezvous recognises it later.
+//!
+//! A node's first join mints a 256-bit random secret (at the edge: [`mint`]); the job keeps only
+//! its SHA-256 digest ([`digest`], in [`crate::round::Job::keys`]), so neither `status`, a state
+//! dump nor etcd's value holds a usable credential. Every later event for the node (heartbeat,
+//! watch, failure, success, leave, re-join) must present the secret; [`matches`] compares in
+//! constant time. The agent keeps its secret in memory only.
+
+use rand::RngCore;
+use sha2::{Digest, Sha256};
+
+/// Bytes of randomness in a secret (hex-encoded on the wire: 64 characters).
+pub const SECRET_BYTES: usize = 32;
+
+fn hex(bytes: &[u8]) -> String {
+    use std::fmt::Write as _;
+    bytes.iter().fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
+        let _ = write!(s, "{b:02x}");
+        s
+    })
+}
+
+/// A fresh secret: 256 bits from the thread's CSPRNG (ChaCha, seeded by the OS), hex.
+pub fn mint() -> String {
+    let mut bytes = [0u8; SECRET_BYTES];
+    rand::rng().fill_bytes(&mut bytes);
+    hex(&bytes)
+}
+
+/// What the job stores for `secret`: its SHA-256, hex.
+pub fn digest(secret: &str) -> String {
+    hex(&Sha256::digest(secret.as_bytes()))
+}
+
+/// Whether `presented` is the secret whose digest is `stored`, compared in constant time.
+pub fn matches(stored: &str, presented: &str) -> bool {
+    let given = digest(presented);
+    given.len() == stored.len() && given.bytes().zip(stored.bytes()).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secrets_are_fresh_and_only_their_own_digest_matches() {
+        let (a, b) = (mint(), mint());
+        assert_eq!(a.len(), 2 * SECRET_BYTES);
+        assert_ne!(a, b);
+        assert!(matches(&digest(&a), &a));
+        assert!(!matches(&digest(&a), &b));
+        assert!(!matches(&digest(&a), ""));
+        assert!(!matches(&digest(&a), &digest(&a)), "the digest itself is not the secret");
+    }
+}
