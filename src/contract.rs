@@ -430,7 +430,14 @@ pub struct RoundInfo {
     pub round: u64,
     pub group_rank: u32,
     pub group_world_size: u32,
+    /// Every member in group-rank order, only when the join asked for it: at 10,000 nodes the
+    /// list is about 1.5 MB, and an agent needs only its own placement (the fields below).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub members: Vec<Member>,
+    /// Digest of the round's member list (ids, ranks, offsets, stores): nodes holding the same
+    /// digest hold the same round.
+    #[serde(default)]
+    pub members_digest: String,
     /// Group rank 0's store.
     pub master_store_addr: HostPort,
     pub restart_count: u32,

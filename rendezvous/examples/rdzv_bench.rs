@@ -1,17 +1,17 @@
 //! Benchmark: time from the last join to every agent holding the closed round, for N simulated
-//! agents talking HTTP to one `rlaunch-rendezvous` service (memory store, and etcd when
-//! `--etcd http://host:2379` is given).
+//! agents (tokio tasks in this process, one HTTP client pool) talking to an `rlaunch-rendezvous`
+//! service started as its own process (memory store, and etcd when `--etcd http://host:2379` is
+//! given); also the bytes of each agent's answer and the service's memory.
 //!
-//! `cargo run --release -p rlaunch-rendezvous --example rdzv_bench -- --agents 10,100,1000 [--etcd URL]`
+//! `cargo build --release -p rlaunch-rendezvous --bins --examples &&
+//!  target/release/examples/rdzv_bench --agents 100,1000,3000,10000 [--etcd URL]`
 
-use std::sync::Arc;
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use rlaunch_rendezvous::api::{self, AppState};
 use rlaunch_rendezvous::round::{JobSettings, NodeInfo};
-use rlaunch_rendezvous::store::etcd::EtcdStore;
-use rlaunch_rendezvous::{Backend, Rendezvous, RendezvousClient, Store};
+use rlaunch_rendezvous::{Backend, RendezvousClient};
 
 fn settings(n: u32) -> JobSettings {
     JobSettings {
@@ -19,29 +19,81 @@ fn settings(n: u32) -> JobSettings {
         max_nodes: n,
         join_timeout: Duration::from_secs(300),
         last_call_timeout: Duration::from_secs(1),
-        heartbeat_interval: Duration::from_millis(500),
+        // torchrun's keep-alive interval: 10,000 agents beat 2,000 times a second.
+        heartbeat_interval: Duration::from_secs(5),
         node_ttl: Duration::from_secs(30),
-        probe_timeout: Duration::from_secs(1),
+        probe_timeout: Duration::from_secs(10),
         max_restarts: 0,
         stop_grace: Duration::ZERO,
     }
 }
 
-async fn one(rdzv: Arc<Rendezvous>, n: u32, run_id: &str) -> Result<Duration> {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let endpoint = listener.local_addr()?.to_string();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(api::serve(listener, AppState::new(rdzv.clone(), None), async move {
-        let _ = stopped.await;
-    }));
-    let client =
-        RendezvousClient::connect(Backend::Http { endpoints: vec![endpoint], token: None }, run_id, settings(n))
-            .await
-            .context("client")?;
+/// The service binary next to this example (`target/release/`).
+fn service_binary() -> Result<std::path::PathBuf> {
+    let exe = std::env::current_exe()?;
+    let bin = exe.parent().and_then(|d| d.parent()).context("example path")?.join("rlaunch-rendezvous");
+    if !bin.exists() {
+        bail!("{} is missing: cargo build --release -p rlaunch-rendezvous --bins", bin.display());
+    }
+    Ok(bin)
+}
+
+struct Service {
+    child: Child,
+    endpoint: String,
+}
+
+impl Service {
+    fn start(etcd: Option<&str>) -> Result<Service> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let endpoint = format!("127.0.0.1:{port}");
+        let mut cmd = Command::new(service_binary()?);
+        cmd.args(["--listen", &endpoint, "--max-connections", "19000", "--max-jobs", "100000"]);
+        if let Some(url) = etcd {
+            cmd.args(["--store", "etcd", "--etcd-endpoints", url]);
+        }
+        let child = cmd.env("RUST_LOG", "warn").stderr(Stdio::null()).spawn().context("start the service")?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while std::net::TcpStream::connect(&endpoint).is_err() {
+            if Instant::now() > deadline {
+                bail!("the service did not listen on {endpoint}");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(Service { child, endpoint })
+    }
+
+    /// Resident memory of the service, in MiB.
+    fn rss_mib(&self) -> f64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap_or_default();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok())
+            .map_or(0.0, |kib| kib / 1024.0)
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+struct Run {
+    took: Duration,
+    answer_bytes: usize,
+    rss_mib: f64,
+}
+
+async fn one(service: &Service, n: u32, run_id: &str) -> Result<Run> {
+    let backend = Backend::Http { endpoints: vec![service.endpoint.clone()], token: None };
+    let client = RendezvousClient::connect(backend, run_id, settings(n)).await.context("client")?;
     let node = |i: u32| NodeInfo {
         node_id: format!("agent-{i:05}"),
         local_world_size: 8,
-        store_addr: format!("10.0.0.1:{}", 20000 + i).parse().expect("a valid address"),
+        store_addr: format!("10.0.{}.{}:29500", i / 250, i % 250 + 1).parse().expect("a valid address"),
         probe_addr: None,
     };
     let mut joins: Vec<tokio::task::JoinHandle<Result<_, rlaunch_rendezvous::RdzvError>>> = Vec::new();
@@ -50,15 +102,15 @@ async fn one(rdzv: Arc<Rendezvous>, n: u32, run_id: &str) -> Result<Duration> {
         joins.push(tokio::spawn(async move { c.join(node(i)).await }));
     }
     // Wait until the first n-1 are all pending.
-    let deadline = Instant::now() + Duration::from_secs(60);
+    let deadline = Instant::now() + Duration::from_secs(600);
     loop {
-        if let Ok(st) = rdzv.status(run_id).await {
+        if let Ok(st) = client.status().await {
             if st.pending.len() as u32 == n - 1 {
                 break;
             }
         }
         if Instant::now() > deadline {
-            let pending = rdzv.status(run_id).await.map(|s| s.pending.len()).unwrap_or(0);
+            let pending = client.status().await.map(|s| s.pending.len()).unwrap_or(0);
             let mut failed = Vec::new();
             for j in joins.iter_mut().filter(|j| j.is_finished()) {
                 if let Ok(Err(e)) = j.await {
@@ -72,23 +124,39 @@ async fn one(rdzv: Arc<Rendezvous>, n: u32, run_id: &str) -> Result<Duration> {
                 failed.len()
             );
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let t0 = Instant::now();
     let last = client.join(node(n - 1)).await.context("last join")?;
+    let mut answer_bytes = 0;
     for j in joins {
         let info = j.await.context("join task")?.context("join")?;
-        assert_eq!(info.round, last.round);
+        assert_eq!((info.round, &info.members_digest), (last.round, &last.members_digest));
+        answer_bytes = answer_bytes.max(serde_json::to_vec(&info)?.len());
     }
     let took = t0.elapsed();
-    let _ = stop.send(());
-    let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
-    Ok(took)
+    let rss_mib = service.rss_mib();
+    for i in 0..n {
+        let _ = client.leave(&node(i).node_id).await;
+    }
+    Ok(Run { took, answer_bytes, rss_mib })
+}
+
+/// Raises the soft open-file limit to the hard one (10,000 agents hold 10,000 connections).
+fn raise_open_files() {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit/setrlimit only read and write the struct passed.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 {
+            lim.rlim_cur = lim.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        }
+    }
 }
 
 #[tokio::main]
 async fn main() -> Result<()> {
-    let mut agents = vec![10u32, 100, 1000];
+    let mut agents = vec![100u32, 1000, 3000, 10000];
     let mut etcd: Option<String> = None;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -100,18 +168,25 @@ async fn main() -> Result<()> {
             other => bail!("unknown argument {other}"),
         }
     }
-    println!("store\tagents\tlast_join_to_all_closed_ms");
-    for &n in &agents {
-        let took = one(Rendezvous::in_memory(), n, &format!("bench-mem-{n}")).await?;
-        println!("memory\t{n}\t{:.1}", took.as_secs_f64() * 1e3);
+    raise_open_files();
+    println!("store\tagents\tlast_join_to_all_closed_ms\tper_agent_us\tanswer_bytes\tservice_rss_mib");
+    let mut stores: Vec<(&str, Option<&str>)> = vec![("memory", None)];
+    if let Some(url) = etcd.as_deref() {
+        stores.push(("etcd", Some(url)));
     }
-    if let Some(url) = etcd {
-        let store = EtcdStore::connect(&[url]).await?;
-        let rdzv = Rendezvous::new(Store::Etcd(store));
-        let stamp = rlaunch_rendezvous::service::now_ms();
+    let stamp = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_millis();
+    for (name, url) in stores {
         for &n in &agents {
-            let took = one(rdzv.clone(), n, &format!("bench-etcd-{n}-{stamp}")).await?;
-            println!("etcd\t{n}\t{:.1}", took.as_secs_f64() * 1e3);
+            // A fresh service per size: its memory is this job's alone.
+            let service = Service::start(url)?;
+            let run = one(&service, n, &format!("bench-{name}-{n}-{stamp}")).await?;
+            println!(
+                "{name}\t{n}\t{:.1}\t{:.1}\t{}\t{:.1}",
+                run.took.as_secs_f64() * 1e3,
+                run.took.as_secs_f64() * 1e6 / f64::from(n),
+                run.answer_bytes,
+                run.rss_mib
+            );
         }
     }
     Ok(())

@@ -4,7 +4,7 @@
 //!
 //! | method, path | body | answer |
 //! |---|---|---|
-//! | `POST /v1/jobs/{run_id}/join` | `{settings, node, secret?, wait_ms?}` | `{"status":"round","data":RoundInfo,"secret":S}` or `{"status":"wait","data":{round,state},"secret":S}` |
+//! | `POST /v1/jobs/{run_id}/join` | `{settings, node, secret?, members?, wait_ms?}` | `{"status":"round","data":RoundInfo,"secret":S}` (the member list only with `members: true`) or `{"status":"wait","data":{round,state},"secret":S}` |
 //! | `POST /v1/jobs/{run_id}/heartbeat` | `{node_id, secret, sent?: {seq, slow}, probes?: [{node_id, reached}]}` | `{probe?: [{node_id, addr}]}`: probes owed |
 //! | `POST /v1/jobs/{run_id}/watch` | `{after_round, node_id?, secret?, wait_ms?}` | `{"event":"new_round","data":N}` / `finished` / `failed` / `no_change` |
 //! | `POST /v1/jobs/{run_id}/failure` | `{node_id, secret, round, root_cause}` | `{}` |
@@ -74,6 +74,10 @@ pub struct JoinRequest {
     /// The secret an earlier join answered (none for a node's first join).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secret: Option<String>,
+    /// Whether the answer should list every member (an agent needs only its own placement
+    /// and the digest).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub members: bool,
     #[serde(default)]
     pub wait_ms: Option<u64>,
 }
@@ -212,7 +216,7 @@ async fn join(
     ApiJson(req): ApiJson<JoinRequest>,
 ) -> ApiResult<Joined> {
     let secret = req.secret.as_deref();
-    Ok(Json(app.rdzv.join(&run_id, &req.settings, req.node, secret, wait_of(req.wait_ms)).await?))
+    Ok(Json(app.rdzv.join(&run_id, &req.settings, req.node, secret, req.members, wait_of(req.wait_ms)).await?))
 }
 
 async fn heartbeat(
@@ -340,7 +344,7 @@ pub struct ServeLimits {
 
 impl Default for ServeLimits {
     fn default() -> Self {
-        Self { max_connections: 8192, header_timeout: Duration::from_secs(10) }
+        Self { max_connections: 65_536, header_timeout: Duration::from_secs(10) }
     }
 }
 

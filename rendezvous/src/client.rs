@@ -245,12 +245,13 @@ impl RendezvousClient {
                     settings: self.settings.clone(),
                     node: node.clone(),
                     secret,
+                    members: false,
                     wait_ms: Some(wait.as_millis() as u64),
                 };
                 h.call(Method::POST, &self.path("join"), Some(json(&body)), wait + POLL_SLACK).await?
             }
             Transport::Local { rdzv, .. } => {
-                rdzv.join(&self.run_id, &self.settings, node.clone(), secret.as_deref(), wait).await?
+                rdzv.join(&self.run_id, &self.settings, node.clone(), secret.as_deref(), false, wait).await?
             }
         };
         self.inner.secrets.lock().unwrap_or_else(|p| p.into_inner()).insert(node.node_id.clone(), joined.secret);

@@ -58,10 +58,11 @@ struct Args {
     #[arg(long, env = "RLAUNCH_RDZV_MAX_NODES", default_value_t = Limits::default().max_nodes,
           value_parser = clap::value_parser!(u32).range(1..=i64::from(rlaunch_rendezvous::round::MAX_NODES)))]
     max_nodes: u32,
-    /// Most HTTP connections open at once (at most the open-file limit less some room): at the
-    /// bound, the longest idle connection is closed to admit a new one.
-    #[arg(long, env = "RLAUNCH_RDZV_MAX_CONNECTIONS", default_value_t = ServeLimits::default().max_connections)]
-    max_connections: usize,
+    /// Most HTTP connections open at once (an agent holds one or two); at the bound, the
+    /// longest idle connection is closed to admit a new one. Default: the open-file limit
+    /// (raised to its hard limit at start) less 128.
+    #[arg(long, env = "RLAUNCH_RDZV_MAX_CONNECTIONS")]
+    max_connections: Option<usize>,
     /// How long a client may take to send a request's headers, and a kept-alive connection may
     /// sit idle, in milliseconds.
     #[arg(long, env = "RLAUNCH_RDZV_HEADER_TIMEOUT_MS", default_value_t = 10_000,
@@ -148,11 +149,13 @@ async fn main() -> Result<()> {
     };
     let rdzv = Rendezvous::with_limits(store, Limits { max_jobs: args.max_jobs, max_nodes: args.max_nodes });
     // Connections stay below the open-file limit, so the listener (and etcd) always have room.
-    let mut max_connections = args.max_connections.max(1);
+    let mut max_connections = args.max_connections.unwrap_or(ServeLimits::default().max_connections).max(1);
     if let Some(files) = raise_open_files() {
         let room = usize::try_from(files.saturating_sub(128)).unwrap_or(usize::MAX).max(16);
         if max_connections > room {
-            warn!(max_connections, open_files = files, "--max-connections lowered to fit the open-file limit");
+            if args.max_connections.is_some() {
+                warn!(max_connections, open_files = files, "--max-connections lowered to fit the open-file limit");
+            }
             max_connections = room;
         }
     }

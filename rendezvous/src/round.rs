@@ -15,7 +15,7 @@
 //! Round numbers go up when a round is *opened* (torn down for a new one), so a watcher of round
 //! N learns "stop your workers and rejoin" as soon as N+1 exists, not when N+1 closes.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::time::Duration;
 
@@ -210,6 +210,18 @@ impl JobSettings {
     }
 }
 
+/// Group ranks by node id for [`Job::member`]; equal to any other (it is a cache).
+#[derive(Debug, Clone, Default)]
+pub struct MemberIndex(std::sync::OnceLock<HashMap<String, usize>>);
+
+impl PartialEq for MemberIndex {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl Eq for MemberIndex {}
+
 /// A node that joined and waits for the next round to close, in join order.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Pending {
@@ -274,6 +286,13 @@ pub struct Job {
     pub version: u64,
     /// Members of the last closed round in group-rank order (the running one when `Running`).
     pub members: Vec<Member>,
+    /// Digest of `members`, computed when the round closed (answers carry it, not the list).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub members_digest: String,
+    /// Group ranks by node id, built on first use per round: finding a member among 10,000
+    /// is a lookup, not a scan. Not stored; a stale entry is detected and scanned past.
+    #[serde(skip)]
+    pub member_index: MemberIndex,
     /// Nodes waiting for the next round to close, in join order (standbys beyond MAX too).
     pub pending: Vec<Pending>,
     /// Surviving members of the previous round, in their old rank order, expected to rejoin the
@@ -467,6 +486,8 @@ impl Job {
             round: 1,
             version: 0,
             members: Vec::new(),
+            members_digest: String::new(),
+            member_index: MemberIndex::default(),
             pending: Vec::new(),
             previous: Vec::new(),
             succeeded: Vec::new(),
@@ -489,7 +510,20 @@ impl Job {
     }
 
     pub fn is_member(&self, node_id: &str) -> bool {
-        self.members.iter().any(|m| m.node_id == node_id)
+        self.member(node_id).is_some()
+    }
+
+    /// The member `node_id` of the last closed round, through the index.
+    pub fn member(&self, node_id: &str) -> Option<&Member> {
+        let index = self
+            .member_index
+            .0
+            .get_or_init(|| self.members.iter().enumerate().map(|(i, m)| (m.node_id.clone(), i)).collect());
+        match index.get(node_id).and_then(|i| self.members.get(*i)) {
+            Some(m) if m.node_id == node_id => Some(m),
+            // Members changed since the index was built (only ever in tests that edit them).
+            _ => self.members.iter().find(|m| m.node_id == node_id),
+        }
     }
 
     fn is_pending(&self, node_id: &str) -> bool {
@@ -501,17 +535,24 @@ impl Job {
         self.members.iter().fold(0u32, |sum, m| sum.saturating_add(m.local_world_size))
     }
 
-    /// The round this node runs in, if the job is running a round that includes it.
+    /// The round this node runs in, if the job is running a round that includes it, with the
+    /// whole member list.
     pub fn round_info(&self, node_id: &str) -> Option<RoundInfo> {
+        self.placement(node_id, true)
+    }
+
+    /// [`Job::round_info`] with the member list only when asked.
+    pub fn placement(&self, node_id: &str, with_members: bool) -> Option<RoundInfo> {
         if !matches!(self.phase, Phase::Running { .. }) {
             return None;
         }
-        let me = self.members.iter().find(|m| m.node_id == node_id)?;
+        let me = self.member(node_id)?;
         Some(RoundInfo {
             round: self.round,
             group_rank: me.group_rank,
             group_world_size: u32::try_from(self.members.len()).unwrap_or(u32::MAX),
-            members: self.members.clone(),
+            members: if with_members { self.members.clone() } else { Vec::new() },
+            members_digest: self.members_digest.clone(),
             master_store_addr: self
                 .members
                 .first()
@@ -1261,7 +1302,9 @@ fn evaluate_forming(job: &mut Job, now: Millis, base: String) -> Decision {
     let n = job.pending.len();
     let min = job.settings.min_nodes as usize;
     let max = job.settings.max_nodes as usize;
-    let all_previous_back = {
+    // Only a re-forming round has survivors to wait for (a first round of 10,000 joins must not
+    // index every pending node on every join).
+    let all_previous_back = job.previous.is_empty() || {
         let pending: HashSet<&str> = job.pending.iter().map(|p| p.node.node_id.as_str()).collect();
         job.previous.iter().all(|id| pending.contains(id.as_str()))
     };
@@ -1381,6 +1424,8 @@ fn close_round(job: &mut Job, now: Millis, reason: String) -> Decision {
             m
         })
         .collect();
+    job.members_digest = members_digest(&job.members);
+    job.member_index = MemberIndex::default();
     job.pending = standby;
     job.previous.clear();
     job.succeeded.clear();
@@ -1393,6 +1438,23 @@ fn close_round(job: &mut Job, now: Millis, reason: String) -> Decision {
         job.world_size()
     );
     decide(Action::RoundClosed { round: job.round }, reason)
+}
+
+/// A digest of a member list: SHA-256 over each member's id, rank, offset, workers and store,
+/// hex (the first 32 characters).
+fn members_digest(members: &[Member]) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for m in members {
+        h.update(m.node_id.as_bytes());
+        h.update([0]);
+        h.update(m.group_rank.to_le_bytes());
+        h.update(m.rank_offset.to_le_bytes());
+        h.update(m.local_world_size.to_le_bytes());
+        h.update(m.store_addr.to_string().as_bytes());
+        h.update([0]);
+    }
+    h.finalize().iter().take(16).map(|b| format!("{b:02x}")).collect()
 }
 
 impl fmt::Display for Decision {

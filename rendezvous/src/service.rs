@@ -42,6 +42,26 @@ pub enum JoinAnswer {
     Wait { round: u64, state: String },
 }
 
+/// What a join long-poll needs of the job, taken without copying it.
+struct JoinView {
+    version: u64,
+    round: u64,
+    state: &'static str,
+    info: Option<RoundInfo>,
+    terminal: Option<RdzvError>,
+    /// Still pending or a member (else it was dropped and joins again).
+    tracked: bool,
+}
+
+impl JoinView {
+    fn of(job: &Job, node_id: &str, members: bool) -> Self {
+        let info = job.placement(node_id, members);
+        let terminal = Rendezvous::terminal_error(job);
+        let tracked = info.is_some() || terminal.is_some() || job.is_member(node_id) || job.tracks(node_id);
+        JoinView { version: job.version, round: job.round, state: job.phase.name(), info, terminal, tracked }
+    }
+}
+
 /// Answer to a join over HTTP: the [`JoinAnswer`] and the node's secret, which every later call
 /// for the node must carry (`{"status", "data", "secret"}`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -218,21 +238,23 @@ impl Rendezvous {
         }
     }
 
-    async fn apply(
+    /// Applies `ev` behind `guard`; answers `view` of the job after it (never a copy of it).
+    async fn apply<R>(
         &self,
         run_id: &str,
         create: Option<&JobSettings>,
         ev: Event,
         guard: &Guard,
-    ) -> Result<Arc<Job>, RdzvError> {
+        view: impl FnOnce(&Job) -> R,
+    ) -> Result<R, RdzvError> {
         self.metrics.requests.fetch_add(1, Ordering::Relaxed);
         validate_run_id(run_id)?;
-        let (job, d) = self.store.apply(run_id, create, ev, guard, now_ms()).await?;
+        let (out, d) = self.store.apply_view(run_id, create, ev, guard, now_ms(), view).await?;
         self.observe(run_id, &d);
         if let Action::Rejected(r) = d.action {
             return Err(r.into());
         }
-        Ok(job)
+        Ok(out)
     }
 
     fn terminal_error(job: &Job) -> Option<RdzvError> {
@@ -248,13 +270,14 @@ impl Rendezvous {
     /// Joins (or re-joins) `node` to job `run_id`, creating the job with `settings` if needed,
     /// and waits up to `wait` for a round including it to close. A node the job holds a key for
     /// must present its `secret`; the answer carries the secret to use from now on (a new one
-    /// for a node new to the job).
+    /// for a node new to the job), and the round's member list only when `members` asks.
     pub async fn join(
         &self,
         run_id: &str,
         settings: &JobSettings,
         node: NodeInfo,
         secret: Option<&str>,
+        members: bool,
         wait: Duration,
     ) -> Result<Joined, RdzvError> {
         validate_run_id(run_id)?;
@@ -271,40 +294,58 @@ impl Rendezvous {
         let registered = self.store.register_node(run_id, &node.node_id, settings.node_ttl).await?;
         let mut guard = self.guard(secret);
         guard.minted = Some(crate::identity::mint());
-        let mut first = true;
-        loop {
-            // Re-applying the join is idempotent, and re-adds a node dropped meanwhile.
-            let job = match self.apply(run_id, Some(settings), Event::Join(node.clone()), &guard).await {
-                Ok(job) => job,
-                Err(e) => {
-                    if first && registered {
-                        // A refused join leaves no lease behind.
-                        if let Err(error) = self.store.forget_node(run_id, &node.node_id).await {
-                            warn!(run_id, node_id = %node.node_id, %error, "could not revoke a refused join's lease");
-                        }
+        let id = node.node_id.as_str();
+        let joined = |job: &Job, guard: &Guard| {
+            (JoinView::of(job, id, members), crate::round::secret_after_join(job, id, guard))
+        };
+        let (mut view, held) = match self
+            .apply(run_id, Some(settings), Event::Join(node.clone()), &guard, |job| joined(job, &guard))
+            .await
+        {
+            Ok(v) => v,
+            Err(e) => {
+                if registered {
+                    // A refused join leaves no lease behind.
+                    if let Err(error) = self.store.forget_node(run_id, id).await {
+                        warn!(run_id, node_id = %id, %error, "could not revoke a refused join's lease");
                     }
-                    return Err(e);
                 }
-            };
-            first = false;
-            let Some(held) = crate::round::secret_after_join(&job, &node.node_id, &guard) else {
-                if let Some(e) = Self::terminal_error(&job) {
-                    return Err(e);
-                }
-                return Err(RdzvError::Store { message: format!("node {} was dropped while joining", node.node_id) });
-            };
-            guard.secret = Some(held.clone());
-            let answer = if let Some(info) = job.round_info(&node.node_id) {
-                JoinAnswer::Round(info)
-            } else if let Some(e) = Self::terminal_error(&job) {
                 return Err(e);
-            } else if Instant::now() >= deadline {
-                JoinAnswer::Wait { round: job.round, state: job.phase.name().to_owned() }
-            } else {
-                self.store.wait_change(run_id, job.version, deadline).await?;
-                continue;
-            };
-            return Ok(Joined { answer, secret: held });
+            }
+        };
+        let Some(held) = held else {
+            return Err(view
+                .terminal
+                .unwrap_or_else(|| RdzvError::Store { message: format!("node {id} was dropped while joining") }));
+        };
+        guard.secret = Some(held.clone());
+        loop {
+            if let Some(info) = view.info {
+                return Ok(Joined { answer: JoinAnswer::Round(info), secret: held });
+            }
+            if let Some(e) = view.terminal {
+                return Err(e);
+            }
+            if Instant::now() >= deadline {
+                return Ok(Joined {
+                    answer: JoinAnswer::Wait { round: view.round, state: view.state.to_owned() },
+                    secret: held,
+                });
+            }
+            self.store.wait_change(run_id, view.version, deadline).await?;
+            view = self
+                .store
+                .view(run_id, |job| JoinView::of(job, id, members))
+                .await?
+                .ok_or_else(|| RdzvError::UnknownJob { run_id: run_id.to_owned() })?;
+            if !view.tracked && view.info.is_none() && view.terminal.is_none() {
+                // Dropped meanwhile (silent too long while waiting): join again.
+                view = self
+                    .apply(run_id, Some(settings), Event::Join(node.clone()), &guard, |job| {
+                        JoinView::of(job, id, members)
+                    })
+                    .await?;
+            }
         }
     }
 
@@ -379,7 +420,7 @@ impl Rendezvous {
         root_cause: Box<crate::round::RootCause>,
     ) -> Result<(), RdzvError> {
         let ev = Event::ReportFailure { node_id: node_id.to_owned(), round, root_cause };
-        self.apply(run_id, None, ev, &self.guard(secret)).await.map(|_| ())
+        self.apply(run_id, None, ev, &self.guard(secret), |_| ()).await
     }
 
     pub async fn report_success(
@@ -390,11 +431,11 @@ impl Rendezvous {
         round: u64,
     ) -> Result<(), RdzvError> {
         let ev = Event::NodeSucceeded { node_id: node_id.to_owned(), round };
-        self.apply(run_id, None, ev, &self.guard(secret)).await.map(|_| ())
+        self.apply(run_id, None, ev, &self.guard(secret), |_| ()).await
     }
 
     pub async fn leave(&self, run_id: &str, node_id: &str, secret: Option<&str>) -> Result<(), RdzvError> {
-        self.apply(run_id, None, Event::Leave { node_id: node_id.to_owned() }, &self.guard(secret)).await?;
+        self.apply(run_id, None, Event::Leave { node_id: node_id.to_owned() }, &self.guard(secret), |_| ()).await?;
         self.store.forget_node(run_id, node_id).await
     }
 

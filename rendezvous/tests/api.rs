@@ -158,7 +158,8 @@ async fn join_over_oneshot_closes_a_single_node_round() {
         send(&app, post_json("/v1/jobs/solo/join", &json!({"settings": calm(1, 1), "node": node("a")}))).await;
     assert_eq!(status, StatusCode::OK, "{body}");
     assert_eq!(body["status"], "round");
-    let info = &body["data"];
+    let secret = body["secret"].as_str().expect("a join answers the node's secret").to_owned();
+    let info = &body["data"].clone();
     assert_eq!(info["round"], 1);
     assert_eq!(info["group_rank"], 0);
     assert_eq!(info["world_size"], 2);
@@ -167,6 +168,20 @@ async fn join_over_oneshot_closes_a_single_node_round() {
     assert_eq!(status, StatusCode::OK);
     assert_eq!(body["state"], "running");
     assert_eq!(body["members"][0]["node_id"], "a");
+    // The answer carries the node's own placement and a digest; the list only on request.
+    assert!(info.get("members").is_none(), "{info}");
+    let digest = info["members_digest"].as_str().expect("digest").to_owned();
+    let (status, body) = send(
+        &app,
+        post_json(
+            "/v1/jobs/solo/join",
+            &json!({"settings": calm(1, 1), "node": node("a"), "secret": secret, "members": true}),
+        ),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["data"]["members"][0]["node_id"], "a");
+    assert_eq!(body["data"]["members_digest"], digest.as_str());
 }
 
 #[tokio::test]
@@ -307,7 +322,8 @@ async fn two_nodes_join_a_real_server_and_get_contiguous_ranks() {
     ranks.sort();
     assert_eq!(ranks, [(0, 0), (1, 2)]);
     assert_eq!(ra.master_store_addr, rb.master_store_addr);
-    assert_eq!(ra.members, rb.members);
+    assert!(!ra.members_digest.is_empty() && ra.members.is_empty(), "{ra:?}");
+    assert_eq!(ra.members_digest, rb.members_digest);
     let st = within("status", a.status()).await.expect("status");
     assert_eq!(st.state, "running");
     server.stop().await;
@@ -724,8 +740,8 @@ async fn forged_calls_for_another_node_are_403_and_change_nothing() {
 async fn a_forged_heartbeat_does_not_keep_a_dead_node_alive() {
     let rdzv = Rendezvous::in_memory();
     let s = fast(1, 2);
-    let a = rdzv.join("hb", &s, node("a"), None, Duration::ZERO).await.expect("a joins");
-    let b = rdzv.join("hb", &s, node("b"), None, Duration::ZERO).await.expect("b joins");
+    let a = rdzv.join("hb", &s, node("a"), None, false, Duration::ZERO).await.expect("a joins");
+    let b = rdzv.join("hb", &s, node("b"), None, false, Duration::ZERO).await.expect("b joins");
     let started = tokio::time::Instant::now();
     let lost = loop {
         assert!(started.elapsed() < Duration::from_secs(10), "a was never declared lost");
@@ -753,7 +769,7 @@ async fn a_lost_join_answer_costs_a_wait_not_the_node_id() {
     let rdzv = Rendezvous::in_memory();
     let s = fast(1, 1);
     // The first join's answer (and secret) never reaches the agent.
-    let lost = rdzv.join("la", &s, node("a"), None, Duration::ZERO).await.expect("join");
+    let lost = rdzv.join("la", &s, node("a"), None, false, Duration::ZERO).await.expect("join");
     assert!(matches!(lost.answer, rlaunch_rendezvous::JoinAnswer::Round(_)));
     let c = RendezvousClient::connect(Backend::InProcess(rdzv.clone()), "la", s).await.expect("client");
     // The agent joins again without a secret: refused until the entry it cannot speak for lapses

@@ -229,7 +229,8 @@ async fn etcd_lease_expiry_is_seen_as_node_loss() {
     let (ra, rb) = within("joins", async { tokio::join!(a.join(node("a")), b.join(node("bb"))) }).await;
     let (ra, rb) = (ra.expect("a joins"), rb.expect("b joins"));
     assert_eq!((ra.round, ra.group_world_size), (1, 2));
-    assert_eq!(ra.members, rb.members);
+    assert!(!ra.members_digest.is_empty() && ra.members.is_empty(), "{ra:?}");
+    assert_eq!(ra.members_digest, rb.members_digest);
     let beats = beat(&a, "a");
     // b's process dies: its client, its keep-alive task and its copy of the machine go with it.
     drop(b);
@@ -287,7 +288,8 @@ async fn two_server_replicas_on_one_etcd_serve_the_same_job_and_survive_a_kill()
     let b = http(vec![r2.endpoint.clone(), r1.endpoint.clone()]).await;
     let (ra, rb) = within("joins", async { tokio::join!(a.join(node("a")), b.join(node("bb"))) }).await;
     let (ra, rb) = (ra.expect("a joins via r1"), rb.expect("b joins via r2"));
-    assert_eq!(ra.members, rb.members);
+    assert!(!ra.members_digest.is_empty() && ra.members.is_empty(), "{ra:?}");
+    assert_eq!(ra.members_digest, rb.members_digest);
     let (ba, bb) = (beat(&a, "a"), beat(&b, "bb"));
 
     r1.kill();
@@ -454,7 +456,7 @@ async fn a_lapsed_lease_is_a_suspicion_that_a_reachable_node_survives_and_then_t
     let b = etcd_service(&etcd).await;
     let s = settings(1, 2);
     let (ra, rb) = within("joins", async {
-        tokio::join!(a.join(node("a")), b.join("lapse", &s, b_node.clone(), None, Duration::from_secs(10)))
+        tokio::join!(a.join(node("a")), b.join("lapse", &s, b_node.clone(), None, false, Duration::from_secs(10)))
     })
     .await;
     let (ra, b_secret) = (ra.expect("a joins"), rb.expect("b joins").secret);
@@ -543,8 +545,9 @@ async fn etcd_forged_calls_are_refused_and_keep_no_dead_node_alive() {
     let etcd = Etcd::start().await;
     let rdzv = etcd_service(&etcd).await;
     let s = settings(1, 2);
-    let a = within("a joins", rdzv.join("forge", &s, node("a"), None, Duration::ZERO)).await.expect("a");
-    let b = within("b joins", rdzv.join("forge", &s, node("bb"), None, Duration::from_secs(5))).await.expect("b");
+    let a = within("a joins", rdzv.join("forge", &s, node("a"), None, false, Duration::ZERO)).await.expect("a");
+    let b =
+        within("b joins", rdzv.join("forge", &s, node("bb"), None, false, Duration::from_secs(5))).await.expect("b");
     let round = match &b.answer {
         rlaunch_rendezvous::JoinAnswer::Round(info) => info.round,
         other => panic!("b did not get a round: {other:?}"),
@@ -555,7 +558,7 @@ async fn etcd_forged_calls_are_refused_and_keep_no_dead_node_alive() {
         Err(RdzvError::Forbidden { .. }) => {}
         other => panic!("{what}: {other:?}"),
     };
-    let joined = rdzv.join("forge", &s, hijack, Some(&b.secret), Duration::ZERO).await.map(|_| ());
+    let joined = rdzv.join("forge", &s, hijack, Some(&b.secret), false, Duration::ZERO).await.map(|_| ());
     forbidden(joined, "forged re-join");
     forbidden(rdzv.report_failure("forge", "a", None, round, rc("forged")).await, "forged failure");
     forbidden(rdzv.leave("forge", "a", Some(&b.secret)).await, "forged leave");
@@ -582,22 +585,22 @@ async fn etcd_a_refused_join_leaves_no_lease_and_no_key() {
     let etcd = Etcd::start().await;
     let rdzv = etcd_service(&etcd).await;
     let s = settings(1, 2);
-    let a = within("a joins", rdzv.join("kept", &s, node("a"), None, Duration::ZERO)).await.expect("a");
+    let a = within("a joins", rdzv.join("kept", &s, node("a"), None, false, Duration::ZERO)).await.expect("a");
     let before = leases_and_keys(&etcd, "/rlaunch/").await;
     // Another job's settings, a node no job may hold, a forged re-join, a job over the bound.
     let mut other = s.clone();
     other.max_restarts += 1;
-    let refused = rdzv.join("kept", &other, node("z"), None, Duration::ZERO).await;
+    let refused = rdzv.join("kept", &other, node("z"), None, false, Duration::ZERO).await;
     assert!(matches!(refused, Err(RdzvError::SettingsMismatch { .. })), "{refused:?}");
     let mut bad = node("y");
     bad.local_world_size = 0;
-    let refused = rdzv.join("fresh", &s, bad, None, Duration::ZERO).await;
+    let refused = rdzv.join("fresh", &s, bad, None, false, Duration::ZERO).await;
     assert!(matches!(refused, Err(RdzvError::BadRequest { .. })), "{refused:?}");
-    let refused = rdzv.join("kept", &s, node("a"), None, Duration::ZERO).await;
+    let refused = rdzv.join("kept", &s, node("a"), None, false, Duration::ZERO).await;
     assert!(matches!(refused, Err(RdzvError::Forbidden { .. })), "{refused:?}");
     let mut huge = s.clone();
     huge.max_nodes = 1 << 20;
-    let refused = rdzv.join("huge", &huge, node("x"), None, Duration::ZERO).await;
+    let refused = rdzv.join("huge", &huge, node("x"), None, false, Duration::ZERO).await;
     assert!(matches!(refused, Err(RdzvError::InvalidSettings(_))), "{refused:?}");
     let after = leases_and_keys(&etcd, "/rlaunch/").await;
     assert_eq!(after, before, "a refused join wrote nothing");

@@ -41,6 +41,7 @@ fn round(n: u64, restart_count: u32) -> RoundInfo {
             store_addr: addr.clone(),
             probe_addr: None,
         }],
+        members_digest: String::new(),
         master_store_addr: addr,
         restart_count,
         max_restarts: 3,

@@ -67,6 +67,12 @@ struct Inner {
     /// Node keys (secret digests) by job, as last read: a heartbeat whose secret matches needs
     /// no read of the job; any other is checked against etcd.
     keys: std::sync::Mutex<HashMap<String, BTreeMap<String, String>>>,
+    /// The newest state of each job this process read or wrote, and when: long-polls woken by
+    /// a change look here, and one of them reads etcd for all when it is older than the newest
+    /// version the watch saw (10,000 waiters must not read a 1.5 MB job each).
+    latest: std::sync::Mutex<HashMap<String, (Arc<Job>, Instant)>>,
+    /// One refresh at a time per job.
+    refreshing: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Most jobs this store creates, and how many the last listing saw (plus those created since).
     max_jobs: AtomicUsize,
     job_count: AtomicUsize,
@@ -95,9 +101,8 @@ struct JobQueue {
     busy: bool,
 }
 
-fn reply_all(batch: Vec<Queued>, outcomes: Vec<Result<Decision, RdzvError>>, job: Option<Job>) {
+fn reply_all(batch: Vec<Queued>, outcomes: Vec<Result<Decision, RdzvError>>, job: Option<Arc<Job>>) {
     // One copy of the job shared by every caller of the batch.
-    let job = job.map(Arc::new);
     for (q, outcome) in batch.into_iter().zip(outcomes) {
         let answer = outcome.and_then(|d| match &job {
             Some(j) => Ok((Arc::clone(j), d)),
@@ -131,7 +136,7 @@ struct Keeper {
 
 /// What one read of a job's prefix holds.
 struct Snapshot {
-    job: Option<Job>,
+    job: Option<Arc<Job>>,
     mod_revision: i64,
     alive: Vec<String>,
 }
@@ -217,6 +222,8 @@ impl EtcdStore {
             queues: std::sync::Mutex::new(HashMap::new()),
             keepers: std::sync::Mutex::new(HashMap::new()),
             keys: std::sync::Mutex::new(HashMap::new()),
+            latest: std::sync::Mutex::new(HashMap::new()),
+            refreshing: std::sync::Mutex::new(HashMap::new()),
             max_jobs: AtomicUsize::new(usize::MAX),
             job_count: AtomicUsize::new(0),
             watcher,
@@ -269,6 +276,47 @@ impl EtcdStore {
         self.inner.max_jobs.store(n, Ordering::Relaxed);
     }
 
+    fn note_latest(&self, run_id: &str, job: &Arc<Job>) {
+        let mut latest = self.inner.latest.lock().unwrap_or_else(|p| p.into_inner());
+        match latest.get(run_id) {
+            Some((have, _)) if have.version > job.version => {}
+            _ => {
+                latest.insert(run_id.to_owned(), (job.clone(), Instant::now()));
+            }
+        }
+    }
+
+    /// `view` of the job as this process last read or wrote it, if that is at least as new as
+    /// the newest version seen (and, with `max_age`, read within it); else read from etcd, by
+    /// one caller for all. Without liveness.
+    pub async fn view<R>(
+        &self,
+        run_id: &str,
+        max_age: Option<Duration>,
+        view: impl FnOnce(&Job) -> R,
+    ) -> Result<Option<R>, RdzvError> {
+        let fresh = |s: &Self| {
+            let want = s.inner.versions.lock().unwrap_or_else(|p| p.into_inner()).get(run_id).copied().unwrap_or(0);
+            let latest = s.inner.latest.lock().unwrap_or_else(|p| p.into_inner());
+            latest
+                .get(run_id)
+                .filter(|(job, at)| job.version >= want && max_age.is_none_or(|age| at.elapsed() <= age))
+                .map(|(job, _)| job.clone())
+        };
+        if let Some(job) = fresh(self) {
+            return Ok(Some(view(&job)));
+        }
+        let lock = {
+            let mut refreshing = self.inner.refreshing.lock().unwrap_or_else(|p| p.into_inner());
+            refreshing.entry(run_id.to_owned()).or_default().clone()
+        };
+        let _one = lock.lock().await;
+        if let Some(job) = fresh(self) {
+            return Ok(Some(view(&job)));
+        }
+        Ok(self.read(run_id).await?.job.map(|job| view(&job)))
+    }
+
     fn note_keys(&self, run_id: &str, job: &Job) {
         let mut keys = self.inner.keys.lock().unwrap_or_else(|p| p.into_inner());
         if keys.get(run_id) != Some(&job.keys) {
@@ -308,6 +356,8 @@ impl EtcdStore {
                     .map_err(|source| RdzvError::Corrupt { run_id: run_id.to_owned(), source })?;
                 note_probing(&self.inner.probing, run_id, Some(&job));
                 self.note_keys(run_id, &job);
+                let job = Arc::new(job);
+                self.note_latest(run_id, &job);
                 snap.job = Some(job);
                 snap.mod_revision = kv.mod_revision();
             } else if let Some(node) = key.strip_prefix(&aprefix) {
@@ -477,7 +527,7 @@ impl EtcdStore {
             };
             let created = snap.job.is_none();
             let now = batch.first().map(|q| q.now).unwrap_or(0);
-            let mut job: Option<Job> = snap.job.clone().map(|j| Self::with_liveness(j, &snap.alive, now));
+            let mut job: Option<Job> = snap.job.as_deref().cloned().map(|j| Self::with_liveness(j, &snap.alive, now));
             let mut outcomes: Vec<Result<Decision, RdzvError>> = Vec::with_capacity(batch.len());
             for q in &batch {
                 // Settings checks and creation as in `existing_or_new`, without copying the job.
@@ -518,9 +568,9 @@ impl EtcdStore {
                 return reply_all(batch, outcomes, None);
             };
             let to_store = stored(&next);
-            let unchanged = !created && snap.job.as_ref().map(stored).as_ref() == Some(&to_store);
+            let unchanged = !created && snap.job.as_deref().map(stored).as_ref() == Some(&to_store);
             if unchanged {
-                return reply_all(batch, outcomes, Some(next));
+                return reply_all(batch, outcomes, Some(Arc::new(next)));
             }
             let value = match serde_json::to_vec(&to_store) {
                 Ok(v) => v,
@@ -558,6 +608,8 @@ impl EtcdStore {
                     if let Some(v) = self.inner.versions.lock().unwrap_or_else(|p| p.into_inner()).get_mut(run_id) {
                         *v = (*v).max(next.version);
                     }
+                    let next = Arc::new(next);
+                    self.note_latest(run_id, &next);
                     return reply_all(batch, outcomes, Some(next));
                 }
                 Ok(_) => debug!(run_id, attempt, "lost a concurrent update of the job; retrying"),
@@ -576,7 +628,7 @@ impl EtcdStore {
 
     pub async fn load(&self, run_id: &str, now: Millis) -> Result<Option<Job>, RdzvError> {
         let snap = self.read(run_id).await?;
-        Ok(snap.job.map(|j| Self::with_liveness(j, &snap.alive, now)))
+        Ok(snap.job.map(|j| Self::with_liveness(Arc::unwrap_or_clone(j), &snap.alive, now)))
     }
 
     pub async fn jobs(&self, now: Millis) -> Result<Vec<(String, Job)>, RdzvError> {
@@ -604,6 +656,12 @@ impl EtcdStore {
         }
         self.inner.job_count.store(states.len(), Ordering::Relaxed);
         self.inner.keys.lock().unwrap_or_else(|p| p.into_inner()).retain(|run_id, _| states.contains_key(run_id));
+        self.inner.latest.lock().unwrap_or_else(|p| p.into_inner()).retain(|run_id, _| states.contains_key(run_id));
+        self.inner
+            .refreshing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|run_id, lock| states.contains_key(run_id) || Arc::strong_count(lock) > 1);
         Ok(states
             .into_iter()
             .map(|(id, job)| {
@@ -673,9 +731,10 @@ impl EtcdStore {
         let mut authoritative = true;
         loop {
             let current = if authoritative {
-                match self.read(run_id).await?.job {
+                // Read within the last second (by any waiter): the watch may be down.
+                match self.view(run_id, Some(Duration::from_secs(1)), |job| job.version).await? {
                     None => return Err(RdzvError::UnknownJob { run_id: run_id.to_owned() }),
-                    Some(job) => self.note_version(run_id, job.version),
+                    Some(version) => self.note_version(run_id, version),
                 }
             } else {
                 let versions = self.inner.versions.lock().unwrap_or_else(|p| p.into_inner());

@@ -90,6 +90,11 @@ impl MemoryStore {
         Ok((out, decision))
     }
 
+    /// `view` of job `run_id`, under the lock, without a copy.
+    pub fn view<R>(&self, run_id: &str, view: impl FnOnce(&Job) -> R) -> Option<R> {
+        self.lock().get(run_id).map(|e| view(&e.job))
+    }
+
     pub fn load(&self, run_id: &str) -> Option<Job> {
         self.lock().get(run_id).map(|e| e.job.clone())
     }

@@ -116,6 +116,33 @@ impl Store {
         }
     }
 
+    /// Applies `ev` like [`Store::apply`] and answers `view` of the job after it (of the job
+    /// untouched when refused), without copying the job.
+    pub async fn apply_view<R>(
+        &self,
+        run_id: &str,
+        create: Option<&JobSettings>,
+        ev: Event,
+        guard: &Guard,
+        now: Millis,
+        view: impl FnOnce(&Job) -> R,
+    ) -> Result<(R, Decision), RdzvError> {
+        match self {
+            Store::Memory(m) => m.apply_view(run_id, create, ev, guard, now, view),
+            Store::Etcd(e) => e.apply(run_id, create, ev, guard.clone(), now).await.map(|(job, d)| (view(&job), d)),
+        }
+    }
+
+    /// `view` of job `run_id` as it stands (etcd: as this process last read or watched it, at
+    /// least as new as the newest version it has seen; read once for all callers otherwise).
+    /// Without liveness: for long-polls, not for the failure detector.
+    pub async fn view<R>(&self, run_id: &str, view: impl FnOnce(&Job) -> R) -> Result<Option<R>, RdzvError> {
+        match self {
+            Store::Memory(m) => Ok(m.view(run_id, view)),
+            Store::Etcd(e) => e.view(run_id, None, view).await,
+        }
+    }
+
     pub async fn load(&self, run_id: &str, now: Millis) -> Result<Option<Job>, RdzvError> {
         match self {
             Store::Memory(m) => Ok(m.load(run_id)),
