@@ -606,3 +606,109 @@ async fn etcd_a_refused_join_leaves_no_lease_and_no_key() {
     assert_eq!(after, before, "a refused join wrote nothing");
     drop(a);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_4_mib_of_job_state_a_victim_job_still_loses_its_silent_node() {
+    use rlaunch_rendezvous::round::{apply, Event, Job, Phase};
+    let etcd = Etcd::start().await;
+    // 36 finished jobs of 1,000 nodes each: about 6 MB of state under the prefix, more than one
+    // etcd answer may carry (4 MiB).
+    let mut filler = Job::new(settings(1, 1000), 0);
+    for i in 0..1000 {
+        let mut n = node(&format!("filler-node-{i:04}-{}", "x".repeat(40)));
+        n.local_world_size = 8;
+        filler = apply(&filler, Event::Join(n), 1).0;
+    }
+    filler.phase = Phase::Finished { at: rlaunch_rendezvous::service::now_ms() };
+    let value = serde_json::to_vec(&filler).expect("encode");
+    let mut c = etcd_client::Client::connect([etcd.endpoint.as_str()], None).await.expect("etcd client");
+    for i in 0..36 {
+        c.put(format!("/rlaunch/jobs/filler-{i:02}/state"), value.clone(), None).await.expect("put filler");
+    }
+    assert!(value.len() * 36 > 4 << 20, "{} bytes of state", value.len() * 36);
+    let rdzv = etcd_service(&etcd).await;
+    let s = settings(1, 2);
+    let a = within("a joins", rdzv.join("victim", &s, node("a"), None, false, Duration::ZERO)).await.expect("a");
+    let b =
+        within("b joins", rdzv.join("victim", &s, node("bb"), None, false, Duration::from_secs(5))).await.expect("b");
+    let round = match &b.answer {
+        rlaunch_rendezvous::JoinAnswer::Round(info) => info.round,
+        other => panic!("b did not get a round: {other:?}"),
+    };
+    // a falls silent now; b keeps beating.
+    let silent_at = Instant::now();
+    loop {
+        let took = silent_at.elapsed();
+        // TTL 2 s + probe timeout 1 s + expiry check and ticks, on a loaded machine.
+        assert!(took < Duration::from_millis(5000), "a not lost after {took:?}");
+        rdzv.heartbeat("victim", "bb", Some(&b.secret), Default::default()).await.expect("b beats");
+        if rdzv.status("victim").await.expect("status").round > round {
+            eprintln!("victim job lost its silent node {took:?} after it fell silent");
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(rdzv.list().await.expect("every job listed").len(), 37);
+    drop(a);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_state_past_etcds_request_limit_is_written_in_parts() {
+    use rlaunch_rendezvous::round::{Event, Guard};
+    use rlaunch_rendezvous::store::etcd::EtcdStore;
+    let etcd = Etcd::start().await;
+    let store = EtcdStore::connect(std::slice::from_ref(&etcd.endpoint)).await.expect("store");
+    // 6,000 nodes with long ids wait to join: about 2.5 MB of state, over etcd's 1.5 MiB limit
+    // on one request.
+    let mut s = settings(1, 20_000);
+    s.min_nodes = 20_000;
+    let long = |i: usize| {
+        let mut n = node(&format!("{i:05}-{}", "n".repeat(200)));
+        n.local_world_size = 8;
+        n
+    };
+    let mut joins = tokio::task::JoinSet::new();
+    for i in 0..6000 {
+        let (store, s, n) = (store.clone(), s.clone(), long(i));
+        joins.spawn(async move {
+            store.apply("big", Some(&s), Event::Join(n), Guard::default(), rlaunch_rendezvous::service::now_ms()).await
+        });
+    }
+    within("6,000 joins", async {
+        while let Some(r) = joins.join_next().await {
+            r.expect("join task").expect("join applied");
+        }
+    })
+    .await;
+    let job = store.load("big", 0).await.expect("load").expect("the job");
+    assert_eq!(job.pending.len(), 6000);
+    let (_, keys) = leases_and_keys(&etcd, "/rlaunch/jobs/big/part/").await;
+    assert!(keys.len() >= 3, "written in parts (over 1.5 MiB): {keys:?}");
+    // Every node leaves: the state is small again and the parts are gone.
+    let mut leaves = tokio::task::JoinSet::new();
+    for i in 0..6000 {
+        let (store, id) = (store.clone(), long(i).node_id);
+        leaves.spawn(async move {
+            store
+                .apply(
+                    "big",
+                    None,
+                    Event::Leave { node_id: id },
+                    Guard::default(),
+                    rlaunch_rendezvous::service::now_ms(),
+                )
+                .await
+        });
+    }
+    within("6,000 leaves", async {
+        while let Some(r) = leaves.join_next().await {
+            r.expect("leave task").expect("leave applied");
+        }
+    })
+    .await;
+    let job = store.load("big", 0).await.expect("load").expect("the job");
+    assert!(job.pending.is_empty());
+    let (_, keys) = leases_and_keys(&etcd, "/rlaunch/jobs/big/part/").await;
+    assert!(keys.is_empty(), "stale parts left: {}", keys.len());
+    assert_eq!(store.jobs(0).await.expect("list").len(), 1, "the ticker's listing reads a job in parts");
+}

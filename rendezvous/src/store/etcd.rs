@@ -3,11 +3,17 @@
 //!
 //! Layout under `/rlaunch/jobs/{run_id}/`:
 //! - `state`: the [`Job`] as JSON, without heartbeat times; every update is a transaction that
-//!   compares the key's mod revision (or its absence) before the put, retried on conflict;
+//!   compares the key's mod revision (or its absence) before the put, retried on conflict. A
+//!   state over 512 KiB (etcd refuses requests over 1.5 MiB) is written first as parts under
+//!   `part/{generation}/{i}`, each its own request, and `state` holds a small header naming the
+//!   generation, put by the transaction (which deletes the previous generation's parts);
 //! - `alive/{node_id}`: one key per node attached to that node's lease (TTL = node TTL rounded up
 //!   to whole seconds). Its presence is the node's liveness: when the machine runs, every node
 //!   with a key counts as just heard from and every other node as lapsed, so a lease expiring is
 //!   a node loss.
+//!
+//! Listing every job (the ticker, `/metrics`) reads the prefix in pages of 64 keys at one
+//! revision and parses only the states that changed since the last listing.
 //!
 //! One background task per store watches the whole prefix: a `state` change wakes long-polls, an
 //! `alive` key deleted (lease expiry, revoke) nudges the ticker so loss is acted on at once.
@@ -71,6 +77,9 @@ struct Inner {
     /// a change look here, and one of them reads etcd for all when it is older than the newest
     /// version the watch saw (10,000 waiters must not read a 1.5 MB job each).
     latest: std::sync::Mutex<HashMap<String, (Arc<Job>, Instant)>>,
+    /// Each job's state as the ticker last parsed it, by mod revision: a listing parses only
+    /// the jobs that changed (finished jobs of 10,000 nodes stay an hour).
+    parsed: std::sync::Mutex<HashMap<String, (i64, Arc<Job>)>>,
     /// One refresh at a time per job.
     refreshing: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Most jobs this store creates, and how many the last listing saw (plus those created since).
@@ -137,8 +146,85 @@ struct Keeper {
 /// What one read of a job's prefix holds.
 struct Snapshot {
     job: Option<Arc<Job>>,
+    /// The store's revision at the read.
+    revision: i64,
+    /// The generation of the state's parts, when it is written in parts.
+    generation: Option<String>,
     mod_revision: i64,
     alive: Vec<String>,
+}
+
+/// Largest value written in one request: etcd refuses requests over 1.5 MiB by default, so a
+/// larger job state is written as parts of this size first, each its own request, under a new
+/// generation; then the transaction that commits the update puts a small header naming that
+/// generation in `state` (and deletes the previous generation's parts). Readers see either the
+/// old header with the old parts or the new header with the new parts.
+const PART_BYTES: usize = 512 * 1024;
+/// Most parts of one state: 50 MiB of state, a job of about 200,000 nodes.
+const MAX_PARTS: usize = 100;
+
+/// The `state` value of a job written in parts: what the watch needs (version, suspects), the
+/// generation and how many parts it has under `part/{gen}/`.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct PartsHeader {
+    version: u64,
+    #[serde(default)]
+    suspects: Vec<String>,
+    parts: usize,
+    generation: String,
+}
+
+fn part_prefix(run_id: &str, generation: &str) -> String {
+    format!("{PREFIX}{run_id}/part/{generation}/")
+}
+
+fn part_key(run_id: &str, generation: &str, i: usize) -> String {
+    format!("{PREFIX}{run_id}/part/{generation}/{i:04}")
+}
+
+/// A job's state from its `state` value and the part keys read with it: the value itself, or
+/// the parts of the generation its header names (and that generation).
+fn assemble(
+    run_id: &str,
+    state: &etcd_client::KeyValue,
+    parts: &[&etcd_client::KeyValue],
+) -> Result<(Job, Option<String>), RdzvError> {
+    let corrupt = |source| RdzvError::Corrupt { run_id: run_id.to_owned(), source };
+    // A header is small; a whole state (not one) is not mistaken for it, as it has no `parts`.
+    let header = (state.value().len() < 64 * 1024).then(|| serde_json::from_slice::<PartsHeader>(state.value()).ok());
+    let Some(Some(header)) = header else {
+        return serde_json::from_slice(state.value()).map(|job| (job, None)).map_err(corrupt);
+    };
+    let prefix = part_prefix(run_id, &header.generation);
+    let mine: Vec<&&etcd_client::KeyValue> =
+        parts.iter().filter(|kv| kv.key().starts_with(prefix.as_bytes())).collect();
+    if mine.len() != header.parts {
+        return Err(RdzvError::Store {
+            message: format!("job `{run_id}`: {} of its {} state parts found", mine.len(), header.parts),
+        });
+    }
+    let mut bytes = Vec::with_capacity(header.parts * PART_BYTES);
+    for kv in mine {
+        bytes.extend_from_slice(kv.value());
+    }
+    serde_json::from_slice(&bytes).map(|job| (job, Some(header.generation))).map_err(corrupt)
+}
+
+/// Keys per page when listing every job, and the answer size that allows (values are at most
+/// etcd's 1.5 MiB request limit each).
+const PAGE_KEYS: i64 = 64;
+const PAGE_BYTES: usize = 128 << 20;
+
+/// The first key after every key that starts with `prefix`.
+fn prefix_end(prefix: &str) -> Vec<u8> {
+    let mut end = prefix.as_bytes().to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return end;
+        }
+    }
+    vec![0]
 }
 
 fn state_key(run_id: &str) -> String {
@@ -224,6 +310,7 @@ impl EtcdStore {
             keys: std::sync::Mutex::new(HashMap::new()),
             latest: std::sync::Mutex::new(HashMap::new()),
             refreshing: std::sync::Mutex::new(HashMap::new()),
+            parsed: std::sync::Mutex::new(HashMap::new()),
             max_jobs: AtomicUsize::new(usize::MAX),
             job_count: AtomicUsize::new(0),
             watcher,
@@ -264,6 +351,75 @@ impl EtcdStore {
             }
         }
         Err(last)
+    }
+
+    /// The transaction operations that make `value` job `run_id`'s state: a put of it under
+    /// `state` when small; else its parts are written now, each on its own, and the operations
+    /// put a header naming their generation. The previous generation's parts are deleted.
+    async fn state_ops(
+        &self,
+        run_id: &str,
+        job: &Job,
+        value: Vec<u8>,
+        old_generation: Option<&str>,
+    ) -> Result<(Vec<TxnOp>, Option<String>), RdzvError> {
+        let mut ops = Vec::new();
+        if let Some(old) = old_generation {
+            let prefix = part_prefix(run_id, old);
+            ops.push(TxnOp::delete(prefix, Some(DeleteOptions::new().with_prefix())));
+        }
+        if value.len() <= PART_BYTES {
+            ops.push(TxnOp::put(state_key(run_id), value, None));
+            return Ok((ops, None));
+        }
+        let chunks: Vec<Vec<u8>> = value.chunks(PART_BYTES).map(<[u8]>::to_vec).collect();
+        if chunks.len() > MAX_PARTS {
+            return Err(RdzvError::Store {
+                message: format!(
+                    "job `{run_id}`: a state of {} bytes is over the bound of {} bytes",
+                    value.len(),
+                    PART_BYTES * MAX_PARTS
+                ),
+            });
+        }
+        let generation = format!("{:016x}", rand::random::<u64>());
+        for (i, chunk) in chunks.iter().enumerate() {
+            let key = part_key(run_id, &generation, i);
+            let written = self
+                .run("put state part", |mut c| {
+                    let (key, chunk) = (key.clone(), chunk.clone());
+                    async move { c.put(key, chunk, None).await }
+                })
+                .await;
+            if let Err(e) = written {
+                self.drop_parts(run_id, Some(&generation)).await;
+                return Err(e);
+            }
+        }
+        let header = PartsHeader {
+            version: job.version,
+            suspects: job.suspects.clone(),
+            parts: chunks.len(),
+            generation: generation.clone(),
+        };
+        let header = serde_json::to_vec(&header).map_err(|e| RdzvError::Store { message: e.to_string() })?;
+        ops.push(TxnOp::put(state_key(run_id), header, None));
+        Ok((ops, Some(generation)))
+    }
+
+    /// Deletes the parts of a generation no header names (an update that lost its race).
+    async fn drop_parts(&self, run_id: &str, generation: Option<&str>) {
+        let Some(generation) = generation else { return };
+        let prefix = part_prefix(run_id, generation);
+        let deleted = self
+            .run("delete state parts", |mut c| {
+                let prefix = prefix.clone();
+                async move { c.delete(prefix, Some(DeleteOptions::new().with_prefix())).await }
+            })
+            .await;
+        if let Err(error) = deleted {
+            warn!(run_id, %error, "could not delete the parts of an update that did not commit");
+        }
     }
 
     pub(crate) fn expired(&self) -> Arc<Notify> {
@@ -348,21 +504,30 @@ impl EtcdStore {
             })
             .await?;
         let (skey, aprefix) = (state_key(run_id), alive_prefix(run_id));
-        let mut snap = Snapshot { job: None, mod_revision: 0, alive: Vec::new() };
+        let parts_under = format!("{PREFIX}{run_id}/part/");
+        let revision = resp.header().map_or(0, |h| h.revision());
+        let mut snap = Snapshot { job: None, revision, generation: None, mod_revision: 0, alive: Vec::new() };
+        let mut state = None;
+        let mut parts = Vec::new();
         for kv in resp.kvs() {
             let key = String::from_utf8_lossy(kv.key());
             if key == skey {
-                let job: Job = serde_json::from_slice(kv.value())
-                    .map_err(|source| RdzvError::Corrupt { run_id: run_id.to_owned(), source })?;
-                note_probing(&self.inner.probing, run_id, Some(&job));
-                self.note_keys(run_id, &job);
-                let job = Arc::new(job);
-                self.note_latest(run_id, &job);
-                snap.job = Some(job);
-                snap.mod_revision = kv.mod_revision();
+                state = Some(kv);
+            } else if key.starts_with(&parts_under) {
+                parts.push(kv);
             } else if let Some(node) = key.strip_prefix(&aprefix) {
                 snap.alive.push(node.to_owned());
             }
+        }
+        if let Some(kv) = state {
+            let (job, generation) = assemble(run_id, kv, &parts)?;
+            note_probing(&self.inner.probing, run_id, Some(&job));
+            self.note_keys(run_id, &job);
+            let job = Arc::new(job);
+            self.note_latest(run_id, &job);
+            snap.job = Some(job);
+            snap.generation = generation;
+            snap.mod_revision = kv.mod_revision();
         }
         Ok(snap)
     }
@@ -585,15 +750,29 @@ impl EtcdStore {
                 Compare::mod_revision(key.clone(), CompareOp::Equal, snap.mod_revision)
             }];
             // A node dropped because its key was missing must still have none: a lease renewed
-            // meanwhile (renew_if_tracked) makes this update read the job again.
+            // meanwhile (renew_if_tracked) makes this update read the job again. Past a few such
+            // nodes (a rack lost at once) one compare covers them all: no alive key of the job
+            // written since the read (a transaction holds at most 128 operations).
             if let Some(before) = &snap.job {
-                for id in before.watched() {
-                    if !snap.alive.iter().any(|a| a == id) && !next.tracks(id) {
-                        cmps.push(Compare::version(alive_key(run_id, id), CompareOp::Equal, 0));
-                    }
+                let alive: HashSet<&str> = snap.alive.iter().map(String::as_str).collect();
+                let dropped: Vec<&str> =
+                    before.watched().into_iter().filter(|id| !alive.contains(id) && !next.tracks(id)).collect();
+                if dropped.len() <= 16 {
+                    cmps.extend(dropped.iter().map(|id| Compare::version(alive_key(run_id, id), CompareOp::Equal, 0)));
+                } else {
+                    let since = Compare::mod_revision(alive_prefix(run_id), CompareOp::Less, snap.revision + 1);
+                    cmps.push(since.with_prefix());
                 }
             }
-            let txn = Txn::new().when(cmps).and_then([TxnOp::put(key.clone(), value, None)]);
+            let (ops, new_generation) = match self.state_ops(run_id, &to_store, value, snap.generation.as_deref()).await
+            {
+                Ok(ops) => ops,
+                Err(e) => {
+                    failure = Some(error_chain(&e));
+                    break;
+                }
+            };
+            let txn = Txn::new().when(cmps).and_then(ops);
             match self
                 .run("transaction", |mut c| {
                     let txn = txn.clone();
@@ -612,8 +791,12 @@ impl EtcdStore {
                     self.note_latest(run_id, &next);
                     return reply_all(batch, outcomes, Some(next));
                 }
-                Ok(_) => debug!(run_id, attempt, "lost a concurrent update of the job; retrying"),
+                Ok(_) => {
+                    self.drop_parts(run_id, new_generation.as_deref()).await;
+                    debug!(run_id, attempt, "lost a concurrent update of the job; retrying")
+                }
                 Err(e) => {
+                    self.drop_parts(run_id, new_generation.as_deref()).await;
                     failure = Some(error_chain(&e));
                     break;
                 }
@@ -631,25 +814,96 @@ impl EtcdStore {
         Ok(snap.job.map(|j| Self::with_liveness(Arc::unwrap_or_clone(j), &snap.alive, now)))
     }
 
+    /// Every key and value under [`PREFIX`], in pages of [`PAGE_KEYS`] keys read at one
+    /// revision: one range of everything fails past the client's 4 MiB answer limit, and with
+    /// it the ticker of every job on the service.
+    async fn list_paged(&self) -> Result<Vec<etcd_client::KeyValue>, RdzvError> {
+        let end = prefix_end(PREFIX);
+        let mut start = PREFIX.as_bytes().to_vec();
+        let mut revision = 0i64;
+        let mut out = Vec::new();
+        loop {
+            let (key, end) = (start.clone(), end.clone());
+            let mut resp = self
+                .run("list jobs", |c| {
+                    let (key, end) = (key.clone(), end.clone());
+                    async move {
+                        let opts = GetOptions::new().with_range(end).with_limit(PAGE_KEYS).with_revision(revision);
+                        // A page of values up to etcd's own request limit each.
+                        c.kv_client().max_decoding_message_size(PAGE_BYTES).get(key, Some(opts)).await
+                    }
+                })
+                .await?;
+            if revision == 0 {
+                revision = resp.header().map_or(0, |h| h.revision());
+            }
+            let more = resp.more();
+            let mut kvs = resp.take_kvs();
+            match kvs.last() {
+                Some(last) if more => {
+                    start = last.key().to_vec();
+                    start.push(0);
+                }
+                _ => {
+                    out.append(&mut kvs);
+                    return Ok(out);
+                }
+            }
+            out.append(&mut kvs);
+        }
+    }
+
     pub async fn jobs(&self, now: Millis) -> Result<Vec<(String, Job)>, RdzvError> {
-        let resp = self
-            .run("list jobs", |mut c| async move { c.get(PREFIX, Some(GetOptions::new().with_prefix())).await })
-            .await?;
-        let mut states: BTreeMap<String, Job> = BTreeMap::new();
+        Ok(self
+            .snapshots()
+            .await?
+            .into_iter()
+            .map(|(id, job, nodes)| {
+                let job = Self::with_liveness(Arc::unwrap_or_clone(job), &nodes, now);
+                (id, job)
+            })
+            .collect())
+    }
+
+    /// Every job as stored, with the nodes whose `alive` key exists; parsed only when changed
+    /// since the last listing.
+    async fn snapshots(&self) -> Result<Vec<(String, Arc<Job>, Vec<String>)>, RdzvError> {
+        let kvs = self.list_paged().await?;
+        let mut states: BTreeMap<String, Arc<Job>> = BTreeMap::new();
         let mut alive: BTreeMap<String, Vec<String>> = BTreeMap::new();
-        for kv in resp.kvs() {
+        // Keys come sorted: a job's `alive/`, then `part/`, then `state`.
+        let mut parts: Vec<&etcd_client::KeyValue> = Vec::new();
+        let mut parts_of = String::new();
+        for kv in &kvs {
             let key = String::from_utf8_lossy(kv.key());
             let Some(rest) = key.strip_prefix(PREFIX) else { continue };
             let Some((run_id, tail)) = rest.split_once('/') else { continue };
+            if parts_of != run_id {
+                parts.clear();
+                parts_of = run_id.to_owned();
+            }
             if tail == "state" {
-                match serde_json::from_slice::<Job>(kv.value()) {
-                    Ok(job) => {
+                let cached = {
+                    let parsed = self.inner.parsed.lock().unwrap_or_else(|p| p.into_inner());
+                    parsed.get(run_id).filter(|(rev, _)| *rev == kv.mod_revision()).map(|(_, j)| j.clone())
+                };
+                if let Some(job) = cached {
+                    states.insert(run_id.to_owned(), job);
+                    continue;
+                }
+                match assemble(run_id, kv, &parts) {
+                    Ok((job, _)) => {
                         note_probing(&self.inner.probing, run_id, Some(&job));
                         self.note_keys(run_id, &job);
+                        let job = Arc::new(job);
+                        let mut parsed = self.inner.parsed.lock().unwrap_or_else(|p| p.into_inner());
+                        parsed.insert(run_id.to_owned(), (kv.mod_revision(), job.clone()));
                         states.insert(run_id.to_owned(), job);
                     }
                     Err(error) => warn!(run_id, %error, "skipping unreadable job state"),
                 }
+            } else if tail.starts_with("part/") {
+                parts.push(kv);
             } else if let Some(node) = tail.strip_prefix("alive/") {
                 alive.entry(run_id.to_owned()).or_default().push(node.to_owned());
             }
@@ -657,6 +911,7 @@ impl EtcdStore {
         self.inner.job_count.store(states.len(), Ordering::Relaxed);
         self.inner.keys.lock().unwrap_or_else(|p| p.into_inner()).retain(|run_id, _| states.contains_key(run_id));
         self.inner.latest.lock().unwrap_or_else(|p| p.into_inner()).retain(|run_id, _| states.contains_key(run_id));
+        self.inner.parsed.lock().unwrap_or_else(|p| p.into_inner()).retain(|run_id, _| states.contains_key(run_id));
         self.inner
             .refreshing
             .lock()
@@ -666,13 +921,13 @@ impl EtcdStore {
             .into_iter()
             .map(|(id, job)| {
                 let nodes = alive.remove(&id).unwrap_or_default();
-                (id, Self::with_liveness(job, &nodes, now))
+                (id, job, nodes)
             })
             .collect())
     }
 
     pub async fn tick_all(&self, now: Millis) -> Vec<(String, Decision)> {
-        let jobs = match self.jobs(now).await {
+        let jobs = match self.snapshots().await {
             Ok(jobs) => jobs,
             Err(error) => {
                 warn!(error = %error, "etcd ticker could not list jobs");
@@ -683,13 +938,13 @@ impl EtcdStore {
             // Keep-alive streams of nodes whose lease is gone (lost without leaving) are closed.
             let alive: std::collections::HashSet<String> = jobs
                 .iter()
-                .flat_map(|(run_id, job)| job.last_seen.keys().map(move |node| alive_key(run_id, node)))
+                .flat_map(|(run_id, _, nodes)| nodes.iter().map(move |node| alive_key(run_id, node)))
                 .collect();
             let mut keepers = self.inner.keepers.lock().unwrap_or_else(|p| p.into_inner());
             keepers.retain(|key, slot| alive.contains(key) || Arc::strong_count(slot) > 1);
         }
         let mut out = Vec::new();
-        for (run_id, job) in jobs {
+        for (run_id, job, nodes) in jobs {
             if super::outlived(&job, now) {
                 let prefix = format!("{PREFIX}{run_id}/");
                 let deleted = self
@@ -706,6 +961,7 @@ impl EtcdStore {
             if job.phase.is_terminal() {
                 continue;
             }
+            let job = Self::with_liveness(Arc::unwrap_or_clone(job), &nodes, now);
             let (next, _) = round::apply(&job, Event::Tick, now);
             if stored(&next) == stored(&job) {
                 continue;
@@ -967,9 +1223,14 @@ fn note_watched_version(
     let key = String::from_utf8_lossy(key);
     let Some(run_id) = key.strip_prefix(PREFIX).and_then(|k| k.strip_suffix("/state")) else { return };
     let Ok(VersionOnly { version, suspects }) = serde_json::from_slice(value) else { return };
-    // The whole job is parsed only while some node is suspected.
-    let job = if suspects.is_empty() { None } else { serde_json::from_slice::<Job>(value).ok() };
-    note_probing(probing, run_id, job.as_ref());
+    // The whole job is parsed only while some node is suspected; a job written in parts has
+    // only its header here, and its probes are noted by the next read (the ticker's, at most a
+    // tick away).
+    if suspects.is_empty() {
+        note_probing(probing, run_id, None);
+    } else if let Ok(job) = serde_json::from_slice::<Job>(value) {
+        note_probing(probing, run_id, Some(&job));
+    }
     let mut versions = versions.lock().unwrap_or_else(|p| p.into_inner());
     let v = versions.entry(run_id.to_owned()).or_insert(version);
     *v = (*v).max(version);
