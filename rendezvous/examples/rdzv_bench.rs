@@ -52,7 +52,9 @@ impl Service {
         if let Some(url) = etcd {
             cmd.args(["--store", "etcd", "--etcd-endpoints", url]);
         }
-        let child = cmd.env("RUST_LOG", "warn").stderr(Stdio::null()).spawn().context("start the service")?;
+        // Its warnings go to a file next to the temp dir, for a run that fails.
+        let log = std::fs::File::create(std::env::temp_dir().join("rdzv_bench_service.log"))?;
+        let child = cmd.env("RUST_LOG", "warn").stderr(Stdio::from(log)).spawn().context("start the service")?;
         let deadline = Instant::now() + Duration::from_secs(30);
         while std::net::TcpStream::connect(&endpoint).is_err() {
             if Instant::now() > deadline {

@@ -131,7 +131,7 @@ impl StoreServer {
 
     /// [`StoreServer::start`] with explicit tunables.
     pub async fn start_with_config(addr: SocketAddr, config: ServerConfig) -> io::Result<StoreHandle> {
-        let listener = TcpListener::bind(addr).await?;
+        let listener = bind(addr)?;
         let (handle, serving) = prepare(listener, config)?;
         tokio::spawn(serving);
         Ok(handle)
@@ -143,11 +143,9 @@ impl StoreServer {
     /// latency low on busy machines (see bench/store/RESULTS.md).
     pub fn start_dedicated(addr: SocketAddr, config: ServerConfig) -> io::Result<StoreHandle> {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-        let listener = std::net::TcpListener::bind(addr)?;
-        listener.set_nonblocking(true)?;
         let listener = {
             let _entered = rt.enter();
-            TcpListener::from_std(listener)?
+            bind(addr)?
         };
         let (handle, serving) = prepare(listener, config)?;
         std::thread::Builder::new().name("rlaunch-store".into()).spawn(move || rt.block_on(serving))?;
@@ -181,6 +179,20 @@ fn prepare(
     };
     let handle = StoreHandle { local_addr, shared, stop: Some(stop), done: Some(done) };
     Ok((handle, serving))
+}
+
+/// How many connections may wait to be accepted: every worker of a 16,384-rank job connects at
+/// once (std's 128 overflows, and Linux then resets handshakes the clients must retry; torch's
+/// server listens with 4096). The kernel caps it at `net.core.somaxconn`.
+const LISTEN_BACKLOG: u32 = 4096;
+
+/// Binds `addr` (address reuse on, as torch's server) with [`LISTEN_BACKLOG`]; needs a runtime
+/// context.
+fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() { tokio::net::TcpSocket::new_v4()? } else { tokio::net::TcpSocket::new_v6()? };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
 }
 
 async fn serve_shared(
@@ -307,8 +319,10 @@ async fn serve_connection(
     // One task per connection: the frame being read stays alive (pinned) while released waits
     // are answered, so no reader task or channel hop sits on the request path, and a client that
     // never reads its replies is throttled by TCP, not buffered here.
+    // 8 KiB per connection: 16,384 idle workers must not cost a gigabyte (a larger value is
+    // read straight into its frame, past the buffer).
     let mut frames =
-        FrameReader::new(BufReader::with_capacity(64 * 1024, read_half), config.limits, Some(config.stall_timeout));
+        FrameReader::new(BufReader::with_capacity(8 * 1024, read_half), config.limits, Some(config.stall_timeout));
     let mut session = Session { shared, config, conn, out: write_half, wake_rx, pending: 0, validated: false };
     match session.run(&mut frames).await {
         Close::Eof => debug!(%peer, conn, "store: client disconnected"),

@@ -203,12 +203,12 @@ impl Store {
         }
     }
 
-    /// Checks, before anything is written for it, that a caller presenting `secret` may speak
-    /// for `node_id` (memory: the update itself checks, atomically; an unknown job: anyone).
+    /// Checks, before anything is written for a join, that a caller presenting `secret` may
+    /// speak for `node_id` (memory: the update itself checks, atomically; an unknown job: anyone).
     pub async fn authorize(&self, run_id: &str, node_id: &str, secret: Option<&str>) -> Result<(), RdzvError> {
         match self {
             Store::Memory(_) => Ok(()),
-            Store::Etcd(e) => match e.authorize(run_id, node_id, secret).await {
+            Store::Etcd(e) => match e.authorize_join(run_id, node_id, secret).await {
                 Err(RdzvError::UnknownJob { .. }) => Ok(()),
                 other => other,
             },
