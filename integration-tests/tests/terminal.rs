@@ -180,9 +180,11 @@ fn stdin_goes_to_the_rank_stdin_rank_names() {
          if sys.stdin.isatty():\n\
          \x20   print('read', repr(input('? ')), flush=True)\n\
          else:\n\
-         \x20   print('no terminal input; read', repr(sys.stdin.read()), flush=True)\n",
+         \x20   print('no terminal input; read ' + repr(sys.stdin.read()), flush=True)\n",
     );
     let mut t = Terminal::run(&["--standalone", "--nproc-per-node", "2", "--stdin-rank", "1", &w], dir.path());
+    // One string, one write: print's separate writes of its arguments may each end up on their
+    // own line when rank 1's prompt comes between them (an unfinished line is never shared).
     t.wait_for("[default0]:no terminal input; read ''");
     t.wait_for("?");
     t.type_keys("hello\n");
