@@ -430,9 +430,10 @@ pub struct RoundInfo {
     pub round: u64,
     pub group_rank: u32,
     pub group_world_size: u32,
-    /// Every member in group-rank order, only when the join asked for it: at 10,000 nodes the
-    /// list is about 1.5 MB, and an agent needs only its own placement (the fields below).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    /// Every member in group-rank order, only when the join asked for it (else empty): at
+    /// 10,000 nodes the list is about 1.5 MB, and an agent needs only its own placement (the
+    /// fields below). Always present on the wire, which older agents require.
+    #[serde(default)]
     pub members: Vec<Member>,
     /// Digest of the round's member list (ids, ranks, offsets, stores): nodes holding the same
     /// digest hold the same round.

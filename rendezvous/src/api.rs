@@ -430,12 +430,18 @@ pub async fn serve_with(
         };
         let stream = match accepted {
             Ok((stream, _)) => stream,
-            Err(error) => {
-                // Out of file descriptors (or another transient accept error): free an idle
-                // connection and pause, rather than spin.
+            Err(error) if matches!(error.raw_os_error(), Some(libc_emfile) if libc_emfile == 24 || libc_emfile == 23) =>
+            {
+                // Out of file descriptors (EMFILE, ENFILE): free an idle connection and pause,
+                // rather than spin.
                 warn!(%error, "accept failed");
                 connections.make_room(0);
                 tokio::time::sleep(Duration::from_millis(20)).await;
+                continue;
+            }
+            Err(error) => {
+                // A client gone before its accept (ECONNABORTED and the like): the next one.
+                debug!(%error, "accept failed");
                 continue;
             }
         };

@@ -254,7 +254,9 @@ impl RendezvousClient {
                 rdzv.join(&self.run_id, &self.settings, node.clone(), secret.as_deref(), false, wait).await?
             }
         };
-        self.inner.secrets.lock().unwrap_or_else(|p| p.into_inner()).insert(node.node_id.clone(), joined.secret);
+        if !joined.secret.is_empty() {
+            self.inner.secrets.lock().unwrap_or_else(|p| p.into_inner()).insert(node.node_id.clone(), joined.secret);
+        }
         if let Transport::Local { etcd: true, .. } = &self.inner.transport {
             self.ensure_keeper(&node.node_id);
         }

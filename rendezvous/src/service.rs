@@ -68,6 +68,8 @@ impl JoinView {
 pub struct Joined {
     #[serde(flatten)]
     pub answer: JoinAnswer,
+    /// Empty from a service without node identity (older versions).
+    #[serde(default)]
     pub secret: String,
 }
 
@@ -318,7 +320,10 @@ impl Rendezvous {
                 .terminal
                 .unwrap_or_else(|| RdzvError::Store { message: format!("node {id} was dropped while joining") }));
         };
+        // From now on the node holds `held`: a re-join below (after it was dropped) presents it,
+        // and keys the node with it again if its key was pruned meanwhile.
         guard.secret = Some(held.clone());
+        guard.minted = Some(held.clone());
         loop {
             if let Some(info) = view.info {
                 return Ok(Joined { answer: JoinAnswer::Round(info), secret: held });
@@ -389,25 +394,34 @@ impl Rendezvous {
         let deadline = Instant::now() + wait.min(MAX_WAIT);
         let mut checked = node.is_none();
         loop {
-            let job = self
+            // A view, not a copy: every agent of a 10,000-node job watches.
+            let seen = self
                 .store
-                .load(run_id, now_ms())
+                .view(run_id, |job| {
+                    let allowed = match (node, checked) {
+                        (Some((node_id, secret)), false) => crate::round::authorize(job, node_id, secret),
+                        _ => Ok(()),
+                    };
+                    let event = match &job.phase {
+                        Phase::Finished { .. } => Some(WatchEvent::Finished),
+                        Phase::Failed { reason, .. } => Some(WatchEvent::Failed(reason.clone())),
+                        _ if job.round != after_round => Some(WatchEvent::NewRound(job.round)),
+                        _ => None,
+                    };
+                    (allowed, event, job.version)
+                })
                 .await?
                 .ok_or_else(|| RdzvError::UnknownJob { run_id: run_id.to_owned() })?;
-            if let (Some((node_id, secret)), false) = (node, checked) {
-                crate::round::authorize(&job, node_id, secret)?;
-                checked = true;
-            }
-            match &job.phase {
-                Phase::Finished { .. } => return Ok(WatchEvent::Finished),
-                Phase::Failed { reason, .. } => return Ok(WatchEvent::Failed(reason.clone())),
-                _ if job.round != after_round => return Ok(WatchEvent::NewRound(job.round)),
-                _ => {}
+            let (allowed, event, version) = seen;
+            allowed?;
+            checked = true;
+            if let Some(event) = event {
+                return Ok(event);
             }
             if Instant::now() >= deadline {
                 return Ok(WatchEvent::NoChange);
             }
-            self.store.wait_change(run_id, job.version, deadline).await?;
+            self.store.wait_change(run_id, version, deadline).await?;
         }
     }
 

@@ -169,7 +169,7 @@ async fn join_over_oneshot_closes_a_single_node_round() {
     assert_eq!(body["state"], "running");
     assert_eq!(body["members"][0]["node_id"], "a");
     // The answer carries the node's own placement and a digest; the list only on request.
-    assert!(info.get("members").is_none(), "{info}");
+    assert_eq!(info["members"], json!([]), "{info}");
     let digest = info["members_digest"].as_str().expect("digest").to_owned();
     let (status, body) = send(
         &app,

@@ -1178,3 +1178,21 @@ fn joins_beyond_the_bound_on_waiting_nodes_are_refused() {
     let d = apply_guarded(&mut job, Event::Join(node("a")), &bound(Some("sa"), "x"), 320);
     assert!(!matches!(d.action, Action::Rejected(_)), "{d:?}");
 }
+
+#[test]
+fn a_join_applied_twice_after_a_lost_answer_is_its_own_retry_not_a_forgery() {
+    // The same join (same minted secret, no secret presented) applied again, as an etcd update
+    // retried after its answer was lost does: accepted, the key unchanged.
+    let job = Job::new(settings(2, 2), 0);
+    let (job, d) = guarded(&job, Event::Join(node("a")), None, Some("m1"), 0);
+    assert!(!matches!(d.action, Action::Rejected(_)), "{d:?}");
+    let (again, d) = guarded(&job, Event::Join(node("a")), None, Some("m1"), 10);
+    assert!(!matches!(d.action, Action::Rejected(_)), "{d:?}");
+    assert_eq!(again.keys, job.keys);
+    // Another caller's minted secret is no such retry.
+    let (_, d) = guarded(&job, Event::Join(node("a")), None, Some("m2"), 10);
+    assert!(forbidden(&d), "{d:?}");
+    // Nor does a minted secret let any other event through.
+    let (_, d) = guarded(&job, Event::Leave { node_id: "a".into() }, None, Some("m1"), 10);
+    assert!(forbidden(&d), "{d:?}");
+}

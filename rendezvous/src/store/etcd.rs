@@ -518,9 +518,15 @@ impl EtcdStore {
     async fn read(&self, run_id: &str) -> Result<Snapshot, RdzvError> {
         let prefix = format!("{PREFIX}{run_id}/");
         let resp = self
-            .run("get job", |mut c| {
+            .run("get job", |c| {
                 let prefix = prefix.clone();
-                async move { c.get(prefix, Some(GetOptions::new().with_prefix())).await }
+                // A job in parts is up to 50 MiB: past the client's default 4 MiB answer limit.
+                async move {
+                    c.kv_client()
+                        .max_decoding_message_size(PAGE_BYTES)
+                        .get(prefix, Some(GetOptions::new().with_prefix()))
+                        .await
+                }
             })
             .await?;
         let (skey, aprefix) = (state_key(run_id), alive_prefix(run_id));
@@ -696,6 +702,7 @@ impl EtcdStore {
     async fn commit(&self, run_id: &str, batch: Vec<Queued>) {
         let key = state_key(run_id);
         let mut failure: Option<String> = None;
+        let mut unconfirmed: Option<String> = None;
         for attempt in 1..=MAX_ATTEMPTS {
             if attempt > 1 {
                 // Someone else wrote first: back off a little, with jitter, before re-reading.
@@ -710,6 +717,11 @@ impl EtcdStore {
                     break;
                 }
             };
+            if let Some(generation) = unconfirmed.take() {
+                if snap.generation.as_deref() != Some(generation.as_str()) {
+                    self.drop_parts(run_id, Some(&generation)).await;
+                }
+            }
             let created = snap.job.is_none();
             let now = batch.first().map(|q| q.now).unwrap_or(0);
             let mut job: Option<Job> = snap.job.as_deref().cloned().map(|j| Self::with_liveness(j, &snap.alive, now));
@@ -811,12 +823,14 @@ impl EtcdStore {
                     self.note_latest(run_id, &next);
                     return reply_all(batch, outcomes, Some(next));
                 }
+                // The transaction may have committed after all (an answer lost, then the same
+                // transaction retried on another member, whose compare fails): its parts are
+                // dropped only once a read shows the state does not name them.
                 Ok(_) => {
-                    self.drop_parts(run_id, new_generation.as_deref()).await;
+                    unconfirmed = new_generation;
                     debug!(run_id, attempt, "lost a concurrent update of the job; retrying")
                 }
                 Err(e) => {
-                    self.drop_parts(run_id, new_generation.as_deref()).await;
                     failure = Some(error_chain(&e));
                     break;
                 }
