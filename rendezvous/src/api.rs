@@ -333,7 +333,7 @@ pub fn router(state: AppState) -> Router {
 /// How the server holds against slow and numerous clients.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ServeLimits {
-    /// Most connections open at once. At the bound, the connection idle the longest (no request
+    /// Most connections open at once. At the bound, the oldest idle connection (no request
     /// in progress: a kept-alive one, or one still sending its headers) is closed to admit the
     /// new one; when every connection is busy, the new one is closed.
     pub max_connections: usize,

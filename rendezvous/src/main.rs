@@ -59,7 +59,7 @@ struct Args {
           value_parser = clap::value_parser!(u32).range(1..=i64::from(rlaunch_rendezvous::round::MAX_NODES)))]
     max_nodes: u32,
     /// Most HTTP connections open at once (an agent holds one or two); at the bound, the
-    /// longest idle connection is closed to admit a new one. Default: the open-file limit
+    /// oldest idle connection is closed to admit a new one. Default: the open-file limit
     /// (raised to its hard limit at start) less 128.
     #[arg(long, env = "RLAUNCH_RDZV_MAX_CONNECTIONS")]
     max_connections: Option<usize>,
