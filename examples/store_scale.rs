@@ -51,37 +51,13 @@ const DONE_KEY: &str = "init/done";
 const SPARE_FDS: usize = 64;
 
 fn main() -> Result<()> {
-    let nofile = raise_nofile_limit()?;
+    let nofile = rlaunch::store::raise_open_files().context("raising the open-file limit")? as usize;
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         Some("--serve") => serve(&args[1..]),
         Some("--clients-proc") => clients_proc(&args[1..]),
         _ => bench(&args, nofile),
     }
-}
-
-/// Raises the soft RLIMIT_NOFILE to the hard limit (every process of this benchmark holds
-/// thousands of sockets; soft limits are often 1024) and returns it.
-fn raise_nofile_limit() -> Result<usize> {
-    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: getrlimit only writes the struct we pass.
-    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
-        return Err(std::io::Error::last_os_error()).context("getrlimit(RLIMIT_NOFILE)");
-    }
-    let mut target = lim.rlim_max;
-    if target == libc::RLIM_INFINITY {
-        // An infinite soft limit is invalid for descriptors; fs.nr_open is the kernel's ceiling.
-        let nr_open = std::fs::read_to_string("/proc/sys/fs/nr_open").context("read fs.nr_open")?;
-        target = nr_open.trim().parse().context("parse fs.nr_open")?;
-    }
-    if lim.rlim_cur < target {
-        lim.rlim_cur = target;
-        // SAFETY: setrlimit only reads the struct we pass.
-        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) } != 0 {
-            return Err(std::io::Error::last_os_error()).context("setrlimit(RLIMIT_NOFILE)");
-        }
-    }
-    Ok(lim.rlim_cur as usize)
 }
 
 /// CLOCK_MONOTONIC in ns: one clock for every process on the machine, so the client processes'

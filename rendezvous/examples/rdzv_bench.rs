@@ -144,18 +144,6 @@ async fn one(service: &Service, n: u32, run_id: &str) -> Result<Run> {
     Ok(Run { took, answer_bytes, rss_mib })
 }
 
-/// Raises the soft open-file limit to the hard one (10,000 agents hold 10,000 connections).
-fn raise_open_files() {
-    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: getrlimit/setrlimit only read and write the struct passed.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 {
-            lim.rlim_cur = lim.rlim_max;
-            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
-        }
-    }
-}
-
 #[tokio::main]
 async fn main() -> Result<()> {
     let mut agents = vec![100u32, 1000, 3000, 10000];
@@ -170,7 +158,8 @@ async fn main() -> Result<()> {
             other => bail!("unknown argument {other}"),
         }
     }
-    raise_open_files();
+    // 10,000 agents hold 10,000 connections.
+    rlaunch::store::raise_open_files().context("raising the open-file limit")?;
     println!("store\tagents\tlast_join_to_all_closed_ms\tper_agent_us\tanswer_bytes\tservice_rss_mib");
     let mut stores: Vec<(&str, Option<&str>)> = vec![("memory", None)];
     if let Some(url) = etcd.as_deref() {

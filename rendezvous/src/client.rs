@@ -294,25 +294,21 @@ impl RendezvousClient {
                         unavailable_since = None;
                         debug!(node_id = %node.node_id, round, state = %state, "still waiting for a round");
                     }
-                    // The job holds a key for this id that is not ours: the answer to our first
-                    // join was lost (the entry lapses within TTL + probe timeout, then the id is
-                    // free), or another agent uses the same node id. Wait, within the patience.
-                    Err(e @ RdzvError::Forbidden { .. }) => {
-                        self.forget_secret(&node.node_id);
+                    // Forbidden: the job holds a key for this id that is not ours. The answer to our
+                    // first join was lost (the entry lapses within TTL + probe timeout, then the id
+                    // is free), or another agent uses the same node id. Like an unreachable
+                    // rendezvous, that is waited out within the patience.
+                    Err(e) if e.is_transient() || matches!(e, RdzvError::Forbidden { .. }) => {
+                        let held = matches!(e, RdzvError::Forbidden { .. });
+                        if held {
+                            self.forget_secret(&node.node_id);
+                        }
                         let since = *unavailable_since.get_or_insert_with(tokio::time::Instant::now);
                         if since.elapsed() >= patience {
                             return Err(e);
                         }
-                        warn!(node_id = %node.node_id, error = %e, "node id held by another agent; retrying the join");
-                        tokio::time::sleep(backoff).await;
-                        backoff = (backoff * 2).min(Duration::from_secs(2));
-                    }
-                    Err(e) if e.is_transient() => {
-                        let since = *unavailable_since.get_or_insert_with(tokio::time::Instant::now);
-                        if since.elapsed() >= patience {
-                            return Err(e);
-                        }
-                        warn!(node_id = %node.node_id, error = %e, "rendezvous unreachable; retrying the join");
+                        let why = if held { "node id held by another agent" } else { "rendezvous unreachable" };
+                        warn!(node_id = %node.node_id, error = %e, "{why}; retrying the join");
                         tokio::time::sleep(backoff).await;
                         backoff = (backoff * 2).min(Duration::from_secs(2));
                     }

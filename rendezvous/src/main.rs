@@ -102,24 +102,6 @@ async fn connect_etcd(endpoints: &[String], patience: Duration) -> Result<EtcdSt
     }
 }
 
-/// Raises the soft open-file limit to the hard one; returns the soft limit now in force.
-fn raise_open_files() -> Option<u64> {
-    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: getrlimit/setrlimit only read and write the struct passed.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
-            return None;
-        }
-        if lim.rlim_cur < lim.rlim_max {
-            let raised = libc::rlimit { rlim_cur: lim.rlim_max, rlim_max: lim.rlim_max };
-            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
-                lim.rlim_cur = lim.rlim_max;
-            }
-        }
-    }
-    Some(lim.rlim_cur)
-}
-
 #[tokio::main]
 async fn main() -> Result<()> {
     tracing_subscriber::fmt()
@@ -150,7 +132,7 @@ async fn main() -> Result<()> {
     let rdzv = Rendezvous::with_limits(store, Limits { max_jobs: args.max_jobs, max_nodes: args.max_nodes });
     // Connections stay below the open-file limit, so the listener (and etcd) always have room.
     let mut max_connections = args.max_connections.unwrap_or(ServeLimits::default().max_connections).max(1);
-    if let Some(files) = raise_open_files() {
+    if let Ok(files) = rlaunch::store::raise_open_files() {
         let room = usize::try_from(files.saturating_sub(128)).unwrap_or(usize::MAX).max(16);
         if max_connections > room {
             if args.max_connections.is_some() {

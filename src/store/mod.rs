@@ -24,6 +24,31 @@ pub use client::{probe, probe_udp, serve_udp_probes, PrefixStore, StoreClient, P
 pub use protocol::Limits;
 pub use server::{ServerConfig, StoreHandle, StoreServer, DEFAULT_MAX_TOTAL_BYTES};
 
+/// Raises this process's soft open-file limit to its hard one (an infinite hard limit: the
+/// kernel's `fs.nr_open`) and returns the soft limit now in force. A server of thousands of
+/// connections (a job's store, the rendezvous service) runs out at the common soft limit 1024.
+pub fn raise_open_files() -> std::io::Result<u64> {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit only writes the struct passed.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let mut target = lim.rlim_max;
+    if target == libc::RLIM_INFINITY {
+        // An infinite soft limit is invalid for descriptors; fs.nr_open is the kernel's ceiling.
+        let nr_open = std::fs::read_to_string("/proc/sys/fs/nr_open")?;
+        target = nr_open.trim().parse().map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
+    }
+    if lim.rlim_cur < target {
+        lim.rlim_cur = target;
+        // SAFETY: setrlimit only reads the struct passed.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(lim.rlim_cur)
+}
+
 /// A failed store operation, as seen by a [`StoreClient`].
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {

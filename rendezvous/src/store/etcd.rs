@@ -407,18 +407,24 @@ impl EtcdStore {
         Ok((ops, Some(generation)))
     }
 
-    /// Deletes the parts of a generation no header names (an update that lost its race).
-    async fn drop_parts(&self, run_id: &str, generation: Option<&str>) {
-        let Some(generation) = generation else { return };
-        let prefix = part_prefix(run_id, generation);
+    /// Deletes every key under `prefix`; a failure is logged as `what` (the next pass retries).
+    async fn delete_prefix(&self, run_id: &str, prefix: String, what: &'static str) {
         let deleted = self
-            .run("delete state parts", |mut c| {
+            .run("delete keys", |mut c| {
                 let prefix = prefix.clone();
                 async move { c.delete(prefix, Some(DeleteOptions::new().with_prefix())).await }
             })
             .await;
         if let Err(error) = deleted {
-            warn!(run_id, %error, "could not delete the parts of an update that did not commit");
+            warn!(run_id, %error, "{what}");
+        }
+    }
+
+    /// Deletes the parts of a generation no header names (an update that lost its race).
+    async fn drop_parts(&self, run_id: &str, generation: Option<&str>) {
+        if let Some(generation) = generation {
+            let what = "could not delete the parts of an update that did not commit";
+            self.delete_prefix(run_id, part_prefix(run_id, generation), what).await;
         }
     }
 
@@ -980,16 +986,7 @@ impl EtcdStore {
         let mut out = Vec::new();
         for (run_id, job, nodes) in jobs {
             if super::outlived(&job, now) {
-                let prefix = format!("{PREFIX}{run_id}/");
-                let deleted = self
-                    .run("forget job", |mut c| {
-                        let prefix = prefix.clone();
-                        async move { c.delete(prefix, Some(DeleteOptions::new().with_prefix())).await }
-                    })
-                    .await;
-                if let Err(error) = deleted {
-                    warn!(run_id, error = %error, "could not forget an old job");
-                }
+                self.delete_prefix(&run_id, format!("{PREFIX}{run_id}/"), "could not forget an old job").await;
                 continue;
             }
             if job.phase.is_terminal() {

@@ -40,17 +40,6 @@ impl MemoryStore {
         self.max_jobs.store(n, Ordering::Relaxed);
     }
 
-    pub fn apply(
-        &self,
-        run_id: &str,
-        create: Option<&JobSettings>,
-        ev: Event,
-        guard: &Guard,
-        now: Millis,
-    ) -> Result<(Arc<Job>, Decision), RdzvError> {
-        self.apply_view(run_id, create, ev, guard, now, |j| Arc::new(j.clone()))
-    }
-
     /// Applies `ev` in place under the lock and returns `view` of the result (of the untouched
     /// job when rejected) without copying the job unless `view` does.
     pub fn apply_view<R>(
@@ -143,8 +132,9 @@ mod tests {
         let node =
             NodeInfo { node_id: "a".into(), local_world_size: 1, store_addr: "h:1".parse().unwrap(), probe_addr: None };
         let g = Guard::default();
-        store.apply("r", Some(&settings), Event::Join(node), &g, 0).expect("join");
-        store.apply("r", None, Event::NodeSucceeded { node_id: "a".into(), round: 1 }, &g, 10).expect("success");
+        store.apply_view("r", Some(&settings), Event::Join(node), &g, 0, |_| ()).expect("join");
+        let success = Event::NodeSucceeded { node_id: "a".into(), round: 1 };
+        store.apply_view("r", None, success, &g, 10, |_| ()).expect("success");
         let retention = super::super::TERMINAL_RETENTION.as_millis() as u64;
         store.tick_all(10 + retention - 1);
         assert!(store.load("r").is_some(), "still readable within the retention");

@@ -8,7 +8,6 @@
 pub mod etcd;
 pub mod memory;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -91,23 +90,6 @@ impl Store {
         }
     }
 
-    /// Applies `ev` to job `run_id` atomically behind `guard` (the node's secret, the bound on
-    /// waiting nodes), creating the job from `create` when it does not exist (joins only). A
-    /// rejected event leaves the stored job untouched.
-    pub async fn apply(
-        &self,
-        run_id: &str,
-        create: Option<&JobSettings>,
-        ev: Event,
-        guard: &Guard,
-        now: Millis,
-    ) -> Result<(Arc<Job>, Decision), RdzvError> {
-        match self {
-            Store::Memory(m) => m.apply(run_id, create, ev, guard, now),
-            Store::Etcd(e) => e.apply(run_id, create, ev, guard.clone(), now).await,
-        }
-    }
-
     /// Most jobs the store creates.
     pub fn set_max_jobs(&self, n: usize) {
         match self {
@@ -116,8 +98,10 @@ impl Store {
         }
     }
 
-    /// Applies `ev` like [`Store::apply`] and answers `view` of the job after it (of the job
-    /// untouched when refused), without copying the job.
+    /// Applies `ev` to job `run_id` atomically behind `guard` (the node's secret, the bound on
+    /// waiting nodes), creating the job from `create` when it does not exist (joins only), and
+    /// answers `view` of the job after it without copying the job. A rejected event leaves the
+    /// stored job untouched (`view` sees it so).
     pub async fn apply_view<R>(
         &self,
         run_id: &str,
