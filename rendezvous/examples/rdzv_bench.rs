@@ -132,7 +132,7 @@ async fn one(service: &Service, n: u32, run_id: &str) -> Result<Run> {
     let last = client.join(node(n - 1)).await.context("last join")?;
     let mut answer_bytes = 0;
     for j in joins {
-        let info = j.await.context("join task")?.context("join")?;
+        let info = j.await.context("join task")?.map_err(|e| anyhow::anyhow!("join: {e:?}"))?;
         assert_eq!((info.round, &info.members_digest), (last.round, &last.members_digest));
         answer_bytes = answer_bytes.max(serde_json::to_vec(&info)?.len());
     }

@@ -73,7 +73,7 @@ pub struct JoinRequest {
     pub node: NodeInfo,
     /// The secret an earlier join answered (none for a node's first join).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub secret: Option<String>,
+    pub secret: Option<crate::identity::Secret>,
     /// Whether the answer should list every member (an agent needs only its own placement
     /// and the digest).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -86,7 +86,7 @@ pub struct JoinRequest {
 pub struct NodeRequest {
     pub node_id: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub secret: Option<String>,
+    pub secret: Option<crate::identity::Secret>,
 }
 
 /// Body of a heartbeat: the node, its counter and the outcomes of probes it was asked for.
@@ -94,7 +94,7 @@ pub struct NodeRequest {
 pub struct HeartbeatRequest {
     pub node_id: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub secret: Option<String>,
+    pub secret: Option<crate::identity::Secret>,
     #[serde(flatten)]
     pub beat: Beat,
 }
@@ -106,7 +106,7 @@ pub struct WatchRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node_id: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub secret: Option<String>,
+    pub secret: Option<crate::identity::Secret>,
     #[serde(default)]
     pub wait_ms: Option<u64>,
 }
@@ -115,7 +115,7 @@ pub struct WatchRequest {
 pub struct FailureRequest {
     pub node_id: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub secret: Option<String>,
+    pub secret: Option<crate::identity::Secret>,
     pub round: u64,
     pub root_cause: Box<crate::round::RootCause>,
 }
@@ -124,7 +124,7 @@ pub struct FailureRequest {
 pub struct SuccessRequest {
     pub node_id: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub secret: Option<String>,
+    pub secret: Option<crate::identity::Secret>,
     pub round: u64,
 }
 

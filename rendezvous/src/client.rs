@@ -227,8 +227,8 @@ impl RendezvousClient {
     }
 
     /// The secret `node_id` holds, if a join answered one.
-    fn secret(&self, node_id: &str) -> Option<String> {
-        self.inner.secrets.lock().unwrap_or_else(|p| p.into_inner()).get(node_id).cloned()
+    fn secret(&self, node_id: &str) -> Option<crate::identity::Secret> {
+        self.inner.secrets.lock().unwrap_or_else(|p| p.into_inner()).get(node_id).cloned().map(Into::into)
     }
 
     fn forget_secret(&self, node_id: &str) {
@@ -298,7 +298,12 @@ impl RendezvousClient {
                     // first join was lost (the entry lapses within TTL + probe timeout, then the id
                     // is free), or another agent uses the same node id. Like an unreachable
                     // rendezvous, that is waited out within the patience.
-                    Err(e) if e.is_transient() || matches!(e, RdzvError::Forbidden { .. }) => {
+                    // A service at one of its bounds (jobs, pending nodes: 429) has room again
+                    // once finished jobs are forgotten or a round closes: waited out too.
+                    Err(e)
+                        if e.is_transient()
+                            || matches!(e, RdzvError::Forbidden { .. } | RdzvError::LimitReached { .. }) =>
+                    {
                         let held = matches!(e, RdzvError::Forbidden { .. });
                         if held {
                             self.forget_secret(&node.node_id);
@@ -307,7 +312,11 @@ impl RendezvousClient {
                         if since.elapsed() >= patience {
                             return Err(e);
                         }
-                        let why = if held { "node id held by another agent" } else { "rendezvous unreachable" };
+                        let why = match e {
+                            RdzvError::Forbidden { .. } => "node id held by another agent",
+                            RdzvError::LimitReached { .. } => "rendezvous at a bound",
+                            _ => "rendezvous unreachable",
+                        };
                         warn!(node_id = %node.node_id, error = %e, "{why}; retrying the join");
                         tokio::time::sleep(backoff).await;
                         backoff = (backoff * 2).min(Duration::from_secs(2));

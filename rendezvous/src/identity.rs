@@ -53,3 +53,28 @@ mod tests {
         assert!(!matches(&digest(&a), &digest(&a)), "the digest itself is not the secret");
     }
 }
+
+/// A secret on the wire (request bodies): serialized as the plain string, but never printed by
+/// `Debug`, so a logged request does not leak a node's credential.
+#[derive(Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(transparent)]
+pub struct Secret(pub String);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(<redacted>)")
+    }
+}
+
+impl std::ops::Deref for Secret {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl From<String> for Secret {
+    fn from(s: String) -> Self {
+        Secret(s)
+    }
+}

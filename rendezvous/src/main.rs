@@ -58,6 +58,11 @@ struct Args {
     #[arg(long, env = "RLAUNCH_RDZV_MAX_NODES", default_value_t = Limits::default().max_nodes,
           value_parser = clap::value_parser!(u32).range(1..=i64::from(rlaunch_rendezvous::round::MAX_NODES)))]
     max_nodes: u32,
+    /// How long a finished or failed job stays readable (`rlaunch status`) before it is
+    /// forgotten and its run id can be used again, in seconds.
+    #[arg(long, env = "RLAUNCH_RDZV_TERMINAL_RETENTION_S", default_value_t = rlaunch_rendezvous::store::TERMINAL_RETENTION.as_secs(),
+          value_parser = clap::value_parser!(u64).range(0..=30 * 86_400))]
+    terminal_retention_s: u64,
     /// Most HTTP connections open at once (an agent holds one or two); at the bound, the
     /// oldest idle connection is closed to admit a new one. Default: the open-file limit
     /// (raised to its hard limit at start) less 128.
@@ -129,7 +134,14 @@ async fn main() -> Result<()> {
         }
         None => args.token.clone(),
     };
-    let rdzv = Rendezvous::with_limits(store, Limits { max_jobs: args.max_jobs, max_nodes: args.max_nodes });
+    let rdzv = Rendezvous::with_limits(
+        store,
+        Limits {
+            max_jobs: args.max_jobs,
+            max_nodes: args.max_nodes,
+            retention: Duration::from_secs(args.terminal_retention_s),
+        },
+    );
     // Connections stay below the open-file limit, so the listener (and etcd) always have room.
     let mut max_connections = args.max_connections.unwrap_or(ServeLimits::default().max_connections).max(1);
     if let Ok(files) = rlaunch::store::raise_open_files() {
@@ -147,14 +159,26 @@ async fn main() -> Result<()> {
     state.body_limit = args.body_limit;
     state.protect_metrics = args.protect_metrics;
 
-    let listener =
-        tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("binding {}", args.listen))?;
+    // A backlog of 4096, not std's 128: every agent of a large job connects at once.
+    let listener = rlaunch::store::bind(args.listen).with_context(|| format!("binding {}", args.listen))?;
     let local = listener.local_addr().context("reading the bound address")?;
     info!(
         listen = %local, store = ?args.store, auth, protect_metrics = args.protect_metrics,
         max_jobs = args.max_jobs, max_nodes = args.max_nodes, max_connections,
         header_timeout_ms = args.header_timeout_ms, "rlaunch-rendezvous serving"
     );
+
+    // Memory freed by forgotten jobs goes back to the system: after a burst of jobs the
+    // allocator would otherwise keep its high-water mark for the life of the service.
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    tokio::spawn(async {
+        let mut every = tokio::time::interval(Duration::from_secs(30));
+        loop {
+            every.tick().await;
+            // SAFETY: malloc_trim only releases free memory of glibc's arenas; it takes no pointer.
+            unsafe { libc::malloc_trim(0) };
+        }
+    });
 
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(api::serve_with(listener, state, serve_limits, async move {

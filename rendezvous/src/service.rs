@@ -80,12 +80,14 @@ pub struct Limits {
     pub max_jobs: usize,
     /// Most nodes per job: its `max_nodes` setting and the nodes waiting to join it.
     pub max_nodes: u32,
+    /// How long a finished or failed job stays readable before it is forgotten.
+    pub retention: Duration,
 }
 
 impl Default for Limits {
     /// 10,000 jobs of up to 32,768 nodes (a 262,144-GPU job at 8 per node).
     fn default() -> Self {
-        Self { max_jobs: 10_000, max_nodes: 32_768 }
+        Self { max_jobs: 10_000, max_nodes: 32_768, retention: crate::store::TERMINAL_RETENTION }
     }
 }
 
@@ -469,7 +471,7 @@ impl Rendezvous {
 
     /// Applies `Tick` to every job once (the ticker does this periodically).
     pub async fn tick(&self) {
-        for (run_id, d) in self.store.tick_all(now_ms()).await {
+        for (run_id, d) in self.store.tick_all(now_ms(), self.limits.retention).await {
             self.observe(&run_id, &d);
         }
     }

@@ -785,7 +785,7 @@ async fn a_lost_join_answer_costs_a_wait_not_the_node_id() {
 async fn the_service_bounds_jobs_and_nodes_per_job_and_names_the_flag() {
     use rlaunch_rendezvous::service::Limits;
     use rlaunch_rendezvous::Store;
-    let rdzv = Rendezvous::with_limits(Store::memory(), Limits { max_jobs: 2, max_nodes: 3 });
+    let rdzv = Rendezvous::with_limits(Store::memory(), Limits { max_jobs: 2, max_nodes: 3, ..Limits::default() });
     let app = api::router(AppState::new(rdzv.clone(), None));
     for run in ["j1", "j2"] {
         let (status, v) = raw_join(&app, run, &calm(1, 3), &node("a"), None).await;
@@ -812,6 +812,29 @@ async fn the_service_bounds_jobs_and_nodes_per_job_and_names_the_flag() {
     }
     let j2 = job(&rdzv, "j2").await.expect("j2");
     assert!(j2.pending.len() <= 3 && refused >= 3, "pending {} refused {refused}", j2.pending.len());
+}
+
+/// A service at its job bound answers 429; an agent's join waits that out (like an unreachable
+/// service) and gets in once a finished job is forgotten (`--terminal-retention-s`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_join_refused_at_the_job_bound_gets_in_once_a_finished_job_is_forgotten() {
+    use rlaunch_rendezvous::service::Limits;
+    use rlaunch_rendezvous::Store;
+    let limits = Limits { max_jobs: 1, retention: Duration::from_secs(1), ..Limits::default() };
+    let rdzv = Rendezvous::with_limits(Store::memory(), limits);
+    let first = RendezvousClient::connect(Backend::InProcess(rdzv.clone()), "first", calm(1, 1)).await.expect("client");
+    let info = within("first joins", first.join(node("a"))).await.expect("first job forms");
+    let second =
+        RendezvousClient::connect(Backend::InProcess(rdzv.clone()), "second", calm(1, 1)).await.expect("client");
+    let refused = second.join_once(&node("b"), Duration::ZERO).await;
+    assert!(matches!(refused, Err(RdzvError::LimitReached { .. })), "{refused:?}");
+    let waiting = tokio::spawn(async move { second.join(node("b")).await });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!waiting.is_finished(), "the join waits while the bound holds");
+    first.report_success("a", info.round).await.expect("first finishes");
+    let got = within("second joins", waiting).await.expect("join task").expect("second gets in");
+    assert_eq!(got.round, 1);
+    assert!(job(&rdzv, "first").await.is_none(), "the finished job was forgotten");
 }
 
 #[test]

@@ -604,7 +604,92 @@ async fn etcd_a_refused_join_leaves_no_lease_and_no_key() {
     assert!(matches!(refused, Err(RdzvError::InvalidSettings(_))), "{refused:?}");
     let after = leases_and_keys(&etcd, "/rlaunch/").await;
     assert_eq!(after, before, "a refused join wrote nothing");
+    // Refused by the job (another TTL than it was created with): the node's key is put on a
+    // lease for that TTL first, as for any join, then deleted; the lease, holding no key, is
+    // revoked within a few seconds.
+    let mut ttl = s.clone();
+    ttl.node_ttl = Duration::from_secs(7);
+    let refused = rdzv.join("kept", &ttl, node("w"), None, false, Duration::ZERO).await;
+    assert!(matches!(refused, Err(RdzvError::SettingsMismatch { .. })), "{refused:?}");
+    assert_eq!(leases_and_keys(&etcd, "/rlaunch/").await.1, before.1, "no key left");
+    let started = Instant::now();
+    while leases_and_keys(&etcd, "/rlaunch/").await != before {
+        // a stays alive meanwhile (its key would otherwise go after its TTL).
+        rdzv.heartbeat("kept", "a", Some(&a.secret), Default::default()).await.expect("a beats");
+        assert!(started.elapsed() < Duration::from_secs(6), "the refused join's lease was never revoked");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     drop(a);
+}
+
+/// Liveness through a replica's own lease: a node heard by another replica moves its key there,
+/// and the first replica, no longer hearing from it, must not delete the key (it is on the other
+/// lease now); a replica that goes away leaves its nodes to the others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_a_node_moving_between_replicas_keeps_its_liveness() {
+    let etcd = Etcd::start().await;
+    let (r1, r2) = (etcd_service(&etcd).await, etcd_service(&etcd).await);
+    let s = settings(2, 2);
+    let (a, b) = within("joins through the first replica", async {
+        tokio::join!(
+            r1.join("move", &s, node("a"), None, false, Duration::from_secs(10)),
+            r1.join("move", &s, node("bb"), None, false, Duration::from_secs(10))
+        )
+    })
+    .await;
+    let (a, b) = (a.expect("a joins"), b.expect("b joins"));
+    assert!(matches!(a.answer, rlaunch_rendezvous::JoinAnswer::Round(_)), "{:?}", a.answer);
+    let (_, keys) = leases_and_keys(&etcd, "/rlaunch/jobs/move/alive/").await;
+    assert_eq!(keys.len(), 2, "{keys:?}");
+    let lease_of = |etcd: &Etcd| {
+        let endpoint = etcd.endpoint.clone();
+        async move {
+            let mut c = etcd_client::Client::connect([endpoint.as_str()], None).await.expect("etcd client");
+            let resp = c
+                .get("/rlaunch/jobs/move/alive/", Some(etcd_client::GetOptions::new().with_prefix()))
+                .await
+                .expect("get");
+            resp.kvs().iter().map(|kv| kv.lease()).collect::<Vec<i64>>()
+        }
+    };
+    let first = lease_of(&etcd).await;
+    assert_eq!(first[0], first[1], "one lease for both nodes, the replica's: {first:?}");
+    // Both now beat only through the second replica, for three TTLs: the first stops hearing
+    // from them after one.
+    let started = Instant::now();
+    while started.elapsed() < s.node_ttl * 3 {
+        for (id, j) in [("a", &a), ("bb", &b)] {
+            r2.heartbeat("move", id, Some(&j.secret), Default::default()).await.expect("beat through r2");
+        }
+        tokio::time::sleep(s.heartbeat_interval).await;
+    }
+    let moved = lease_of(&etcd).await;
+    assert_eq!(moved.len(), 2, "both keys are still there: {moved:?}");
+    assert!(moved.iter().all(|l| *l == moved[0] && *l != first[0]), "on the second replica's lease: {moved:?}");
+    let st = r2.status("move").await.expect("status");
+    assert_eq!((st.round, st.members.len(), st.restart_count), (1, 2, 0), "{}", st.last_reason);
+    // The first replica goes away (its lease is not revoked): nothing changes for the job.
+    drop(r1);
+    for _ in 0..4 {
+        for (id, j) in [("a", &a), ("bb", &b)] {
+            r2.heartbeat("move", id, Some(&j.secret), Default::default()).await.expect("beat through r2");
+        }
+        tokio::time::sleep(s.heartbeat_interval).await;
+    }
+    assert_eq!(r2.status("move").await.expect("status").round, 1);
+    // Only a beats from now on: bb's key is deleted after its TTL and bb is lost.
+    let started = Instant::now();
+    loop {
+        assert!(started.elapsed() < Duration::from_secs(10), "bb was never declared lost");
+        r2.heartbeat("move", "a", Some(&a.secret), Default::default()).await.expect("a beats");
+        let st = r2.status("move").await.expect("status");
+        if st.round > 1 {
+            assert!(st.last_reason.contains("node(s) bb ("), "{}", st.last_reason);
+            break;
+        }
+        tokio::time::sleep(s.heartbeat_interval).await;
+    }
+    eprintln!("bb lost {:?} after its last heartbeat", started.elapsed());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

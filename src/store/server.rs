@@ -187,8 +187,8 @@ fn prepare(
 const LISTEN_BACKLOG: u32 = 4096;
 
 /// Binds `addr` (address reuse on, as torch's server) with [`LISTEN_BACKLOG`]; needs a runtime
-/// context.
-fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
+/// context. The rendezvous service listens the same way (10,000 agents connect at once).
+pub fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
     let socket = if addr.is_ipv4() { tokio::net::TcpSocket::new_v4()? } else { tokio::net::TcpSocket::new_v6()? };
     socket.set_reuseaddr(true)?;
     socket.bind(addr)?;

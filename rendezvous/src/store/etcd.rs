@@ -68,8 +68,10 @@ struct Inner {
     /// Events waiting for their job's next batched update, by run id: this process's own
     /// updates of a job never conflict with each other (only with other replicas or agents).
     queues: std::sync::Mutex<HashMap<String, JobQueue>>,
-    /// Open keep-alive streams, by alive key.
-    keepers: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<Option<Keeper>>>>>,
+    /// The leases this process puts alive keys on, and the keys it holds (see [`Leases`]).
+    leases: Arc<std::sync::Mutex<Leases>>,
+    /// One lease grant at a time (10,000 joins at once must not grant 10,000 leases).
+    granting: tokio::sync::Mutex<()>,
     /// Node keys (secret digests) by job, as last read: a heartbeat whose secret matches needs
     /// no read of the job; any other is checked against etcd.
     keys: std::sync::Mutex<HashMap<String, BTreeMap<String, String>>>,
@@ -86,11 +88,19 @@ struct Inner {
     max_jobs: AtomicUsize,
     job_count: AtomicUsize,
     watcher: JoinHandle<()>,
+    sweeper: JoinHandle<()>,
 }
 
 impl Drop for Inner {
     fn drop(&mut self) {
         self.watcher.abort();
+        self.sweeper.abort();
+        // The leases are not revoked: the nodes on them move to another replica (which takes
+        // their keys over) well within the TTL, or lapse with the lease.
+        let leases = self.leases.lock().unwrap_or_else(|p| p.into_inner());
+        for lease in leases.by_ttl.values() {
+            lease.keeper.abort();
+        }
     }
 }
 
@@ -137,10 +147,133 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     s
 }
 
-/// A keep-alive stream for one node's lease.
-struct Keeper {
-    keeper: LeaseKeeper,
-    stream: LeaseKeepAliveStream,
+/// Node liveness without a lease per node: this process puts the alive key of every node it
+/// hears from on one lease of its own per TTL (whole seconds), kept alive by one task, and keeps
+/// when it last heard from each node in memory. A heartbeat for a key it holds costs no request;
+/// a node silent for its TTL has its key deleted by the sweeper (only while the key is still on
+/// this process's lease); a key held by another replica is taken over by a transaction on its
+/// revision. If this process dies, its keys lapse with its lease, and nodes that are alive take
+/// their keys over on another replica with their next heartbeat.
+#[derive(Default)]
+struct Leases {
+    by_ttl: HashMap<i64, SharedLease>,
+    /// Alive keys on this process's leases.
+    held: HashMap<String, Held>,
+}
+
+struct SharedLease {
+    id: i64,
+    /// When etcd last confirmed the lease (a heartbeat answered from memory needs a recent one).
+    renewed: Instant,
+    /// When a key was last put on it: a lease that holds no key for a while is revoked.
+    used: Instant,
+    keeper: JoinHandle<()>,
+}
+
+struct Held {
+    lease: i64,
+    ttl: Duration,
+    /// The revision of our put: older watch events do not concern it.
+    revision: i64,
+    heard: Instant,
+}
+
+/// The lease keep-alive period: at most every half second, so a heartbeat answered from memory
+/// vouches for a lease confirmed within about a second (an agent cut off from etcd learns it as
+/// fast as when each heartbeat was a keep-alive).
+fn renew_every(ttl_s: i64) -> Duration {
+    Duration::from_millis(u64::try_from(ttl_s).unwrap_or(1).saturating_mul(250)).min(Duration::from_millis(500))
+}
+
+/// A heartbeat is answered from memory only while the lease was confirmed this recently.
+fn renewed_within(ttl_s: i64) -> Duration {
+    renew_every(ttl_s) + Duration::from_millis(500)
+}
+
+/// Idle leases (no key held) are revoked after this long, so TTLs that nobody uses any more (or
+/// refused joins) leave no lease behind.
+const LEASE_IDLE: Duration = Duration::from_secs(2);
+
+fn ttl_seconds(ttl: Duration) -> i64 {
+    i64::try_from(ttl.as_millis().div_ceil(1000)).unwrap_or(i64::MAX).max(1)
+}
+
+/// Whether a request failed because its lease is gone (revoked or expired).
+fn lease_gone(e: &RdzvError) -> bool {
+    matches!(e, RdzvError::Etcd { source, .. } if source.to_string().contains("lease not found"))
+}
+
+/// Keeps `id` alive for as long as the store lives and the lease is in use; when etcd says it is
+/// gone, forgets it and every key held on it (those keys went with it).
+async fn keep_lease(inner: std::sync::Weak<Inner>, ttl_s: i64, id: i64) {
+    let every = renew_every(ttl_s);
+    let mut stream: Option<(LeaseKeeper, LeaseKeepAliveStream)> = None;
+    let mut member = 0usize;
+    loop {
+        tokio::time::sleep(every).await;
+        let Some(inner) = inner.upgrade() else { return };
+        if stream.is_none() {
+            let mut client = inner.clients[member % inner.clients.len()].clone();
+            match tokio::time::timeout(OP_TIMEOUT, client.lease_keep_alive(id)).await {
+                Ok(Ok(s)) => stream = Some(s),
+                Ok(Err(error)) => {
+                    debug!(lease = id, error = %error, "could not open a keep-alive stream; next member");
+                    member += 1;
+                    continue;
+                }
+                Err(_) => {
+                    member += 1;
+                    continue;
+                }
+            }
+        }
+        let (keeper, answers) = stream.as_mut().expect("opened just above");
+        let answer = tokio::time::timeout(OP_TIMEOUT, async {
+            keeper.keep_alive().await?;
+            answers.message().await
+        })
+        .await;
+        match answer {
+            Ok(Ok(Some(resp))) if resp.ttl() > 0 => {
+                let mut leases = inner.leases.lock().unwrap_or_else(|p| p.into_inner());
+                match leases.by_ttl.get_mut(&ttl_s) {
+                    Some(lease) if lease.id == id => lease.renewed = Instant::now(),
+                    // Revoked as idle, or replaced.
+                    _ => return,
+                }
+            }
+            Ok(Ok(Some(_))) => {
+                let mut leases = inner.leases.lock().unwrap_or_else(|p| p.into_inner());
+                let before = leases.held.len();
+                leases.held.retain(|_, h| h.lease != id);
+                warn!(
+                    lease = id,
+                    keys = before - leases.held.len(),
+                    "this replica's etcd lease lapsed; its nodes take new keys with their next heartbeat"
+                );
+                if leases.by_ttl.get(&ttl_s).is_some_and(|l| l.id == id) {
+                    leases.by_ttl.remove(&ttl_s);
+                }
+                return;
+            }
+            Ok(Ok(None)) | Ok(Err(_)) | Err(_) => {
+                debug!(lease = id, "keep-alive stream broke; reopening on the next member");
+                stream = None;
+                member += 1;
+            }
+        }
+    }
+}
+
+/// Deletes the alive keys of nodes this process held but has not heard from for their TTL, and
+/// revokes leases left without keys; every 100 ms for as long as the store lives.
+async fn sweep(inner: std::sync::Weak<Inner>) {
+    loop {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let Some(inner) = inner.upgrade() else { return };
+        let store = EtcdStore { inner };
+        store.sweep_once().await;
+    }
 }
 
 /// What one read of a job's prefix holds.
@@ -291,14 +424,16 @@ impl EtcdStore {
         let expired = Arc::new(Notify::new());
         let versions = Arc::new(std::sync::Mutex::new(HashMap::new()));
         let probing = Arc::new(std::sync::Mutex::new(Owed::new()));
+        let leases = Arc::new(std::sync::Mutex::new(Leases::default()));
         let watcher = tokio::spawn(watch_loop(
             clients.clone(),
             changes.clone(),
             expired.clone(),
             versions.clone(),
             probing.clone(),
+            leases.clone(),
         ));
-        let inner = Inner {
+        let inner = Arc::new_cyclic(|weak| Inner {
             clients,
             current: AtomicUsize::new(0),
             changes,
@@ -306,7 +441,8 @@ impl EtcdStore {
             versions,
             probing,
             queues: std::sync::Mutex::new(HashMap::new()),
-            keepers: std::sync::Mutex::new(HashMap::new()),
+            leases,
+            granting: tokio::sync::Mutex::new(()),
             keys: std::sync::Mutex::new(HashMap::new()),
             latest: std::sync::Mutex::new(HashMap::new()),
             refreshing: std::sync::Mutex::new(HashMap::new()),
@@ -314,8 +450,9 @@ impl EtcdStore {
             max_jobs: AtomicUsize::new(usize::MAX),
             job_count: AtomicUsize::new(0),
             watcher,
-        };
-        let store = Self { inner: Arc::new(inner) };
+            sweeper: tokio::spawn(sweep(weak.clone())),
+        });
+        let store = Self { inner };
         // Fail fast when no member answers at all.
         store.run("status", |mut c| async move { c.status().await }).await?;
         Ok(store)
@@ -625,39 +762,35 @@ impl EtcdStore {
         Ok((decision, owed))
     }
 
-    /// Gives `node_id` a new lease and key if the job still counts it, atomically with the
-    /// job's state as read: a loss committed meanwhile wins (and the key is not written).
+    /// Puts `node_id`'s alive key back on this process's lease if the job still counts it,
+    /// atomically with the job's state as read: a loss committed meanwhile wins (and the key is
+    /// not written).
     async fn renew_if_tracked(&self, run_id: &str, node_id: &str) -> Result<bool, RdzvError> {
+        let key = alive_key(run_id, node_id);
         for _ in 0..3 {
             let snap = self.read(run_id).await?;
             let Some(job) = snap.job.as_ref().filter(|j| j.tracks(node_id)) else { return Ok(false) };
-            let ttl_s = i64::try_from(job.settings.node_ttl.as_millis().div_ceil(1000)).unwrap_or(i64::MAX).max(1);
-            let lease = self.run("lease grant", |mut c| async move { c.lease_grant(ttl_s, None).await }).await?.id();
+            let ttl = job.settings.node_ttl;
+            let lease = self.lease_for(ttl_seconds(ttl)).await?;
             let txn = Txn::new()
                 .when([Compare::mod_revision(state_key(run_id), CompareOp::Equal, snap.mod_revision)])
                 .and_then([TxnOp::put(
-                    alive_key(run_id, node_id),
+                    key.clone(),
                     node_id.as_bytes().to_vec(),
                     Some(PutOptions::new().with_lease(lease)),
                 )]);
-            let done = self
-                .run("renew lease", |mut c| {
-                    let txn = txn.clone();
-                    async move { c.txn(txn).await }
-                })
-                .await;
-            match done {
+            match self.txn("renew alive key", txn).await {
                 Ok(resp) if resp.succeeded() => {
-                    debug!(run_id, node_id, lease, "lapsed lease renewed");
+                    self.note_held(&key, lease, ttl, resp.header().map_or(0, |h| h.revision()));
+                    debug!(run_id, node_id, lease, "lapsed alive key renewed");
                     return Ok(true);
                 }
-                other => {
-                    let _ = self.run("lease revoke", |mut c| async move { c.lease_revoke(lease).await }).await;
-                    other?;
-                }
+                Ok(_) => {}
+                Err(e) if lease_gone(&e) => self.drop_lease(lease),
+                Err(e) => return Err(e),
             }
         }
-        Err(RdzvError::Store { message: format!("could not renew the lease of {node_id}: the job kept changing") })
+        Err(RdzvError::Store { message: format!("could not renew the alive key of {node_id}: the job kept changing") })
     }
 
     /// Applies `ev` to the job in etcd. Concurrent callers in this process are grouped: one
@@ -966,7 +1099,7 @@ impl EtcdStore {
             .collect())
     }
 
-    pub async fn tick_all(&self, now: Millis) -> Vec<(String, Decision)> {
+    pub async fn tick_all(&self, now: Millis, retention: Duration) -> Vec<(String, Decision)> {
         let jobs = match self.snapshots().await {
             Ok(jobs) => jobs,
             Err(error) => {
@@ -974,18 +1107,9 @@ impl EtcdStore {
                 return Vec::new();
             }
         };
-        {
-            // Keep-alive streams of nodes whose lease is gone (lost without leaving) are closed.
-            let alive: std::collections::HashSet<String> = jobs
-                .iter()
-                .flat_map(|(run_id, _, nodes)| nodes.iter().map(move |node| alive_key(run_id, node)))
-                .collect();
-            let mut keepers = self.inner.keepers.lock().unwrap_or_else(|p| p.into_inner());
-            keepers.retain(|key, slot| alive.contains(key) || Arc::strong_count(slot) > 1);
-        }
         let mut out = Vec::new();
         for (run_id, job, nodes) in jobs {
-            if super::outlived(&job, now) {
+            if super::outlived(&job, now, retention) {
                 self.delete_prefix(&run_id, format!("{PREFIX}{run_id}/"), "could not forget an old job").await;
                 continue;
             }
@@ -1037,88 +1161,151 @@ impl EtcdStore {
         }
     }
 
-    fn keeper_slot(&self, run_id: &str, node_id: &str) -> Arc<tokio::sync::Mutex<Option<Keeper>>> {
-        let mut keepers = self.inner.keepers.lock().unwrap_or_else(|p| p.into_inner());
-        keepers.entry(alive_key(run_id, node_id)).or_default().clone()
-    }
-
-    fn drop_keeper(&self, run_id: &str, node_id: &str) {
-        let mut keepers = self.inner.keepers.lock().unwrap_or_else(|p| p.into_inner());
-        keepers.remove(&alive_key(run_id, node_id));
-    }
-
-    /// Keeps node `node_id`'s lease alive once, over a keep-alive stream kept open per node (a
-    /// heartbeat is one message, not a lookup and a new stream). Unknown node: no key, or the
-    /// lease is gone.
-    pub async fn keep_alive(&self, run_id: &str, node_id: &str) -> Result<Decision, RdzvError> {
-        let unknown = || RdzvError::UnknownNode { node_id: node_id.to_owned() };
-        let slot = self.keeper_slot(run_id, node_id);
-        let mut slot = slot.lock().await;
-        let mut last = timed_out("lease keep-alive");
-        for _attempt in 0..2 {
-            if slot.is_none() {
-                let resp = self.get_alive(run_id, node_id).await?;
-                let Some(lease) = resp.kvs().first().map(|kv| kv.lease()).filter(|l| *l != 0) else {
-                    drop(slot);
-                    self.drop_keeper(run_id, node_id);
-                    return Err(unknown());
-                };
-                let (keeper, stream) =
-                    self.run("lease keep-alive", |mut c| async move { c.lease_keep_alive(lease).await }).await?;
-                *slot = Some(Keeper { keeper, stream });
-            }
-            let k = slot.as_mut().expect("the slot was filled just above");
-            let answer = tokio::time::timeout(OP_TIMEOUT, async {
-                k.keeper.keep_alive().await?;
-                k.stream.message().await
-            })
-            .await;
-            match answer {
-                Ok(Ok(Some(resp))) if resp.ttl() > 0 => {
-                    return Ok(Decision {
-                        action: Action::HeartbeatRecorded,
-                        reason: format!("lease of {node_id} kept alive"),
-                    })
-                }
-                // The cached lease is gone; the node may hold a newer one: look it up again.
-                Ok(Ok(_)) => *slot = None,
-                Ok(Err(e)) => {
-                    debug!(run_id, node_id, error = %e, "keep-alive stream broke; reopening");
-                    last = RdzvError::Etcd { op: "lease keep-alive", source: e };
-                    *slot = None;
-                }
-                Err(_) => *slot = None,
-            }
-        }
-        if slot.is_none() {
-            // Two fresh attempts failed: either the lease is gone or etcd is unreachable.
-            let resp = self.get_alive(run_id, node_id).await?;
-            if resp.kvs().is_empty() {
-                drop(slot);
-                self.drop_keeper(run_id, node_id);
-                return Err(unknown());
-            }
-        }
-        Err(last)
-    }
-
-    /// Makes sure node `node_id` has a live lease and key; returns whether it granted a new one.
-    pub async fn register_node(&self, run_id: &str, node_id: &str, ttl: Duration) -> Result<bool, RdzvError> {
-        match self.keep_alive(run_id, node_id).await {
-            Ok(_) => return Ok(false),
-            Err(RdzvError::UnknownNode { .. }) => {}
-            Err(e) => return Err(e),
-        }
-        let key = alive_key(run_id, node_id);
-        let ttl_s = i64::try_from(ttl.as_millis().div_ceil(1000)).unwrap_or(i64::MAX).max(1);
-        let lease = self.run("lease grant", |mut c| async move { c.lease_grant(ttl_s, None).await }).await?.id();
-        self.run("put alive key", |mut c| {
-            let (key, node) = (key.clone(), node_id.to_owned());
-            async move { c.put(key, node, Some(PutOptions::new().with_lease(lease))).await }
+    async fn txn(&self, op: &'static str, txn: Txn) -> Result<etcd_client::TxnResponse, RdzvError> {
+        self.run(op, |mut c| {
+            let txn = txn.clone();
+            async move { c.txn(txn).await }
         })
-        .await?;
-        debug!(run_id, node_id, lease, ttl_s, "node lease granted");
-        Ok(true)
+        .await
+    }
+
+    /// This process's lease for keys with a TTL of `ttl_s` seconds, granted on first use.
+    async fn lease_for(&self, ttl_s: i64) -> Result<i64, RdzvError> {
+        let current = |s: &Self| {
+            let mut leases = s.inner.leases.lock().unwrap_or_else(|p| p.into_inner());
+            leases.by_ttl.get_mut(&ttl_s).map(|l| {
+                l.used = Instant::now();
+                l.id
+            })
+        };
+        if let Some(id) = current(self) {
+            return Ok(id);
+        }
+        let _one = self.inner.granting.lock().await;
+        if let Some(id) = current(self) {
+            return Ok(id);
+        }
+        let id = self.run("lease grant", |mut c| async move { c.lease_grant(ttl_s, None).await }).await?.id();
+        let keeper = tokio::spawn(keep_lease(Arc::downgrade(&self.inner), ttl_s, id));
+        let now = Instant::now();
+        let mut leases = self.inner.leases.lock().unwrap_or_else(|p| p.into_inner());
+        leases.by_ttl.insert(ttl_s, SharedLease { id, renewed: now, used: now, keeper });
+        debug!(lease = id, ttl_s, "replica lease granted");
+        Ok(id)
+    }
+
+    /// Forgets a lease etcd no longer has, and the keys held on it.
+    fn drop_lease(&self, id: i64) {
+        let mut leases = self.inner.leases.lock().unwrap_or_else(|p| p.into_inner());
+        leases.held.retain(|_, h| h.lease != id);
+        leases.by_ttl.retain(|_, l| {
+            if l.id == id {
+                l.keeper.abort();
+            }
+            l.id != id
+        });
+    }
+
+    fn note_held(&self, key: &str, lease: i64, ttl: Duration, revision: i64) {
+        let mut leases = self.inner.leases.lock().unwrap_or_else(|p| p.into_inner());
+        leases.held.insert(key.to_owned(), Held { lease, ttl, revision, heard: Instant::now() });
+    }
+
+    /// Records a heartbeat for a key this process holds, on a lease etcd confirmed recently.
+    fn touch(&self, key: &str) -> bool {
+        let mut leases = self.inner.leases.lock().unwrap_or_else(|p| p.into_inner());
+        let Leases { by_ttl, held } = &mut *leases;
+        let Some(h) = held.get_mut(key) else { return false };
+        let ttl_s = ttl_seconds(h.ttl);
+        let confirmed =
+            by_ttl.get(&ttl_s).is_some_and(|l| l.id == h.lease && l.renewed.elapsed() < renewed_within(ttl_s));
+        if confirmed {
+            h.heard = Instant::now();
+        }
+        confirmed
+    }
+
+    /// Keeps node `node_id` alive: from memory when this process holds its key; else the key
+    /// is read and, when another replica holds it, taken over (a transaction on its revision).
+    /// Unknown node: no key.
+    pub async fn keep_alive(&self, run_id: &str, node_id: &str) -> Result<Decision, RdzvError> {
+        let key = alive_key(run_id, node_id);
+        let recorded = || Decision { action: Action::HeartbeatRecorded, reason: format!("{node_id} heard from") };
+        if self.touch(&key) {
+            return Ok(recorded());
+        }
+        if self.inner.leases.lock().unwrap_or_else(|p| p.into_inner()).held.contains_key(&key) {
+            return Err(RdzvError::Store {
+                message: "this replica's etcd lease was not confirmed recently (etcd unreachable?)".to_owned(),
+            });
+        }
+        let Some(ttl) = self.view(run_id, None, |job| job.settings.node_ttl).await? else {
+            return Err(RdzvError::UnknownJob { run_id: run_id.to_owned() });
+        };
+        match self.hold(run_id, node_id, ttl, false).await? {
+            Hold::Absent => Err(RdzvError::UnknownNode { node_id: node_id.to_owned() }),
+            Hold::Created | Hold::Held => Ok(recorded()),
+        }
+    }
+
+    /// Puts `node_id`'s alive key on this process's lease: when it exists on another lease (a
+    /// transaction on its revision), or (`create`) when it does not exist.
+    async fn hold(&self, run_id: &str, node_id: &str, ttl: Duration, create: bool) -> Result<Hold, RdzvError> {
+        let key = alive_key(run_id, node_id);
+        for _ in 0..4 {
+            let lease = self.lease_for(ttl_seconds(ttl)).await?;
+            let put = TxnOp::put(key.clone(), node_id.as_bytes().to_vec(), Some(PutOptions::new().with_lease(lease)));
+            // Absent: created when asked, else read (empty). Present: read, then taken over.
+            let txn = if create {
+                Txn::new().when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)]).and_then([put.clone()])
+            } else {
+                Txn::new()
+            }
+            .or_else([TxnOp::get(key.clone(), None)]);
+            let resp = match self.txn("hold alive key", txn).await {
+                Ok(resp) => resp,
+                Err(e) if lease_gone(&e) => {
+                    self.drop_lease(lease);
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            let revision = resp.header().map_or(0, |h| h.revision());
+            if create && resp.succeeded() {
+                self.note_held(&key, lease, ttl, revision);
+                return Ok(Hold::Created);
+            }
+            let existing = resp.op_responses().into_iter().find_map(|op| match op {
+                etcd_client::TxnOpResponse::Get(g) => g.kvs().first().map(|kv| (kv.lease(), kv.mod_revision())),
+                _ => None,
+            });
+            let Some((on, mod_revision)) = existing else { return Ok(Hold::Absent) };
+            if on == lease {
+                self.note_held(&key, lease, ttl, mod_revision);
+                return Ok(Hold::Held);
+            }
+            let take =
+                Txn::new().when([Compare::mod_revision(key.clone(), CompareOp::Equal, mod_revision)]).and_then([put]);
+            match self.txn("take over alive key", take).await {
+                Ok(resp) if resp.succeeded() => {
+                    self.note_held(&key, lease, ttl, resp.header().map_or(0, |h| h.revision()));
+                    debug!(run_id, node_id, lease, "alive key taken over from another lease");
+                    return Ok(Hold::Held);
+                }
+                Ok(_) => {}
+                Err(e) if lease_gone(&e) => self.drop_lease(lease),
+                Err(e) => return Err(e),
+            }
+        }
+        Err(RdzvError::Store { message: format!("could not hold the alive key of {node_id}: it kept changing") })
+    }
+
+    /// Makes sure node `node_id` has an alive key; returns whether this call created it.
+    pub async fn register_node(&self, run_id: &str, node_id: &str, ttl: Duration) -> Result<bool, RdzvError> {
+        if self.touch(&alive_key(run_id, node_id)) {
+            return Ok(false);
+        }
+        Ok(self.hold(run_id, node_id, ttl, true).await? == Hold::Created)
     }
 
     async fn get_alive(&self, run_id: &str, node_id: &str) -> Result<etcd_client::GetResponse, RdzvError> {
@@ -1130,17 +1317,70 @@ impl EtcdStore {
         .await
     }
 
-    /// Revokes the node's lease (its key goes with it).
+    /// Deletes the node's alive key (only the key: the lease is this process's, shared).
     pub async fn forget_node(&self, run_id: &str, node_id: &str) -> Result<(), RdzvError> {
-        self.drop_keeper(run_id, node_id);
-        let resp = self.get_alive(run_id, node_id).await?;
-        if let Some(lease) = resp.kvs().first().map(|kv| kv.lease()).filter(|l| *l != 0) {
-            if let Err(error) = self.run("lease revoke", |mut c| async move { c.lease_revoke(lease).await }).await {
-                debug!(run_id, node_id, error = %error, "lease revoke failed (probably already gone)");
-            }
-        }
+        let key = alive_key(run_id, node_id);
+        self.inner.leases.lock().unwrap_or_else(|p| p.into_inner()).held.remove(&key);
+        self.run("delete alive key", |mut c| {
+            let key = key.clone();
+            async move { c.delete(key, None).await }
+        })
+        .await?;
         Ok(())
     }
+
+    /// One pass of the sweeper: keys of nodes silent for their TTL deleted (if still on our
+    /// lease), leases without keys for a while revoked.
+    async fn sweep_once(&self) {
+        let (stale, idle) = {
+            let mut leases = self.inner.leases.lock().unwrap_or_else(|p| p.into_inner());
+            let stale: Vec<String> =
+                leases.held.iter().filter(|(_, h)| h.heard.elapsed() > h.ttl).map(|(k, _)| k.clone()).collect();
+            let stale: Vec<(String, Held)> =
+                stale.into_iter().filter_map(|k| leases.held.remove(&k).map(|h| (k, h))).collect();
+            let in_use: HashSet<i64> = leases.held.values().map(|h| h.lease).collect();
+            let mut idle = Vec::new();
+            leases.by_ttl.retain(|_, l| {
+                let unused = !in_use.contains(&l.id) && l.used.elapsed() > LEASE_IDLE;
+                if unused {
+                    l.keeper.abort();
+                    idle.push(l.id);
+                }
+                !unused
+            });
+            (stale, idle)
+        };
+        for (key, held) in stale {
+            let txn = Txn::new()
+                .when([Compare::lease(key.clone(), CompareOp::Equal, held.lease)])
+                .and_then([TxnOp::delete(key.clone(), None)]);
+            match self.txn("delete a silent node's alive key", txn).await {
+                Ok(resp) if resp.succeeded() => debug!(key, "silent node's alive key deleted"),
+                Ok(_) => debug!(key, "silent node's alive key is on another lease now"),
+                Err(error) => {
+                    // The lease is shared and stays alive: the key would outlive the node. The
+                    // next pass tries again (a delete that did commit makes the compare fail).
+                    warn!(key, %error, "could not delete a silent node's alive key; trying again");
+                    let mut leases = self.inner.leases.lock().unwrap_or_else(|p| p.into_inner());
+                    leases.held.entry(key).or_insert(held);
+                }
+            }
+        }
+        for id in idle {
+            if let Err(error) = self.run("lease revoke", |mut c| async move { c.lease_revoke(id).await }).await {
+                debug!(lease = id, %error, "idle lease not revoked (it lapses anyway)");
+            }
+        }
+    }
+}
+
+/// What [`EtcdStore::hold`] found.
+#[derive(Debug, PartialEq, Eq)]
+enum Hold {
+    Created,
+    /// It exists, and is on this process's lease now.
+    Held,
+    Absent,
 }
 
 /// Probes owed, by job and prober.
@@ -1175,6 +1415,7 @@ async fn watch_loop(
     expired: Arc<Notify>,
     versions: Arc<std::sync::Mutex<HashMap<String, u64>>>,
     probing: Arc<std::sync::Mutex<Owed>>,
+    leases: Arc<std::sync::Mutex<Leases>>,
 ) {
     let mut next_revision: i64 = 0;
     let mut member = 0usize;
@@ -1216,8 +1457,20 @@ async fn watch_loop(
                         let Some(kv) = ev.kv() else { continue };
                         next_revision = next_revision.max(kv.mod_revision() + 1);
                         any = true;
-                        if ev.event_type() == EventType::Delete && kv.key().windows(7).any(|w| w == b"/alive/") {
-                            expired.notify_one();
+                        let deleted = ev.event_type() == EventType::Delete;
+                        if kv.key().windows(7).any(|w| w == b"/alive/") {
+                            // A key deleted, or put on another replica's lease, after our put is
+                            // no longer ours to answer heartbeats for from memory.
+                            let key = String::from_utf8_lossy(kv.key());
+                            let mut leases = leases.lock().unwrap_or_else(|p| p.into_inner());
+                            if let Some(h) = leases.held.get(key.as_ref()) {
+                                if kv.mod_revision() > h.revision && (deleted || kv.lease() != h.lease) {
+                                    leases.held.remove(key.as_ref());
+                                }
+                            }
+                            if deleted {
+                                expired.notify_one();
+                            }
                         }
                         if ev.event_type() == EventType::Put {
                             note_watched_version(&versions, &probing, kv.key(), kv.value());

@@ -103,9 +103,9 @@ impl MemoryStore {
         Ok(())
     }
 
-    pub fn tick_all(&self, now: Millis) -> Vec<(String, Decision)> {
+    pub fn tick_all(&self, now: Millis, retention: std::time::Duration) -> Vec<(String, Decision)> {
         // Dropping an entry closes its channel, which ends the wait of any long-poll on it.
-        self.lock().retain(|_, e| !super::outlived(&e.job, now));
+        self.lock().retain(|_, e| !super::outlived(&e.job, now, retention));
         let ids: Vec<String> =
             self.lock().iter().filter(|(_, e)| !e.job.phase.is_terminal()).map(|(k, _)| k.clone()).collect();
         let mut out = Vec::new();
@@ -135,10 +135,10 @@ mod tests {
         store.apply_view("r", Some(&settings), Event::Join(node), &g, 0, |_| ()).expect("join");
         let success = Event::NodeSucceeded { node_id: "a".into(), round: 1 };
         store.apply_view("r", None, success, &g, 10, |_| ()).expect("success");
-        let retention = super::super::TERMINAL_RETENTION.as_millis() as u64;
-        store.tick_all(10 + retention - 1);
+        let retention = std::time::Duration::from_secs(60);
+        store.tick_all(10 + 60_000 - 1, retention);
         assert!(store.load("r").is_some(), "still readable within the retention");
-        store.tick_all(10 + retention);
+        store.tick_all(10 + 60_000, retention);
         assert!(store.load("r").is_none());
     }
 }

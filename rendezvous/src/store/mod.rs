@@ -23,13 +23,13 @@ pub enum Store {
     Etcd(etcd::EtcdStore),
 }
 
-/// How long a finished or failed job stays readable (status) before the ticker forgets it; after
-/// that its run id can be used again.
+/// How long a finished or failed job stays readable (status) by default before the ticker
+/// forgets it; after that its run id can be used again (`--terminal-retention-s`).
 pub const TERMINAL_RETENTION: Duration = Duration::from_secs(3600);
 
-/// Whether a terminal job has outlived [`TERMINAL_RETENTION`].
-pub(crate) fn outlived(job: &Job, now: Millis) -> bool {
-    let retention = TERMINAL_RETENTION.as_millis() as Millis;
+/// Whether a terminal job has been over for `retention`.
+pub(crate) fn outlived(job: &Job, now: Millis, retention: Duration) -> bool {
+    let retention = Millis::try_from(retention.as_millis()).unwrap_or(Millis::MAX);
     match job.phase {
         crate::round::Phase::Finished { at } | crate::round::Phase::Failed { at, .. } => {
             now.saturating_sub(at) >= retention
@@ -143,10 +143,10 @@ impl Store {
     }
 
     /// Applies `Tick` to every live job; returns the decisions that changed something.
-    pub async fn tick_all(&self, now: Millis) -> Vec<(String, Decision)> {
+    pub async fn tick_all(&self, now: Millis, retention: Duration) -> Vec<(String, Decision)> {
         match self {
-            Store::Memory(m) => m.tick_all(now),
-            Store::Etcd(e) => e.tick_all(now).await,
+            Store::Memory(m) => m.tick_all(now, retention),
+            Store::Etcd(e) => e.tick_all(now, retention).await,
         }
     }
 
