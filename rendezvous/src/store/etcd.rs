@@ -1083,6 +1083,8 @@ impl EtcdStore {
         }
         self.inner.job_count.store(states.len(), Ordering::Relaxed);
         self.inner.keys.lock().unwrap_or_else(|p| p.into_inner()).retain(|run_id, _| states.contains_key(run_id));
+        // The watch notes a version for every job it sees; forgotten jobs' entries go here.
+        self.inner.versions.lock().unwrap_or_else(|p| p.into_inner()).retain(|run_id, _| states.contains_key(run_id));
         self.inner.latest.lock().unwrap_or_else(|p| p.into_inner()).retain(|run_id, _| states.contains_key(run_id));
         self.inner.parsed.lock().unwrap_or_else(|p| p.into_inner()).retain(|run_id, _| states.contains_key(run_id));
         self.inner
