@@ -5,7 +5,8 @@
 #                                     types (etcd-client's build script compiles etcd's protos)
 #   scripts/install-deps.sh           the above, plus what the tests need: etcd (the etcd
 #                                     backend), iproute2 (network-namespace hosts) and a Python
-#                                     virtualenv with PyTorch from PyPI (the interop peer) in .venv/
+#                                     virtualenv with PyTorch from PyPI (the interop peer) and
+#                                     py-spy (stacks of hung ranks) in .venv/
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build_only=false
@@ -34,5 +35,10 @@ if ! "$VENV/bin/python" -c 'import torch, numpy, tqdm' 2>/dev/null; then
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip
   "$VENV/bin/pip" install -q torch numpy matplotlib tqdm
+fi
+# py-spy: where each Python rank stands when a job hangs or fails (--hang-timeout)
+if [ ! -x "$VENV/bin/py-spy" ]; then
+  echo "install-deps: installing py-spy into $VENV"
+  "$VENV/bin/pip" install -q py-spy
 fi
 "$VENV/bin/python" -c 'import torch; print("install-deps: torch", torch.__version__)'

@@ -114,6 +114,11 @@ pub struct RootCause {
     /// "Failures" section): seen within the same moment, before they were stopped.
     #[serde(default)]
     pub other_failures: Vec<OtherFailure>,
+    /// Where each rank stood when the failure or hang was seen (`--hang-timeout`): one line per
+    /// group of ranks at the same place, the odd one out first, e.g.
+    /// `rank 1: stuck_here (train.py:4) <- main (train.py:12)`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stacks: Vec<String>,
 }
 
 /// Another worker that failed along with the root cause.
@@ -141,9 +146,12 @@ pub mod caps {
     pub const SHORT: usize = 256;
     /// Other failures listed.
     pub const OTHER_FAILURES: usize = 64;
+    /// Lines of the where-each-rank-stood report, and bytes of each.
+    pub const STACK_LINES: usize = 16;
+    pub const STACK_LINE: usize = 320;
     /// The most a bounded root cause takes as JSON, even when every byte needs `\u00XX`
     /// escaping: well under the service's 256 KiB body limit.
-    pub const WIRE_BYTES: usize = 128 * 1024;
+    pub const WIRE_BYTES: usize = 192 * 1024;
 }
 
 impl RootCause {
@@ -170,6 +178,7 @@ impl RootCause {
                 .take(caps::OTHER_FAILURES)
                 .map(|o| OtherFailure { message: cut_end(&o.message, caps::SHORT), ..o.clone() })
                 .collect(),
+            stacks: self.stacks.iter().take(caps::STACK_LINES).map(|l| cut_end(l, caps::STACK_LINE)).collect(),
             ..self.clone()
         }
     }
@@ -191,6 +200,7 @@ impl RootCause {
             error_file: None,
             stderr_tail: Vec::new(),
             other_failures: Vec::new(),
+            stacks: Vec::new(),
         }
     }
 
@@ -229,6 +239,12 @@ impl RootCause {
                 let _ = writeln!(s, "    {l}");
             }
         }
+        if !self.stacks.is_empty() {
+            let _ = writeln!(s, "{}\nWhere each rank stood (the odd one out first):", "-".repeat(72));
+            for l in &self.stacks {
+                let _ = writeln!(s, "  {l}");
+            }
+        }
         if !self.other_failures.is_empty() {
             let _ = writeln!(s, "{}\nOther Failures:", "-".repeat(72));
             for o in &self.other_failures {
@@ -261,6 +277,7 @@ impl RootCause {
                     "local_rank": self.local_rank,
                     "host": self.host,
                     "exit": self.exit.describe(),
+                    "stacks": self.stacks,
                 }
             }
         })
@@ -469,6 +486,7 @@ mod tests {
             error_file: None,
             stderr_tail: vec![text.to_owned(); lines],
             other_failures: Vec::new(),
+            stacks: vec![text.to_owned(); lines],
         }
     }
 

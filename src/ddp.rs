@@ -111,6 +111,8 @@ pub struct Ddp {
     done_rx: mpsc::Receiver<(usize, Vec<f32>, Result<(), CommError>)>,
     thread: Option<JoinHandle<()>>,
     average: bool,
+    /// A beat per finished step, for `rlaunch --hang-timeout`.
+    heartbeat: crate::heartbeat::Heartbeat,
 }
 
 impl Ddp {
@@ -147,6 +149,7 @@ impl Ddp {
             done_rx,
             thread: Some(thread),
             average: cfg.average,
+            heartbeat: crate::heartbeat::Heartbeat::from_env(),
         }
     }
 
@@ -232,7 +235,9 @@ impl Ddp {
     /// Waits for every bucket launched by the last backward pass; afterwards [`Ddp::grad`]
     /// returns averaged gradients. Call after the backward pass, before the optimizer step.
     pub fn finish(&mut self) -> Result<(), DdpError> {
-        self.wait_buckets()
+        self.wait_buckets()?;
+        self.heartbeat.beat();
+        Ok(())
     }
 
     /// The (averaged, after [`Ddp::finish`]) gradient of parameter `param`.

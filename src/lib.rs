@@ -8,7 +8,9 @@ pub mod ddp;
 pub mod env;
 #[cfg(feature = "cuda")]
 pub mod gpu;
+pub mod heartbeat;
 pub mod model;
 pub mod sampler;
+pub mod stacks;
 pub mod store;
 pub mod worker;

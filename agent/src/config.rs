@@ -106,6 +106,9 @@ pub struct AgentConfig {
     pub duplicate_stdout_filters: Vec<String>,
     /// The same for stderr (`filtered_stderr.log`).
     pub duplicate_stderr_filters: Vec<String>,
+    /// `--hang-timeout`: a worker without progress for this long is hung (its group fails, with
+    /// where every rank stood).
+    pub hang_timeout: Option<crate::hang::HangTimeout>,
 }
 
 impl AgentConfig {
@@ -134,6 +137,7 @@ impl AgentConfig {
             numa_binding: None,
             duplicate_stdout_filters: Vec::new(),
             duplicate_stderr_filters: Vec::new(),
+            hang_timeout: None,
         }
     }
 }

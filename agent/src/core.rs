@@ -35,6 +35,11 @@ pub const RETRY_DELAY: Duration = Duration::from_millis(300);
 /// First and longest delay between tries of a report.
 pub const REPORT_BACKOFF_FIRST: Duration = Duration::from_millis(200);
 pub const REPORT_BACKOFF_MAX: Duration = Duration::from_secs(2);
+/// Longest a node whose ranks hung keeps them after announcing the hang, so that the other
+/// nodes read where their ranks stand before the hung ranks' exit breaks their collectives.
+pub const HANG_LINGER: Duration = Duration::from_secs(10);
+/// How often a lingering node asks whether every rank's stack has reached the root cause.
+pub const LINGER_POLL: Duration = Duration::from_millis(500);
 
 /// Where this node's workers run in the current round or attempt.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -97,6 +102,10 @@ pub enum WorkersEnd {
     Succeeded,
     /// The first failure; the other workers may still run.
     Failed(Box<RootCause>),
+    /// No progress for the hang timeout (`--hang-timeout`); every worker still runs. A failure
+    /// like any other, except that in a job of several nodes it is announced before anything is
+    /// stopped (see [`Phase::Lingering`]).
+    Hung(Box<RootCause>),
 }
 
 /// What the rendezvous said to a watch.
@@ -217,6 +226,9 @@ pub enum Action {
     /// `KeyboardInterrupt` runs), then SIGTERM, then SIGKILL after the grace; answered by
     /// `WorkersStopped`.
     StopWorkers { first: i32 },
+    /// Take the running workers' stacks (with `--hang-timeout`) and tell the rendezvous where
+    /// they stood when `round` ended by something elsewhere; comes right before `StopWorkers`.
+    ShareStacks { round: u64 },
     /// Pass a signal on to every worker.
     Relay(i32),
     /// Long-poll the rendezvous for the end of `round`.
@@ -263,6 +275,18 @@ enum Phase {
     Stopping {
         round: u64,
         then: AfterStop,
+    },
+    /// Elastic, several nodes: this node's ranks hung; the failure was announced while they
+    /// still run, so that every other node reads its ranks' stacks for the report before the
+    /// hung ranks' exit breaks their collectives. Ends (the workers stopped, the failure
+    /// reported as usual) once the root cause holds a stack for every rank, or at `until`.
+    Lingering {
+        round: u64,
+        root_cause: Box<RootCause>,
+        world_size: u32,
+        until: Millis,
+        /// When to ask for the root cause next; `None` while a fetch is in flight.
+        poll_at: Option<Millis>,
     },
     /// Elastic: the failure report of a stopped group awaits its acknowledgement.
     ReportingFailure {
@@ -419,7 +443,7 @@ impl Core {
             Event::Watched { round, answer } => self.on_watched(round, answer, now, &mut out),
             Event::Reported { kind, result } => self.on_reported(kind, result, now, &mut out),
             Event::Heartbeat(result) => self.on_heartbeat(result, now, &mut out),
-            Event::RootCauseFetched(rc) => self.on_root_cause(rc, &mut out),
+            Event::RootCauseFetched(rc) => self.on_root_cause(rc, now, &mut out),
             Event::Signal(sig) => self.on_signal(sig, now, &mut out),
             Event::Tick => self.on_tick(now, &mut out),
         }
@@ -555,7 +579,7 @@ impl Core {
     fn on_workers_ended(&mut self, end: WorkersEnd, now: Millis, out: &mut Vec<Action>) {
         let Phase::Running { placement, succeeded: false } = &self.phase else {
             // Already stopping them for another reason: the stop decides what comes next.
-            if let WorkersEnd::Failed(rc) = end {
+            if let WorkersEnd::Failed(rc) | WorkersEnd::Hung(rc) = end {
                 self.local_failure = Some(rc);
             }
             return;
@@ -576,7 +600,20 @@ impl Core {
                     }
                 }
             }
-            WorkersEnd::Failed(rc) => {
+            WorkersEnd::Hung(rc) if self.elastic().is_some() && placement.group_world_size > 1 => {
+                self.local_failure = Some(rc.clone());
+                // Announced now, not in the outbox: the report after the stop is the one that
+                // counts (the rendezvous takes the same round's failure once).
+                out.push(Action::Send(Report::Failure { round: placement.round, root_cause: Box::new(rc.bounded()) }));
+                self.phase = Phase::Lingering {
+                    round: placement.round,
+                    root_cause: rc,
+                    world_size: placement.world_size,
+                    until: now.saturating_add(ms(HANG_LINGER)),
+                    poll_at: Some(now.saturating_add(ms(LINGER_POLL))),
+                };
+            }
+            WorkersEnd::Failed(rc) | WorkersEnd::Hung(rc) => {
                 self.local_failure = Some(rc.clone());
                 let then = match &self.membership {
                     Membership::Fixed { max_restarts, .. } if self.restarts < *max_restarts => AfterStop::Restart,
@@ -633,6 +670,9 @@ impl Core {
             }
             Ok(Watch::NewRound(n)) => {
                 out.push(Action::Note(format!("the job is re-forming (round {n}); stopping workers and rejoining")));
+                if !succeeded {
+                    out.push(Action::ShareStacks { round });
+                }
                 self.rejoin(round, succeeded, out);
             }
             Ok(Watch::Finished) | Err(CallError::JobFinished) => {
@@ -647,6 +687,7 @@ impl Core {
                 if succeeded {
                     self.job_failed(reason, out);
                 } else {
+                    out.push(Action::ShareStacks { round });
                     self.stop_workers(round, AfterStop::JobFailed(reason), out);
                 }
             }
@@ -810,7 +851,22 @@ impl Core {
         }
     }
 
-    fn on_root_cause(&mut self, rc: Option<Box<RootCause>>, out: &mut Vec<Action>) {
+    fn on_root_cause(&mut self, rc: Option<Box<RootCause>>, now: Millis, out: &mut Vec<Action>) {
+        if let Phase::Lingering { round, root_cause, world_size, poll_at, .. } = &mut self.phase {
+            let covered: usize = rc
+                .iter()
+                .flat_map(|rc| rc.stacks.iter())
+                .filter_map(|l| rlaunch::stacks::parse_line(l))
+                .map(|(ranks, _)| ranks.len())
+                .sum();
+            if covered >= *world_size as usize {
+                let (round, rc) = (*round, root_cause.clone());
+                self.stop_workers(round, AfterStop::ReportFailure(rc), out);
+            } else {
+                *poll_at = Some(now.saturating_add(ms(LINGER_POLL)));
+            }
+            return;
+        }
         let Phase::FetchingRootCause { reason } = &self.phase else { return };
         let reason = reason.clone();
         match rc.or_else(|| self.local_failure.clone()) {
@@ -844,6 +900,10 @@ impl Core {
                 let round = placement.round;
                 self.stop_workers(round, then, out);
             }
+            Phase::Lingering { round, .. } => {
+                let round = *round;
+                self.stop_workers(round, then, out);
+            }
             Phase::Stopping { then: pending, .. } => {
                 // The stop under way ends the run now, whatever it was for.
                 *pending = then;
@@ -863,6 +923,19 @@ impl Core {
                 outbox.retry_at = None;
                 out.push(Action::Send(outbox.report.clone()));
             }
+        }
+        if let Phase::Lingering { round, root_cause, until, poll_at, .. } = &mut self.phase {
+            if now >= *until {
+                let (round, rc) = (*round, root_cause.clone());
+                out.push(Action::Note(format!(
+                    "not every rank's stack reached the report within {HANG_LINGER:?}; stopping the hung workers"
+                )));
+                self.stop_workers(round, AfterStop::ReportFailure(rc), out);
+            } else if poll_at.is_some_and(|t| now >= t) {
+                *poll_at = None;
+                out.push(Action::FetchRootCause);
+            }
+            return;
         }
         match &self.phase {
             Phase::Joining { retry_at: Some(t) } if now >= *t => {

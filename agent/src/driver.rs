@@ -17,6 +17,8 @@ use crate::core::{
     Action, CallError, Core, Event, Membership, Outcome, Placement, Report, ReportKind, Watch, WorkersEnd,
 };
 use crate::elastic::{self, ElasticSetup};
+use crate::hang::{self, Detector};
+use crate::hangwatch;
 use crate::output::DupFilter;
 use crate::workers::{GroupIo, GroupOutcome, WorkerGroup};
 use crate::{process, start_store, worker_specs, AgentConfig, AgentError, Ctx, RendezvousConfig, RunOutcome, Signals};
@@ -83,16 +85,43 @@ async fn drive(
     }
 }
 
+/// Bound on taking the workers' stacks for the rendezvous before a stop (py-spy's own bound is
+/// 10 s per rank, all ranks at once).
+const STACKS_WITHIN: Duration = Duration::from_secs(12);
+
+/// Hang detection for a group: the threshold, the stack reader, and the job's node count.
+struct HangWatch {
+    timeout: crate::hang::HangTimeout,
+    py_spy: Option<std::path::PathBuf>,
+    nodes: u32,
+}
+
 /// Supervises one worker group on a task of its own; commands go in, events come out.
 enum GroupCmd {
     Signal(i32),
-    Stop { first: i32 },
+    Stop {
+        first: i32,
+    },
+    /// Where the running ranks stand, as report lines (none without hang detection).
+    Stacks(tokio::sync::oneshot::Sender<Vec<String>>),
 }
 
-fn supervise(mut group: WorkerGroup, grace: Duration, events: UnboundedSender<Event>) -> UnboundedSender<GroupCmd> {
+fn supervise(
+    mut group: WorkerGroup,
+    grace: Duration,
+    events: UnboundedSender<Event>,
+    hang: Option<HangWatch>,
+) -> UnboundedSender<GroupCmd> {
     let (cmd_tx, mut cmds) = unbounded_channel();
     tokio::spawn(async move {
         let mut ended = false;
+        let start = tokio::time::Instant::now();
+        let clock = move || u64::try_from(start.elapsed().as_millis()).unwrap_or(u64::MAX);
+        let mut detector = hang.as_ref().map(|h| Detector::new(h.timeout, group.size(), hangwatch::ticks_per_s(), 0));
+        let mut samples = tokio::time::interval(hangwatch::SAMPLE_EVERY);
+        samples.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // A verdict held until then (`hang::hold_verdict`).
+        let mut hold_until: Option<u64> = None;
         loop {
             tokio::select! {
                 outcome = group.wait(), if !ended => {
@@ -102,14 +131,101 @@ fn supervise(mut group: WorkerGroup, grace: Duration, events: UnboundedSender<Ev
                             group.reap_stragglers().await;
                             WorkersEnd::Succeeded
                         }
-                        GroupOutcome::Failed(rc) => WorkersEnd::Failed(rc),
+                        GroupOutcome::Failed(mut rc) => {
+                            // Where the survivors stood when it failed, before anyone stops them.
+                            if let Some(h) = &hang {
+                                let survivors = group.watched();
+                                if !survivors.is_empty() {
+                                    let stacks = hangwatch::stacks(h.py_spy.as_deref(), &survivors).await;
+                                    rc.stacks = hang::report_lines(&stacks);
+                                }
+                            }
+                            WorkersEnd::Failed(rc)
+                        }
                     };
                     let _ = events.send(Event::WorkersEnded(end));
+                }
+                _ = samples.tick(), if detector.is_some() && !ended => {
+                    let (Some(d), Some(h)) = (detector.as_mut(), hang.as_ref()) else { continue };
+                    if group.take_exits() {
+                        // A failure the next `wait` reports: no hang to judge.
+                        continue;
+                    }
+                    let now = clock();
+                    let watched = group.watched();
+                    let quiet: Vec<&hangwatch::Watched> = watched.iter().filter(|w| d.wants_stack(w.index, now)).collect();
+                    let digests = if quiet.is_empty() {
+                        Default::default()
+                    } else {
+                        hangwatch::stack_digests(h.py_spy.as_deref(), &quiet).await
+                    };
+                    let samples = hangwatch::samples(&watched, &digests);
+                    for i in 0..group.size() {
+                        match samples.get(&i) {
+                            Some(s) => {
+                                d.observe(i, *s, now);
+                            }
+                            None => d.retire(i),
+                        }
+                    }
+                    let Some(verdict) = d.verdict(now) else {
+                        hold_until = None;
+                        continue;
+                    };
+                    if group.take_exits() || hold_until.is_some_and(|t| now < t) {
+                        continue;
+                    }
+                    let watched = group.watched();
+                    let stacks = hangwatch::stacks(h.py_spy.as_deref(), &watched).await;
+                    if hold_until.is_none() {
+                        let hold = hang::hold_verdict(&hang::group(&stacks), h.nodes, verdict.threshold);
+                        if !hold.is_zero() {
+                            info!(
+                                hold_s = hold.as_secs_f64(),
+                                "no progress here, every rank waits in a collective: holding the verdict for the node where the odd one out stands"
+                            );
+                            hold_until = Some(now.saturating_add(u64::try_from(hold.as_millis()).unwrap_or(u64::MAX)));
+                            continue;
+                        }
+                    }
+                    let ranks: Vec<u32> =
+                        verdict.stalled.iter().filter_map(|i| watched.iter().find(|w| w.index == *i)).map(|w| w.rank).collect();
+                    let lines = hang::report_lines(&stacks);
+                    let message = format!(
+                        "hang: no progress from rank(s) {} for {:.0} s (--hang-timeout {:.0} s); where each rank stood, the odd one out first: {}",
+                        hang::ranges(&ranks),
+                        verdict.quiet_for.as_secs_f64(),
+                        verdict.threshold.as_secs_f64(),
+                        lines.first().map(String::as_str).unwrap_or("no stacks"),
+                    );
+                    warn!("{message}");
+                    for l in &lines {
+                        warn!("  {l}");
+                    }
+                    // The root cause is the odd one out (quiet or not: a rank spinning in a loop
+                    // while the others wait is the culprit), else the longest quiet.
+                    let odd = hang::group(&stacks).first().and_then(|(ranks, _)| ranks.first().copied());
+                    let culprit = odd
+                        .and_then(|r| watched.iter().find(|w| w.rank == r))
+                        .map_or(verdict.stalled[0], |w| w.index);
+                    let rc = group.hang_root_cause(culprit, message, lines);
+                    ended = true;
+                    let _ = events.send(Event::WorkersEnded(WorkersEnd::Hung(Box::new(rc))));
                 }
                 cmd = cmds.recv() => match cmd {
                     Some(GroupCmd::Signal(sig)) => {
                         info!(signal = %process::signal_name(sig), "relaying signal to workers");
                         group.signal_all(sig);
+                    }
+                    Some(GroupCmd::Stacks(reply)) => {
+                        let lines = match (&hang, ended) {
+                            (Some(h), false) => {
+                                let watched = group.watched();
+                                hang::report_lines(&hangwatch::stacks(h.py_spy.as_deref(), &watched).await)
+                            }
+                            _ => Vec::new(),
+                        };
+                        let _ = reply.send(lines);
                     }
                     Some(GroupCmd::Stop { first }) => {
                         group.stop(grace, first).await;
@@ -215,6 +331,7 @@ impl Io<'_> {
             Action::Join => self.join().await?,
             Action::StartWorkers(p) => self.start_workers(p).await?,
             Action::StopWorkers { first } => self.command(GroupCmd::Stop { first }),
+            Action::ShareStacks { round } => self.share_stacks(round).await,
             Action::Relay(sig) => self.command(GroupCmd::Signal(sig)),
             Action::Watch { round } => {
                 let (client, node) = self.client();
@@ -263,6 +380,34 @@ impl Io<'_> {
             }
         }
         Ok(None)
+    }
+
+    /// Tells the rendezvous where this node's ranks stand before they are stopped for
+    /// something elsewhere, so that one report shows every node's. Awaited (within bounds), so
+    /// a root cause fetched after the stop has them.
+    async fn share_stacks(&mut self, round: u64) {
+        let Some(g) = &self.group else { return };
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        if g.send(GroupCmd::Stacks(tx)).is_err() {
+            return;
+        }
+        let Ok(Ok(lines)) = tokio::time::timeout(STACKS_WITHIN, rx).await else {
+            warn!("the workers' stacks were not read in time; stopping them without");
+            return;
+        };
+        if lines.is_empty() {
+            return;
+        }
+        warn!(round, "where this node's ranks stood when the round ended:");
+        for l in &lines {
+            warn!("  {l}");
+        }
+        let (client, node) = self.client();
+        match tokio::time::timeout(STATUS_TIMEOUT, client.report_stacks(&node.node_id, round, lines)).await {
+            Ok(Ok(())) => info!(round, "the rendezvous has this node's stacks"),
+            Ok(Err(e)) => warn!(error = %e, "the rendezvous did not take this node's stacks"),
+            Err(_) => warn!("the rendezvous did not answer in time; this node's stacks are only in its log"),
+        }
     }
 
     fn command(&mut self, cmd: GroupCmd) {
@@ -341,7 +486,15 @@ impl Io<'_> {
             self.ctx.host,
             self.ctx.containment.clone(),
         )?;
-        self.group = Some(supervise(group, self.config.stop_grace, self.tx.clone()));
+        let hang = self.config.hang_timeout.map(|timeout| {
+            let py_spy = hangwatch::find_py_spy(&self.config.program);
+            match &py_spy {
+                Some(p) => info!(py_spy = %p.display(), "hang detection reads Python stacks with py-spy"),
+                None => warn!("py-spy not found (RLAUNCH_PY_SPY, PATH, beside the workers' Python, .venv/bin): hang reports show kernel wait channels only"),
+            }
+            HangWatch { timeout, py_spy, nodes: p.group_world_size }
+        });
+        self.group = Some(supervise(group, self.config.stop_grace, self.tx.clone(), hang));
         Ok(())
     }
 

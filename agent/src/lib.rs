@@ -11,6 +11,8 @@ pub mod contain;
 pub mod core;
 mod driver;
 mod elastic;
+pub mod hang;
+mod hangwatch;
 pub mod numa;
 pub mod output;
 pub mod process;
@@ -328,6 +330,7 @@ pub(crate) fn worker_specs(
                 prefix,
                 terminal,
                 cpus: ctx.cpus.as_ref().map(|sets| sets[local_rank as usize]),
+                heartbeat: config.hang_timeout.map(|_| dir.join("heartbeat")),
                 overrides: if config.virtual_local_rank {
                     virtual_local_rank(local_rank, ctx.agent_env)
                 } else {

@@ -520,6 +520,8 @@ pub struct Sink {
     pub partial: bool,
     /// Console lines matching the duplicate filters also go there.
     pub dup: Option<Arc<DupFilter>>,
+    /// Counts the bytes read (a sign of progress, for hang detection).
+    pub written: Option<Arc<std::sync::atomic::AtomicU64>>,
 }
 
 /// Copies `reader` to its sink until end of file. Returns when the worker closed the stream.
@@ -552,6 +554,9 @@ pub async fn pump(mut reader: impl AsyncRead + Unpin, sink: Sink) -> io::Result<
         };
         if n == 0 {
             break;
+        }
+        if let Some(w) = &sink.written {
+            w.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
         }
         if let Some((f, path)) = file.as_mut() {
             if let Err(e) = f.write_all(&chunk[..n]).and_then(|()| f.flush()) {
@@ -702,6 +707,7 @@ mod tests {
             tail: Some(tail.clone()),
             partial: false,
             dup: None,
+            written: None,
         };
         pump(&input[..], sink).await.expect("reading a slice cannot fail");
         let t = tail.lock().unwrap();
@@ -854,6 +860,7 @@ mod tests {
             tail: None,
             partial: false,
             dup,
+            written: None,
         };
         pump(&b"an apple\npear\nor,ange juice\norange\n"[..], sink).await.unwrap();
         let got = std::fs::read_to_string(&path).unwrap();

@@ -554,6 +554,12 @@ pub fn spawn_watchdog(plan: &WatchdogPlan) -> io::Result<OwnedFd> {
     }
 }
 
+/// Lets every process of a worker's group run again (SIGCONT): after a stack reader that stopped
+/// it was killed before it could detach cleanly.
+pub fn resume_group(pgid: u32) {
+    let _ = signal_group(pgid, libc::SIGCONT);
+}
+
 /// Sends `signal` to every process in the group led by `pgid`. A group that is already gone is
 /// not an error.
 fn signal_group(pgid: u32, signal: i32) -> io::Result<()> {

@@ -37,6 +37,9 @@ pub struct WorkerSpec {
     pub terminal: Terminal,
     /// CPUs the worker is bound to (`--numa-binding`).
     pub cpus: Option<libc::cpu_set_t>,
+    /// The heartbeat file, created before the worker starts and named to it in
+    /// `RLAUNCH_HEARTBEAT_FILE` (`--hang-timeout`).
+    pub heartbeat: Option<PathBuf>,
 }
 
 /// Where a group's workers' output and input go, besides their own files.
@@ -57,6 +60,8 @@ struct Running {
     pumps: Vec<JoinHandle<()>>,
     /// Its terminal receives the agent's stdin under this id.
     stdin_id: Option<u64>,
+    /// Bytes it wrote to stdout and stderr (progress, for hang detection).
+    written: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// The result of waiting on a group.
@@ -73,6 +78,9 @@ pub struct WorkerGroup {
     waiters: Vec<JoinHandle<()>>,
     host: String,
     stdin: Option<StdinRouter>,
+    /// A failure taken from the exit channel whose report is not built yet: `wait` returns it
+    /// even when the call that took it was cancelled (a `select!` on a sampling tick).
+    pending: Option<(usize, Exit, u64)>,
 }
 
 impl WorkerGroup {
@@ -93,6 +101,7 @@ impl WorkerGroup {
             waiters: Vec::new(),
             host: host.to_string(),
             stdin: io.stdin.clone(),
+            pending: None,
         };
         for (index, spec) in specs.into_iter().enumerate() {
             if let Err(e) = group.spawn_one(index, program, spec, agent_env, io, tx.clone()) {
@@ -124,6 +133,11 @@ impl WorkerGroup {
         for (k, v) in &spec.overrides {
             cmd.env(k, v);
         }
+        if let Some(path) = &spec.heartbeat {
+            crate::hangwatch::create_heartbeat(path)
+                .map_err(|source| AgentError::LogDir { path: path.clone(), source })?;
+            cmd.env(crate::hangwatch::HEARTBEAT_ENV, path);
+        }
         let place = Placement { cgroup_procs: self.containment.procs_file(local_rank), cpus: spec.cpus };
         let spawned = spawn_worker(cmd, place, spec.terminal).map_err(|source| AgentError::Spawn {
             local_rank,
@@ -141,6 +155,7 @@ impl WorkerGroup {
             _ => None,
         };
         let stderr_tail = Arc::new(Mutex::new(VecDeque::new()));
+        let written = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let mut pumps = Vec::new();
         for (stream, reader) in [(Stream::Stdout, spawned.stdout), (Stream::Stderr, spawned.stderr)] {
             let name = if stream == Stream::Stdout { "stdout.log" } else { "stderr.log" };
@@ -151,6 +166,7 @@ impl WorkerGroup {
                 tail: (stream == Stream::Stderr).then(|| stderr_tail.clone()),
                 partial: if stream == Stream::Stdout { spec.terminal.stdout } else { spec.terminal.stderr },
                 dup: io.dup[if stream == Stream::Stdout { 0 } else { 1 }].clone(),
+                written: Some(written.clone()),
             };
             pumps.push(tokio::spawn(async move {
                 if let Err(e) = pump(reader, sink).await {
@@ -170,8 +186,63 @@ impl WorkerGroup {
             let _ = tx.send((index, exit, now_unix()));
         }));
         debug!(local_rank, rank = spec.env.rank, pid, "worker started");
-        self.workers.push(Running { spec, pid, proc, exit: None, stderr_tail, pumps, stdin_id });
+        self.workers.push(Running { spec, pid, proc, exit: None, stderr_tail, pumps, stdin_id, written });
         Ok(())
+    }
+
+    /// The workers still running, as hang detection samples them.
+    pub fn watched(&self) -> Vec<crate::hangwatch::Watched> {
+        self.workers
+            .iter()
+            .enumerate()
+            .filter(|(_, w)| w.exit.is_none())
+            .map(|(index, w)| crate::hangwatch::Watched {
+                index,
+                rank: w.spec.env.rank,
+                pid: w.pid,
+                written: w.written.clone(),
+                heartbeat: w.spec.heartbeat.clone(),
+            })
+            .collect()
+    }
+
+    /// How many workers the group started.
+    pub fn size(&self) -> usize {
+        self.workers.len()
+    }
+
+    /// The root cause of a hang: worker `index` (the odd one out, or the longest quiet) made no
+    /// progress; `stacks` says where every rank stood, the odd one out first. The agent stops
+    /// it (SIGTERM).
+    pub fn hang_root_cause(&self, index: usize, message: String, stacks: Vec<String>) -> RootCause {
+        let tail =
+            self.workers[index].stderr_tail.lock().expect("tail lock is never poisoned").iter().cloned().collect();
+        RootCause {
+            stderr_tail: tail,
+            stacks,
+            ..self.cause_base(index, Exit::Signal(libc::SIGTERM), now_unix(), message)
+        }
+    }
+
+    /// What every root cause of worker `index` says of it.
+    fn cause_base(&self, index: usize, exit: Exit, timestamp: u64, message: String) -> RootCause {
+        let w = &self.workers[index];
+        RootCause {
+            rank: w.spec.env.rank,
+            local_rank: w.spec.env.local_rank,
+            role: w.spec.env.role_name.clone(),
+            host: self.host.clone(),
+            pid: w.pid,
+            exit,
+            timestamp,
+            restart_count: w.spec.env.restart_count,
+            message,
+            traceback: None,
+            error_file: None,
+            stderr_tail: Vec::new(),
+            other_failures: Vec::new(),
+            stacks: Vec::new(),
+        }
     }
 
     pub fn pids(&self) -> Vec<u32> {
@@ -182,6 +253,12 @@ impl WorkerGroup {
     /// remembered, so this can sit in a `select!` with signals and rendezvous events.
     pub async fn wait(&mut self) -> GroupOutcome {
         loop {
+            if let Some((index, exit, seen_at)) = self.pending {
+                let mut rc = self.root_cause(index, exit, seen_at).await;
+                rc.other_failures = self.failing_along().await;
+                self.pending = None;
+                return GroupOutcome::Failed(Box::new(rc));
+            }
             if self.workers.iter().all(|w| w.exit == Some(Exit::Code(0))) {
                 return GroupOutcome::Succeeded;
             }
@@ -190,17 +267,32 @@ impl WorkerGroup {
                 // receiver and each waiter sends once; treat as a failure of the group.
                 return GroupOutcome::Failed(Box::new(self.root_cause(0, Exit::Code(1), now_unix()).await));
             };
-            self.workers[index].exit = Some(exit);
-            let w = &self.workers[index];
-            if exit.success() {
-                debug!(local_rank = w.spec.env.local_rank, "worker finished");
-                continue;
-            }
-            warn!(local_rank = w.spec.env.local_rank, rank = w.spec.env.rank, exit = %exit.describe(), "worker failed");
-            let mut rc = self.root_cause(index, exit, seen_at).await;
-            rc.other_failures = self.failing_along().await;
-            return GroupOutcome::Failed(Box::new(rc));
+            self.note_exit(index, exit, seen_at);
         }
+    }
+
+    fn note_exit(&mut self, index: usize, exit: Exit, seen_at: u64) {
+        self.workers[index].exit = Some(exit);
+        let w = &self.workers[index];
+        if exit.success() {
+            debug!(local_rank = w.spec.env.local_rank, "worker finished");
+        } else if self.pending.is_none() {
+            warn!(local_rank = w.spec.env.local_rank, rank = w.spec.env.rank, exit = %exit.describe(), "worker failed");
+            self.pending = Some((index, exit, seen_at));
+        }
+    }
+
+    /// Takes the exits already reported without waiting; returns whether a worker failed (the
+    /// next `wait` reports it). Hang detection calls this before judging, so an exit it has not
+    /// seen yet is never taken for a hang.
+    pub fn take_exits(&mut self) -> bool {
+        while self.pending.is_none() {
+            match self.exits.try_recv() {
+                Ok((index, exit, seen_at)) => self.note_exit(index, exit, seen_at),
+                Err(_) => break,
+            }
+        }
+        self.pending.is_some()
     }
 
     /// Workers that fail by themselves in the same moment as the first (within torchrun's
@@ -236,23 +328,16 @@ impl WorkerGroup {
         let error_file = w.spec.env.error_file.as_ref().map(PathBuf::from);
         let data = error_file.as_deref().and_then(read_error_file);
         let tail: Vec<String> = w.stderr_tail.lock().expect("tail lock is never poisoned").iter().cloned().collect();
+        let timestamp = data.as_ref().and_then(|d| d.timestamp).unwrap_or(seen_at);
+        let message = data
+            .as_ref()
+            .map(|d| d.message.clone())
+            .unwrap_or_else(|| format!("worker exited with {} (no error file written)", exit.describe()));
         RootCause {
-            rank: w.spec.env.rank,
-            local_rank: w.spec.env.local_rank,
-            role: w.spec.env.role_name.clone(),
-            host: self.host.clone(),
-            pid: w.pid,
-            exit,
-            timestamp: data.as_ref().and_then(|d| d.timestamp).unwrap_or(seen_at),
-            restart_count: w.spec.env.restart_count,
-            message: data
-                .as_ref()
-                .map(|d| d.message.clone())
-                .unwrap_or_else(|| format!("worker exited with {} (no error file written)", exit.describe())),
             traceback: data.as_ref().and_then(|d| d.traceback.clone()),
             error_file: if data.is_some() { error_file } else { None },
             stderr_tail: if data.is_some() { Vec::new() } else { tail },
-            other_failures: Vec::new(),
+            ..self.cause_base(index, exit, timestamp, message)
         }
     }
 

@@ -216,6 +216,13 @@ pub struct Args {
     )]
     pub duplicate_stderr_filters: String,
 
+    /// A worker without progress for this many seconds is hung: its group is stopped and
+    /// restarted (or the job fails) like on a failure, and the report says where every rank
+    /// stood. Progress: output, CPU use, a Python stack that moves, or a touch of the file named
+    /// in `RLAUNCH_HEARTBEAT_FILE`. `auto`: 10 × the observed step period, at least 30 s.
+    #[arg(long = "hang-timeout", alias = "hang_timeout", env = "PET_HANG_TIMEOUT", value_parser = parse_hang_timeout)]
+    pub hang_timeout: Option<rlaunch_agent::hang::HangTimeout>,
+
     /// Every worker sees only its own GPU, as device 0, with LOCAL_RANK=0 (torchrun's flag).
     #[arg(long = "virtual-local-rank", alias = "virtual_local_rank", env = "PET_VIRTUAL_LOCAL_RANK", value_parser = BoolishValueParser::new())]
     pub virtual_local_rank: bool,
@@ -608,8 +615,13 @@ impl Args {
             numa_binding: self.numa_binding.as_deref().map(|m| m.parse().expect("clap checked the choice")),
             duplicate_stdout_filters: comma_separated_list(&self.duplicate_stdout_filters),
             duplicate_stderr_filters: comma_separated_list(&self.duplicate_stderr_filters),
+            hang_timeout: self.hang_timeout,
         })
     }
+}
+
+fn parse_hang_timeout(s: &str) -> Result<rlaunch_agent::hang::HangTimeout, String> {
+    rlaunch_agent::hang::HangTimeout::parse(s)
 }
 
 /// torchrun's list syntax for the duplicate filters: items split at `,`, with `,,` for a comma

@@ -4,7 +4,7 @@
 //! given); also the bytes of each agent's answer and the service's memory.
 //!
 //! `cargo build --release -p rlaunch-rendezvous --bins --examples &&
-//!  target/release/examples/rdzv_bench --agents 100,1000,3000,10000 [--etcd URL]`
+//!  target/release/examples/rdzv_bench --agents 100,1000,3000,10000 [--etcd URL [--no-memory]]`
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -138,9 +138,13 @@ async fn one(service: &Service, n: u32, run_id: &str) -> Result<Run> {
     }
     let took = t0.elapsed();
     let rss_mib = service.rss_mib();
+    // Every agent leaves at once, as at the end of a job.
+    let mut leaves = tokio::task::JoinSet::new();
     for i in 0..n {
-        let _ = client.leave(&node(i).node_id).await;
+        let c = client.clone();
+        leaves.spawn(async move { c.leave(&node(i).node_id).await });
     }
+    while leaves.join_next().await.is_some() {}
     Ok(Run { took, answer_bytes, rss_mib })
 }
 
@@ -148,6 +152,7 @@ async fn one(service: &Service, n: u32, run_id: &str) -> Result<Run> {
 async fn main() -> Result<()> {
     let mut agents = vec![100u32, 1000, 3000, 10000];
     let mut etcd: Option<String> = None;
+    let mut memory = true;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -155,13 +160,15 @@ async fn main() -> Result<()> {
                 agents = args.next().context("--agents N,N")?.split(',').map(str::parse).collect::<Result<_, _>>()?
             }
             "--etcd" => etcd = Some(args.next().context("--etcd URL")?),
+            // Only the etcd store (with --etcd).
+            "--no-memory" => memory = false,
             other => bail!("unknown argument {other}"),
         }
     }
     // 10,000 agents hold 10,000 connections.
     rlaunch::store::raise_open_files().context("raising the open-file limit")?;
     println!("store\tagents\tlast_join_to_all_closed_ms\tper_agent_us\tanswer_bytes\tservice_rss_mib");
-    let mut stores: Vec<(&str, Option<&str>)> = vec![("memory", None)];
+    let mut stores: Vec<(&str, Option<&str>)> = if memory { vec![("memory", None)] } else { Vec::new() };
     if let Some(url) = etcd.as_deref() {
         stores.push(("etcd", Some(url)));
     }

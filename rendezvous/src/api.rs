@@ -8,6 +8,7 @@
 //! | `POST /v1/jobs/{run_id}/heartbeat` | `{node_id, secret, sent?: {seq, slow}, probes?: [{node_id, reached}]}` | `{probe?: [{node_id, addr}]}`: probes owed |
 //! | `POST /v1/jobs/{run_id}/watch` | `{after_round, node_id?, secret?, wait_ms?}` | `{"event":"new_round","data":N}` / `finished` / `failed` / `no_change` |
 //! | `POST /v1/jobs/{run_id}/failure` | `{node_id, secret, round, root_cause}` | `{}` |
+//! | `POST /v1/jobs/{run_id}/stacks` | `{node_id, secret, round, stacks: [line]}` | `{}`: where the node's ranks stood when `round` failed, merged into the last root cause |
 //! | `POST /v1/jobs/{run_id}/success` | `{node_id, secret, round}` | `{}` |
 //! | `POST /v1/jobs/{run_id}/leave` | `{node_id, secret}` | `{}` |
 //! | `GET /v1/jobs/{run_id}` | | `JobStatus` |
@@ -118,6 +119,15 @@ pub struct FailureRequest {
     pub secret: Option<crate::identity::Secret>,
     pub round: u64,
     pub root_cause: Box<crate::round::RootCause>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StacksRequest {
+    pub node_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret: Option<crate::identity::Secret>,
+    pub round: u64,
+    pub stacks: Vec<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -245,6 +255,15 @@ async fn failure(
     Ok(Json(Empty {}))
 }
 
+async fn stacks(
+    State(app): State<AppState>,
+    Path(run_id): Path<String>,
+    ApiJson(req): ApiJson<StacksRequest>,
+) -> ApiResult<Empty> {
+    app.rdzv.report_stacks(&run_id, &req.node_id, req.secret.as_deref(), req.round, req.stacks).await?;
+    Ok(Json(Empty {}))
+}
+
 async fn success(
     State(app): State<AppState>,
     Path(run_id): Path<String>,
@@ -311,6 +330,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/jobs/{run_id}/heartbeat", post(heartbeat))
         .route("/v1/jobs/{run_id}/watch", post(watch))
         .route("/v1/jobs/{run_id}/failure", post(failure))
+        .route("/v1/jobs/{run_id}/stacks", post(stacks))
         .route("/v1/jobs/{run_id}/success", post(success))
         .route("/v1/jobs/{run_id}/leave", post(leave))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_token));

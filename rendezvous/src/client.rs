@@ -13,7 +13,9 @@ use serde::Serialize;
 use tokio::task::JoinHandle;
 use tracing::{debug, warn};
 
-use crate::api::{ErrorBody, FailureRequest, HeartbeatRequest, JoinRequest, NodeRequest, SuccessRequest, WatchRequest};
+use crate::api::{
+    ErrorBody, FailureRequest, HeartbeatRequest, JoinRequest, NodeRequest, StacksRequest, SuccessRequest, WatchRequest,
+};
 use crate::error::RdzvError;
 use crate::round::{JobSettings, JobStatus, NodeInfo, RoundInfo};
 use crate::service::{Beat, HeartbeatAnswer, JoinAnswer, Joined, Rendezvous, WatchEvent};
@@ -388,6 +390,19 @@ impl RendezvousClient {
             Transport::Local { rdzv, .. } => {
                 let secret = self.secret(node_id);
                 rdzv.report_failure(&self.run_id, node_id, secret.as_deref(), round, root_cause).await
+            }
+        }
+    }
+
+    /// Says where this node's ranks stood when `round` ended by a failure elsewhere.
+    pub async fn report_stacks(&self, node_id: &str, round: u64, stacks: Vec<String>) -> Result<(), RdzvError> {
+        match &self.inner.transport {
+            Transport::Http(h) => {
+                let body = StacksRequest { node_id: node_id.to_owned(), secret: self.secret(node_id), round, stacks };
+                h.call::<Empty>(Method::POST, &self.path("stacks"), Some(json(&body)), SHORT_TIMEOUT).await.map(|_| ())
+            }
+            Transport::Local { rdzv, .. } => {
+                rdzv.report_stacks(&self.run_id, node_id, self.secret(node_id).as_deref(), round, stacks).await
             }
         }
     }

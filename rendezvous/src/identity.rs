@@ -52,6 +52,20 @@ mod tests {
         assert!(!matches(&digest(&a), ""));
         assert!(!matches(&digest(&a), &digest(&a)), "the digest itself is not the secret");
     }
+
+    #[test]
+    fn no_debug_print_of_a_request_guard_or_answer_shows_a_secret() {
+        let s = mint();
+        let guard = crate::round::Guard { secret: Some(s.clone()), minted: Some(s.clone()), max_pending: Some(3) };
+        let joined = crate::service::Joined {
+            answer: crate::service::JoinAnswer::Wait { round: 1, state: "forming".into() },
+            secret: s.clone(),
+        };
+        for printed in [format!("{guard:?}"), format!("{joined:?}"), format!("{:?}", Secret(s.clone()))] {
+            assert!(!printed.contains(&s), "{printed}");
+            assert!(printed.contains("redacted"), "{printed}");
+        }
+    }
 }
 
 /// A secret on the wire (request bodies): serialized as the plain string, but never printed by

@@ -315,8 +315,12 @@ pub struct Job {
     pub keys: BTreeMap<String, String>,
     /// Restarts spent from the global budget (failures only; node loss and scale-up are free).
     pub restart_count: u32,
-    /// Root cause of the last reported failure, as the agent sent it.
+    /// Root cause of the last reported failure, as the agent sent it, with the stacks of the
+    /// other nodes' ranks merged in as they arrive ([`Event::ReportStacks`]).
     pub last_root_cause: Option<RootCause>,
+    /// The round that failure ended: stacks are taken for it only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_failure_round: Option<u64>,
     /// Human reason of the last transition.
     pub last_reason: String,
     pub created_at: Millis,
@@ -425,6 +429,13 @@ pub enum Event {
     Leave {
         node_id: String,
     },
+    /// Where a node's ranks stood when `round` ended by a failure elsewhere (report lines,
+    /// [`rlaunch::stacks`]): merged into the last root cause.
+    ReportStacks {
+        node_id: String,
+        round: u64,
+        stacks: Vec<String>,
+    },
 }
 
 /// One node as `status` shows it.
@@ -497,6 +508,7 @@ impl Job {
             keys: BTreeMap::new(),
             restart_count: 0,
             last_root_cause: None,
+            last_failure_round: None,
             last_reason: "job created; round 1 forming".to_owned(),
             created_at: now,
         }
@@ -865,6 +877,8 @@ pub fn apply_in_place(job: &mut Job, ev: Event, now: Millis) -> Decision {
     let version = job.version;
     let next = job;
     let ticked = matches!(ev, Event::Tick);
+    // Stacks arriving change no round and say nothing of the job's last transition.
+    let keeps_reason = matches!(ev, Event::ReportStacks { .. });
     let decision = match ev {
         Event::Join(node) => join(next, node, now),
         Event::Heartbeat { node_id, sent, probes } => heartbeat(next, &node_id, sent, &probes, now),
@@ -872,12 +886,14 @@ pub fn apply_in_place(job: &mut Job, ev: Event, now: Millis) -> Decision {
         Event::ReportFailure { node_id, round, root_cause } => report_failure(next, &node_id, round, *root_cause, now),
         Event::NodeSucceeded { node_id, round } => node_succeeded(next, &node_id, round, now),
         Event::Leave { node_id } => leave(next, &node_id, now),
+        Event::ReportStacks { node_id, round, stacks } => report_stacks(next, &node_id, round, &stacks),
     };
     if ticked && !next.phase.is_terminal() {
         next.prune_health();
     }
     match decision.action {
         Action::Rejected(_) | Action::Nothing | Action::HeartbeatRecorded => {}
+        Action::Updated if keeps_reason => {}
         Action::Updated => next.last_reason = decision.reason.clone(),
         Action::RoundOpened { .. } | Action::RoundClosed { .. } | Action::Finished | Action::Failed => {
             next.version = version + 1;
@@ -889,7 +905,7 @@ pub fn apply_in_place(job: &mut Job, ev: Event, now: Millis) -> Decision {
 
 /// What the service checks before an event for a node takes effect, decided atomically with
 /// the event (the same store update).
-#[derive(Debug, Clone, Default)]
+#[derive(Clone, Default)]
 pub struct Guard {
     /// The secret the caller presents for the event's node.
     pub secret: Option<String>,
@@ -900,6 +916,18 @@ pub struct Guard {
     pub max_pending: Option<usize>,
 }
 
+/// Secrets are never printed (logs, panics).
+impl std::fmt::Debug for Guard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let redacted = |s: &Option<String>| s.as_ref().map(|_| "<redacted>");
+        f.debug_struct("Guard")
+            .field("secret", &redacted(&self.secret))
+            .field("minted", &redacted(&self.minted))
+            .field("max_pending", &self.max_pending)
+            .finish()
+    }
+}
+
 impl Event {
     /// The node an event speaks for (`None` for a tick).
     pub fn node_id(&self) -> Option<&str> {
@@ -908,6 +936,7 @@ impl Event {
             Event::Heartbeat { node_id, .. }
             | Event::ReportFailure { node_id, .. }
             | Event::NodeSucceeded { node_id, .. }
+            | Event::ReportStacks { node_id, .. }
             | Event::Leave { node_id } => Some(node_id),
             Event::Tick => None,
         }
@@ -1172,6 +1201,11 @@ fn tick(job: &mut Job, now: Millis) -> Decision {
 }
 
 fn report_failure(job: &mut Job, node_id: &str, round: u64, root_cause: RootCause, now: Millis) -> Decision {
+    if job.last_failure_round == Some(round) && !root_cause.stacks.is_empty() {
+        // A second node that saw the same round fail (both saw a hang at once): the failure
+        // counts once, its ranks' places join the report.
+        return report_stacks(job, node_id, round, &root_cause.stacks);
+    }
     if job.phase.is_terminal() {
         return decide(Action::Nothing, format!("failure report from {node_id} ignored: the job is over"));
     }
@@ -1190,6 +1224,7 @@ fn report_failure(job: &mut Job, node_id: &str, round: u64, root_cause: RootCaus
     }
     let summary = root_cause.summary();
     job.last_root_cause = Some(root_cause);
+    job.last_failure_round = Some(round);
     let budget = job.settings.max_restarts;
     if job.restart_count < budget {
         job.restart_count += 1;
@@ -1205,6 +1240,26 @@ fn report_failure(job: &mut Job, node_id: &str, round: u64, root_cause: RootCaus
         job.phase = Phase::Failed { at: now, kind: FailureKind::RestartBudget, reason: reason.clone() };
         decide(Action::Failed, reason)
     }
+}
+
+/// Merges where `node_id`'s ranks stood into the root cause of the failure that ended `round`.
+fn report_stacks(job: &mut Job, node_id: &str, round: u64, stacks: &[String]) -> Decision {
+    let known = job.is_member(node_id) || job.is_pending(node_id) || job.previous.iter().any(|p| p == node_id);
+    if !known {
+        return reject(Rejection::UnknownNode { node_id: node_id.to_owned() });
+    }
+    let Some(rc) = job.last_root_cause.as_mut().filter(|_| job.last_failure_round == Some(round)) else {
+        return decide(
+            Action::Nothing,
+            format!("stacks from {node_id} for round {round} ignored: no failure of that round to add them to"),
+        );
+    };
+    let merged = rlaunch::stacks::merge(&[&rc.stacks, stacks]);
+    if merged == rc.stacks {
+        return decide(Action::Nothing, format!("stacks from {node_id} for round {round} already in the report"));
+    }
+    rc.stacks = merged;
+    decide(Action::Updated, format!("where the ranks of {node_id} stood in round {round} added to the root cause"))
 }
 
 fn node_succeeded(job: &mut Job, node_id: &str, round: u64, now: Millis) -> Decision {

@@ -64,13 +64,20 @@ impl JoinView {
 
 /// Answer to a join over HTTP: the [`JoinAnswer`] and the node's secret, which every later call
 /// for the node must carry (`{"status", "data", "secret"}`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Joined {
     #[serde(flatten)]
     pub answer: JoinAnswer,
     /// Empty from a service without node identity (older versions).
     #[serde(default)]
     pub secret: String,
+}
+
+/// The secret is never printed (logs, panics).
+impl std::fmt::Debug for Joined {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Joined").field("answer", &self.answer).field("secret", &"<redacted>").finish()
+    }
 }
 
 /// Bounds on what clients make the service keep; operators raise them with flags.
@@ -293,9 +300,8 @@ impl Rendezvous {
         crate::round::validate_node(&node)?;
         let deadline = Instant::now() + wait.min(MAX_WAIT);
         // Nothing is registered for a caller that may not speak for the node (etcd: a forged
-        // join must not keep a dead node's lease alive).
-        self.store.authorize(run_id, &node.node_id, secret).await?;
-        let registered = self.store.register_node(run_id, &node.node_id, settings.node_ttl).await?;
+        // join must not keep a dead node's key alive).
+        let registered = self.store.register_join(run_id, &node.node_id, secret, settings.node_ttl).await?;
         let mut guard = self.guard(secret);
         guard.minted = Some(crate::identity::mint());
         let id = node.node_id.as_str();
@@ -436,6 +442,20 @@ impl Rendezvous {
         root_cause: Box<crate::round::RootCause>,
     ) -> Result<(), RdzvError> {
         let ev = Event::ReportFailure { node_id: node_id.to_owned(), round, root_cause };
+        self.apply(run_id, None, ev, &self.guard(secret), |_| ()).await
+    }
+
+    /// Where `node_id`'s ranks stood when `round` ended by a failure elsewhere: merged into
+    /// the job's last root cause (report lines of [`rlaunch::stacks`]).
+    pub async fn report_stacks(
+        &self,
+        run_id: &str,
+        node_id: &str,
+        secret: Option<&str>,
+        round: u64,
+        stacks: Vec<String>,
+    ) -> Result<(), RdzvError> {
+        let ev = Event::ReportStacks { node_id: node_id.to_owned(), round, stacks };
         self.apply(run_id, None, ev, &self.guard(secret), |_| ()).await
     }
 

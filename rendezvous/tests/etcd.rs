@@ -627,8 +627,11 @@ async fn etcd_a_refused_join_leaves_no_lease_and_no_key() {
 /// lease now); a replica that goes away leaves its nodes to the others.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_a_node_moving_between_replicas_keeps_its_liveness() {
+    use rlaunch_rendezvous::store::etcd::EtcdStore;
     let etcd = Etcd::start().await;
-    let (r1, r2) = (etcd_service(&etcd).await, etcd_service(&etcd).await);
+    let store2 = EtcdStore::connect(std::slice::from_ref(&etcd.endpoint)).await.expect("store connects");
+    let r1 = etcd_service(&etcd).await;
+    let r2 = rlaunch_rendezvous::Rendezvous::new(rlaunch_rendezvous::Store::Etcd(store2.clone()));
     let s = settings(2, 2);
     let (a, b) = within("joins through the first replica", async {
         tokio::join!(
@@ -654,6 +657,12 @@ async fn etcd_a_node_moving_between_replicas_keeps_its_liveness() {
     };
     let first = lease_of(&etcd).await;
     assert_eq!(first[0], first[1], "one lease for both nodes, the replica's: {first:?}");
+    // The second replica takes a's key over at a's first heartbeat there (not by the fallback
+    // for a key that lapsed, which reads the whole job).
+    let taken = store2.keep_alive("move", "a").await.expect("a's key taken over by the second replica");
+    assert!(taken.reason.ends_with("heard from"), "{}", taken.reason);
+    let after = lease_of(&etcd).await;
+    assert!(after.contains(&first[0]) && after.iter().any(|l| *l != first[0]), "a's key moved: {after:?}");
     // Both now beat only through the second replica, for three TTLs: the first stops hearing
     // from them after one.
     let started = Instant::now();

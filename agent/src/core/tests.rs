@@ -66,6 +66,7 @@ fn failure(code: i32) -> WorkersEnd {
         error_file: None,
         stderr_tail: vec!["y".repeat(70_000); 5],
         other_failures: Vec::new(),
+        stacks: Vec::new(),
     }))
 }
 
@@ -121,6 +122,7 @@ impl Sim {
                     assert!(self.workers_alive, "stop without workers");
                     self.stop_pending = true;
                 }
+                Action::ShareStacks { .. } => assert!(self.workers_alive && !self.stop_pending, "stacks of no workers"),
                 Action::Send(Report::Leave) => self.leave_pending = true,
                 Action::Exit(o) => self.exit = Some(o.clone()),
                 _ => {}
@@ -379,7 +381,11 @@ fn a_success_report_never_taken_is_the_agents_failure_not_a_hang() {
 fn a_new_round_stops_the_workers_before_rejoining_and_stale_answers_are_ignored() {
     let mut s = Sim::new(elastic());
     s.joined_running(round(1, 0));
-    assert_eq!(s.ev(Event::Watched { round: 1, answer: Ok(Watch::NewRound(2)) })[1..], [STOP]);
+    // Where the workers stood is taken before they are stopped.
+    assert_eq!(
+        s.ev(Event::Watched { round: 1, answer: Ok(Watch::NewRound(2)) })[1..],
+        [Action::ShareStacks { round: 1 }, STOP]
+    );
     // Reordered: an older watch answer, a worker exit while stopping, a duplicate new round.
     assert!(s.ev(Event::Watched { round: 1, answer: Ok(Watch::NoChange) }).is_empty());
     assert!(s.ev(Event::WorkersEnded(failure(143))).is_empty());
@@ -458,7 +464,7 @@ fn a_job_that_failed_ends_with_the_rendezvous_root_cause_else_the_local_one() {
     let mut s = Sim::new(elastic());
     s.joined_running(round(1, 2));
     let a = s.ev(Event::Watched { round: 1, answer: Ok(Watch::Failed("budget spent".into())) });
-    assert_eq!(a, vec![STOP]);
+    assert_eq!(a, vec![Action::ShareStacks { round: 1 }, STOP]);
     assert_eq!(s.ev(Event::WorkersStopped), vec![Action::FetchRootCause]);
     let WorkersEnd::Failed(remote) = failure(7) else { unreachable!() };
     let a = s.ev(Event::RootCauseFetched(Some(remote.clone())));
@@ -613,4 +619,82 @@ fn leaving_gives_up_after_the_ttl_and_still_ends_interrupted() {
         assert!(t < 10_000, "bounded by the TTL");
     }
     assert_eq!(s.starts, 0);
+}
+
+// --- A hang in a job of several nodes: announced before anything is stopped ---
+
+fn two_nodes(n: u64) -> RoundInfo {
+    RoundInfo { group_world_size: 2, world_size: 8, ..round(n, 0) }
+}
+
+fn hung() -> WorkersEnd {
+    let WorkersEnd::Failed(rc) = failure(143) else { unreachable!() };
+    WorkersEnd::Hung(rc)
+}
+
+fn with_stack_lines(lines: &[&str]) -> Option<Box<RootCause>> {
+    let WorkersEnd::Failed(mut rc) = failure(143) else { unreachable!() };
+    rc.stacks = lines.iter().map(|s| s.to_string()).collect();
+    Some(rc)
+}
+
+#[test]
+fn a_hang_among_several_nodes_is_announced_first_and_stopped_once_every_rank_stack_is_in() {
+    let mut s = Sim::new(elastic());
+    s.joined_running(two_nodes(1));
+    let a = s.at(1000).ev(Event::WorkersEnded(hung()));
+    assert!(matches!(&a[..], [Action::Send(Report::Failure { round: 1, .. })]), "announced, nothing stopped: {a:?}");
+    assert!(s.workers_alive);
+    // The announcement's answer is not what decides (the report after the stop is).
+    assert!(s.ev(Event::Reported { kind: ReportKind::Failure, result: Ok(()) }).is_empty());
+    // The watch answering the round this node ended changes nothing while it lingers.
+    assert!(s.ev(Event::Watched { round: 1, answer: Ok(Watch::NewRound(2)) }).is_empty());
+    assert!(s.tick(1400).is_empty());
+    assert_eq!(s.tick(1500), vec![Action::FetchRootCause]);
+    assert!(s.tick(1600).is_empty(), "one fetch at a time");
+    // Half the ranks' stacks in: wait for the rest.
+    assert!(s
+        .ev(Event::RootCauseFetched(with_stack_lines(&["rank 5: f (a.py:1)", "ranks 4, 6-7: all_reduce (c.py:2)"])))
+        .is_empty());
+    assert_eq!(s.tick(2100), vec![Action::FetchRootCause]);
+    let all = with_stack_lines(&["rank 5: f (a.py:1)", "ranks 0-4, 6-7: all_reduce (c.py:2)"]);
+    assert_eq!(s.ev(Event::RootCauseFetched(all)), vec![STOP]);
+    // Then as any failure: reported (in the outbox) after the stop, rejoined once acknowledged.
+    let a = s.ev(Event::WorkersStopped);
+    assert!(sends(&a, ReportKind::Failure), "{a:?}");
+    assert_eq!(s.ev(Event::Reported { kind: ReportKind::Failure, result: Ok(()) }), vec![Action::Join]);
+}
+
+#[test]
+fn a_lingering_hang_stops_at_its_bound_or_at_a_signal() {
+    let mut s = Sim::new(elastic());
+    s.joined_running(two_nodes(1));
+    s.at(0).ev(Event::WorkersEnded(hung()));
+    let mut t = 0;
+    let mut last = Vec::new();
+    while t < ms(HANG_LINGER) {
+        t += 100;
+        last = s.tick(t);
+        if last.contains(&Action::FetchRootCause) {
+            s.ev(Event::RootCauseFetched(None));
+        }
+    }
+    assert!(matches!(&last[..], [Action::Note(_), STOP]), "{last:?}");
+
+    let mut s = Sim::new(elastic());
+    s.joined_running(two_nodes(1));
+    s.at(0).ev(Event::WorkersEnded(hung()));
+    assert_eq!(s.at(200).ev(Event::Signal(libc::SIGTERM)), vec![STOP]);
+    assert!(s.ev(Event::WorkersStopped).iter().any(|a| matches!(a, Action::Send(Report::Leave))));
+}
+
+#[test]
+fn a_hang_alone_is_a_failure_like_any_other() {
+    // One node of an elastic job, and a fixed membership: nobody else's stacks to wait for.
+    let mut s = Sim::new(elastic());
+    s.joined_running(round(1, 0));
+    assert_eq!(s.ev(Event::WorkersEnded(hung())), vec![STOP]);
+    let mut s = Sim::new(fixed(1));
+    s.ev(Event::Start);
+    assert_eq!(s.ev(Event::WorkersEnded(hung())), vec![STOP]);
 }

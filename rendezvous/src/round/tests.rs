@@ -428,6 +428,80 @@ fn zero_budget_fails_on_the_first_failure() {
     assert!(job.phase.is_terminal());
 }
 
+fn with_stacks(message: &str, stacks: &[&str]) -> Box<RootCause> {
+    let mut r = rc(message);
+    r.stacks = stacks.iter().map(|s| s.to_string()).collect();
+    r
+}
+
+#[test]
+fn other_nodes_stacks_join_the_root_cause_of_the_round_that_failed() {
+    let job = running(&["a", "b", "c"], settings(3, 3));
+    let culprit = "rank 3: stuck_here (train.py:4) <- main (train.py:12)";
+    let fail = Event::ReportFailure {
+        node_id: "b".into(),
+        round: 1,
+        root_cause: with_stacks("hang", &[culprit, "rank 2: all_reduce (c10d.py:9) <- main (train.py:13)"]),
+    };
+    let (job, d) = step(&job, fail, 1500);
+    assert!(matches!(d.action, Action::RoundOpened { round: 2, .. }));
+    let reason = job.last_reason.clone();
+    // a was stopped by the new round: where its ranks stood joins b's report, grouped.
+    let stacks = |id: &str, round: u64, lines: &[&str]| Event::ReportStacks {
+        node_id: id.into(),
+        round,
+        stacks: lines.iter().map(|s| s.to_string()).collect(),
+    };
+    let (job, d) = step(&job, stacks("a", 1, &["ranks 0-1: all_reduce (c10d.py:9) <- main (train.py:13)"]), 1600);
+    assert_eq!(d.action, Action::Updated);
+    let rc = job.last_root_cause.as_ref().unwrap();
+    assert_eq!(rc.stacks, [culprit, "ranks 0-2: all_reduce (c10d.py:9) <- main (train.py:13)"]);
+    assert_eq!(rc.message, "hang", "the root cause itself is b's");
+    assert_eq!(job.last_reason, reason, "stacks are no transition");
+    // The same again (a retry after a lost answer) changes nothing.
+    let (job, d) = step(&job, stacks("a", 1, &["ranks 0-1: all_reduce (c10d.py:9) <- main (train.py:13)"]), 1601);
+    assert_eq!(d.action, Action::Nothing);
+    // c saw the hang too and reported it as its failure: counted once, its stacks merged.
+    let late = Event::ReportFailure {
+        node_id: "c".into(),
+        round: 1,
+        root_cause: with_stacks("also", &["ranks 4-5: all_reduce (c10d.py:9) <- main (train.py:13)"]),
+    };
+    let (job, d) = step(&job, late, 1700);
+    assert_eq!(d.action, Action::Updated);
+    assert_eq!(job.restart_count, 1);
+    assert_eq!(
+        job.last_root_cause.as_ref().unwrap().stacks,
+        [culprit, "ranks 0-2, 4-5: all_reduce (c10d.py:9) <- main (train.py:13)"]
+    );
+    // Stacks of another round, or from a node the job does not know, are not taken.
+    let (_, d) = step(&job, stacks("a", 2, &["rank 0: f (x.py:1)"]), 1800);
+    assert_eq!(d.action, Action::Nothing);
+    let (_, d) = step(&job, stacks("x", 1, &["rank 0: f (x.py:1)"]), 1800);
+    assert!(matches!(d.action, Action::Rejected(Rejection::UnknownNode { .. })), "{d:?}");
+}
+
+#[test]
+fn stacks_reach_the_root_cause_of_a_job_that_failed_for_good() {
+    let mut s = settings(2, 2);
+    s.max_restarts = 0;
+    let job = running(&["a", "b"], s);
+    let (job, d) = step(
+        &job,
+        Event::ReportFailure {
+            node_id: "b".into(),
+            round: 1,
+            root_cause: with_stacks("hang", &["rank 3: f (x.py:1)"]),
+        },
+        2000,
+    );
+    assert_eq!(d.action, Action::Failed);
+    let ev = Event::ReportStacks { node_id: "a".into(), round: 1, stacks: vec!["rank 0: g (x.py:2)".into()] };
+    let (job, d) = step(&job, ev, 2100);
+    assert_eq!(d.action, Action::Updated);
+    assert_eq!(job.status("r", 2100).last_root_cause.unwrap().stacks, ["rank 0: g (x.py:2)", "rank 3: f (x.py:1)"]);
+}
+
 #[test]
 fn failure_from_a_non_member_is_rejected() {
     let job = running(&["a"], settings(1, 2));
@@ -1087,6 +1161,7 @@ fn only_the_holder_of_a_nodes_secret_speaks_for_it() {
         Event::ReportFailure { node_id: "a".into(), round: 1, root_cause: rc("forged") },
         Event::NodeSucceeded { node_id: "a".into(), round: 1 },
         Event::Leave { node_id: "a".into() },
+        Event::ReportStacks { node_id: "a".into(), round: 1, stacks: vec!["rank 0: forged (x.py:1)".into()] },
     ];
     // No secret, b's secret, a's digest, a guess: all refused, nothing changes.
     let digest_a = crate::identity::digest("sa");

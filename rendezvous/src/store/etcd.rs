@@ -7,10 +7,11 @@
 //!   state over 512 KiB (etcd refuses requests over 1.5 MiB) is written first as parts under
 //!   `part/{generation}/{i}`, each its own request, and `state` holds a small header naming the
 //!   generation, put by the transaction (which deletes the previous generation's parts);
-//! - `alive/{node_id}`: one key per node attached to that node's lease (TTL = node TTL rounded up
-//!   to whole seconds). Its presence is the node's liveness: when the machine runs, every node
-//!   with a key counts as just heard from and every other node as lapsed, so a lease expiring is
-//!   a node loss.
+//! - `alive/{node_id}`: one key per node, on a lease of the process that hears from the node (one
+//!   lease per TTL, see `leases`), deleted by that process when the node falls silent for its
+//!   TTL. Its presence is the node's liveness: when the machine runs, every node with a key counts
+//!   as just heard from and every other node as lapsed, so a key's deletion (or its lease
+//!   expiring with a dead replica) is a node loss.
 //!
 //! Listing every job (the ticker, `/metrics`) reads the prefix in pages of 64 keys at one
 //! revision and parses only the states that changed since the last listing.
@@ -43,6 +44,11 @@ const PREFIX: &str = "/rlaunch/jobs/";
 /// hangs a caller for long: after it, the request goes to the next member.
 const OP_TIMEOUT: Duration = Duration::from_millis(1500);
 const MAX_ATTEMPTS: u32 = 64;
+/// Unary etcd requests one store has in flight at most (streams excepted).
+const MAX_IN_FLIGHT: usize = 256;
+/// Nodes dropped by one update whose keys are each compared (etcd's default bound on a
+/// transaction's compares is 128).
+const MAX_KEY_COMPARES: usize = 120;
 
 /// A handle on jobs kept in etcd; cheap to clone.
 #[derive(Clone)]
@@ -70,6 +76,9 @@ struct Inner {
     queues: std::sync::Mutex<HashMap<String, JobQueue>>,
     /// The leases this process puts alive keys on, and the keys it holds (see [`Leases`]).
     leases: Arc<std::sync::Mutex<Leases>>,
+    /// Requests in flight to etcd, bounded: 10,000 agents joining at once queue here rather
+    /// than in etcd (which refuses past 5,000 proposals behind, and answers late to all).
+    in_flight: tokio::sync::Semaphore,
     /// One lease grant at a time (10,000 joins at once must not grant 10,000 leases).
     granting: tokio::sync::Mutex<()>,
     /// Node keys (secret digests) by job, as last read: a heartbeat whose secret matches needs
@@ -98,8 +107,8 @@ impl Drop for Inner {
         // The leases are not revoked: the nodes on them move to another replica (which takes
         // their keys over) well within the TTL, or lapse with the lease.
         let leases = self.leases.lock().unwrap_or_else(|p| p.into_inner());
-        for lease in leases.by_ttl.values() {
-            lease.keeper.abort();
+        for keeper in leases.by_ttl.values().filter_map(|l| l.keeper.as_ref()) {
+            keeper.abort();
         }
     }
 }
@@ -147,56 +156,9 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     s
 }
 
-/// Node liveness without a lease per node: this process puts the alive key of every node it
-/// hears from on one lease of its own per TTL (whole seconds), kept alive by one task, and keeps
-/// when it last heard from each node in memory. A heartbeat for a key it holds costs no request;
-/// a node silent for its TTL has its key deleted by the sweeper (only while the key is still on
-/// this process's lease); a key held by another replica is taken over by a transaction on its
-/// revision. If this process dies, its keys lapse with its lease, and nodes that are alive take
-/// their keys over on another replica with their next heartbeat.
-#[derive(Default)]
-struct Leases {
-    by_ttl: HashMap<i64, SharedLease>,
-    /// Alive keys on this process's leases.
-    held: HashMap<String, Held>,
-}
+mod leases;
 
-struct SharedLease {
-    id: i64,
-    /// When etcd last confirmed the lease (a heartbeat answered from memory needs a recent one).
-    renewed: Instant,
-    /// When a key was last put on it: a lease that holds no key for a while is revoked.
-    used: Instant,
-    keeper: JoinHandle<()>,
-}
-
-struct Held {
-    lease: i64,
-    ttl: Duration,
-    /// The revision of our put: older watch events do not concern it.
-    revision: i64,
-    heard: Instant,
-}
-
-/// The lease keep-alive period: at most every half second, so a heartbeat answered from memory
-/// vouches for a lease confirmed within about a second (an agent cut off from etcd learns it as
-/// fast as when each heartbeat was a keep-alive).
-fn renew_every(ttl_s: i64) -> Duration {
-    Duration::from_millis(u64::try_from(ttl_s).unwrap_or(1).saturating_mul(250)).min(Duration::from_millis(500))
-}
-
-/// A heartbeat is answered from memory only while the lease was confirmed this recently.
-fn renewed_within(ttl_s: i64) -> Duration {
-    renew_every(ttl_s) + Duration::from_millis(500)
-}
-
-/// Idle leases (no key held) are revoked after this long, so TTLs that nobody uses any more (or
-/// refused joins) leave no lease behind.
-const LEASE_IDLE: Duration = Duration::from_secs(2);
-
-fn ttl_seconds(ttl: Duration) -> i64 {
-    i64::try_from(ttl.as_millis().div_ceil(1000)).unwrap_or(i64::MAX).max(1)
-}
+use leases::{renew_every, renewed_within, ttl_seconds, Leases, SharedLease, Touch};
 
 /// Whether a request failed because its lease is gone (revoked or expired).
 fn lease_gone(e: &RdzvError) -> bool {
@@ -207,6 +169,8 @@ fn lease_gone(e: &RdzvError) -> bool {
 /// gone, forgets it and every key held on it (those keys went with it).
 async fn keep_lease(inner: std::sync::Weak<Inner>, ttl_s: i64, id: i64) {
     let every = renew_every(ttl_s);
+    // An attempt that takes longer than a confirmation may be old moves on to the next member.
+    let patience = renewed_within(ttl_s).min(OP_TIMEOUT);
     let mut stream: Option<(LeaseKeeper, LeaseKeepAliveStream)> = None;
     let mut member = 0usize;
     loop {
@@ -214,7 +178,7 @@ async fn keep_lease(inner: std::sync::Weak<Inner>, ttl_s: i64, id: i64) {
         let Some(inner) = inner.upgrade() else { return };
         if stream.is_none() {
             let mut client = inner.clients[member % inner.clients.len()].clone();
-            match tokio::time::timeout(OP_TIMEOUT, client.lease_keep_alive(id)).await {
+            match tokio::time::timeout(patience, client.lease_keep_alive(id)).await {
                 Ok(Ok(s)) => stream = Some(s),
                 Ok(Err(error)) => {
                     debug!(lease = id, error = %error, "could not open a keep-alive stream; next member");
@@ -228,7 +192,7 @@ async fn keep_lease(inner: std::sync::Weak<Inner>, ttl_s: i64, id: i64) {
             }
         }
         let (keeper, answers) = stream.as_mut().expect("opened just above");
-        let answer = tokio::time::timeout(OP_TIMEOUT, async {
+        let answer = tokio::time::timeout(patience, async {
             keeper.keep_alive().await?;
             answers.message().await
         })
@@ -243,17 +207,11 @@ async fn keep_lease(inner: std::sync::Weak<Inner>, ttl_s: i64, id: i64) {
                 }
             }
             Ok(Ok(Some(_))) => {
-                let mut leases = inner.leases.lock().unwrap_or_else(|p| p.into_inner());
-                let before = leases.held.len();
-                leases.held.retain(|_, h| h.lease != id);
+                let keys = inner.leases.lock().unwrap_or_else(|p| p.into_inner()).drop_lease(id);
                 warn!(
                     lease = id,
-                    keys = before - leases.held.len(),
-                    "this replica's etcd lease lapsed; its nodes take new keys with their next heartbeat"
+                    keys, "this replica's etcd lease lapsed; its nodes take new keys with their next heartbeat"
                 );
-                if leases.by_ttl.get(&ttl_s).is_some_and(|l| l.id == id) {
-                    leases.by_ttl.remove(&ttl_s);
-                }
                 return;
             }
             Ok(Ok(None)) | Ok(Err(_)) | Err(_) => {
@@ -301,10 +259,26 @@ const MAX_PARTS: usize = 100;
 #[derive(serde::Serialize, serde::Deserialize)]
 struct PartsHeader {
     version: u64,
+    /// The first suspected node, if any: the watch only asks whether any is (a list of
+    /// thousands would make the header as large as what it stands for).
     #[serde(default)]
     suspects: Vec<String>,
     parts: usize,
     generation: String,
+}
+
+/// Past this size a `state` value is a whole job, never a header.
+const HEADER_BYTES: usize = 64 * 1024;
+
+impl PartsHeader {
+    fn of(job: &Job, parts: usize, generation: String) -> Self {
+        PartsHeader {
+            version: job.version,
+            suspects: job.suspects.iter().take(1).cloned().collect(),
+            parts,
+            generation,
+        }
+    }
 }
 
 fn part_prefix(run_id: &str, generation: &str) -> String {
@@ -324,9 +298,15 @@ fn assemble(
 ) -> Result<(Job, Option<String>), RdzvError> {
     let corrupt = |source| RdzvError::Corrupt { run_id: run_id.to_owned(), source };
     // A header is small; a whole state (not one) is not mistaken for it, as it has no `parts`.
-    let header = (state.value().len() < 64 * 1024).then(|| serde_json::from_slice::<PartsHeader>(state.value()).ok());
-    let Some(Some(header)) = header else {
-        return serde_json::from_slice(state.value()).map(|job| (job, None)).map_err(corrupt);
+    let header =
+        (state.value().len() < HEADER_BYTES).then(|| serde_json::from_slice::<PartsHeader>(state.value()).ok());
+    let header = match header {
+        Some(Some(header)) => header,
+        _ => match serde_json::from_slice(state.value()) {
+            Ok(job) => return Ok((job, None)),
+            // A large header (written by an older version, with every suspect in it).
+            Err(e) => serde_json::from_slice::<PartsHeader>(state.value()).map_err(|_| corrupt(e))?,
+        },
     };
     let prefix = part_prefix(run_id, &header.generation);
     let mine: Vec<&&etcd_client::KeyValue> =
@@ -442,6 +422,7 @@ impl EtcdStore {
             probing,
             queues: std::sync::Mutex::new(HashMap::new()),
             leases,
+            in_flight: tokio::sync::Semaphore::new(MAX_IN_FLIGHT),
             granting: tokio::sync::Mutex::new(()),
             keys: std::sync::Mutex::new(HashMap::new()),
             latest: std::sync::Mutex::new(HashMap::new()),
@@ -471,6 +452,8 @@ impl EtcdStore {
         let mut last = timed_out(op);
         for i in 0..n {
             let idx = (start + i) % n;
+            // Waiting for a slot is not the member's time: the bound starts with the request.
+            let _slot = self.inner.in_flight.acquire().await.map_err(|_| timed_out(op))?;
             match tokio::time::timeout(OP_TIMEOUT, f(self.inner.clients[idx].clone())).await {
                 Ok(Ok(v)) => {
                     self.inner.current.store(idx, Ordering::Relaxed);
@@ -533,12 +516,7 @@ impl EtcdStore {
                 return Err(e);
             }
         }
-        let header = PartsHeader {
-            version: job.version,
-            suspects: job.suspects.clone(),
-            parts: chunks.len(),
-            generation: generation.clone(),
-        };
+        let header = PartsHeader::of(job, chunks.len(), generation.clone());
         let header = serde_json::to_vec(&header).map_err(|e| RdzvError::Store { message: e.to_string() })?;
         ops.push(TxnOp::put(state_key(run_id), header, None));
         Ok((ops, Some(generation)))
@@ -623,24 +601,37 @@ impl EtcdStore {
         }
     }
 
-    /// Checks a join's secret for `node_id` before its lease is touched. Without a key for it
-    /// in the keys last read and without a lease, the node is new or gone (no lease to keep
-    /// alive): the join's own update checks it, atomically, and no read of the whole job is
-    /// needed (10,000 joins would read 10,000 keys each).
-    pub(crate) async fn authorize_join(
+    /// Makes sure a node about to join has an alive key, without letting a caller that may not
+    /// speak for it keep a dead node alive: a node the keys last read do not name (or any, before
+    /// the job was read) gets its key only if it has none (the join's own update then checks
+    /// it, atomically, and a refused join deletes the key), with no read of the whole job
+    /// (10,000 joins would each read 10,000 keys); a key that exists, or a node the job names,
+    /// is taken only after the caller's secret is checked. Returns whether this call created the
+    /// key.
+    pub(crate) async fn register_join(
         &self,
         run_id: &str,
         node_id: &str,
         secret: Option<&str>,
-    ) -> Result<(), RdzvError> {
-        let cached = {
+        ttl: Duration,
+    ) -> Result<bool, RdzvError> {
+        let known = {
             let keys = self.inner.keys.lock().unwrap_or_else(|p| p.into_inner());
             keys.get(run_id).map(|k| k.contains_key(node_id))
         };
-        if cached == Some(false) && self.get_alive(run_id, node_id).await?.kvs().is_empty() {
-            return Ok(());
+        // Not named (or the job not read yet: 10,000 first joins must not each read it).
+        if known != Some(true) {
+            match self.hold(run_id, node_id, ttl, true, false).await? {
+                Hold::Created => return Ok(true),
+                Hold::Held => return Ok(false),
+                Hold::Absent | Hold::Elsewhere => {}
+            }
         }
-        self.authorize(run_id, node_id, secret).await
+        match self.authorize(run_id, node_id, secret).await {
+            Ok(()) | Err(RdzvError::UnknownJob { .. }) => {}
+            Err(e) => return Err(e),
+        }
+        Ok(self.hold(run_id, node_id, ttl, true, true).await? == Hold::Created)
     }
 
     /// Checks the caller's secret for `node_id`: against the keys last read, else against etcd.
@@ -781,9 +772,10 @@ impl EtcdStore {
                 )]);
             match self.txn("renew alive key", txn).await {
                 Ok(resp) if resp.succeeded() => {
-                    self.note_held(&key, lease, ttl, resp.header().map_or(0, |h| h.revision()));
-                    debug!(run_id, node_id, lease, "lapsed alive key renewed");
-                    return Ok(true);
+                    if self.note_held(&key, lease, ttl, resp.header().map_or(0, |h| h.revision())) {
+                        debug!(run_id, node_id, lease, "lapsed alive key renewed");
+                        return Ok(true);
+                    }
                 }
                 Ok(_) => {}
                 Err(e) if lease_gone(&e) => self.drop_lease(lease),
@@ -921,14 +913,15 @@ impl EtcdStore {
                 Compare::mod_revision(key.clone(), CompareOp::Equal, snap.mod_revision)
             }];
             // A node dropped because its key was missing must still have none: a lease renewed
-            // meanwhile (renew_if_tracked) makes this update read the job again. Past a few such
-            // nodes (a rack lost at once) one compare covers them all: no alive key of the job
-            // written since the read (a transaction holds at most 128 operations).
+            // meanwhile (renew_if_tracked) makes this update read the job again. Past a rack of
+            // such nodes one compare covers them all: no alive key of the job written since the
+            // read (etcd takes at most 128 compares; that one also fails on a join or a key taken
+            // over by another replica, so it is the last resort).
             if let Some(before) = &snap.job {
                 let alive: HashSet<&str> = snap.alive.iter().map(String::as_str).collect();
                 let dropped: Vec<&str> =
                     before.watched().into_iter().filter(|id| !alive.contains(id) && !next.tracks(id)).collect();
-                if dropped.len() <= 16 {
+                if dropped.len() <= MAX_KEY_COMPARES {
                     cmps.extend(dropped.iter().map(|id| Compare::version(alive_key(run_id, id), CompareOp::Equal, 0)));
                 } else {
                     let since = Compare::mod_revision(alive_prefix(run_id), CompareOp::Less, snap.revision + 1);
@@ -958,6 +951,7 @@ impl EtcdStore {
                     if let Some(v) = self.inner.versions.lock().unwrap_or_else(|p| p.into_inner()).get_mut(run_id) {
                         *v = (*v).max(next.version);
                     }
+                    self.note_keys(run_id, &next);
                     let next = Arc::new(next);
                     self.note_latest(run_id, &next);
                     return reply_all(batch, outcomes, Some(next));
@@ -1173,13 +1167,8 @@ impl EtcdStore {
 
     /// This process's lease for keys with a TTL of `ttl_s` seconds, granted on first use.
     async fn lease_for(&self, ttl_s: i64) -> Result<i64, RdzvError> {
-        let current = |s: &Self| {
-            let mut leases = s.inner.leases.lock().unwrap_or_else(|p| p.into_inner());
-            leases.by_ttl.get_mut(&ttl_s).map(|l| {
-                l.used = Instant::now();
-                l.id
-            })
-        };
+        let current =
+            |s: &Self| s.inner.leases.lock().unwrap_or_else(|p| p.into_inner()).current(ttl_s, Instant::now());
         if let Some(id) = current(self) {
             return Ok(id);
         }
@@ -1191,40 +1180,23 @@ impl EtcdStore {
         let keeper = tokio::spawn(keep_lease(Arc::downgrade(&self.inner), ttl_s, id));
         let now = Instant::now();
         let mut leases = self.inner.leases.lock().unwrap_or_else(|p| p.into_inner());
-        leases.by_ttl.insert(ttl_s, SharedLease { id, renewed: now, used: now, keeper });
+        leases.by_ttl.insert(ttl_s, SharedLease { id, renewed: now, used: now, keeper: Some(keeper) });
         debug!(lease = id, ttl_s, "replica lease granted");
         Ok(id)
     }
 
     /// Forgets a lease etcd no longer has, and the keys held on it.
     fn drop_lease(&self, id: i64) {
-        let mut leases = self.inner.leases.lock().unwrap_or_else(|p| p.into_inner());
-        leases.held.retain(|_, h| h.lease != id);
-        leases.by_ttl.retain(|_, l| {
-            if l.id == id {
-                l.keeper.abort();
-            }
-            l.id != id
-        });
+        self.inner.leases.lock().unwrap_or_else(|p| p.into_inner()).drop_lease(id);
     }
 
-    fn note_held(&self, key: &str, lease: i64, ttl: Duration, revision: i64) {
+    fn note_held(&self, key: &str, lease: i64, ttl: Duration, revision: i64) -> bool {
         let mut leases = self.inner.leases.lock().unwrap_or_else(|p| p.into_inner());
-        leases.held.insert(key.to_owned(), Held { lease, ttl, revision, heard: Instant::now() });
+        leases.note_held(key, lease, ttl, revision, Instant::now())
     }
 
-    /// Records a heartbeat for a key this process holds, on a lease etcd confirmed recently.
-    fn touch(&self, key: &str) -> bool {
-        let mut leases = self.inner.leases.lock().unwrap_or_else(|p| p.into_inner());
-        let Leases { by_ttl, held } = &mut *leases;
-        let Some(h) = held.get_mut(key) else { return false };
-        let ttl_s = ttl_seconds(h.ttl);
-        let confirmed =
-            by_ttl.get(&ttl_s).is_some_and(|l| l.id == h.lease && l.renewed.elapsed() < renewed_within(ttl_s));
-        if confirmed {
-            h.heard = Instant::now();
-        }
-        confirmed
+    fn touch(&self, key: &str) -> Touch {
+        self.inner.leases.lock().unwrap_or_else(|p| p.into_inner()).touch(key, Instant::now())
     }
 
     /// Keeps node `node_id` alive: from memory when this process holds its key; else the key
@@ -1233,37 +1205,42 @@ impl EtcdStore {
     pub async fn keep_alive(&self, run_id: &str, node_id: &str) -> Result<Decision, RdzvError> {
         let key = alive_key(run_id, node_id);
         let recorded = || Decision { action: Action::HeartbeatRecorded, reason: format!("{node_id} heard from") };
-        if self.touch(&key) {
-            return Ok(recorded());
-        }
-        if self.inner.leases.lock().unwrap_or_else(|p| p.into_inner()).held.contains_key(&key) {
-            return Err(RdzvError::Store {
-                message: "this replica's etcd lease was not confirmed recently (etcd unreachable?)".to_owned(),
-            });
+        match self.touch(&key) {
+            Touch::Answered => return Ok(recorded()),
+            Touch::Unconfirmed => {
+                return Err(RdzvError::Store {
+                    message: "this replica's etcd lease was not confirmed recently (etcd unreachable?)".to_owned(),
+                })
+            }
+            Touch::Read => {}
         }
         let Some(ttl) = self.view(run_id, None, |job| job.settings.node_ttl).await? else {
             return Err(RdzvError::UnknownJob { run_id: run_id.to_owned() });
         };
-        match self.hold(run_id, node_id, ttl, false).await? {
-            Hold::Absent => Err(RdzvError::UnknownNode { node_id: node_id.to_owned() }),
+        match self.hold(run_id, node_id, ttl, false, true).await? {
+            Hold::Absent | Hold::Elsewhere => Err(RdzvError::UnknownNode { node_id: node_id.to_owned() }),
             Hold::Created | Hold::Held => Ok(recorded()),
         }
     }
 
-    /// Puts `node_id`'s alive key on this process's lease: when it exists on another lease (a
-    /// transaction on its revision), or (`create`) when it does not exist.
-    async fn hold(&self, run_id: &str, node_id: &str, ttl: Duration, create: bool) -> Result<Hold, RdzvError> {
+    /// Puts `node_id`'s alive key on this process's lease: (`take_over`) when it exists on another
+    /// lease (a transaction on its revision), or (`create`) when it does not exist.
+    async fn hold(
+        &self,
+        run_id: &str,
+        node_id: &str,
+        ttl: Duration,
+        create: bool,
+        take_over: bool,
+    ) -> Result<Hold, RdzvError> {
         let key = alive_key(run_id, node_id);
         for _ in 0..4 {
             let lease = self.lease_for(ttl_seconds(ttl)).await?;
             let put = TxnOp::put(key.clone(), node_id.as_bytes().to_vec(), Some(PutOptions::new().with_lease(lease)));
-            // Absent: created when asked, else read (empty). Present: read, then taken over.
-            let txn = if create {
-                Txn::new().when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)]).and_then([put.clone()])
-            } else {
-                Txn::new()
-            }
-            .or_else([TxnOp::get(key.clone(), None)]);
+            // Absent: created when asked (else nothing). Present: read, then taken over.
+            let absent = Txn::new().when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)]);
+            let txn =
+                if create { absent.and_then([put.clone()]) } else { absent }.or_else([TxnOp::get(key.clone(), None)]);
             let resp = match self.txn("hold alive key", txn).await {
                 Ok(resp) => resp,
                 Err(e) if lease_gone(&e) => {
@@ -1273,9 +1250,15 @@ impl EtcdStore {
                 Err(e) => return Err(e),
             };
             let revision = resp.header().map_or(0, |h| h.revision());
-            if create && resp.succeeded() {
-                self.note_held(&key, lease, ttl, revision);
-                return Ok(Hold::Created);
+            if resp.succeeded() {
+                if !create {
+                    return Ok(Hold::Absent);
+                }
+                if self.note_held(&key, lease, ttl, revision) {
+                    return Ok(Hold::Created);
+                }
+                // Changed since (or the lease went): look again.
+                continue;
             }
             let existing = resp.op_responses().into_iter().find_map(|op| match op {
                 etcd_client::TxnOpResponse::Get(g) => g.kvs().first().map(|kv| (kv.lease(), kv.mod_revision())),
@@ -1283,16 +1266,22 @@ impl EtcdStore {
             });
             let Some((on, mod_revision)) = existing else { return Ok(Hold::Absent) };
             if on == lease {
-                self.note_held(&key, lease, ttl, mod_revision);
-                return Ok(Hold::Held);
+                if self.note_held(&key, lease, ttl, mod_revision) {
+                    return Ok(Hold::Held);
+                }
+                continue;
+            }
+            if !take_over {
+                return Ok(Hold::Elsewhere);
             }
             let take =
                 Txn::new().when([Compare::mod_revision(key.clone(), CompareOp::Equal, mod_revision)]).and_then([put]);
             match self.txn("take over alive key", take).await {
                 Ok(resp) if resp.succeeded() => {
-                    self.note_held(&key, lease, ttl, resp.header().map_or(0, |h| h.revision()));
-                    debug!(run_id, node_id, lease, "alive key taken over from another lease");
-                    return Ok(Hold::Held);
+                    if self.note_held(&key, lease, ttl, resp.header().map_or(0, |h| h.revision())) {
+                        debug!(run_id, node_id, lease, "alive key taken over from another lease");
+                        return Ok(Hold::Held);
+                    }
                 }
                 Ok(_) => {}
                 Err(e) if lease_gone(&e) => self.drop_lease(lease),
@@ -1302,72 +1291,52 @@ impl EtcdStore {
         Err(RdzvError::Store { message: format!("could not hold the alive key of {node_id}: it kept changing") })
     }
 
-    /// Makes sure node `node_id` has an alive key; returns whether this call created it.
-    pub async fn register_node(&self, run_id: &str, node_id: &str, ttl: Duration) -> Result<bool, RdzvError> {
-        if self.touch(&alive_key(run_id, node_id)) {
-            return Ok(false);
-        }
-        Ok(self.hold(run_id, node_id, ttl, true).await? == Hold::Created)
-    }
-
-    async fn get_alive(&self, run_id: &str, node_id: &str) -> Result<etcd_client::GetResponse, RdzvError> {
-        let key = alive_key(run_id, node_id);
-        self.run("get alive key", |mut c| {
-            let key = key.clone();
-            async move { c.get(key, None).await }
-        })
-        .await
-    }
-
     /// Deletes the node's alive key (only the key: the lease is this process's, shared).
     pub async fn forget_node(&self, run_id: &str, node_id: &str) -> Result<(), RdzvError> {
         let key = alive_key(run_id, node_id);
-        self.inner.leases.lock().unwrap_or_else(|p| p.into_inner()).held.remove(&key);
-        self.run("delete alive key", |mut c| {
-            let key = key.clone();
-            async move { c.delete(key, None).await }
-        })
-        .await?;
-        Ok(())
+        let held = self.inner.leases.lock().unwrap_or_else(|p| p.into_inner()).held.remove(&key);
+        let deleted = self
+            .run("delete alive key", |mut c| {
+                let key = key.clone();
+                async move { c.delete(key, None).await }
+            })
+            .await;
+        if let (Err(_), Some(mut held)) = (&deleted, held) {
+            // The key may still be on our lease, which stays alive: the sweeper deletes it.
+            held.heard = Instant::now().checked_sub(held.ttl * 2).unwrap_or(held.heard);
+            self.inner.leases.lock().unwrap_or_else(|p| p.into_inner()).retry_delete(key, held);
+        }
+        deleted.map(|_| ())
     }
 
-    /// One pass of the sweeper: keys of nodes silent for their TTL deleted (if still on our
-    /// lease), leases without keys for a while revoked.
+    /// One pass of the sweeper: keys of nodes silent for their TTL deleted (if still as our
+    /// write left them), leases without keys for a while revoked.
     async fn sweep_once(&self) {
-        let (stale, idle) = {
-            let mut leases = self.inner.leases.lock().unwrap_or_else(|p| p.into_inner());
-            let stale: Vec<String> =
-                leases.held.iter().filter(|(_, h)| h.heard.elapsed() > h.ttl).map(|(k, _)| k.clone()).collect();
-            let stale: Vec<(String, Held)> =
-                stale.into_iter().filter_map(|k| leases.held.remove(&k).map(|h| (k, h))).collect();
-            let in_use: HashSet<i64> = leases.held.values().map(|h| h.lease).collect();
-            let mut idle = Vec::new();
-            leases.by_ttl.retain(|_, l| {
-                let unused = !in_use.contains(&l.id) && l.used.elapsed() > LEASE_IDLE;
-                if unused {
-                    l.keeper.abort();
-                    idle.push(l.id);
-                }
-                !unused
-            });
-            (stale, idle)
-        };
+        let (stale, idle) = self.inner.leases.lock().unwrap_or_else(|p| p.into_inner()).sweep(Instant::now());
+        // At once: a rack gone silent must not wait on one request after another.
+        let mut deletes = tokio::task::JoinSet::new();
         for (key, held) in stale {
-            let txn = Txn::new()
-                .when([Compare::lease(key.clone(), CompareOp::Equal, held.lease)])
-                .and_then([TxnOp::delete(key.clone(), None)]);
-            match self.txn("delete a silent node's alive key", txn).await {
-                Ok(resp) if resp.succeeded() => debug!(key, "silent node's alive key deleted"),
-                Ok(_) => debug!(key, "silent node's alive key is on another lease now"),
-                Err(error) => {
-                    // The lease is shared and stays alive: the key would outlive the node. The
-                    // next pass tries again (a delete that did commit makes the compare fail).
-                    warn!(key, %error, "could not delete a silent node's alive key; trying again");
-                    let mut leases = self.inner.leases.lock().unwrap_or_else(|p| p.into_inner());
-                    leases.held.entry(key).or_insert(held);
+            let store = self.clone();
+            deletes.spawn(async move {
+                let txn = Txn::new()
+                    .when([
+                        Compare::mod_revision(key.clone(), CompareOp::Equal, held.revision),
+                        Compare::lease(key.clone(), CompareOp::Equal, held.lease),
+                    ])
+                    .and_then([TxnOp::delete(key.clone(), None)]);
+                match store.txn("delete a silent node's alive key", txn).await {
+                    Ok(resp) if resp.succeeded() => debug!(key, "silent node's alive key deleted"),
+                    Ok(_) => debug!(key, "silent node's alive key changed since (another replica holds it)"),
+                    Err(error) => {
+                        // The lease is shared and stays alive: the key would outlive the node. The
+                        // next pass tries again (a delete that did commit makes the compare fail).
+                        warn!(key, %error, "could not delete a silent node's alive key; trying again");
+                        store.inner.leases.lock().unwrap_or_else(|p| p.into_inner()).retry_delete(key, held);
+                    }
                 }
-            }
+            });
         }
+        while deletes.join_next().await.is_some() {}
         for id in idle {
             if let Err(error) = self.run("lease revoke", |mut c| async move { c.lease_revoke(id).await }).await {
                 debug!(lease = id, %error, "idle lease not revoked (it lapses anyway)");
@@ -1382,6 +1351,8 @@ enum Hold {
     Created,
     /// It exists, and is on this process's lease now.
     Held,
+    /// It exists on another lease, and was left there.
+    Elsewhere,
     Absent,
 }
 
@@ -1437,7 +1408,9 @@ async fn watch_loop(
                 continue;
             }
         };
-        // Whatever happened while the watch was down, waiters must re-read.
+        // Whatever happened while the watch was down, waiters must re-read; keys we hold are
+        // read again unless the watch resumed where it stopped.
+        leases.lock().unwrap_or_else(|p| p.into_inner()).on_watch_start(next_revision > 0);
         changes.send_modify(|v| *v += 1);
         loop {
             match stream.message().await {
@@ -1465,11 +1438,7 @@ async fn watch_loop(
                             // no longer ours to answer heartbeats for from memory.
                             let key = String::from_utf8_lossy(kv.key());
                             let mut leases = leases.lock().unwrap_or_else(|p| p.into_inner());
-                            if let Some(h) = leases.held.get(key.as_ref()) {
-                                if kv.mod_revision() > h.revision && (deleted || kv.lease() != h.lease) {
-                                    leases.held.remove(key.as_ref());
-                                }
-                            }
+                            leases.on_event(&key, kv.mod_revision(), kv.lease(), deleted, Instant::now());
                             if deleted {
                                 expired.notify_one();
                             }
@@ -1520,4 +1489,30 @@ fn note_watched_version(
     let mut versions = versions.lock().unwrap_or_else(|p| p.into_inner());
     let v = versions.entry(run_id.to_owned()).or_insert(version);
     *v = (*v).max(version);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_parts_header_stays_small_however_many_nodes_are_suspected() {
+        let settings = JobSettings {
+            min_nodes: 1,
+            max_nodes: 20_000,
+            join_timeout: Duration::from_secs(60),
+            last_call_timeout: Duration::from_secs(1),
+            heartbeat_interval: Duration::from_secs(5),
+            node_ttl: Duration::from_secs(30),
+            probe_timeout: Duration::from_secs(10),
+            max_restarts: 0,
+            stop_grace: Duration::ZERO,
+        };
+        let mut job = Job::new(settings, 0);
+        job.suspects = (0..10_000).map(|i| format!("node-{i:05}-of-a-large-job")).collect();
+        let header = serde_json::to_vec(&PartsHeader::of(&job, 3, "0123456789abcdef".to_owned())).unwrap();
+        assert!(header.len() < HEADER_BYTES / 16, "{} bytes", header.len());
+        let read: PartsHeader = serde_json::from_slice(&header).unwrap();
+        assert_eq!(read.suspects, ["node-00000-of-a-large-job"], "the watch still sees that some are suspected");
+    }
 }

@@ -55,7 +55,8 @@ pub(crate) fn too_many_jobs(jobs: usize, bound: usize) -> RdzvError {
     RdzvError::LimitReached {
         message: format!(
             "the service holds {jobs} jobs: its bound on jobs (rlaunch-rendezvous --max-jobs {bound}); \
-             finished and failed jobs count for an hour"
+             finished and failed jobs count until their retention \
+             (rlaunch-rendezvous --terminal-retention-s, default 3600) has passed"
         ),
     }
 }
@@ -178,24 +179,20 @@ impl Store {
         }
     }
 
-    /// Makes sure a node about to join counts as alive (etcd: its lease and key exist); returns
-    /// whether it made a new lease (the caller revokes it when the join is then refused).
-    pub async fn register_node(&self, run_id: &str, node_id: &str, ttl: Duration) -> Result<bool, RdzvError> {
+    /// Makes sure a node about to join counts as alive (etcd: its alive key exists), once the
+    /// caller is known to be allowed to speak for it (memory: the update itself checks,
+    /// atomically); returns whether it made a new key (the caller deletes it when the join is
+    /// then refused).
+    pub async fn register_join(
+        &self,
+        run_id: &str,
+        node_id: &str,
+        secret: Option<&str>,
+        ttl: Duration,
+    ) -> Result<bool, RdzvError> {
         match self {
             Store::Memory(_) => Ok(false),
-            Store::Etcd(e) => e.register_node(run_id, node_id, ttl).await,
-        }
-    }
-
-    /// Checks, before anything is written for a join, that a caller presenting `secret` may
-    /// speak for `node_id` (memory: the update itself checks, atomically; an unknown job: anyone).
-    pub async fn authorize(&self, run_id: &str, node_id: &str, secret: Option<&str>) -> Result<(), RdzvError> {
-        match self {
-            Store::Memory(_) => Ok(()),
-            Store::Etcd(e) => match e.authorize_join(run_id, node_id, secret).await {
-                Err(RdzvError::UnknownJob { .. }) => Ok(()),
-                other => other,
-            },
+            Store::Etcd(e) => e.register_join(run_id, node_id, secret, ttl).await,
         }
     }
 
