@@ -7,6 +7,7 @@
 use std::fmt;
 use std::path::PathBuf;
 use std::str::FromStr;
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -441,6 +442,64 @@ pub struct Member {
     pub probe_addr: Option<HostPort>,
 }
 
+/// `--hang-timeout`: a fixed threshold, or one learned from the step period.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum HangTimeout {
+    Fixed(Duration),
+    /// The largest of `factor` × the median period between progress events, twice the longest
+    /// gap seen between them (a checkpoint every so often), and `floor`; `floor` × 5 while no
+    /// period is known yet.
+    Auto {
+        factor: u32,
+        floor: Duration,
+    },
+}
+
+impl HangTimeout {
+    /// `SECONDS` (fractions allowed) or `auto`.
+    pub fn parse(s: &str) -> Result<HangTimeout, String> {
+        let s = s.trim();
+        if s.eq_ignore_ascii_case("auto") {
+            return Ok(HangTimeout::Auto { factor: AUTO_FACTOR, floor: AUTO_FLOOR });
+        }
+        let secs: f64 = s.parse().map_err(|_| format!("`{s}` is neither a number of seconds nor `auto`"))?;
+        // Workers are sampled once a second: a shorter threshold would judge a single sample.
+        if !secs.is_finite() || !(1.0..=7.0 * 24.0 * 3600.0).contains(&secs) {
+            return Err(format!("{s} s is outside [1 s, 1 week]"));
+        }
+        Ok(HangTimeout::Fixed(Duration::from_secs_f64(secs)))
+    }
+}
+
+/// NVIDIA's learned timeouts use a few times the observed period; a step that sometimes takes
+/// twice as long (a checkpoint, an evaluation) must not be a hang.
+pub const AUTO_FACTOR: u32 = 10;
+pub const AUTO_FLOOR: Duration = Duration::from_secs(60);
+
+impl std::fmt::Display for HangTimeout {
+    /// What `--hang-timeout` was given: `auto` or seconds.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            HangTimeout::Auto { .. } => f.write_str("auto"),
+            HangTimeout::Fixed(d) => write!(f, "{}", d.as_secs_f64()),
+        }
+    }
+}
+
+impl TryFrom<String> for HangTimeout {
+    type Error = String;
+    fn try_from(s: String) -> Result<HangTimeout, String> {
+        HangTimeout::parse(&s)
+    }
+}
+
+impl From<HangTimeout> for String {
+    fn from(h: HangTimeout) -> String {
+        h.to_string()
+    }
+}
+
 /// What one member learns when its round closes.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RoundInfo {
@@ -465,6 +524,9 @@ pub struct RoundInfo {
     /// Global rank of this node's local rank 0.
     pub rank_offset: u32,
     pub local_world_size: u32,
+    /// The job's `--hang-timeout` (the first node's), which every node applies.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hang_timeout: Option<HangTimeout>,
 }
 
 #[cfg(test)]

@@ -18,7 +18,7 @@
 
 use std::time::Duration;
 
-use rlaunch::contract::{HostPort, RootCause, RoundInfo};
+use rlaunch::contract::{HangTimeout, HostPort, RootCause, RoundInfo};
 
 /// Milliseconds on the driver's monotonic clock (made-up numbers in tests).
 pub type Millis = u64;
@@ -55,6 +55,9 @@ pub struct Placement {
     /// fresh address the driver picks for the attempt.
     pub master: Option<HostPort>,
     pub restart_count: u32,
+    /// The job's `--hang-timeout` (elastic: the rendezvous' for the whole job; fixed: this
+    /// agent's own).
+    pub hang_timeout: Option<HangTimeout>,
 }
 
 impl Placement {
@@ -68,6 +71,7 @@ impl Placement {
             world_size: r.world_size,
             master: Some(r.master_store_addr.clone()),
             restart_count: r.restart_count,
+            hang_timeout: r.hang_timeout,
         }
     }
 }

@@ -285,6 +285,7 @@ impl Io<'_> {
             world_size: group_world_size * config.nproc_per_node,
             master,
             restart_count: 0,
+            hang_timeout: config.hang_timeout,
         };
         match &config.rendezvous {
             RendezvousConfig::Standalone => {
@@ -486,10 +487,10 @@ impl Io<'_> {
             self.ctx.host,
             self.ctx.containment.clone(),
         )?;
-        let hang = self.config.hang_timeout.map(|timeout| {
+        let hang = p.hang_timeout.map(|timeout| {
             let py_spy = hangwatch::find_py_spy(&self.config.program);
             match &py_spy {
-                Some(p) => info!(py_spy = %p.display(), "hang detection reads Python stacks with py-spy"),
+                Some(path) => info!(%timeout, py_spy = %path.display(), "hang detection (--hang-timeout) reads Python stacks with py-spy"),
                 None => warn!("py-spy not found (RLAUNCH_PY_SPY, PATH, beside the workers' Python, .venv/bin): hang reports show kernel wait channels only"),
             }
             HangWatch { timeout, py_spy, nodes: p.group_world_size }

@@ -24,39 +24,7 @@ pub type Millis = u64;
 /// process: a watchdog, a gloo or NCCL helper).
 pub const MIN_CPU_SHARE: f64 = 0.1;
 
-/// `--hang-timeout`: a fixed threshold, or one learned from the step period.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum HangTimeout {
-    Fixed(Duration),
-    /// The largest of `factor` × the median period between progress events, twice the longest
-    /// gap seen between them (a checkpoint every so often), and `floor`; `floor` × 5 while no
-    /// period is known yet.
-    Auto {
-        factor: u32,
-        floor: Duration,
-    },
-}
-
-impl HangTimeout {
-    /// `SECONDS` (fractions allowed) or `auto`.
-    pub fn parse(s: &str) -> Result<HangTimeout, String> {
-        let s = s.trim();
-        if s.eq_ignore_ascii_case("auto") {
-            return Ok(HangTimeout::Auto { factor: AUTO_FACTOR, floor: AUTO_FLOOR });
-        }
-        let secs: f64 = s.parse().map_err(|_| format!("`{s}` is neither a number of seconds nor `auto`"))?;
-        // Workers are sampled once a second: a shorter threshold would judge a single sample.
-        if !secs.is_finite() || !(1.0..=7.0 * 24.0 * 3600.0).contains(&secs) {
-            return Err(format!("{s} s is outside [1 s, 1 week]"));
-        }
-        Ok(HangTimeout::Fixed(Duration::from_secs_f64(secs)))
-    }
-}
-
-/// NVIDIA's learned timeouts use a few times the observed period; a step that sometimes takes
-/// twice as long (a checkpoint, an evaluation) must not be a hang.
-pub const AUTO_FACTOR: u32 = 10;
-pub const AUTO_FLOOR: Duration = Duration::from_secs(60);
+pub use rlaunch::contract::{HangTimeout, AUTO_FACTOR, AUTO_FLOOR};
 
 /// One sample of one worker: counters that only grow while it works.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

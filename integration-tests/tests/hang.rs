@@ -139,12 +139,13 @@ fn a_bad_hang_timeout_is_refused_with_a_clear_error() {
 }
 
 #[test]
-fn a_hang_on_one_of_two_hosts_gives_one_report_with_both_hosts_stacks() {
+fn a_hang_on_one_of_two_hosts_gives_one_report_with_both_hosts_stacks_and_one_hang_timeout() {
     use integration_tests::netns::Cluster;
     py_spy_installed();
     let cluster = Cluster::new(2);
     let dir = tempdir();
     let endpoint = format!("{}:29400", cluster.host(0).ip);
+    // The job-wide hang timeout (given on host a only) reached host b.
     // Rank 3 (the second host's second rank, whoever hosts what) sleeps in stuck_here(); ranks
     // 0-2 wait in all_reduce, two of them on the other host, whose agent sees nothing wrong with
     // its own ranks but that they all wait: it holds its verdict, the culprit's host reports.
@@ -160,9 +161,13 @@ fn a_hang_on_one_of_two_hosts_gives_one_report_with_both_hosts_stacks() {
                 .args(["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "rlaunch"])
                 .args(["--rdzv-endpoint", &endpoint, "--rdzv-id", "hang-two-hosts"])
                 .args(["--rdzv-conf", "heartbeat_interval=0.5,node_ttl=2,last_call_timeout=1,join_timeout=60"])
-                .args(["--max-restarts", "0", "--hang-timeout", "8", "--shutdown-timeout", "3"])
-                .arg(script("hang.py"))
-                .args(["sleep", "3"]);
+                .args(["--max-restarts", "0", "--shutdown-timeout", "3"]);
+            // Only host a gives the hang timeout: it is the job's, through the rendezvous, and
+            // host b (where the culprit runs) applies it too.
+            if h.name == "a" {
+                c.args(["--hang-timeout", "8"]);
+            }
+            c.arg(script("hang.py")).args(["sleep", "3"]);
             h.spawn(c, &dir.path().join(format!("rlaunch-{}.log", h.name)))
         })
         .collect();
@@ -171,6 +176,10 @@ fn a_hang_on_one_of_two_hosts_gives_one_report_with_both_hosts_stacks() {
         assert!(!status.success(), "a hang fails the job on every host: {}", a.log_tail(4000));
     }
     let logs: Vec<String> = agents.iter().map(|a| a.output()).collect();
+    for l in &logs {
+        let watching = l.lines().find(|l| l.contains("hang detection (--hang-timeout)"));
+        assert!(watching.is_some_and(|w| w.contains("timeout=8")), "both hosts apply the job's 8 s: {l}");
+    }
     assert!(
         logs.iter()
             .any(|l| l.contains("hang: no progress from rank(s)") && l.contains("rank        : 3 (local_rank: 1)")),

@@ -494,6 +494,7 @@ impl Args {
             max_nodes,
             max_restarts: self.max_restarts,
             stop_grace: if elastic { stop_grace } else { Duration::ZERO },
+            hang_timeout: self.hang_timeout,
             ..conf.settings.clone()
         };
         settings.validate().map_err(|e| UsageError(format!("--rdzv-conf / --shutdown-timeout: {e}")))?;

@@ -25,6 +25,7 @@ fn settings(n: u32) -> JobSettings {
         probe_timeout: Duration::from_secs(10),
         max_restarts: 0,
         stop_grace: Duration::ZERO,
+        hang_timeout: None,
     }
 }
 

@@ -33,6 +33,7 @@ fn settings(min: u32, max: u32, max_restarts: u32) -> JobSettings {
         probe_timeout: Duration::from_secs(1),
         max_restarts,
         stop_grace: Duration::ZERO,
+        hang_timeout: None,
     }
 }
 

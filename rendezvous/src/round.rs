@@ -73,6 +73,10 @@ pub struct JobSettings {
     /// out (and its old workers running beside the new round). Zero: no such wait.
     #[serde(rename = "stop_grace_ms", with = "duration_ms", default)]
     pub stop_grace: Duration,
+    /// `--hang-timeout` for the whole job: the first that a node gives ([`JobSettings::adopt`]);
+    /// every node takes it from its round, a node that gives another is refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hang_timeout: Option<rlaunch::contract::HangTimeout>,
 }
 
 fn default_probe_timeout() -> Duration {
@@ -94,6 +98,7 @@ impl Default for JobSettings {
             probe_timeout: default_probe_timeout(),
             max_restarts: 0,
             stop_grace: Duration::ZERO,
+            hang_timeout: None,
         }
     }
 }
@@ -191,9 +196,23 @@ impl JobSettings {
 
     /// Whether two nodes describe the same job: every setting but the shutdown timeout, which
     /// each node may choose (the job waits by the first node's).
+    /// Whether a node with `other` belongs to a job created with `self`: the same settings,
+    /// except each node's own stop grace, and a hang timeout given by one side only.
     pub fn same_job(&self, other: &JobSettings) -> bool {
-        JobSettings { stop_grace: Duration::ZERO, ..self.clone() }
-            == JobSettings { stop_grace: Duration::ZERO, ..other.clone() }
+        let common = |s: &JobSettings| JobSettings { stop_grace: Duration::ZERO, hang_timeout: None, ..s.clone() };
+        let hang = match (self.hang_timeout, other.hang_timeout) {
+            (Some(a), Some(b)) => a == b,
+            _ => true,
+        };
+        common(self) == common(other) && hang
+    }
+
+    /// The job's settings once a node with `other` has joined: the first hang timeout a node
+    /// gives becomes the job's (nodes started without the flag take it from their round).
+    pub fn adopt(&mut self, other: &JobSettings) {
+        if self.hang_timeout.is_none() {
+            self.hang_timeout = other.hang_timeout;
+        }
     }
 
     fn ms(d: Duration) -> Millis {
@@ -575,6 +594,7 @@ impl Job {
             world_size: self.world_size(),
             rank_offset: me.rank_offset,
             local_world_size: me.local_world_size,
+            hang_timeout: self.settings.hang_timeout,
         })
     }
 

@@ -42,6 +42,7 @@ fn calm(min: u32, max: u32) -> JobSettings {
         probe_timeout: Duration::from_secs(30),
         max_restarts: 1,
         stop_grace: Duration::ZERO,
+        hang_timeout: None,
     }
 }
 
@@ -57,6 +58,7 @@ fn fast(min: u32, max: u32) -> JobSettings {
         probe_timeout: Duration::from_millis(300),
         max_restarts: 1,
         stop_grace: Duration::ZERO,
+        hang_timeout: None,
     }
 }
 
@@ -884,4 +886,36 @@ fn half_sent_requests_and_a_connection_flood_do_not_stop_healthz() {
     let _ = child.wait();
     assert!(took[took.len() / 2] < Duration::from_millis(100), "healthz took {took:?}");
     assert_eq!(still_open, 0, "half-sent requests still held after the header timeout");
+}
+
+#[tokio::test]
+async fn nodes_may_differ_in_shutdown_timeout_and_the_first_hang_timeout_given_is_the_jobs() {
+    use rlaunch::contract::HangTimeout;
+    let rdzv = Rendezvous::in_memory();
+    let server = Server::start(rdzv, None).await;
+    let hang = Some(HangTimeout::Fixed(Duration::from_secs(300)));
+    // a: no hang timeout, a shutdown timeout of its own; b gives 300 s; both join one job.
+    let a_settings = JobSettings { stop_grace: Duration::from_secs(70), ..calm(3, 3) };
+    let a = http_client(vec![server.endpoint()], "jh", a_settings).await;
+    let b = http_client(vec![server.endpoint()], "jh", JobSettings { hang_timeout: hang, ..calm(3, 3) }).await;
+    // c asks for another hang timeout: refused, naming it.
+    let c_settings = JobSettings {
+        hang_timeout: Some(HangTimeout::Auto { factor: 10, floor: Duration::from_secs(60) }),
+        ..calm(3, 3)
+    };
+    let c = http_client(vec![server.endpoint()], "jh", c_settings).await;
+    let _ = within("a joins", a.join_once(&node("a"), Duration::ZERO)).await.expect("a joins");
+    let _ = within("b joins", b.join_once(&node("b"), Duration::ZERO)).await.expect("b joins");
+    match within("c joins", c.join(node("c"))).await {
+        Err(RdzvError::SettingsMismatch { message, .. }) => {
+            assert!(message.contains("\"hang_timeout\":\"auto\""), "{message}")
+        }
+        other => panic!("{other:?}"),
+    }
+    // d (without the flag) closes the round: every member's round carries the job's value.
+    let d = http_client(vec![server.endpoint()], "jh", calm(3, 3)).await;
+    let (ra, rd) = tokio::join!(within("a", a.join(node("a"))), within("d", d.join(node("d"))));
+    assert_eq!(ra.expect("a's round").hang_timeout, hang);
+    assert_eq!(rd.expect("d's round").hang_timeout, hang);
+    server.stop().await;
 }

@@ -178,6 +178,7 @@ fn settings(min: u32, max: u32) -> JobSettings {
         probe_timeout: Duration::from_secs(1),
         max_restarts: 3,
         stop_grace: Duration::ZERO,
+        hang_timeout: None,
     }
 }
 
@@ -805,4 +806,24 @@ async fn a_job_state_past_etcds_request_limit_is_written_in_parts() {
     let (_, keys) = leases_and_keys(&etcd, "/rlaunch/jobs/big/part/").await;
     assert!(keys.is_empty(), "stale parts left: {}", keys.len());
     assert_eq!(store.jobs(0).await.expect("list").len(), 1, "the ticker's listing reads a job in parts");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_other_nodes_stacks_join_the_root_cause_and_the_job_takes_the_first_hang_timeout() {
+    use rlaunch::contract::HangTimeout;
+    let etcd = Etcd::start().await;
+    let hang = Some(HangTimeout::Fixed(Duration::from_secs(300)));
+    // a has a shutdown timeout of its own and no hang timeout; b gives one.
+    let a = etcd_client(&etcd, "stk", JobSettings { stop_grace: Duration::from_secs(5), ..settings(2, 2) }).await;
+    let b = etcd_client(&etcd, "stk", JobSettings { hang_timeout: hang, ..settings(2, 2) }).await;
+    let (ra, rb) = within("joins", async { tokio::join!(a.join(node("a")), b.join(node("bb"))) }).await;
+    let (ra, rb) = (ra.expect("a joins"), rb.expect("b joins"));
+    assert_eq!((ra.hang_timeout, rb.hang_timeout), (hang, hang), "every member runs the job's hang timeout");
+    let mut cause = rc("hang");
+    cause.stacks = vec!["rank 1: stuck_here (x.py:4)".into()];
+    b.report_failure("bb", ra.round, cause).await.expect("b reports the hang");
+    a.report_stacks("a", ra.round, vec!["rank 0: all_reduce (c10d.py:9)".into()]).await.expect("a's stacks");
+    let st = a.status().await.expect("status");
+    let stacks = st.last_root_cause.expect("root cause").stacks;
+    assert_eq!(stacks, ["rank 1: stuck_here (x.py:4)", "rank 0: all_reduce (c10d.py:9)"]);
 }

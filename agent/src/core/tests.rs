@@ -23,6 +23,7 @@ fn fixed(max_restarts: u32) -> Core {
         world_size: 4,
         master: None,
         restart_count: 0,
+        hang_timeout: None,
     };
     Core::new(Membership::Fixed { placement, max_restarts })
 }
@@ -48,6 +49,7 @@ fn round(n: u64, restart_count: u32) -> RoundInfo {
         world_size: 4,
         rank_offset: 0,
         local_world_size: 4,
+        hang_timeout: None,
     }
 }
 

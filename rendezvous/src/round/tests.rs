@@ -22,6 +22,7 @@ fn settings(min: u32, max: u32) -> JobSettings {
         probe_timeout: Duration::from_secs(1),
         max_restarts: 2,
         stop_grace: Duration::ZERO,
+        hang_timeout: None,
     }
 }
 
@@ -955,6 +956,37 @@ fn nodes_may_differ_in_their_shutdown_timeout_only() {
     let b = JobSettings { stop_grace: Duration::from_secs(9), ..a.clone() };
     assert!(a.same_job(&b));
     assert!(!a.same_job(&JobSettings { max_restarts: 7, ..a.clone() }));
+}
+
+#[test]
+fn the_first_nodes_hang_timeout_is_the_jobs_and_reaches_every_member() {
+    use rlaunch::contract::HangTimeout;
+    let hang = Some(HangTimeout::Fixed(Duration::from_secs(300)));
+    let with = JobSettings { hang_timeout: hang, ..settings(2, 2) };
+    let without = settings(2, 2);
+    assert!(with.same_job(&without), "a node without the flag takes the job's");
+    assert!(with.same_job(&with.clone()));
+    assert!(!with
+        .same_job(&JobSettings { hang_timeout: Some(HangTimeout::Fixed(Duration::from_secs(60))), ..without.clone() }));
+    assert!(without.same_job(&with), "a job without one takes the first a node gives");
+    let mut job = Job::new(without.clone(), 0);
+    job.settings.adopt(&without);
+    assert_eq!(job.settings.hang_timeout, None);
+    job.settings.adopt(&with);
+    job.settings.adopt(&JobSettings { hang_timeout: Some(HangTimeout::Fixed(Duration::from_secs(60))), ..without });
+    assert_eq!(job.settings.hang_timeout, hang, "the first one given stays");
+    job = join(&job, "a", 0).0;
+    job = join(&job, "b", 10).0;
+    assert_eq!(job.round_info("b").unwrap().hang_timeout, hang);
+    // On the wire, as the flag is written; a bad value is refused when parsed.
+    let mut json = serde_json::to_value(&job.settings).unwrap();
+    assert_eq!(json["hang_timeout"], "300");
+    json["hang_timeout"] = json!("auto");
+    let auto: JobSettings = serde_json::from_value(json.clone()).unwrap();
+    assert!(matches!(auto.hang_timeout, Some(HangTimeout::Auto { .. })));
+    json["hang_timeout"] = json!("0.1");
+    let err = serde_json::from_value::<JobSettings>(json).unwrap_err().to_string();
+    assert!(err.contains("outside [1 s, 1 week]"), "{err}");
 }
 
 fn beat(job: &Job, id: &str, seq: Option<u64>, probes: &[(&str, bool)], now: Millis) -> (Job, Decision) {

@@ -861,7 +861,7 @@ impl EtcdStore {
                 // Settings checks and creation as in `existing_or_new`, without copying the job.
                 let fresh = job.is_none();
                 match (&job, q.create.as_ref()) {
-                    (Some(j), Some(settings)) if &j.settings != settings => {
+                    (Some(j), Some(settings)) if !j.settings.same_job(settings) => {
                         outcomes.push(Err(super::mismatch(run_id, &j.settings, settings)));
                         continue;
                     }
@@ -885,6 +885,9 @@ impl EtcdStore {
                 }
                 let j = job.as_mut().expect("the job exists or was just created");
                 let d = round::apply_guarded(j, q.ev.clone(), &q.guard, q.now);
+                if let (Some(settings), false) = (q.create.as_ref(), matches!(d.action, Action::Rejected(_))) {
+                    j.settings.adopt(settings);
+                }
                 if fresh && matches!(d.action, Action::Rejected(_)) {
                     // A refused first join creates nothing.
                     job = None;
@@ -1507,6 +1510,7 @@ mod tests {
             probe_timeout: Duration::from_secs(10),
             max_restarts: 0,
             stop_grace: Duration::ZERO,
+            hang_timeout: None,
         };
         let mut job = Job::new(settings, 0);
         job.suspects = (0..10_000).map(|i| format!("node-{i:05}-of-a-large-job")).collect();

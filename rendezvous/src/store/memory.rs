@@ -54,12 +54,15 @@ impl MemoryStore {
         let mut jobs = self.lock();
         if let Some(entry) = jobs.get_mut(run_id) {
             if let Some(settings) = create {
-                if &entry.job.settings != settings {
+                if !entry.job.settings.same_job(settings) {
                     return Err(super::mismatch(run_id, &entry.job.settings, settings));
                 }
             }
             let before = entry.job.version;
             let decision = round::apply_guarded(&mut entry.job, ev, guard, now);
+            if let (Some(settings), false) = (create, matches!(decision.action, Action::Rejected(_))) {
+                entry.job.settings.adopt(settings);
+            }
             if entry.job.version != before {
                 entry.version.send_replace(entry.job.version);
             }
