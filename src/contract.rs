@@ -457,18 +457,26 @@ pub enum HangTimeout {
 }
 
 impl HangTimeout {
-    /// `SECONDS` (fractions allowed) or `auto`.
+    /// `SECONDS` (fractions allowed), `auto`, or `auto:FLOOR_SECONDS` (learned, never below
+    /// that floor instead of the default 60 s).
     pub fn parse(s: &str) -> Result<HangTimeout, String> {
         let s = s.trim();
-        if s.eq_ignore_ascii_case("auto") {
+        let seconds = |v: &str| -> Result<Duration, String> {
+            let secs: f64 = v.parse().map_err(|_| format!("`{s}` is neither a number of seconds nor `auto`"))?;
+            // Workers are sampled once a second: a shorter threshold would judge a single sample.
+            if !secs.is_finite() || !(1.0..=7.0 * 24.0 * 3600.0).contains(&secs) {
+                return Err(format!("{v} s is outside [1 s, 1 week]"));
+            }
+            Ok(Duration::from_secs_f64(secs))
+        };
+        let lower = s.to_ascii_lowercase();
+        if lower == "auto" {
             return Ok(HangTimeout::Auto { factor: AUTO_FACTOR, floor: AUTO_FLOOR });
         }
-        let secs: f64 = s.parse().map_err(|_| format!("`{s}` is neither a number of seconds nor `auto`"))?;
-        // Workers are sampled once a second: a shorter threshold would judge a single sample.
-        if !secs.is_finite() || !(1.0..=7.0 * 24.0 * 3600.0).contains(&secs) {
-            return Err(format!("{s} s is outside [1 s, 1 week]"));
+        if let Some(floor) = lower.strip_prefix("auto:") {
+            return Ok(HangTimeout::Auto { factor: AUTO_FACTOR, floor: seconds(floor)? });
         }
-        Ok(HangTimeout::Fixed(Duration::from_secs_f64(secs)))
+        Ok(HangTimeout::Fixed(seconds(s)?))
     }
 }
 
@@ -481,7 +489,8 @@ impl std::fmt::Display for HangTimeout {
     /// What `--hang-timeout` was given: `auto` or seconds.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            HangTimeout::Auto { .. } => f.write_str("auto"),
+            HangTimeout::Auto { floor, .. } if *floor == AUTO_FLOOR => f.write_str("auto"),
+            HangTimeout::Auto { floor, .. } => write!(f, "auto:{}", floor.as_secs_f64()),
             HangTimeout::Fixed(d) => write!(f, "{}", d.as_secs_f64()),
         }
     }

@@ -418,6 +418,12 @@ mod tests {
         assert_eq!(HangTimeout::parse("2.5"), Ok(HangTimeout::Fixed(Duration::from_millis(2500))));
         assert!(HangTimeout::parse("-1").is_err() && HangTimeout::parse("soon").is_err());
         assert!(HangTimeout::parse("0.5").is_err(), "below the sampling period");
+        let short = HangTimeout::parse("AUTO:5").unwrap();
+        assert_eq!(short, HangTimeout::Auto { factor: AUTO_FACTOR, floor: Duration::from_secs(5) });
+        for h in [short, HangTimeout::parse("auto").unwrap(), HangTimeout::parse("2.5").unwrap()] {
+            assert_eq!(HangTimeout::parse(&h.to_string()), Ok(h), "{h}");
+        }
+        assert!(HangTimeout::parse("auto:0.2").is_err() && HangTimeout::parse("auto:").is_err());
     }
 
     const DUMP: &str = "Process 4242: python3 -u train.py\nPython v3.11.2 (/usr/bin/python3.11)\n\n\

@@ -196,3 +196,28 @@ fn a_hang_on_one_of_two_hosts_gives_one_report_with_both_hosts_stacks_and_one_ha
     // were in (had it stopped them first, the other host's ranks would have left all_reduce).
     assert!(!logs.iter().any(|l| l.contains("not every rank's stack reached the report")), "{logs:#?}");
 }
+
+#[test]
+fn auto_learns_a_steady_step_period_and_finds_the_rank_that_stopped() {
+    // A line every 0.5 s (sampled once a second): the learned threshold is 10 × 1 s = 10 s (the
+    // floor, 5 s, is below). Rank 1 stops after 10 s; found about 10 s later.
+    let (o, took) =
+        run(&["--standalone", "--nproc-per-node", "2", "--hang-timeout", "auto:5"], "steady.py", &["stall"]);
+    let err = stderr_of(&o);
+    assert!(!o.status.success(), "{err}");
+    assert!(err.contains("hang: no progress from rank(s) 1 for"), "{err}");
+    assert!(err.contains("rank 1: stuck_here (steady.py:"), "{err}");
+    let threshold = err.split("(--hang-timeout ").nth(1).and_then(|t| t.split(' ').next()).unwrap_or("");
+    let threshold: f64 = threshold.parse().unwrap_or_else(|_| panic!("a learned threshold in the message: {err}"));
+    assert!((8.0..=14.0).contains(&threshold), "10 × the sampled period, not the floor or the 25 s start: {threshold}");
+    assert!(took < Duration::from_secs(45), "took {took:?}");
+}
+
+#[test]
+fn auto_lets_a_pause_pass_that_a_fixed_timeout_of_the_same_floor_calls_a_hang() {
+    // Every rank pauses 6 s once. `auto:5` has learned 10 s by then: no hang. A fixed 5 s is one.
+    let (o, _) = run(&["--standalone", "--nproc-per-node", "2", "--hang-timeout", "auto:5"], "steady.py", &["pause"]);
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    let (o, _) = run(&["--standalone", "--nproc-per-node", "2", "--hang-timeout", "5"], "steady.py", &["pause"]);
+    assert!(!o.status.success() && stderr_of(&o).contains("hang: no progress"), "{}", stderr_of(&o));
+}

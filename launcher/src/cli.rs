@@ -219,7 +219,9 @@ pub struct Args {
     /// A worker without progress for this many seconds is hung: its group is stopped and
     /// restarted (or the job fails) like on a failure, and the report says where every rank
     /// stood. Progress: output, CPU use, a Python stack that moves, or a touch of the file named
-    /// in `RLAUNCH_HEARTBEAT_FILE`. `auto`: 10 × the observed step period, at least 30 s.
+    /// in `RLAUNCH_HEARTBEAT_FILE`. `auto`: 10 × the observed step period (twice the longest
+    /// gap seen if more), at least 60 s (`auto:SECONDS` for another floor). Job-wide: the first
+    /// value a node gives is every node's.
     #[arg(long = "hang-timeout", alias = "hang_timeout", env = "PET_HANG_TIMEOUT", value_parser = parse_hang_timeout)]
     pub hang_timeout: Option<rlaunch_agent::hang::HangTimeout>,
 
