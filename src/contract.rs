@@ -426,6 +426,10 @@ pub struct NodeInfo {
     /// agent's whole life (the store changes every round); the store when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub probe_addr: Option<HostPort>,
+    /// What must match across nodes (versions, `NCCL_*` variables, the program's hash); the
+    /// rendezvous keeps each distinct one once and reports how nodes differ.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fingerprint: Option<crate::fingerprint::Fingerprint>,
 }
 
 /// A member of a closed round.
@@ -536,6 +540,9 @@ pub struct RoundInfo {
     /// The job's `--hang-timeout` (the first node's), which every node applies.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hang_timeout: Option<HangTimeout>,
+    /// How the round's nodes differ in their fingerprints (empty when they do not).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub fingerprint_diff: Vec<String>,
 }
 
 #[cfg(test)]

@@ -6,6 +6,7 @@ pub mod comm;
 pub mod contract;
 pub mod ddp;
 pub mod env;
+pub mod fingerprint;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 pub mod heartbeat;

@@ -58,6 +58,8 @@ pub struct Placement {
     /// The job's `--hang-timeout` (elastic: the rendezvous' for the whole job; fixed: this
     /// agent's own).
     pub hang_timeout: Option<HangTimeout>,
+    /// How the round's nodes differ in their fingerprints (elastic; empty when they do not).
+    pub fingerprint_diff: Vec<String>,
 }
 
 impl Placement {
@@ -72,6 +74,7 @@ impl Placement {
             master: Some(r.master_store_addr.clone()),
             restart_count: r.restart_count,
             hang_timeout: r.hang_timeout,
+            fingerprint_diff: r.fingerprint_diff.clone(),
         }
     }
 }

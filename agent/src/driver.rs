@@ -286,6 +286,7 @@ impl Io<'_> {
             master,
             restart_count: 0,
             hang_timeout: config.hang_timeout,
+            fingerprint_diff: Vec::new(),
         };
         match &config.rendezvous {
             RendezvousConfig::Standalone => {
@@ -477,6 +478,15 @@ impl Io<'_> {
             logs = %self.ctx.log_root.display(),
             "starting workers"
         );
+        if !p.fingerprint_diff.is_empty() {
+            warn!(
+                round = p.round,
+                "the nodes of this round differ in what must match (--fingerprint strict refuses such nodes):"
+            );
+            for l in &p.fingerprint_diff {
+                warn!("  {l}");
+            }
+        }
         let specs = worker_specs(self.config, &p, &master, self.ctx);
         let io = self.group_io(p.restart_count)?;
         let group = WorkerGroup::start(

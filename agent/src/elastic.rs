@@ -88,7 +88,19 @@ pub(crate) async fn setup(
             source: std::io::Error::new(std::io::ErrorKind::InvalidInput, e),
         })?,
         probe_addr,
+        fingerprint: Some(crate::fingerprint::collect(&config.program).await),
     };
+    if let Some(fp) = &node.fingerprint {
+        let short: Vec<String> = ["python", "torch", "cuda", "nccl", "gpu", "driver"]
+            .iter()
+            .filter_map(|k| fp.0.get(*k).map(|v| format!("{k} {v}")))
+            .collect();
+        info!(
+            entries = fp.0.len(),
+            "fingerprint: {}",
+            if short.is_empty() { "no Python or GPU".to_owned() } else { short.join(", ") }
+        );
+    }
     info!(node_id = %node.node_id, endpoints = ?d.endpoints, min = d.settings.min_nodes, max = d.settings.max_nodes, "elastic rendezvous");
     // A prober learns of a suspicion from its next heartbeat's answer (up to an interval after
     // it began), and its outcome must reach the rendezvous before the probe timeout.

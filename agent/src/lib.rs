@@ -11,6 +11,7 @@ pub mod contain;
 pub mod core;
 mod driver;
 mod elastic;
+pub mod fingerprint;
 pub mod hang;
 mod hangwatch;
 pub mod numa;

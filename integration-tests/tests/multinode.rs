@@ -537,3 +537,57 @@ fn train_runs_across_two_hosts_with_hierarchical_collectives() {
     assert!(out.contains("[default0]:done: 60 steps"), "rank 0 finished training:\n{}", agents[0].log_tail(3000));
     assert!(!ckpt.exists());
 }
+
+/// `rlaunch ARGS` on `host` with one NCCL variable set to `nccl` (what differs between nodes).
+fn rlaunch_with_nccl(host: &netns::Host, dir: &Path, args: &[String], nccl: &str) -> Proc {
+    let mut c = host.command(bin("rlaunch"));
+    c.args(args).env("RLAUNCH_LOG", "info").env("RL_HOST", &host.name).env("NCCL_SOCKET_NTHREADS", nccl);
+    host.spawn(c, &dir.join(format!("rlaunch-{}.log", host.name)))
+}
+
+#[test]
+fn a_node_with_another_nccl_variable_is_named_when_the_round_closes() {
+    let cluster = Cluster::new(2);
+    let dir = tempdir();
+    let endpoint = format!("{}:{RDZV_PORT}", cluster.host(0).ip);
+    let w = worker().display().to_string();
+    let program = [w.as_str(), "--out", dir.path().to_str().expect("utf-8 temp dir"), "dump-env"];
+    let args = agent_args("2", &endpoint, "fp-log", &[], &program);
+    let mut agents = vec![rlaunch_with_nccl(cluster.host(0), dir.path(), &args, "4")];
+    wait_until("the rendezvous server to listen", Duration::from_secs(10), || listening(&endpoint));
+    agents.push(rlaunch_with_nccl(cluster.host(1), dir.path(), &args, "2"));
+    for a in &mut agents {
+        let status = a.wait(Duration::from_secs(30));
+        assert!(status.success(), "a difference is logged, not refused: {}", a.log_tail(3000));
+    }
+    for a in &agents {
+        let log = a.output();
+        assert!(log.contains("fingerprint: "), "each agent reads its fingerprint: {log}");
+        assert!(log.contains("the nodes of this round differ"), "{log}");
+        assert!(
+            log.contains("env NCCL_SOCKET_NTHREADS=2 (4 there)")
+                || log.contains("env NCCL_SOCKET_NTHREADS=4 (2 there)"),
+            "the diff names the variable and both values: {log}"
+        );
+    }
+}
+
+#[test]
+fn fingerprint_strict_refuses_a_node_with_another_nccl_variable() {
+    let cluster = Cluster::new(2);
+    let dir = tempdir();
+    let endpoint = format!("{}:{RDZV_PORT}", cluster.host(0).ip);
+    let program = loop_program(dir.path());
+    let args = agent_args("2", &endpoint, "fp-strict", &["--fingerprint", "strict"], &strs(&program));
+    let mut first = rlaunch_with_nccl(cluster.host(0), dir.path(), &args, "4");
+    wait_until("host a to join", Duration::from_secs(20), || first.output().contains("joined forming round 1"));
+    // b gives no --fingerprint: the job's policy (strict, from a) applies to it.
+    let b_args = agent_args("2", &endpoint, "fp-strict", &[], &strs(&program));
+    let mut second = rlaunch_with_nccl(cluster.host(1), dir.path(), &b_args, "2");
+    let status = second.wait(Duration::from_secs(30));
+    let log = second.output();
+    assert!(!status.success(), "{log}");
+    assert!(log.contains("--fingerprint strict"), "{log}");
+    assert!(log.contains("env NCCL_SOCKET_NTHREADS=2 (4 there)"), "{log}");
+    assert!(first.try_status().is_none(), "the job's first node waits on: {}", first.log_tail(2000));
+}

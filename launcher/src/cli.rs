@@ -225,6 +225,13 @@ pub struct Args {
     #[arg(long = "hang-timeout", alias = "hang_timeout", env = "PET_HANG_TIMEOUT", value_parser = parse_hang_timeout)]
     pub hang_timeout: Option<rlaunch_agent::hang::HangTimeout>,
 
+    /// Nodes whose fingerprint differs (python, torch, CUDA, NCCL versions, GPU and driver, the
+    /// NCCL_*, GLOO_* and CUDA_* variables, the program's hash): `log` names the difference
+    /// when the round closes (what happens without the flag), `strict` refuses such a node at
+    /// join. Job-wide, like --hang-timeout.
+    #[arg(long = "fingerprint", env = "PET_FINGERPRINT", value_name = "log|strict")]
+    pub fingerprint: Option<rlaunch::fingerprint::Policy>,
+
     /// Every worker sees only its own GPU, as device 0, with LOCAL_RANK=0 (torchrun's flag).
     #[arg(long = "virtual-local-rank", alias = "virtual_local_rank", env = "PET_VIRTUAL_LOCAL_RANK", value_parser = BoolishValueParser::new())]
     pub virtual_local_rank: bool,
@@ -497,6 +504,7 @@ impl Args {
             max_restarts: self.max_restarts,
             stop_grace: if elastic { stop_grace } else { Duration::ZERO },
             hang_timeout: self.hang_timeout,
+            fingerprint: self.fingerprint,
             ..conf.settings.clone()
         };
         settings.validate().map_err(|e| UsageError(format!("--rdzv-conf / --shutdown-timeout: {e}")))?;

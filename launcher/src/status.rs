@@ -97,8 +97,20 @@ pub fn render(s: &JobStatus) -> String {
             out += &format!("  suspected: {} for {:.1} s ({probes})\n", n.node_id, ms as f64 / 1000.0);
         }
     }
+    if !s.fingerprint_diff.is_empty() {
+        out += "  fingerprints differ:\n";
+        for l in &s.fingerprint_diff {
+            out += &format!("    {l}\n");
+        }
+    }
     if let Some(rc) = &s.last_root_cause {
         out += &format!("  last root cause: {}\n", rc.summary());
+        if !rc.stacks.is_empty() {
+            out += "  where each rank stood (the odd one out first):\n";
+            for l in &rc.stacks {
+                out += &format!("    {l}\n");
+            }
+        }
     }
     out
 }
@@ -118,6 +130,7 @@ mod tests {
             local_world_size: 2,
             store_addr: format!("{id}:29500").parse().unwrap(),
             probe_addr: None,
+            fingerprint: None,
         }
     }
 
@@ -138,5 +151,34 @@ mod tests {
         assert!(text.contains("hb loss  health"), "{text}");
         assert!(text.contains("SUSPECTED  b"), "{text}");
         assert!(text.contains("suspected: b for 0.3 s (reached by a)"), "{text}");
+    }
+
+    #[test]
+    fn status_shows_where_each_rank_stood_and_how_fingerprints_differ() {
+        let settings = JobSettings { min_nodes: 2, max_nodes: 2, ..JobSettings::default() };
+        let mut job = Job::new(settings, 0);
+        for (id, nccl, t) in [("a", "4", 0), ("b", "2", 10)] {
+            let fp =
+                rlaunch::fingerprint::Fingerprint([("env NCCL_X".to_owned(), nccl.to_owned())].into_iter().collect());
+            job = apply(&job, Event::Join(NodeInfo { fingerprint: Some(fp), ..node(id) }), t).0;
+        }
+        let mut rc = rlaunch::contract::RootCause::from_message("hang");
+        rc.stacks = vec!["rank 3: stuck_here (train.py:4)".into()];
+        job = apply(&job, Event::ReportFailure { node_id: "b".into(), round: 1, root_cause: Box::new(rc) }, 20).0;
+        let stacks = Event::ReportStacks {
+            node_id: "a".into(),
+            round: 1,
+            stacks: vec!["ranks 0-1: all_reduce (c10d.py:9)".into()],
+        };
+        job = apply(&job, stacks, 30).0;
+        let text = render(&job.status("j", 40));
+        assert!(
+            text.contains("fingerprints differ:\n    1 of 2 node(s) (b) differ from 1 (a): env NCCL_X=2 (4 there)"),
+            "{text}"
+        );
+        assert!(
+            text.contains("where each rank stood (the odd one out first):\n    rank 3: stuck_here (train.py:4)\n    ranks 0-1: all_reduce"),
+            "{text}"
+        );
     }
 }

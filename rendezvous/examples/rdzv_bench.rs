@@ -26,6 +26,7 @@ fn settings(n: u32) -> JobSettings {
         max_restarts: 0,
         stop_grace: Duration::ZERO,
         hang_timeout: None,
+        fingerprint: None,
     }
 }
 
@@ -98,6 +99,7 @@ async fn one(service: &Service, n: u32, run_id: &str) -> Result<Run> {
         local_world_size: 8,
         store_addr: format!("10.0.{}.{}:29500", i / 250, i % 250 + 1).parse().expect("a valid address"),
         probe_addr: None,
+        fingerprint: None,
     };
     let mut joins: Vec<tokio::task::JoinHandle<Result<_, rlaunch_rendezvous::RdzvError>>> = Vec::new();
     for i in 0..n - 1 {

@@ -34,6 +34,7 @@ fn settings(min: u32, max: u32, max_restarts: u32) -> JobSettings {
         max_restarts,
         stop_grace: Duration::ZERO,
         hang_timeout: None,
+        fingerprint: None,
     }
 }
 
@@ -111,6 +112,7 @@ fn node(job: &str, i: u32) -> NodeInfo {
         local_world_size: 8,
         store_addr: format!("10.1.{}.{}:29500", i / 250, i % 250 + 1).parse().expect("a valid address"),
         probe_addr: None,
+        fingerprint: None,
     }
 }
 

@@ -160,7 +160,9 @@ impl From<RdzvError> for ApiError {
             RdzvError::Forbidden { .. } => StatusCode::FORBIDDEN,
             RdzvError::LimitReached { .. } => StatusCode::TOO_MANY_REQUESTS,
             RdzvError::UnknownJob { .. } | RdzvError::UnknownNode { .. } => StatusCode::NOT_FOUND,
-            RdzvError::NotMember { .. } | RdzvError::SettingsMismatch { .. } => StatusCode::CONFLICT,
+            RdzvError::NotMember { .. }
+            | RdzvError::SettingsMismatch { .. }
+            | RdzvError::FingerprintMismatch { .. } => StatusCode::CONFLICT,
             RdzvError::JobFinished | RdzvError::JobFailed { .. } | RdzvError::JoinTimeout { .. } => StatusCode::GONE,
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         };

@@ -158,6 +158,7 @@ fn error_from(endpoint: &str, status: u16, body: Option<ErrorBody>) -> RdzvError
         "job_failed" => RdzvError::JobFailed { reason: message },
         "join_timeout" => RdzvError::JoinTimeout { reason: message },
         "settings_mismatch" => RdzvError::SettingsMismatch { run_id: String::new(), message },
+        "fingerprint_mismatch" => RdzvError::FingerprintMismatch { message },
         "bad_request" | "invalid_settings" | "payload_too_large" | "unsupported_media_type" => {
             RdzvError::BadRequest { message }
         }

@@ -25,6 +25,9 @@ pub enum RdzvError {
     LimitReached { message: String },
     #[error("job `{run_id}` exists with other settings: {message}")]
     SettingsMismatch { run_id: String, message: String },
+    /// `--fingerprint strict`: this node differs from the job's first.
+    #[error("{message}")]
+    FingerprintMismatch { message: String },
     #[error("the job has finished")]
     JobFinished,
     #[error("the job has failed: {reason}")]
@@ -70,6 +73,7 @@ impl RdzvError {
             RdzvError::Forbidden { .. } => "forbidden",
             RdzvError::LimitReached { .. } => "limit_reached",
             RdzvError::SettingsMismatch { .. } => "settings_mismatch",
+            RdzvError::FingerprintMismatch { .. } => "fingerprint_mismatch",
             RdzvError::JobFinished => "job_finished",
             RdzvError::JobFailed { .. } => "job_failed",
             RdzvError::JoinTimeout { .. } => "join_timeout",
@@ -119,6 +123,7 @@ impl From<Rejection> for RdzvError {
             Rejection::JobFinished => RdzvError::JobFinished,
             Rejection::Forbidden { node_id } => RdzvError::Forbidden { node_id },
             Rejection::LimitReached { message } => RdzvError::LimitReached { message },
+            Rejection::FingerprintMismatch { message } => RdzvError::FingerprintMismatch { message },
             Rejection::JobFailed { kind: FailureKind::JoinTimeout, reason } => RdzvError::JoinTimeout { reason },
             Rejection::JobFailed { kind: FailureKind::RestartBudget, reason } => RdzvError::JobFailed { reason },
         }

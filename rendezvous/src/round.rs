@@ -77,6 +77,10 @@ pub struct JobSettings {
     /// every node takes it from its round, a node that gives another is refused.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hang_timeout: Option<rlaunch::contract::HangTimeout>,
+    /// `--fingerprint`: how nodes that differ are treated (log them, or refuse them); adopted
+    /// like the hang timeout.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fingerprint: Option<rlaunch::fingerprint::Policy>,
 }
 
 fn default_probe_timeout() -> Duration {
@@ -99,6 +103,7 @@ impl Default for JobSettings {
             max_restarts: 0,
             stop_grace: Duration::ZERO,
             hang_timeout: None,
+            fingerprint: None,
         }
     }
 }
@@ -194,17 +199,22 @@ impl JobSettings {
         check_nesting(&[("last_call_timeout", self.last_call_timeout), ("join_timeout", self.join_timeout)])
     }
 
-    /// Whether two nodes describe the same job: every setting but the shutdown timeout, which
-    /// each node may choose (the job waits by the first node's).
     /// Whether a node with `other` belongs to a job created with `self`: the same settings,
-    /// except each node's own stop grace, and a hang timeout given by one side only.
+    /// except the shutdown timeout, which each node may choose (the job waits by the first
+    /// node's), and a hang timeout or fingerprint policy given by one side only.
     pub fn same_job(&self, other: &JobSettings) -> bool {
-        let common = |s: &JobSettings| JobSettings { stop_grace: Duration::ZERO, hang_timeout: None, ..s.clone() };
-        let hang = match (self.hang_timeout, other.hang_timeout) {
-            (Some(a), Some(b)) => a == b,
-            _ => true,
+        let common = |s: &JobSettings| JobSettings {
+            stop_grace: Duration::ZERO,
+            hang_timeout: None,
+            fingerprint: None,
+            ..s.clone()
         };
-        common(self) == common(other) && hang
+        fn agree<T: PartialEq>(a: Option<T>, b: Option<T>) -> bool {
+            a.zip(b).is_none_or(|(a, b)| a == b)
+        }
+        common(self) == common(other)
+            && agree(self.hang_timeout, other.hang_timeout)
+            && agree(self.fingerprint, other.fingerprint)
     }
 
     /// The job's settings once a node with `other` has joined: the first hang timeout a node
@@ -212,6 +222,9 @@ impl JobSettings {
     pub fn adopt(&mut self, other: &JobSettings) {
         if self.hang_timeout.is_none() {
             self.hang_timeout = other.hang_timeout;
+        }
+        if self.fingerprint.is_none() {
+            self.fingerprint = other.fingerprint;
         }
     }
 
@@ -247,6 +260,10 @@ pub struct Pending {
     #[serde(flatten)]
     pub node: NodeInfo,
     pub joined_at: Millis,
+    /// The digest of the node's fingerprint (kept once per job in [`Job::fingerprints`]; the
+    /// node's own copy is dropped at join).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fingerprint_digest: Option<String>,
 }
 
 /// Why a job failed, for callers that treat a join timeout differently.
@@ -340,6 +357,15 @@ pub struct Job {
     /// The round that failure ended: stacks are taken for it only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_failure_round: Option<u64>,
+    /// Each distinct node fingerprint by digest ([`MAX_FINGERPRINTS`] at most).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub fingerprints: BTreeMap<String, rlaunch::fingerprint::Fingerprint>,
+    /// The digest of the first fingerprint the job saw: what `--fingerprint strict` requires.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fingerprint_reference: Option<String>,
+    /// How the last closed round's nodes differ ([`rlaunch::fingerprint::report`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub fingerprint_diff: Vec<String>,
     /// Human reason of the last transition.
     pub last_reason: String,
     pub created_at: Millis,
@@ -418,6 +444,8 @@ pub enum Rejection {
     Forbidden { node_id: String },
     #[error("{message}")]
     LimitReached { message: String },
+    #[error("{message}")]
+    FingerprintMismatch { message: String },
 }
 
 /// Something that happened to a job.
@@ -505,6 +533,9 @@ pub struct JobStatus {
     pub failure: Option<String>,
     pub last_reason: String,
     pub settings: JobSettings,
+    /// How the running round's nodes differ in their fingerprints.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub fingerprint_diff: Vec<String>,
 }
 
 impl Job {
@@ -528,6 +559,9 @@ impl Job {
             restart_count: 0,
             last_root_cause: None,
             last_failure_round: None,
+            fingerprints: BTreeMap::new(),
+            fingerprint_reference: None,
+            fingerprint_diff: Vec::new(),
             last_reason: "job created; round 1 forming".to_owned(),
             created_at: now,
         }
@@ -595,6 +629,7 @@ impl Job {
             rank_offset: me.rank_offset,
             local_world_size: me.local_world_size,
             hang_timeout: self.settings.hang_timeout,
+            fingerprint_diff: self.fingerprint_diff.clone(),
         })
     }
 
@@ -635,6 +670,7 @@ impl Job {
             restart_count: self.restart_count,
             max_restarts: self.settings.max_restarts,
             last_root_cause: self.last_root_cause.clone(),
+            fingerprint_diff: self.fingerprint_diff.clone(),
             failure: match &self.phase {
                 Phase::Failed { reason, .. } => Some(reason.clone()),
                 _ => None,
@@ -1049,16 +1085,55 @@ pub fn validate_node(node: &NodeInfo) -> Result<(), Rejection> {
     if node.local_world_size == 0 || node.local_world_size > MAX_LOCAL_WORLD_SIZE {
         return invalid(&format!("local_world_size must be 1 to {MAX_LOCAL_WORLD_SIZE}"));
     }
+    if let Some(fp) = &node.fingerprint {
+        fp.check().map_err(|m| Rejection::InvalidNode { message: m })?;
+    }
     Ok(())
 }
 
-fn join(job: &mut Job, node: NodeInfo, now: Millis) -> Decision {
+/// Most distinct fingerprints a job keeps; a node with yet another is reported without its
+/// entries.
+pub const MAX_FINGERPRINTS: usize = 32;
+
+/// A fingerprint's digest: SHA-256 of its JSON (keys in order), hex, the first 16 characters.
+pub fn fingerprint_digest(fp: &rlaunch::fingerprint::Fingerprint) -> String {
+    let json = serde_json::to_string(fp).unwrap_or_default();
+    crate::identity::digest(&json)[..16].to_owned()
+}
+
+fn join(job: &mut Job, mut node: NodeInfo, now: Millis) -> Decision {
     if let Err(r) = validate_node(&node) {
         return reject(r);
     }
     if let Some(r) = job.rejection_if_terminal() {
         return reject(r);
     }
+    // The job keeps each distinct fingerprint once; the node's pending entry keeps its digest.
+    let fingerprint = node.fingerprint.take().map(|fp| (fingerprint_digest(&fp), fp));
+    if let (Some(rlaunch::fingerprint::Policy::Strict), Some((digest, fp)), Some(reference)) =
+        (job.settings.fingerprint, &fingerprint, &job.fingerprint_reference)
+    {
+        if digest != reference {
+            let what = match job.fingerprints.get(reference) {
+                Some(r) => fp.differences(r).join("; "),
+                None => "its fingerprint is not the job's".to_owned(),
+            };
+            return reject(Rejection::FingerprintMismatch {
+                message: format!(
+                    "--fingerprint strict: node {} differs from the job's first node: {}",
+                    node.node_id,
+                    rlaunch::contract::cut_end(&what, 2048)
+                ),
+            });
+        }
+    }
+    let fingerprint_digest = fingerprint.map(|(digest, fp)| {
+        job.fingerprint_reference.get_or_insert_with(|| digest.clone());
+        if !job.fingerprints.contains_key(&digest) && job.fingerprints.len() < MAX_FINGERPRINTS {
+            job.fingerprints.insert(digest.clone(), fp);
+        }
+        digest
+    });
     let id = node.node_id.clone();
     job.last_seen.insert(id.clone(), now);
     job.health.entry(id.clone()).or_default().arrived(None, now);
@@ -1074,21 +1149,22 @@ fn join(job: &mut Job, node: NodeInfo, now: Millis) -> Decision {
         // The member stopped its workers by itself and comes back with a new store: the others'
         // workers point at its old one, so the round must re-form (it keeps its place).
         let round = job.round;
-        job.pending.push(Pending { node, joined_at: now });
+        job.pending.push(Pending { node, joined_at: now, fingerprint_digest });
         let reason = format!("member {id} of running round {round} joined again with new details");
         return open_round(job, now, RoundCause::MemberRejoined { node_id: id }, &[], reason);
     }
     let (newly, changed_info) = match job.pending.iter_mut().find(|p| p.node.node_id == id) {
         Some(p) => {
-            let changed = p.node != node;
+            let changed = p.node != node || p.fingerprint_digest != fingerprint_digest;
             p.node = node;
+            p.fingerprint_digest = fingerprint_digest;
             if !changed && !job.phase.is_forming() {
                 return decide(Action::Nothing, format!("node {id} is already waiting"));
             }
             (false, changed)
         }
         None => {
-            job.pending.push(Pending { node, joined_at: now });
+            job.pending.push(Pending { node, joined_at: now, fingerprint_digest });
             (true, false)
         }
     };
@@ -1492,6 +1568,14 @@ fn close_round(job: &mut Job, now: Millis, reason: String) -> Decision {
     rest.sort_by(|a, b| a.joined_at.cmp(&b.joined_at).then_with(|| a.node.node_id.cmp(&b.node.node_id)));
     order.extend(rest);
     let standby = if order.len() > max { order.split_off(max) } else { Vec::new() };
+    job.fingerprint_diff = fingerprint_diff(job, &order);
+    // Only the reference and the standbys' fingerprints are needed from now on.
+    let keep: HashSet<&str> = standby
+        .iter()
+        .filter_map(|p| p.fingerprint_digest.as_deref())
+        .chain(job.fingerprint_reference.as_deref())
+        .collect();
+    job.fingerprints.retain(|d, _| keep.contains(d.as_str()));
     let mut offset = 0u32;
     job.members = order
         .into_iter()
@@ -1516,13 +1600,41 @@ fn close_round(job: &mut Job, now: Millis, reason: String) -> Decision {
     job.succeeded.clear();
     job.phase = Phase::Running { since: now };
     job.prune_last_seen();
-    let reason = format!(
+    let mut reason = format!(
         "{reason}; round {} closed with {} node(s), world size {}",
         job.round,
         job.members.len(),
         job.world_size()
     );
+    if let Some(first) = job.fingerprint_diff.first() {
+        reason += &format!("; nodes' fingerprints differ: {first}");
+        if job.fingerprint_diff.len() > 1 {
+            reason += &format!(" (and {} more lines in status)", job.fingerprint_diff.len() - 1);
+        }
+    }
     decide(Action::RoundClosed { round: job.round }, reason)
+}
+
+/// How the nodes about to form a round differ, against the job's first fingerprint when one of
+/// them holds it, else against the largest group.
+fn fingerprint_diff(job: &Job, order: &[Pending]) -> Vec<String> {
+    let mut groups: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for p in order {
+        if let Some(d) = &p.fingerprint_digest {
+            groups.entry(d.clone()).or_default().push(p.node.node_id.clone());
+        }
+    }
+    if groups.len() < 2 {
+        return Vec::new();
+    }
+    let reference = match &job.fingerprint_reference {
+        Some(r) if groups.contains_key(r) => r.clone(),
+        _ => groups.iter().max_by_key(|(_, ids)| ids.len()).map(|(d, _)| d.clone()).unwrap_or_default(),
+    };
+    rlaunch::fingerprint::report(&reference, &groups, &job.fingerprints)
+        .into_iter()
+        .map(|l| rlaunch::contract::cut_end(&l, 1024))
+        .collect()
 }
 
 /// A digest of a member list: SHA-256 over each member's id, rank, offset, workers and store,

@@ -43,6 +43,7 @@ fn calm(min: u32, max: u32) -> JobSettings {
         max_restarts: 1,
         stop_grace: Duration::ZERO,
         hang_timeout: None,
+        fingerprint: None,
     }
 }
 
@@ -59,6 +60,7 @@ fn fast(min: u32, max: u32) -> JobSettings {
         max_restarts: 1,
         stop_grace: Duration::ZERO,
         hang_timeout: None,
+        fingerprint: None,
     }
 }
 
@@ -68,6 +70,7 @@ fn node(id: &str) -> NodeInfo {
         local_world_size: 2,
         store_addr: format!("127.0.0.1:{}", 29500 + id.len()).parse().unwrap(),
         probe_addr: None,
+        fingerprint: None,
     }
 }
 

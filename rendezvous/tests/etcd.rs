@@ -179,6 +179,7 @@ fn settings(min: u32, max: u32) -> JobSettings {
         max_restarts: 3,
         stop_grace: Duration::ZERO,
         hang_timeout: None,
+        fingerprint: None,
     }
 }
 
@@ -188,6 +189,7 @@ fn node(id: &str) -> NodeInfo {
         local_world_size: 1,
         store_addr: format!("127.0.0.1:{}", 30000 + id.len()).parse().unwrap(),
         probe_addr: None,
+        fingerprint: None,
     }
 }
 

@@ -24,6 +24,7 @@ fn fixed(max_restarts: u32) -> Core {
         master: None,
         restart_count: 0,
         hang_timeout: None,
+        fingerprint_diff: Vec::new(),
     };
     Core::new(Membership::Fixed { placement, max_restarts })
 }
@@ -50,6 +51,7 @@ fn round(n: u64, restart_count: u32) -> RoundInfo {
         rank_offset: 0,
         local_world_size: 4,
         hang_timeout: None,
+        fingerprint_diff: Vec::new(),
     }
 }
 

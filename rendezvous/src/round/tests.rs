@@ -23,6 +23,7 @@ fn settings(min: u32, max: u32) -> JobSettings {
         max_restarts: 2,
         stop_grace: Duration::ZERO,
         hang_timeout: None,
+        fingerprint: None,
     }
 }
 
@@ -32,6 +33,7 @@ fn node(id: &str) -> NodeInfo {
         local_world_size: 2,
         store_addr: format!("{id}:29500").parse().unwrap(),
         probe_addr: None,
+        fingerprint: None,
     }
 }
 
@@ -166,6 +168,7 @@ fn ranks_are_contiguous_with_prefix_sum_offsets() {
             local_world_size: lws,
             store_addr: format!("{id}:1").parse().unwrap(),
             probe_addr: None,
+            fingerprint: None,
         };
         job = step(&job, Event::Join(n), i as u64).0;
     }
@@ -234,9 +237,27 @@ fn repeated_join_of_a_running_member_returns_the_same_round() {
 fn join_with_bad_details_is_rejected_and_leaves_the_job_untouched() {
     let job = Job::new(settings(2, 2), 0);
     for bad in [
-        NodeInfo { node_id: String::new(), local_world_size: 1, store_addr: "h:1".parse().unwrap(), probe_addr: None },
-        NodeInfo { node_id: "a/b".into(), local_world_size: 1, store_addr: "h:1".parse().unwrap(), probe_addr: None },
-        NodeInfo { node_id: "a".into(), local_world_size: 0, store_addr: "h:1".parse().unwrap(), probe_addr: None },
+        NodeInfo {
+            node_id: String::new(),
+            local_world_size: 1,
+            store_addr: "h:1".parse().unwrap(),
+            probe_addr: None,
+            fingerprint: None,
+        },
+        NodeInfo {
+            node_id: "a/b".into(),
+            local_world_size: 1,
+            store_addr: "h:1".parse().unwrap(),
+            probe_addr: None,
+            fingerprint: None,
+        },
+        NodeInfo {
+            node_id: "a".into(),
+            local_world_size: 0,
+            store_addr: "h:1".parse().unwrap(),
+            probe_addr: None,
+            fingerprint: None,
+        },
     ] {
         let (after, d) = step(&job, Event::Join(bad), 5);
         assert!(matches!(d.action, Action::Rejected(Rejection::InvalidNode { .. })), "{d:?}");
@@ -1302,4 +1323,59 @@ fn a_join_applied_twice_after_a_lost_answer_is_its_own_retry_not_a_forgery() {
     // Nor does a minted secret let any other event through.
     let (_, d) = guarded(&job, Event::Leave { node_id: "a".into() }, None, Some("m1"), 10);
     assert!(forbidden(&d), "{d:?}");
+}
+
+// --- Fingerprints ---
+
+fn fp_node(id: &str, nccl: &str) -> NodeInfo {
+    let fp = rlaunch::fingerprint::Fingerprint(
+        [("torch", "2.5.0"), ("env NCCL_SOCKET_NTHREADS", nccl)]
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+    );
+    NodeInfo { fingerprint: Some(fp), ..node(id) }
+}
+
+#[test]
+fn nodes_that_differ_in_their_fingerprint_are_named_when_the_round_closes() {
+    let job = Job::new(settings(3, 3), 0);
+    let (job, _) = step(&job, Event::Join(fp_node("a", "4")), 0);
+    let (job, _) = step(&job, Event::Join(fp_node("b", "4")), 10);
+    assert_eq!(job.fingerprints.len(), 1, "kept once");
+    assert!(job.pending.iter().all(|p| p.node.fingerprint.is_none() && p.fingerprint_digest.is_some()));
+    let (job, d) = step(&job, Event::Join(fp_node("c", "2")), 20);
+    assert_eq!(d.action, Action::RoundClosed { round: 1 });
+    let line = "1 of 3 node(s) (c) differ from 2 (a, b): env NCCL_SOCKET_NTHREADS=2 (4 there)";
+    assert_eq!(job.fingerprint_diff, [line]);
+    assert!(d.reason.contains(line), "{}", d.reason);
+    assert_eq!(job.round_info("a").unwrap().fingerprint_diff, [line]);
+    assert_eq!(job.status("r", 20).fingerprint_diff, [line]);
+    assert_eq!(job.fingerprints.len(), 1, "only the reference is kept once the round closed");
+    // Without fingerprints (older agents, the benchmarks) nothing is said.
+    let plain = running(&["x", "y"], settings(2, 2));
+    assert!(plain.fingerprint_diff.is_empty() && plain.fingerprints.is_empty());
+}
+
+#[test]
+fn strict_fingerprints_refuse_a_node_that_differs_from_the_first() {
+    let s = JobSettings { fingerprint: Some(rlaunch::fingerprint::Policy::Strict), ..settings(2, 2) };
+    let job = Job::new(s, 0);
+    let (job, _) = step(&job, Event::Join(fp_node("a", "4")), 0);
+    let (after, d) = step(&job, Event::Join(fp_node("b", "2")), 10);
+    match &d.action {
+        Action::Rejected(Rejection::FingerprintMismatch { message }) => {
+            assert!(message.contains("env NCCL_SOCKET_NTHREADS=2 (4 there)"), "{message}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(after, job);
+    let (job, d) = step(&job, Event::Join(fp_node("c", "4")), 20);
+    assert_eq!(d.action, Action::RoundClosed { round: 1 });
+    assert!(job.fingerprint_diff.is_empty());
+    // A bad fingerprint is refused whatever the policy.
+    let mut huge = fp_node("d", "4");
+    huge.fingerprint.as_mut().unwrap().0.insert("k".into(), "v".repeat(5000));
+    let (_, d) = step(&Job::new(settings(1, 2), 0), Event::Join(huge), 0);
+    assert!(matches!(d.action, Action::Rejected(Rejection::InvalidNode { .. })), "{d:?}");
 }

@@ -1511,6 +1511,7 @@ mod tests {
             max_restarts: 0,
             stop_grace: Duration::ZERO,
             hang_timeout: None,
+            fingerprint: None,
         };
         let mut job = Job::new(settings, 0);
         job.suspects = (0..10_000).map(|i| format!("node-{i:05}-of-a-large-job")).collect();

@@ -132,8 +132,13 @@ mod tests {
     fn terminal_jobs_are_forgotten_after_the_retention() {
         let store = MemoryStore::default();
         let settings = JobSettings::default();
-        let node =
-            NodeInfo { node_id: "a".into(), local_world_size: 1, store_addr: "h:1".parse().unwrap(), probe_addr: None };
+        let node = NodeInfo {
+            node_id: "a".into(),
+            local_world_size: 1,
+            store_addr: "h:1".parse().unwrap(),
+            probe_addr: None,
+            fingerprint: None,
+        };
         let g = Guard::default();
         store.apply_view("r", Some(&settings), Event::Join(node), &g, 0, |_| ()).expect("join");
         let success = Event::NodeSucceeded { node_id: "a".into(), round: 1 };
