@@ -9,7 +9,7 @@
 //! `--checkpoint-dir`, so a run disturbed by failures ends with the same model as an
 //! undisturbed one. Rank 0 logs loss and throughput and writes checkpoints.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use rlaunch::checkpoint::{Checkpoint, CheckpointDir};
@@ -41,6 +41,9 @@ struct Args {
     /// Test hook: on the first attempt, rank `fault_rank` SIGKILLs itself when reaching this step.
     fault_kill_step: Option<u64>,
     fault_rank: usize,
+    /// Test hook: rank `slow_rank` sleeps `slow_ms` before each step's backward pass (a straggler).
+    slow_rank: Option<usize>,
+    slow_ms: u64,
     /// `cpu`, `cuda` or `auto` (GPU when usable, else CPU with a notice).
     device: String,
     /// `fp32` or `bf16` (mixed precision on the GPU).
@@ -67,6 +70,8 @@ fn parse_args() -> Result<Args> {
         fault_checkpoint_step: None,
         fault_kill_step: None,
         fault_rank: 1,
+        slow_rank: None,
+        slow_ms: 20,
         device: "cpu".into(),
         precision: "fp32".into(),
     };
@@ -96,6 +101,8 @@ fn parse_args() -> Result<Args> {
             "--fault-checkpoint-step" => a.fault_checkpoint_step = Some(val()?.parse()?),
             "--fault-kill-step" => a.fault_kill_step = Some(val()?.parse()?),
             "--fault-rank" => a.fault_rank = val()?.parse()?,
+            "--slow-rank" => a.slow_rank = Some(val()?.parse()?),
+            "--slow-ms" => a.slow_ms = val()?.parse()?,
             "--device" => a.device = val()?,
             "--precision" => a.precision = val()?,
             "--help" | "-h" => {
@@ -229,6 +236,9 @@ fn main() -> Result<()> {
             for (j, &i) in idx[pos * args.batch_size..(pos + 1) * args.batch_size].iter().enumerate() {
                 xb[j * data.dim..(j + 1) * data.dim].copy_from_slice(&data.x[i * data.dim..(i + 1) * data.dim]);
                 yb[j] = data.y[i];
+            }
+            if args.slow_rank == Some(rank) {
+                std::thread::sleep(Duration::from_millis(args.slow_ms));
             }
             let loss = if let Some(g) = gpu.as_mut() {
                 g.step(&xb, &yb)?

@@ -10,6 +10,7 @@
 
 use std::sync::mpsc;
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use crate::comm::{CommError, Element, ProcessGroup, ReduceOp};
 use crate::model::GradSink;
@@ -107,13 +108,21 @@ pub struct Ddp {
     world_size: usize,
     first_error: Option<DdpError>,
     jobs: Option<mpsc::Sender<Job>>,
-    done_tx: mpsc::Sender<(usize, Vec<f32>, Result<(), CommError>)>,
-    done_rx: mpsc::Receiver<(usize, Vec<f32>, Result<(), CommError>)>,
+    done_tx: mpsc::Sender<BucketDone>,
+    done_rx: mpsc::Receiver<BucketDone>,
     thread: Option<JoinHandle<()>>,
     average: bool,
     /// A beat per finished step, for `rlaunch --hang-timeout`.
     heartbeat: crate::heartbeat::Heartbeat,
+    /// Time this rank waited in the current step's all-reduces, and per step over the window.
+    step_wait: Duration,
+    waits: std::collections::VecDeque<Duration>,
+    steps: u64,
 }
+
+/// A bucket back from the communication thread: its index, data, outcome, and how long its
+/// all-reduce took on this rank (from this rank's arrival to the end).
+type BucketDone = (usize, Vec<f32>, Result<(), CommError>, Duration);
 
 impl Ddp {
     /// Wraps `pg` for a model whose parameters have `param_sizes` elements each (in parameter
@@ -150,6 +159,21 @@ impl Ddp {
             thread: Some(thread),
             average: cfg.average,
             heartbeat: crate::heartbeat::Heartbeat::from_env(),
+            step_wait: Duration::ZERO,
+            waits: std::collections::VecDeque::with_capacity(crate::heartbeat::STATS_WINDOW),
+            steps: 0,
+        }
+    }
+
+    /// How long this rank waited in its buckets' all-reduces per step, on average over the last
+    /// steps (see [`crate::heartbeat::StepStats`]).
+    pub fn step_stats(&self) -> crate::heartbeat::StepStats {
+        let n = self.waits.len().max(1) as u32;
+        let total: Duration = self.waits.iter().sum();
+        crate::heartbeat::StepStats {
+            steps: self.steps,
+            window: self.waits.len() as u32,
+            mean_wait_us: u64::try_from((total / n).as_micros()).unwrap_or(u64::MAX),
         }
     }
 
@@ -235,8 +259,18 @@ impl Ddp {
     /// Waits for every bucket launched by the last backward pass; afterwards [`Ddp::grad`]
     /// returns averaged gradients. Call after the backward pass, before the optimizer step.
     pub fn finish(&mut self) -> Result<(), DdpError> {
+        let launched = self.in_flight > 0;
         self.wait_buckets()?;
-        self.heartbeat.beat();
+        if launched {
+            self.steps += 1;
+            if self.waits.len() == crate::heartbeat::STATS_WINDOW {
+                self.waits.pop_front();
+            }
+            self.waits.push_back(std::mem::take(&mut self.step_wait));
+            self.heartbeat.beat_with(self.step_stats());
+        } else {
+            self.heartbeat.beat();
+        }
         Ok(())
     }
 
@@ -249,9 +283,10 @@ impl Ddp {
 
     fn wait_buckets(&mut self) -> Result<(), DdpError> {
         while self.in_flight > 0 {
-            let (b, data, res) = self.done_rx.recv().map_err(|_| DdpError::ThreadGone)?;
+            let (b, data, res, took) = self.done_rx.recv().map_err(|_| DdpError::ThreadGone)?;
             self.grads[b] = Some(data);
             self.in_flight -= 1;
+            self.step_wait += took;
             if let Err(e) = res {
                 self.first_error.get_or_insert(DdpError::Bucket { bucket: b, source: e });
             }
@@ -272,8 +307,9 @@ impl Ddp {
         let op = if self.average { ReduceOp::Avg } else { ReduceOp::Sum };
         let job: Job = Box::new(move |pg| {
             let mut data = data;
+            let arrived = std::time::Instant::now();
             let r = pg.all_reduce(&mut data, op);
-            let _ = done.send((b, data, r));
+            let _ = done.send((b, data, r, arrived.elapsed()));
         });
         match self.jobs.as_ref().map(|j| j.send(job)) {
             Some(Ok(())) => self.in_flight += 1,

@@ -111,6 +111,7 @@ fn supervise(
     grace: Duration,
     events: UnboundedSender<Event>,
     hang: Option<HangWatch>,
+    steps: Option<crate::elastic::StepsShared>,
 ) -> UnboundedSender<GroupCmd> {
     let (cmd_tx, mut cmds) = unbounded_channel();
     tokio::spawn(async move {
@@ -145,7 +146,10 @@ fn supervise(
                     };
                     let _ = events.send(Event::WorkersEnded(end));
                 }
-                _ = samples.tick(), if detector.is_some() && !ended => {
+                _ = samples.tick(), if (detector.is_some() || steps.is_some()) && !ended => {
+                    if let Some(shared) = &steps {
+                        *shared.lock().unwrap_or_else(|p| p.into_inner()) = hangwatch::rank_waits(&group.watched());
+                    }
                     let (Some(d), Some(h)) = (detector.as_mut(), hang.as_ref()) else { continue };
                     if group.take_exits() {
                         // A failure the next `wait` reports: no hang to judge.
@@ -505,7 +509,11 @@ impl Io<'_> {
             }
             HangWatch { timeout, py_spy, nodes: p.group_world_size }
         });
-        self.group = Some(supervise(group, self.config.stop_grace, self.tx.clone(), hang));
+        let steps = self.elastic.as_ref().map(|e| e.steps.clone());
+        if let Some(s) = &steps {
+            s.lock().unwrap_or_else(|p| p.into_inner()).clear(); // the last round's ranks
+        }
+        self.group = Some(supervise(group, self.config.stop_grace, self.tx.clone(), hang, steps));
         Ok(())
     }
 

@@ -41,7 +41,13 @@ pub(crate) struct ElasticSetup {
     /// The probe endpoint (TCP and UDP), served while this node takes part.
     _probe: (rlaunch::store::StoreHandle, Option<AbortOnDrop>),
     hosted: Option<AbortOnDrop>,
+    /// Each local rank's wait in all-reduces, as the supervisor last read it; every heartbeat
+    /// carries it (stragglers).
+    pub steps: StepsShared,
 }
+
+/// What the supervisor shares with the heartbeat task.
+pub(crate) type StepsShared = std::sync::Arc<std::sync::Mutex<Vec<rlaunch_rendezvous::stragglers::RankWait>>>;
 
 impl ElasticSetup {
     /// Ends the background work. An agent hosting the rendezvous lingers a little first: the
@@ -110,12 +116,14 @@ pub(crate) async fn setup(
         .saturating_sub(d.settings.heartbeat_interval)
         .mul_f64(0.8)
         .max(Duration::from_millis(200));
+    let steps = StepsShared::default();
     let heartbeats = AbortOnDrop(tokio::spawn(heartbeat_loop(
         client.clone(),
         node.node_id.clone(),
         d.settings.heartbeat_interval,
         probe_within,
         events,
+        steps.clone(),
     )));
     Ok(ElasticSetup {
         client,
@@ -125,6 +133,7 @@ pub(crate) async fn setup(
         _heartbeats: heartbeats,
         _probe: (probe, udp),
         hosted,
+        steps,
     })
 }
 
@@ -186,6 +195,7 @@ async fn heartbeat_loop(
     every: Duration,
     probe_within: Duration,
     events: UnboundedSender<Event>,
+    steps: StepsShared,
 ) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -255,7 +265,8 @@ async fn heartbeat_loop(
         if send_now && in_flight < MAX_IN_FLIGHT {
             seq += 1;
             let probes = reports.drain().map(|(node_id, reached)| ProbeReport { node_id, reached }).collect();
-            let beat = Beat { sent: Some(Sent { seq, slow: rtts.slow }), probes };
+            let steps = steps.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            let beat = Beat { sent: Some(Sent { seq, slow: rtts.slow }), probes, steps };
             let (client, node_id) = (client.clone(), node_id.clone());
             in_flight += 1;
             let task = tasks.spawn(async move {

@@ -11,7 +11,8 @@ use std::time::Duration;
 use crate::hang::{self, Frame, Sample, Stack};
 
 /// The variable naming a worker's heartbeat file (with `--hang-timeout`): touching it is a sign
-/// of progress, e.g. `os.utime(os.environ["RLAUNCH_HEARTBEAT_FILE"])` once per step.
+/// of progress, e.g. `os.utime(os.environ["RLAUNCH_HEARTBEAT_FILE"])` once per step (the Rust
+/// runtime also writes its step statistics there, see [`rank_waits`]).
 pub use rlaunch::heartbeat::HEARTBEAT_ENV;
 
 /// The pseudo-file of frames that are a thread's kernel wait channel.
@@ -111,6 +112,28 @@ pub fn samples(workers: &[Watched], stacks: &BTreeMap<usize, u64>) -> BTreeMap<u
                 stack: stacks.get(&w.index).copied(),
             };
             (w.index, s)
+        })
+        .collect()
+}
+
+/// The step statistics a worker's runtime wrote into its heartbeat file, if any.
+pub fn step_stats(path: &Path) -> Option<rlaunch::heartbeat::StepStats> {
+    let mut buf = [0u8; 128];
+    let n = std::io::Read::read(&mut std::fs::File::open(path).ok()?, &mut buf).ok()?;
+    rlaunch::heartbeat::StepStats::parse(std::str::from_utf8(&buf[..n]).ok()?)
+}
+
+/// Each worker's wait in all-reduces, for the rendezvous (workers without stats are left out).
+pub fn rank_waits(workers: &[Watched]) -> Vec<rlaunch_rendezvous::stragglers::RankWait> {
+    workers
+        .iter()
+        .filter_map(|w| {
+            let s = step_stats(w.heartbeat.as_deref()?)?;
+            Some(rlaunch_rendezvous::stragglers::RankWait {
+                rank: w.rank,
+                mean_wait_us: s.mean_wait_us,
+                window: s.window,
+            })
         })
         .collect()
 }

@@ -331,7 +331,7 @@ pub(crate) fn worker_specs(
                 prefix,
                 terminal,
                 cpus: ctx.cpus.as_ref().map(|sets| sets[local_rank as usize]),
-                heartbeat: p.hang_timeout.map(|_| dir.join("heartbeat")),
+                heartbeat: Some(dir.join("heartbeat")),
                 overrides: if config.virtual_local_rank {
                     virtual_local_rank(local_rank, ctx.agent_env)
                 } else {

@@ -105,3 +105,74 @@ fn death_during_a_checkpoint_write_resumes_from_the_previous_checkpoint_under_rl
     assert!(t.contains("resumed at step 20"), "{t}");
     assert_eq!(got, want, "final parameters differ from the undisturbed run");
 }
+
+/// `GET path` on a local HTTP server, the body as text.
+fn http_get(addr: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect(addr) else { return String::new() };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+    let _ = write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out
+}
+
+#[test]
+fn a_slowed_rank_is_named_the_straggler_on_the_services_metrics_and_in_status() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port").port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut service = std::process::Command::new(bin("rlaunch-rendezvous"))
+        .args(["--listen", &addr, "--store", "memory"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("rlaunch-rendezvous starts");
+    integration_tests::wait_until("the service to listen", Duration::from_secs(20), || {
+        std::net::TcpStream::connect(&addr).is_ok()
+    });
+    // Rank 2 sleeps 40 ms before every backward pass: ranks 0 and 1 wait for it in every
+    // bucket's all-reduce.
+    let mut args = train_args(&["--slow-rank", "2", "--slow-ms", "40", "--no-checkpoint", "--steps", "100000"]);
+    args.retain(|a| a != "--checkpoint-every" && a != "10");
+    let job = rlaunch()
+        .args(["--nnodes", "1", "--nproc-per-node", "3", "--rdzv-backend", "rlaunch", "--rdzv-endpoint", &addr])
+        .args(["--rdzv-id", "straggler", "--rdzv-conf", "heartbeat_interval=0.5,node_ttl=3"])
+        .arg(bin("examples/train"))
+        .args(&args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("rlaunch starts");
+    let mut metrics = String::new();
+    let named = (0..120).any(|_| {
+        std::thread::sleep(Duration::from_millis(500));
+        metrics = http_get(&addr, "/metrics");
+        metrics.lines().any(|l| l.starts_with("rlaunch_rdzv_straggler_rank{run_id=\"straggler\"") && l.ends_with(" 2"))
+    });
+    let status = run_deadline(
+        std::process::Command::new(bin("rlaunch")).args(["status", "--rdzv-endpoint", &addr, "--rdzv-id", "straggler"]),
+        Duration::from_secs(20),
+    );
+    // SAFETY: kill(2) on a child of this test.
+    unsafe { libc::kill(job.id() as i32, libc::SIGTERM) };
+    let stopped = integration_tests::wait_deadline(job, Duration::from_secs(30));
+    let _ = service.kill();
+    let _ = service.wait();
+    assert!(named, "rank 2 named the straggler on /metrics: {metrics}");
+    let late: f64 = metrics
+        .lines()
+        .find(|l| l.starts_with("rlaunch_rdzv_straggler_late_seconds{run_id=\"straggler\""))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{metrics}"));
+    assert!(late > 0.015, "about the 40 ms it sleeps (less what the others' compute hides): {late} s");
+    let text = String::from_utf8_lossy(&status.stdout);
+    assert!(text.contains("slowest rank: 2 on "), "{text}{}", String::from_utf8_lossy(&status.stderr));
+    eprintln!("{}\n{text}", metrics.lines().filter(|l| l.contains("straggler")).collect::<Vec<_>>().join("\n"));
+    assert_eq!(
+        stopped.status.code(),
+        Some(143),
+        "the job stops on SIGTERM: {}",
+        String::from_utf8_lossy(&stopped.stderr)
+    );
+}

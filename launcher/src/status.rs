@@ -97,6 +97,12 @@ pub fn render(s: &JobStatus) -> String {
             out += &format!("  suspected: {} for {:.1} s ({probes})\n", n.node_id, ms as f64 / 1000.0);
         }
     }
+    if let Some(st) = &s.straggler {
+        out += &format!(
+            "  slowest rank: {} on {} — arrives {:.1} ms per step after the earliest at the all-reduces ({} ranks compared)\n",
+            st.rank, st.node_id, st.late_ms, st.ranks
+        );
+    }
     if !s.fingerprint_diff.is_empty() {
         out += "  fingerprints differ:\n";
         for l in &s.fingerprint_diff {
@@ -171,7 +177,11 @@ mod tests {
             stacks: vec!["ranks 0-1: all_reduce (c10d.py:9)".into()],
         };
         job = apply(&job, stacks, 30).0;
-        let text = render(&job.status("j", 40));
+        let mut status = job.status("j", 40);
+        status.straggler =
+            Some(rlaunch_rendezvous::stragglers::Straggler { rank: 3, node_id: "b".into(), late_ms: 41.5, ranks: 4 });
+        let text = render(&status);
+        assert!(text.contains("slowest rank: 3 on b — arrives 41.5 ms per step after the earliest"), "{text}");
         assert!(
             text.contains("fingerprints differ:\n    1 of 2 node(s) (b) differ from 1 (a): env NCCL_X=2 (4 there)"),
             "{text}"

@@ -85,6 +85,7 @@ pub mod identity;
 pub mod round;
 pub mod service;
 pub mod store;
+pub mod stragglers;
 
 pub use client::{Backend, RendezvousClient};
 pub use error::RdzvError;

@@ -536,6 +536,9 @@ pub struct JobStatus {
     /// How the running round's nodes differ in their fingerprints.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub fingerprint_diff: Vec<String>,
+    /// The rank the others wait for, as the heartbeats this service process served say.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub straggler: Option<crate::stragglers::Straggler>,
 }
 
 impl Job {
@@ -671,6 +674,7 @@ impl Job {
             max_restarts: self.settings.max_restarts,
             last_root_cause: self.last_root_cause.clone(),
             fingerprint_diff: self.fingerprint_diff.clone(),
+            straggler: None,
             failure: match &self.phase {
                 Phase::Failed { reason, .. } => Some(reason.clone()),
                 _ => None,

@@ -107,6 +107,9 @@ pub struct Beat {
     /// Outcomes of probes this node was asked for.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub probes: Vec<ProbeReport>,
+    /// How long each local rank waits in all-reduces per step (ranks of the Rust runtime).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub steps: Vec<crate::stragglers::RankWait>,
 }
 
 /// Answer to one heartbeat: the probes the node is asked to make (reach each node directly and
@@ -164,6 +167,8 @@ pub struct Rendezvous {
     store: Store,
     limits: Limits,
     metrics: Metrics,
+    /// What this process's heartbeats said of each rank's waits (not stored: per process).
+    stragglers: std::sync::Mutex<crate::stragglers::Stragglers>,
     ticker: std::sync::Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -184,7 +189,13 @@ impl Rendezvous {
     /// Wraps `store` with the given bounds and starts the ticker.
     pub fn with_limits(store: Store, limits: Limits) -> Arc<Self> {
         store.set_max_jobs(limits.max_jobs);
-        let me = Arc::new(Self { store, limits, metrics: Metrics::default(), ticker: std::sync::Mutex::new(None) });
+        let me = Arc::new(Self {
+            store,
+            limits,
+            metrics: Metrics::default(),
+            stragglers: Default::default(),
+            ticker: std::sync::Mutex::new(None),
+        });
         let handle = tokio::spawn(ticker(Arc::downgrade(&me)));
         *me.ticker.lock().unwrap_or_else(|p| p.into_inner()) = Some(handle);
         me
@@ -381,6 +392,14 @@ impl Rendezvous {
         match d.action {
             Action::Rejected(r) => Err(r.into()),
             _ => {
+                if !beat.steps.is_empty() {
+                    self.stragglers.lock().unwrap_or_else(|p| p.into_inner()).record(
+                        run_id,
+                        node_id,
+                        beat.steps,
+                        now_ms(),
+                    );
+                }
                 self.metrics.probes_reached.fetch_add(reached, Ordering::Relaxed);
                 self.metrics.probes_missed.fetch_add(missed, Ordering::Relaxed);
                 Ok(HeartbeatAnswer { probe })
@@ -480,7 +499,9 @@ impl Rendezvous {
         let now = now_ms();
         let job =
             self.store.load(run_id, now).await?.ok_or_else(|| RdzvError::UnknownJob { run_id: run_id.to_owned() })?;
-        Ok(job.status(run_id, now))
+        let mut status = job.status(run_id, now);
+        status.straggler = self.stragglers.lock().unwrap_or_else(|p| p.into_inner()).slowest(run_id, now);
+        Ok(status)
     }
 
     /// Every job's status.
@@ -494,6 +515,7 @@ impl Rendezvous {
         for (run_id, d) in self.store.tick_all(now_ms(), self.limits.retention).await {
             self.observe(&run_id, &d);
         }
+        self.stragglers.lock().unwrap_or_else(|p| p.into_inner()).prune(now_ms());
     }
 
     /// Prometheus text exposition.
@@ -531,6 +553,27 @@ impl Rendezvous {
                 health_metrics(&mut out, &jobs, now_ms());
             }
             Err(error) => warn!(error = %error, "metrics could not list jobs"),
+        }
+        let stragglers = self.stragglers.lock().unwrap_or_else(|p| p.into_inner()).all(now_ms());
+        let _ = writeln!(
+            out,
+            "# HELP rlaunch_rdzv_straggler_rank The rank the others wait for most (least time in all-reduce per step, over its last steps).\n# TYPE rlaunch_rdzv_straggler_rank gauge"
+        );
+        for (run_id, s) in &stragglers {
+            let _ =
+                writeln!(out, "rlaunch_rdzv_straggler_rank{{run_id=\"{run_id}\",node=\"{}\"}} {}", s.node_id, s.rank);
+        }
+        let _ = writeln!(
+            out,
+            "# HELP rlaunch_rdzv_straggler_late_seconds How much later per step the straggler arrives at the all-reduces than the earliest rank.\n# TYPE rlaunch_rdzv_straggler_late_seconds gauge"
+        );
+        for (run_id, s) in &stragglers {
+            let _ = writeln!(
+                out,
+                "rlaunch_rdzv_straggler_late_seconds{{run_id=\"{run_id}\",rank=\"{}\"}} {}",
+                s.rank,
+                s.late_ms / 1000.0
+            );
         }
         let _ = writeln!(
             out,

@@ -473,7 +473,7 @@ async fn a_lapsed_lease_is_a_suspicion_that_a_reachable_node_survives_and_then_t
                     if !answer.probe.is_empty() {
                         let probes = probe_all(&answer.probe).await;
                         reports.lock().unwrap().extend(probes.clone());
-                        let _ = a.heartbeat("a", Beat { sent: None, probes }).await;
+                        let _ = a.heartbeat("a", Beat { sent: None, probes, ..Default::default() }).await;
                     }
                 }
                 tokio::time::sleep(Duration::from_millis(200)).await;
