@@ -89,6 +89,7 @@ def main():
             (on if hang else off).append(rate)
             (agent_on if hang else agent_off).append(cpu / a.seconds)
             print(f"round {r + 1} hang_timeout={hang}: {rate:.1f} steps/s, agent {cpu:.2f} s CPU", flush=True)
+    ratios = [b / a for a, b in zip(off, on)]
     reports = [(t, time_to_report(t)) for t in (3, 5, 10)]
     m_off, m_on = statistics.median(off), statistics.median(on)
     lines = [
@@ -106,7 +107,8 @@ def main():
         "|---|---|---|---|",
         f"| off | {m_off:.1f} | {', '.join(f'{x:.1f}' for x in off)} | {statistics.median(agent_off) * 100:.2f} % |",
         f"| on (`--hang-timeout 60`) | {m_on:.1f} | {', '.join(f'{x:.1f}' for x in on)} | {statistics.median(agent_on) * 100:.2f} % |",
-        f"| on / off | {m_on / m_off:.3f} | | |",
+        f"| on / off | {m_on / m_off:.3f} (medians); per round, each pair run back to back: median "
+        f"{statistics.median(ratios):.3f}, {min(ratios):.3f}–{max(ratios):.3f} | | |",
         "",
         "Time from rank 1 getting stuck (`bench/hang/stuck.py`: it prints the time, then sleeps; ranks 0 and 2 wait "
         "in `all_reduce`) to the agent's hang report (its log line's time), with every rank's stack read by py-spy:",
