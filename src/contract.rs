@@ -446,6 +446,13 @@ pub struct Member {
     pub probe_addr: Option<HostPort>,
 }
 
+impl Member {
+    /// The global ranks of this node's workers.
+    pub fn ranks(&self) -> std::ops::Range<u32> {
+        self.rank_offset..self.rank_offset.saturating_add(self.local_world_size)
+    }
+}
+
 /// `--hang-timeout`: a fixed threshold, or one learned from the step period.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(try_from = "String", into = "String")]

@@ -53,8 +53,11 @@ impl Fingerprint {
             if k.is_empty() || k.len() > MAX_KEY || v.len() > MAX_VALUE {
                 return Err(format!(
                     "fingerprint keys are 1 to {MAX_KEY} bytes and values at most {MAX_VALUE} (`{}`)",
-                    crate::contract::cut_end(k, 64)
+                    crate::contract::cut_end(&k.replace(char::is_control, "?"), 64)
                 ));
+            }
+            if k.chars().chain(v.chars()).any(char::is_control) {
+                return Err("fingerprint keys and values hold no control characters".to_owned());
             }
         }
         Ok(())
@@ -185,6 +188,7 @@ mod tests {
     fn bounds_are_checked_and_policies_parse() {
         assert!(fp(&[("k", &"v".repeat(MAX_VALUE + 1))]).check().is_err());
         assert!(fp(&[("", "v")]).check().is_err());
+        assert!(fp(&[("env X", "\u{1b}[2J")]).check().unwrap_err().contains("control characters"));
         let many = Fingerprint((0..=MAX_ENTRIES).map(|i| (format!("k{i}"), String::new())).collect());
         assert!(many.check().unwrap_err().contains("at most 128 entries"));
         assert_eq!("STRICT".parse::<Policy>(), Ok(Policy::Strict));

@@ -173,7 +173,8 @@ pub enum Event {
     /// A heartbeat was answered.
     Heartbeat(Result<(), CallError>),
     /// The job's last root cause as the rendezvous keeps it (after `FetchRootCause`).
-    RootCauseFetched(Option<Box<RootCause>>),
+    /// With the round whose failure it is, when the rendezvous says.
+    RootCauseFetched(Option<Box<RootCause>>, Option<u64>),
     /// A signal reached the agent.
     Signal(i32),
     /// Time passed (the driver ticks a few times per heartbeat interval).
@@ -450,7 +451,7 @@ impl Core {
             Event::Watched { round, answer } => self.on_watched(round, answer, now, &mut out),
             Event::Reported { kind, result } => self.on_reported(kind, result, now, &mut out),
             Event::Heartbeat(result) => self.on_heartbeat(result, now, &mut out),
-            Event::RootCauseFetched(rc) => self.on_root_cause(rc, now, &mut out),
+            Event::RootCauseFetched(rc, round) => self.on_root_cause(rc, round, now, &mut out),
             Event::Signal(sig) => self.on_signal(sig, now, &mut out),
             Event::Tick => self.on_tick(now, &mut out),
         }
@@ -858,15 +859,20 @@ impl Core {
         }
     }
 
-    fn on_root_cause(&mut self, rc: Option<Box<RootCause>>, now: Millis, out: &mut Vec<Action>) {
+    fn on_root_cause(
+        &mut self,
+        rc: Option<Box<RootCause>>,
+        failure_round: Option<u64>,
+        now: Millis,
+        out: &mut Vec<Action>,
+    ) {
         if let Phase::Lingering { round, root_cause, world_size, poll_at, .. } = &mut self.phase {
-            let covered: usize = rc
-                .iter()
-                .flat_map(|rc| rc.stacks.iter())
-                .filter_map(|l| rlaunch::stacks::parse_line(l))
-                .map(|(ranks, _)| ranks.len())
-                .sum();
-            if covered >= *world_size as usize {
+            // Only this round's report counts (an earlier round's may name every rank too).
+            let covered = match rc.as_deref() {
+                Some(rc) if failure_round == Some(*round) => rlaunch::stacks::ranks_named(&rc.stacks),
+                _ => 0,
+            };
+            if covered >= u64::from(*world_size) {
                 let (round, rc) = (*round, root_cause.clone());
                 self.stop_workers(round, AfterStop::ReportFailure(rc), out);
             } else {

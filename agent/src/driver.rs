@@ -123,10 +123,20 @@ fn supervise(
         samples.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // A verdict held until then (`hang::hold_verdict`).
         let mut hold_until: Option<u64> = None;
+        // The stacks read when the group ended (a verdict, a failure's survivors): what a
+        // `Stacks` command racing that end gets.
+        let mut last_lines: Vec<String> = Vec::new();
+        // Once the group is over its ranks' waits are the last round's: heartbeats stop carrying them.
+        let forget_steps = |steps: &Option<crate::elastic::StepsShared>| {
+            if let Some(s) = steps {
+                s.lock().unwrap_or_else(|p| p.into_inner()).clear();
+            }
+        };
         loop {
             tokio::select! {
                 outcome = group.wait(), if !ended => {
                     ended = true;
+                    forget_steps(&steps);
                     let end = match outcome {
                         GroupOutcome::Succeeded => {
                             group.reap_stragglers().await;
@@ -139,6 +149,7 @@ fn supervise(
                                 if !survivors.is_empty() {
                                     let stacks = hangwatch::stacks(h.py_spy.as_deref(), &survivors).await;
                                     rc.stacks = hang::report_lines(&stacks);
+                                    last_lines = rc.stacks.clone();
                                 }
                             }
                             WorkersEnd::Failed(rc)
@@ -212,8 +223,10 @@ fn supervise(
                     let culprit = odd
                         .and_then(|r| watched.iter().find(|w| w.rank == r))
                         .map_or(verdict.stalled[0], |w| w.index);
+                    last_lines = lines.clone();
                     let rc = group.hang_root_cause(culprit, message, lines);
                     ended = true;
+                    forget_steps(&steps);
                     let _ = events.send(Event::WorkersEnded(WorkersEnd::Hung(Box::new(rc))));
                 }
                 cmd = cmds.recv() => match cmd {
@@ -227,7 +240,8 @@ fn supervise(
                                 let watched = group.watched();
                                 hang::report_lines(&hangwatch::stacks(h.py_spy.as_deref(), &watched).await)
                             }
-                            _ => Vec::new(),
+                            (Some(_), true) => last_lines.clone(),
+                            (None, _) => Vec::new(),
                         };
                         let _ = reply.send(lines);
                     }
@@ -235,6 +249,7 @@ fn supervise(
                         group.stop(grace, first).await;
                         // The group is over: no `WorkersEnded` may follow the stop.
                         ended = true;
+                        forget_steps(&steps);
                         let _ = events.send(Event::WorkersStopped);
                     }
                     // The driver let go of the group: `WorkerGroup`'s drop kills what is left.
@@ -358,11 +373,11 @@ impl Io<'_> {
                 let (client, _) = self.client();
                 let tx = self.tx.clone();
                 self.calls.spawn(async move {
-                    let rc = match tokio::time::timeout(STATUS_TIMEOUT, client.status()).await {
-                        Ok(Ok(status)) => status.last_root_cause.map(Box::new),
-                        _ => None,
+                    let (rc, round) = match tokio::time::timeout(STATUS_TIMEOUT, client.status()).await {
+                        Ok(Ok(status)) => (status.last_root_cause.map(Box::new), status.last_failure_round),
+                        _ => (None, None),
                     };
-                    let _ = tx.send(Event::RootCauseFetched(rc));
+                    let _ = tx.send(Event::RootCauseFetched(rc, round));
                 });
             }
             Action::Note(message) => warn!("{message}"),

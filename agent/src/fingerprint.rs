@@ -15,6 +15,8 @@ use rlaunch::fingerprint::Fingerprint;
 
 /// Prefixes of the variables that must match across nodes.
 pub const VARIABLES: &[&str] = &["NCCL_", "GLOO_", "CUDA_"];
+/// Variables of those that are each node's own (a scheduler's partial allocation).
+pub const PER_NODE: &[&str] = &["CUDA_VISIBLE_DEVICES"];
 /// Files larger than this are not hashed (noted by size instead).
 const MAX_HASHED: u64 = 512 << 20;
 /// Files of the program hashed at most.
@@ -50,14 +52,34 @@ print(json.dumps(out))
 /// is a script).
 pub async fn collect(program: &[OsString]) -> Fingerprint {
     let mut fp = variables(std::env::vars_os());
-    let files: Vec<OsString> = program.iter().take(8).cloned().collect();
+    let files = program_files(program);
     let hashed = tokio::task::spawn_blocking(move || hash_files(&files)).await.unwrap_or_default();
     fp.extend(hashed);
     if let Some(python) = program.first().filter(|p| is_python(Path::new(p))) {
         fp.extend(python_versions(Path::new(python)).await);
     }
     fp.extend(gpus(Path::new("/proc/driver/nvidia")));
+    // Nothing a peer would print raw to a terminal.
+    for v in fp.values_mut() {
+        if v.chars().any(char::is_control) {
+            *v = v.chars().map(|c| if c.is_control() { '?' } else { c }).collect();
+        }
+    }
     Fingerprint(fp)
+}
+
+/// The files that are the program: the interpreter and its script (the first argument after
+/// the interpreter's own options), else the executable alone. Other arguments may name a
+/// node's own files (a hostfile, a data shard): they are not the program.
+pub fn program_files(program: &[OsString]) -> Vec<OsString> {
+    let Some(first) = program.first() else { return Vec::new() };
+    let mut files = vec![first.clone()];
+    if is_python(Path::new(first)) {
+        if let Some(script) = program[1..].iter().find(|a| !a.to_string_lossy().starts_with('-')) {
+            files.push(script.clone());
+        }
+    }
+    files
 }
 
 fn is_python(p: &Path) -> bool {
@@ -68,7 +90,8 @@ fn is_python(p: &Path) -> bool {
 pub fn variables(vars: impl Iterator<Item = (OsString, OsString)>) -> BTreeMap<String, String> {
     vars.filter_map(|(k, v)| {
         let k = k.to_str()?.to_owned();
-        VARIABLES.iter().any(|p| k.starts_with(p)).then(|| (format!("env {k}"), v.to_string_lossy().into_owned()))
+        (VARIABLES.iter().any(|p| k.starts_with(p)) && !PER_NODE.contains(&k.as_str()))
+            .then(|| (format!("env {k}"), v.to_string_lossy().into_owned()))
     })
     .take(rlaunch::fingerprint::MAX_ENTRIES - 16)
     .collect()
@@ -84,15 +107,13 @@ fn hash_files(args: &[OsString]) -> BTreeMap<String, String> {
             continue;
         }
         let name = p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        let value = if meta.len() > MAX_HASHED {
-            format!("{} bytes (not hashed)", meta.len())
-        } else {
-            match sha256_file(p) {
-                Ok(h) => h,
-                Err(e) => format!("unreadable: {e}"),
-            }
-        };
-        out.insert(format!("program {name}"), value);
+        // Too large to hash, or unreadable: left out (what is not known is no difference).
+        if meta.len() > MAX_HASHED {
+            continue;
+        }
+        if let Ok(h) = sha256_file(p) {
+            out.insert(format!("program {name}"), h);
+        }
         if out.len() == MAX_FILES {
             break;
         }
@@ -121,11 +142,10 @@ async fn python_versions(python: &Path) -> BTreeMap<String, String> {
         .stdin(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .kill_on_drop(true);
+    // A Python that fails or does not answer tells nothing (left out: not a difference).
     let out = match tokio::time::timeout(PYTHON_WITHIN, cmd.output()).await {
         Ok(Ok(o)) if o.status.success() => o.stdout,
-        Ok(Ok(o)) => return [("python".to_owned(), format!("failed ({})", o.status))].into_iter().collect(),
-        Ok(Err(e)) => return [("python".to_owned(), format!("not run: {e}"))].into_iter().collect(),
-        Err(_) => return [("python".to_owned(), format!("no answer within {PYTHON_WITHIN:?}"))].into_iter().collect(),
+        _ => return BTreeMap::new(),
     };
     serde_json::from_slice::<BTreeMap<String, String>>(&out).unwrap_or_default()
 }
@@ -172,7 +192,7 @@ mod tests {
         .map(|(k, v)| (OsString::from(k), OsString::from(v)));
         let got = variables(vars.into_iter());
         let keys: Vec<&str> = got.keys().map(String::as_str).collect();
-        assert_eq!(keys, ["env CUDA_VISIBLE_DEVICES", "env GLOO_SOCKET_IFNAME", "env NCCL_IB_HCA"]);
+        assert_eq!(keys, ["env GLOO_SOCKET_IFNAME", "env NCCL_IB_HCA"], "CUDA_VISIBLE_DEVICES is each node's own");
     }
 
     #[test]
@@ -192,6 +212,16 @@ mod tests {
         assert_eq!(got.get("driver").map(String::as_str), Some("550.54.15"));
         assert_eq!(got.get("gpu").map(String::as_str), Some("2 × NVIDIA H100 80GB HBM3"));
         assert!(gpus(Path::new("/nonexistent")).is_empty());
+    }
+
+    #[test]
+    fn the_program_is_the_interpreter_and_its_script_not_the_other_arguments() {
+        let argv = |v: &[&str]| v.iter().map(OsString::from).collect::<Vec<_>>();
+        assert_eq!(
+            program_files(&argv(&["/venv/bin/python3", "-u", "train.py", "--hosts", "hostfile"])),
+            argv(&["/venv/bin/python3", "train.py"])
+        );
+        assert_eq!(program_files(&argv(&["./train", "--data", "shard0"])), argv(&["./train"]));
     }
 
     #[test]

@@ -264,9 +264,7 @@ impl Stack {
 impl Stack {
     fn waiting(&self) -> bool {
         match self {
-            Stack::Frames(f) => {
-                f.iter().take(SHOWN_FRAMES).any(|f| rlaunch::stacks::WAITING.contains(&f.function.as_str()))
-            }
+            Stack::Frames(f) => f.iter().take(SHOWN_FRAMES).any(|f| rlaunch::stacks::frame_waits(&f.function, &f.file)),
             Stack::Unavailable(_) => false,
         }
     }

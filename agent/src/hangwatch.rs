@@ -117,9 +117,17 @@ pub fn samples(workers: &[Watched], stacks: &BTreeMap<usize, u64>) -> BTreeMap<u
 }
 
 /// The step statistics a worker's runtime wrote into its heartbeat file, if any.
+/// The file is the worker's to write: opened without following a link or waiting on a FIFO
+/// it may have put there, and read only if it is a regular file.
 pub fn step_stats(path: &Path) -> Option<rlaunch::heartbeat::StepStats> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f =
+        std::fs::File::options().read(true).custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW).open(path).ok()?;
+    if !f.metadata().ok()?.is_file() {
+        return None;
+    }
     let mut buf = [0u8; 128];
-    let n = std::io::Read::read(&mut std::fs::File::open(path).ok()?, &mut buf).ok()?;
+    let n = std::io::Read::read(&mut f, &mut buf).ok()?;
     rlaunch::heartbeat::StepStats::parse(std::str::from_utf8(&buf[..n]).ok()?)
 }
 
@@ -275,6 +283,25 @@ pub async fn stacks(py_spy: Option<&Path>, workers: &[Watched]) -> BTreeMap<u32,
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn step_stats_never_wait_on_a_fifo_or_follow_a_link_a_worker_put_there() {
+        let dir = tempfile::tempdir().unwrap();
+        let real = dir.path().join("heartbeat");
+        let stats = rlaunch::heartbeat::StepStats { steps: 9, window: 9, mean_wait_us: 1234 };
+        std::fs::write(&real, stats.line()).unwrap();
+        assert_eq!(step_stats(&real), Some(stats));
+        let fifo = dir.path().join("fifo");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: mkfifo(3) on a NUL-terminated path in a private temporary directory.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let started = std::time::Instant::now();
+        assert_eq!(step_stats(&fifo), None);
+        assert!(started.elapsed() < Duration::from_secs(1), "opened without waiting for a writer");
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&real, &link).unwrap();
+        assert_eq!(step_stats(&link), None, "a link is not followed");
+    }
 
     #[test]
     fn a_busy_process_accumulates_cpu_ticks_and_its_threads_have_a_kernel_view() {

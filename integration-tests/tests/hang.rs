@@ -140,6 +140,21 @@ fn a_bad_hang_timeout_is_refused_with_a_clear_error() {
 
 #[test]
 fn a_hang_on_one_of_two_hosts_gives_one_report_with_both_hosts_stacks_and_one_hang_timeout() {
+    hang_on_one_of_two_hosts(0);
+}
+
+#[test]
+fn a_hang_on_two_hosts_with_a_restart_left_is_counted_once_and_the_second_report_is_whole() {
+    // Round 1 hangs (restart 1 of 1), round 2 hangs again: the budget is spent. In round 2 the
+    // culprit's host lingers with round 1's report in the rendezvous (every rank named): it
+    // must wait for round 2's stacks, not stop at once.
+    let logs = hang_on_one_of_two_hosts(1);
+    let all = logs.join("\n");
+    assert!(all.contains("restart budget exhausted (1 restarts used)"), "{all}");
+}
+
+/// Two hosts, two ranks each; rank 3 hangs in every round. The agents' logs.
+fn hang_on_one_of_two_hosts(max_restarts: u32) -> Vec<String> {
     use integration_tests::netns::Cluster;
     py_spy_installed();
     let cluster = Cluster::new(2);
@@ -161,7 +176,7 @@ fn a_hang_on_one_of_two_hosts_gives_one_report_with_both_hosts_stacks_and_one_ha
                 .args(["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "rlaunch"])
                 .args(["--rdzv-endpoint", &endpoint, "--rdzv-id", "hang-two-hosts"])
                 .args(["--rdzv-conf", "heartbeat_interval=0.5,node_ttl=2,last_call_timeout=1,join_timeout=60"])
-                .args(["--max-restarts", "0", "--shutdown-timeout", "3"]);
+                .args(["--max-restarts", &max_restarts.to_string(), "--shutdown-timeout", "3"]);
             // Only host a gives the hang timeout: it is the job's, through the rendezvous, and
             // host b (where the culprit runs) applies it too.
             if h.name == "a" {
@@ -195,6 +210,7 @@ fn a_hang_on_one_of_two_hosts_gives_one_report_with_both_hosts_stacks_and_one_ha
     // The culprit's host announced the hang and kept its ranks until the other host's stacks
     // were in (had it stopped them first, the other host's ranks would have left all_reduce).
     assert!(!logs.iter().any(|l| l.contains("not every rank's stack reached the report")), "{logs:#?}");
+    logs
 }
 
 #[test]

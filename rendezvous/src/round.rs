@@ -536,6 +536,9 @@ pub struct JobStatus {
     /// How the running round's nodes differ in their fingerprints.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub fingerprint_diff: Vec<String>,
+    /// The round whose failure `last_root_cause` is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_failure_round: Option<u64>,
     /// The rank the others wait for, as the heartbeats this service process served say.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub straggler: Option<crate::stragglers::Straggler>,
@@ -674,6 +677,7 @@ impl Job {
             max_restarts: self.settings.max_restarts,
             last_root_cause: self.last_root_cause.clone(),
             fingerprint_diff: self.fingerprint_diff.clone(),
+            last_failure_round: self.last_failure_round,
             straggler: None,
             failure: match &self.phase {
                 Phase::Failed { reason, .. } => Some(reason.clone()),
@@ -1057,6 +1061,20 @@ pub fn apply_guarded(job: &mut Job, ev: Event, guard: &Guard, now: Millis) -> De
     d
 }
 
+/// [`apply_guarded`] for a call that brings the node's settings (a join): the job first takes
+/// what it adopts from them ([`JobSettings::adopt`]), so a node asking for `--fingerprint strict`
+/// is itself held to it; a rejected event leaves the settings as they were.
+pub fn apply_joining(job: &mut Job, settings: Option<&JobSettings>, ev: Event, guard: &Guard, now: Millis) -> Decision {
+    let Some(settings) = settings else { return apply_guarded(job, ev, guard, now) };
+    let before = job.settings.clone();
+    job.settings.adopt(settings);
+    let d = apply_guarded(job, ev, guard, now);
+    if matches!(d.action, Action::Rejected(_)) {
+        job.settings = before;
+    }
+    d
+}
+
 /// The secret `node_id` holds after a guarded join: the minted one if the job took it, else the
 /// one the caller presented.
 pub fn secret_after_join(job: &Job, node_id: &str, guard: &Guard) -> Option<String> {
@@ -1114,9 +1132,13 @@ fn join(job: &mut Job, mut node: NodeInfo, now: Millis) -> Decision {
     }
     // The job keeps each distinct fingerprint once; the node's pending entry keeps its digest.
     let fingerprint = node.fingerprint.take().map(|fp| (fingerprint_digest(&fp), fp));
-    if let (Some(rlaunch::fingerprint::Policy::Strict), Some((digest, fp)), Some(reference)) =
-        (job.settings.fingerprint, &fingerprint, &job.fingerprint_reference)
-    {
+    let strict = job.settings.fingerprint == Some(rlaunch::fingerprint::Policy::Strict);
+    if strict && fingerprint.is_none() {
+        return reject(Rejection::FingerprintMismatch {
+            message: format!("--fingerprint strict: node {} sent no fingerprint (an older agent?)", node.node_id),
+        });
+    }
+    if let (true, Some((digest, fp)), Some(reference)) = (strict, &fingerprint, &job.fingerprint_reference) {
         if digest != reference {
             let what = match job.fingerprints.get(reference) {
                 Some(r) => fp.differences(r).join("; "),
@@ -1323,6 +1345,10 @@ fn report_failure(job: &mut Job, node_id: &str, round: u64, root_cause: RootCaus
         return reject(Rejection::NotMember { node_id: node_id.to_owned(), round });
     }
     let summary = root_cause.summary();
+    let mut root_cause = root_cause;
+    // The reporting node speaks for its own ranks only.
+    let own = job.member(node_id).map(Member::ranks).unwrap_or(0..0);
+    root_cause.stacks = rlaunch::stacks::merge(&[&root_cause.stacks], own);
     job.last_root_cause = Some(root_cause);
     job.last_failure_round = Some(round);
     let budget = job.settings.max_restarts;
@@ -1344,17 +1370,21 @@ fn report_failure(job: &mut Job, node_id: &str, round: u64, root_cause: RootCaus
 
 /// Merges where `node_id`'s ranks stood into the root cause of the failure that ended `round`.
 fn report_stacks(job: &mut Job, node_id: &str, round: u64, stacks: &[String]) -> Decision {
-    let known = job.is_member(node_id) || job.is_pending(node_id) || job.previous.iter().any(|p| p == node_id);
-    if !known {
+    // Only a member of the round, holding its key (a job run without node identity, as in the
+    // machine's own tests, has none), and only of its own ranks.
+    let keyed = job.keys.is_empty() || job.keys.contains_key(node_id);
+    let Some(own) = job.member(node_id).filter(|_| keyed).map(Member::ranks) else {
         return reject(Rejection::UnknownNode { node_id: node_id.to_owned() });
-    }
+    };
     let Some(rc) = job.last_root_cause.as_mut().filter(|_| job.last_failure_round == Some(round)) else {
         return decide(
             Action::Nothing,
             format!("stacks from {node_id} for round {round} ignored: no failure of that round to add them to"),
         );
     };
-    let merged = rlaunch::stacks::merge(&[&rc.stacks, stacks]);
+    let mine = rlaunch::stacks::merge(&[stacks], own);
+    // What the report holds came in the same way, each node's within its own ranks.
+    let merged = rlaunch::stacks::merge(&[&rc.stacks, &mine], 0..u32::MAX);
     if merged == rc.stacks {
         return decide(Action::Nothing, format!("stacks from {node_id} for round {round} already in the report"));
     }

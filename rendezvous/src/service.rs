@@ -225,6 +225,13 @@ impl Rendezvous {
 
     fn observe(&self, run_id: &str, d: &Decision) {
         let m = &self.metrics;
+        if matches!(
+            d.action,
+            Action::RoundOpened { .. } | Action::RoundClosed { .. } | Action::Finished | Action::Failed
+        ) {
+            // Ranks are numbered anew (or gone): the last round's waits compare with nothing.
+            self.stragglers.lock().unwrap_or_else(|p| p.into_inner()).forget(run_id);
+        }
         match &d.action {
             Action::Nothing | Action::HeartbeatRecorded => {
                 debug!(run_id, reason = %d.reason, "no transition");
@@ -560,8 +567,12 @@ impl Rendezvous {
             "# HELP rlaunch_rdzv_straggler_rank The rank the others wait for most (least time in all-reduce per step, over its last steps).\n# TYPE rlaunch_rdzv_straggler_rank gauge"
         );
         for (run_id, s) in &stragglers {
-            let _ =
-                writeln!(out, "rlaunch_rdzv_straggler_rank{{run_id=\"{run_id}\",node=\"{}\"}} {}", s.node_id, s.rank);
+            let _ = writeln!(
+                out,
+                "rlaunch_rdzv_straggler_rank{{run_id=\"{run_id}\",node=\"{}\"}} {}",
+                label_value(&s.node_id),
+                s.rank
+            );
         }
         let _ = writeln!(
             out,
@@ -613,7 +624,7 @@ fn health_metrics(out: &mut String, jobs: &[(String, Job)], now: Millis) {
                 Some(h.probes_reached as f64).filter(|_| probed),
                 Some(h.probes_missed as f64).filter(|_| probed),
             ]);
-            labels.push(format!("{{run_id=\"{run_id}\",node_id=\"{}\"}}", node_id.replace(['\\', '"'], "_")));
+            labels.push(format!("{{run_id=\"{run_id}\",node_id=\"{}\"}}", label_value(node_id)));
         }
     }
     for (i, (name, help)) in gauges.iter().enumerate() {
@@ -625,6 +636,12 @@ fn health_metrics(out: &mut String, jobs: &[(String, Job)], now: Millis) {
             }
         }
     }
+}
+
+/// A node id as a Prometheus label value: node ids may hold `"` and `\` (never control
+/// characters, which a join refuses), which would end or escape the label.
+fn label_value(s: &str) -> String {
+    s.replace(['\\', '"'], "_")
 }
 
 /// Drives timers (heartbeat lapses, last calls, join timeouts) while the rendezvous lives.

@@ -80,6 +80,11 @@ impl Stragglers {
         out
     }
 
+    /// Forgets a job's reports (its round changed: ranks are numbered anew).
+    pub fn forget(&mut self, run_id: &str) {
+        self.jobs.remove(run_id);
+    }
+
     /// Forgets reports that are no longer fresh, and jobs left without any.
     pub fn prune(&mut self, now: Millis) {
         for nodes in self.jobs.values_mut() {

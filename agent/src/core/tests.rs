@@ -471,7 +471,7 @@ fn a_job_that_failed_ends_with_the_rendezvous_root_cause_else_the_local_one() {
     assert_eq!(a, vec![Action::ShareStacks { round: 1 }, STOP]);
     assert_eq!(s.ev(Event::WorkersStopped), vec![Action::FetchRootCause]);
     let WorkersEnd::Failed(remote) = failure(7) else { unreachable!() };
-    let a = s.ev(Event::RootCauseFetched(Some(remote.clone())));
+    let a = s.ev(Event::RootCauseFetched(Some(remote.clone()), Some(1)));
     assert_eq!(a, vec![Action::Exit(Outcome::Run(RunOutcome::Failed { root_cause: remote, restarts: 2 }))]);
 
     // The rendezvous lost it: this node's own failure is the report.
@@ -483,7 +483,7 @@ fn a_job_that_failed_ends_with_the_rendezvous_root_cause_else_the_local_one() {
         s.ev(Event::Reported { kind: ReportKind::Failure, result: Err(CallError::JobFailed("spent".into())) }),
         vec![Action::FetchRootCause]
     );
-    let a = s.ev(Event::RootCauseFetched(None));
+    let a = s.ev(Event::RootCauseFetched(None, None));
     assert!(
         matches!(&a[..], [Action::Exit(Outcome::Run(RunOutcome::Failed { root_cause, .. }))] if root_cause.exit == Exit::Code(5))
     );
@@ -658,11 +658,17 @@ fn a_hang_among_several_nodes_is_announced_first_and_stopped_once_every_rank_sta
     assert!(s.tick(1600).is_empty(), "one fetch at a time");
     // Half the ranks' stacks in: wait for the rest.
     assert!(s
-        .ev(Event::RootCauseFetched(with_stack_lines(&["rank 5: f (a.py:1)", "ranks 4, 6-7: all_reduce (c.py:2)"])))
+        .ev(Event::RootCauseFetched(
+            with_stack_lines(&["rank 5: f (a.py:1)", "ranks 4, 6-7: all_reduce (c.py:2)"]),
+            Some(1)
+        ))
         .is_empty());
     assert_eq!(s.tick(2100), vec![Action::FetchRootCause]);
     let all = with_stack_lines(&["rank 5: f (a.py:1)", "ranks 0-4, 6-7: all_reduce (c.py:2)"]);
-    assert_eq!(s.ev(Event::RootCauseFetched(all)), vec![STOP]);
+    // An earlier round's report naming every rank is not this one's.
+    assert!(s.ev(Event::RootCauseFetched(all.clone(), Some(0))).is_empty());
+    assert_eq!(s.tick(2600), vec![Action::FetchRootCause]);
+    assert_eq!(s.ev(Event::RootCauseFetched(all, Some(1))), vec![STOP]);
     // Then as any failure: reported (in the outbox) after the stop, rejoined once acknowledged.
     let a = s.ev(Event::WorkersStopped);
     assert!(sends(&a, ReportKind::Failure), "{a:?}");
@@ -680,7 +686,7 @@ fn a_lingering_hang_stops_at_its_bound_or_at_a_signal() {
         t += 100;
         last = s.tick(t);
         if last.contains(&Action::FetchRootCause) {
-            s.ev(Event::RootCauseFetched(None));
+            s.ev(Event::RootCauseFetched(None, None));
         }
     }
     assert!(matches!(&last[..], [Action::Note(_), STOP]), "{last:?}");

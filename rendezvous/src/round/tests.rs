@@ -1379,3 +1379,60 @@ fn strict_fingerprints_refuse_a_node_that_differs_from_the_first() {
     let (_, d) = step(&Job::new(settings(1, 2), 0), Event::Join(huge), 0);
     assert!(matches!(d.action, Action::Rejected(Rejection::InvalidNode { .. })), "{d:?}");
 }
+
+#[test]
+fn a_node_speaks_only_for_its_own_ranks_and_only_with_its_key() {
+    let job = running(&["a", "b"], settings(2, 2));
+    // b (ranks 2-3) reports the hang, claiming a's ranks too; a (ranks 0-1) claims four billion.
+    let lie = Event::ReportFailure {
+        node_id: "b".into(),
+        round: 1,
+        root_cause: with_stacks("hang", &["rank 3: stuck_here (t.py:4)", "ranks 0-1: lies (t.py:1)"]),
+    };
+    let (job, _) = step(&job, lie, 1500);
+    assert_eq!(job.last_root_cause.as_ref().unwrap().stacks, ["rank 3: stuck_here (t.py:4)"]);
+    let huge = Event::ReportStacks {
+        node_id: "a".into(),
+        round: 1,
+        stacks: vec!["ranks 0-4294967295: all_reduce (c10d.py:9)".into()],
+    };
+    let (job, _) = step(&job, huge, 1600);
+    assert_eq!(
+        job.last_root_cause.as_ref().unwrap().stacks,
+        ["rank 3: stuck_here (t.py:4)", "ranks 0-1: all_reduce (c10d.py:9)"]
+    );
+    // In a job with node identity, a member whose key is gone (pruned) speaks for nobody.
+    let mut keyed = job.clone();
+    keyed.keys.insert("b".into(), crate::identity::digest("sb"));
+    let again = Event::ReportStacks { node_id: "a".into(), round: 1, stacks: vec!["rank 0: f (x.py:1)".into()] };
+    let (_, d) = step(&keyed, again, 1700);
+    assert!(matches!(d.action, Action::Rejected(Rejection::UnknownNode { .. })), "{d:?}");
+}
+
+#[test]
+fn a_node_asking_for_strict_fingerprints_is_held_to_them_at_its_own_join() {
+    use rlaunch::fingerprint::Policy;
+    let strict = JobSettings { fingerprint: Some(Policy::Strict), ..settings(3, 3) };
+    let no_guard = Guard::default();
+    let mut job = Job::new(settings(3, 3), 0);
+    assert_eq!(
+        apply_joining(&mut job, Some(&settings(3, 3)), Event::Join(fp_node("a", "4")), &no_guard, 0).action,
+        Action::Updated
+    );
+    // b asks for strict and differs from a (the job's first): refused, and the job stays lax.
+    let d = apply_joining(&mut job, Some(&strict), Event::Join(fp_node("b", "2")), &no_guard, 10);
+    assert!(matches!(d.action, Action::Rejected(Rejection::FingerprintMismatch { .. })), "{d:?}");
+    assert_eq!(job.settings.fingerprint, None);
+    // c asks for strict and matches: the job is strict from now on; a node without a
+    // fingerprint is then refused too.
+    let d = apply_joining(&mut job, Some(&strict), Event::Join(fp_node("c", "4")), &no_guard, 20);
+    assert_eq!(d.action, Action::Updated);
+    assert_eq!(job.settings.fingerprint, Some(Policy::Strict));
+    let d = apply_joining(&mut job, None, Event::Join(node("d")), &no_guard, 30);
+    match d.action {
+        Action::Rejected(Rejection::FingerprintMismatch { message }) => {
+            assert!(message.contains("sent no fingerprint"), "{message}")
+        }
+        other => panic!("{other:?}"),
+    }
+}

@@ -884,10 +884,7 @@ impl EtcdStore {
                     }
                 }
                 let j = job.as_mut().expect("the job exists or was just created");
-                let d = round::apply_guarded(j, q.ev.clone(), &q.guard, q.now);
-                if let (Some(settings), false) = (q.create.as_ref(), matches!(d.action, Action::Rejected(_))) {
-                    j.settings.adopt(settings);
-                }
+                let d = round::apply_joining(j, q.create.as_ref(), q.ev.clone(), &q.guard, q.now);
                 if fresh && matches!(d.action, Action::Rejected(_)) {
                     // A refused first join creates nothing.
                     job = None;

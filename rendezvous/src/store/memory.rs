@@ -59,10 +59,7 @@ impl MemoryStore {
                 }
             }
             let before = entry.job.version;
-            let decision = round::apply_guarded(&mut entry.job, ev, guard, now);
-            if let (Some(settings), false) = (create, matches!(decision.action, Action::Rejected(_))) {
-                entry.job.settings.adopt(settings);
-            }
+            let decision = round::apply_joining(&mut entry.job, create, ev, guard, now);
             if entry.job.version != before {
                 entry.version.send_replace(entry.job.version);
             }
