@@ -12,7 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use integration_tests::{bin, run_deadline, stderr_of, stdout_of, tempdir, venv_python, wait_deadline};
+use integration_tests::{bin, run_deadline, stderr_of, stdout_of, tempdir, venv_python, wait_deadline, wait_until};
 
 const DEADLINE: Duration = Duration::from_secs(60);
 
@@ -298,4 +298,50 @@ fn without_a_terminal_workers_get_pipes_and_dev_null() {
     let o = wait_deadline(child, DEADLINE);
     assert!(o.status.success(), "{}", stderr_of(&o));
     assert!(stdout_of(&o).contains("[default0]:tty False False False ''"), "{}", stdout_of(&o));
+}
+
+#[test]
+fn rlaunch_top_redraws_a_jobs_view_on_the_terminal_until_the_job_ends() {
+    let dir = tempdir();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port").port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut service = Command::new(bin("rlaunch-rendezvous"))
+        .args(["--listen", &addr])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("rlaunch-rendezvous starts");
+    wait_until("the service to listen", DEADLINE, || std::net::TcpStream::connect(&addr).is_ok());
+    // top first: the job does not exist yet, and top waits for it.
+    let t = Terminal::run(&["top", "--rdzv-endpoint", &addr, "--rdzv-id", "topjob", "--interval", "0.2"], dir.path());
+    t.wait_for("no status: ");
+    let go = dir.path().join("go");
+    let job = Command::new(bin("rlaunch"))
+        .args([
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "--rdzv-endpoint",
+            &addr,
+            "--rdzv-id",
+            "topjob",
+            "--no-python",
+        ])
+        .args(["/bin/sh", "-c", &format!("while [ ! -e {} ]; do sleep 0.1; done", go.display())])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("rlaunch starts");
+    t.wait_for("job topjob: running — round 1, world size 2");
+    std::fs::write(&go, b"").unwrap();
+    let (code, screen) = t.finish();
+    let _ = wait_deadline(job, DEADLINE);
+    let _ = service.kill();
+    let _ = service.wait();
+    assert_eq!(code, Some(0), "top ends with the job, 0 when it finished: {screen}");
+    let frames = screen.matches("\x1b[H\x1b[2J").count();
+    assert!(frames >= 3, "the screen is redrawn, not scrolled: {frames} frames");
+    let last = screen.rsplit("\x1b[H\x1b[2J").next().unwrap_or("");
+    assert!(last.contains("job topjob: finished"), "the last frame: {last}");
 }

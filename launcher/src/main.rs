@@ -13,6 +13,9 @@ fn main() -> ExitCode {
     if std::env::args_os().nth(1).is_some_and(|a| a == "status") {
         return status_main();
     }
+    if std::env::args_os().nth(1).is_some_and(|a| a == "top") {
+        return top_main();
+    }
     let env = |k: &str| std::env::var(k).ok();
     let (args, sources) = match cli::parse(std::env::args_os().collect(), &env) {
         Ok(parsed) => parsed,
@@ -29,6 +32,14 @@ fn main() -> ExitCode {
     }
     if args.print_config {
         print!("{}", cli::render_config(&args, &sources, &env));
+        // With a program, what would run is checked too: an error here is the error a run gets.
+        if !args.program.is_empty() {
+            let (python, _) = cli::python_interpreter(&env, std::env::current_exe().ok());
+            if let Err(e) = args.into_config(&python, &env) {
+                eprintln!("error: {e}");
+                return ExitCode::from(2);
+            }
+        }
         return ExitCode::SUCCESS;
     }
     init_tracing();
@@ -84,6 +95,28 @@ fn status_main() -> ExitCode {
         }
         Err(e) => {
             eprintln!("rlaunch status: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn top_main() -> ExitCode {
+    use std::io::IsTerminal;
+    let args = status::TopArgs::parse_from(std::env::args_os().skip(1));
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("rlaunch top: cannot start the async runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let terminal = std::io::stdout().is_terminal();
+    let mut out = std::io::stdout();
+    match runtime.block_on(status::top(args, &mut out, terminal)) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::from(1),
+        Err(e) => {
+            eprintln!("rlaunch top: {e}");
             ExitCode::from(1)
         }
     }

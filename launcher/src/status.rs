@@ -27,19 +27,94 @@ pub struct StatusArgs {
     pub json: bool,
 }
 
-pub async fn run(args: StatusArgs) -> Result<String, String> {
-    let endpoints: Vec<String> =
-        args.rdzv_endpoint.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
+/// `rlaunch top`: the same view as `rlaunch status`, refreshed until the job ends.
+#[derive(Debug, Parser)]
+#[command(name = "rlaunch top")]
+pub struct TopArgs {
+    /// Rendezvous endpoint(s), `host:port[,host:port…]`.
+    #[arg(long = "rdzv-endpoint", alias = "rdzv_endpoint", env = "PET_RDZV_ENDPOINT")]
+    pub rdzv_endpoint: String,
+    /// The job's id.
+    #[arg(long = "rdzv-id", alias = "rdzv_id", env = "PET_RDZV_ID")]
+    pub rdzv_id: String,
+    /// `rlaunch` (a rendezvous server) or `etcd`.
+    #[arg(long = "rdzv-backend", alias = "rdzv_backend", env = "PET_RDZV_BACKEND", default_value = "rlaunch")]
+    pub rdzv_backend: String,
+    /// Bearer token of the rendezvous server.
+    #[arg(long, env = "RLAUNCH_RDZV_TOKEN")]
+    pub token: Option<String>,
+    /// Seconds between refreshes.
+    #[arg(long, default_value_t = 1.0, value_parser = parse_interval)]
+    pub interval: f64,
+}
+
+fn parse_interval(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if (0.1..=3600.0).contains(&v) => Ok(v),
+        _ => Err(format!("`{s}` is not a number of seconds from 0.1 to 3600")),
+    }
+}
+
+async fn client(endpoint: &str, id: &str, backend: &str, token: Option<String>) -> Result<RendezvousClient, String> {
+    let endpoints: Vec<String> = endpoint.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
     if endpoints.is_empty() {
         return Err("--rdzv-endpoint is empty".into());
     }
-    let backend = match args.rdzv_backend.as_str() {
-        "rlaunch" | "c10d" => Backend::Http { endpoints, token: args.token },
+    let backend = match backend {
+        "rlaunch" | "c10d" => Backend::Http { endpoints, token },
         "etcd" | "etcd-v3" => Backend::Etcd { endpoints },
         other => return Err(format!("--rdzv-backend {other}: expected rlaunch or etcd")),
     };
-    let client =
-        RendezvousClient::connect(backend, &args.rdzv_id, JobSettings::default()).await.map_err(|e| e.to_string())?;
+    RendezvousClient::connect(backend, id, JobSettings::default()).await.map_err(|e| e.to_string())
+}
+
+/// One frame of `rlaunch top`: a header line, then the status (or why there is none).
+pub fn frame(id: &str, now: &str, interval: f64, status: &Result<JobStatus, String>) -> String {
+    let head = format!("rlaunch top — job {id} — {now} — every {interval} s, until the job ends (Ctrl-C quits)\n\n");
+    match status {
+        Ok(s) => head + &render(s),
+        Err(e) => head + &format!("no status: {e}\n(retrying)\n"),
+    }
+}
+
+/// Refreshes the job's view every `interval` until the job has finished or failed: on a
+/// terminal the screen is redrawn, elsewhere a frame is printed when it changes. `Ok(true)`
+/// when it finished, `Ok(false)` when it failed.
+pub async fn top(args: TopArgs, out: &mut dyn std::io::Write, terminal: bool) -> Result<bool, String> {
+    let client = client(&args.rdzv_endpoint, &args.rdzv_id, &args.rdzv_backend, args.token).await?;
+    let every = std::time::Duration::from_secs_f64(args.interval);
+    let mut last_body = String::new();
+    loop {
+        let status = client.status().await.map_err(|e| e.to_string());
+        let now = rlaunch::contract::format_time(
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+        );
+        let body = match &status {
+            Ok(s) => render(s),
+            Err(e) => e.clone(),
+        };
+        if terminal {
+            // Home, clear, the frame: one write, so the screen never shows half of one.
+            let text = format!("\x1b[H\x1b[2J{}", frame(&args.rdzv_id, &now, args.interval, &status));
+            let _ = out.write_all(text.as_bytes());
+        } else if body != last_body {
+            let _ = writeln!(out, "{}", frame(&args.rdzv_id, &now, args.interval, &status));
+        }
+        let _ = out.flush();
+        last_body = body;
+        if let Ok(s) = &status {
+            match s.state.as_str() {
+                "finished" => return Ok(true),
+                "failed" => return Ok(false),
+                _ => {}
+            }
+        }
+        tokio::time::sleep(every).await;
+    }
+}
+
+pub async fn run(args: StatusArgs) -> Result<String, String> {
+    let client = client(&args.rdzv_endpoint, &args.rdzv_id, &args.rdzv_backend, args.token).await?;
     let status = client.status().await.map_err(|e| e.to_string())?;
     if args.json {
         return serde_json::to_string_pretty(&status).map_err(|e| e.to_string());

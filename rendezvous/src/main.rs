@@ -76,6 +76,20 @@ struct Args {
     /// After a shutdown signal, how long requests in flight (long-polls) may take to finish.
     #[arg(long, env = "RLAUNCH_RDZV_SHUTDOWN_GRACE_MS", default_value_t = 3000)]
     shutdown_grace_ms: u64,
+    /// Check the flags (and read the token file) without serving: exit 0 and a summary when the
+    /// service would start with them, else the error and a non-zero exit. For deployment checks.
+    #[arg(long)]
+    check_config: bool,
+}
+
+/// An etcd endpoint: `http(s)://host:port`.
+fn check_endpoint(e: &str) -> Result<()> {
+    let rest = e.strip_prefix("http://").or_else(|| e.strip_prefix("https://"));
+    let ok = rest
+        .and_then(|r| r.rsplit_once(':'))
+        .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+    anyhow::ensure!(ok, "--etcd-endpoints: `{e}` is not http://host:port");
+    Ok(())
 }
 
 async fn shutdown_signal() {
@@ -118,12 +132,7 @@ async fn main() -> Result<()> {
         .init();
     let args = Args::parse();
 
-    let store = match args.store {
-        StoreKind::Memory => Store::memory(),
-        StoreKind::Etcd => {
-            Store::Etcd(connect_etcd(&args.etcd_endpoints, Duration::from_millis(args.etcd_wait_ms)).await?)
-        }
-    };
+    // The token first: a bad token file fails at once, not after waiting for etcd.
     let token = match &args.token_file {
         Some(path) => {
             let text =
@@ -133,6 +142,32 @@ async fn main() -> Result<()> {
             Some(token)
         }
         None => args.token.clone(),
+    };
+    if args.store == StoreKind::Etcd {
+        for e in &args.etcd_endpoints {
+            check_endpoint(e)?;
+        }
+    }
+    if args.check_config {
+        println!(
+            "rlaunch-rendezvous: would listen on {} with the {:?} store{}, token {}",
+            args.listen,
+            args.store,
+            if args.store == StoreKind::Etcd {
+                format!(" at {}", args.etcd_endpoints.join(","))
+            } else {
+                String::new()
+            },
+            if token.is_some() { "set" } else { "none (open)" }
+        );
+        return Ok(());
+    }
+
+    let store = match args.store {
+        StoreKind::Memory => Store::memory(),
+        StoreKind::Etcd => {
+            Store::Etcd(connect_etcd(&args.etcd_endpoints, Duration::from_millis(args.etcd_wait_ms)).await?)
+        }
     };
     let rdzv = Rendezvous::with_limits(
         store,

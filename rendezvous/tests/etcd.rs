@@ -821,11 +821,16 @@ async fn etcd_other_nodes_stacks_join_the_root_cause_and_the_job_takes_the_first
     let (ra, rb) = within("joins", async { tokio::join!(a.join(node("a")), b.join(node("bb"))) }).await;
     let (ra, rb) = (ra.expect("a joins"), rb.expect("b joins"));
     assert_eq!((ra.hang_timeout, rb.hang_timeout), (hang, hang), "every member runs the job's hang timeout");
+    // Each node speaks for its own rank (one worker each), whichever group rank it got.
+    let (rank_a, rank_b) = (ra.rank_offset, rb.rank_offset);
     let mut cause = rc("hang");
-    cause.stacks = vec!["rank 1: stuck_here (x.py:4)".into()];
+    cause.stacks = vec![format!("rank {rank_b}: stuck_here (x.py:4)"), format!("rank {rank_a}: lie (x.py:1)")];
     b.report_failure("bb", ra.round, cause).await.expect("b reports the hang");
-    a.report_stacks("a", ra.round, vec!["rank 0: all_reduce (c10d.py:9)".into()]).await.expect("a's stacks");
+    a.report_stacks("a", ra.round, vec![format!("rank {rank_a}: all_reduce (c10d.py:9)")]).await.expect("a's stacks");
     let st = a.status().await.expect("status");
     let stacks = st.last_root_cause.expect("root cause").stacks;
-    assert_eq!(stacks, ["rank 1: stuck_here (x.py:4)", "rank 0: all_reduce (c10d.py:9)"]);
+    assert_eq!(
+        stacks,
+        [format!("rank {rank_b}: stuck_here (x.py:4)"), format!("rank {rank_a}: all_reduce (c10d.py:9)")]
+    );
 }
