@@ -6,7 +6,7 @@
 #   scripts/install-deps.sh           the above, plus what the tests need: etcd (the etcd
 #                                     backend), iproute2 (network-namespace hosts) and a Python
 #                                     virtualenv with PyTorch from PyPI (the interop peer) and
-#                                     py-spy (stacks of hung ranks) in .venv/
+#                                     py-spy (stacks of hung ranks) and maturin (the wheel) in .venv/
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build_only=false
@@ -40,5 +40,10 @@ fi
 if [ ! -x "$VENV/bin/py-spy" ]; then
   echo "install-deps: installing py-spy into $VENV"
   "$VENV/bin/pip" install -q py-spy
+fi
+# maturin: builds the Python wheel (pyproject.toml) that the pip test installs into a fresh venv
+if [ ! -x "$VENV/bin/maturin" ]; then
+  echo "install-deps: installing maturin into $VENV"
+  "$VENV/bin/pip" install -q 'maturin>=1.5,<2'
 fi
 "$VENV/bin/python" -c 'import torch; print("install-deps: torch", torch.__version__)'

@@ -3,7 +3,7 @@
 //! service started as its own process (memory store, and etcd when `--etcd http://host:2379` is
 //! given); also the bytes of each agent's answer and the service's memory.
 //!
-//! `cargo build --release -p rlaunch-rendezvous --bins --examples &&
+//! `cargo build --release -p rlaunch-launcher --bins && cargo build --release -p rlaunch-rendezvous --examples &&
 //!  target/release/examples/rdzv_bench --agents 100,1000,3000,10000 [--etcd URL [--no-memory]]`
 
 use std::process::{Child, Command, Stdio};
@@ -35,7 +35,7 @@ fn service_binary() -> Result<std::path::PathBuf> {
     let exe = std::env::current_exe()?;
     let bin = exe.parent().and_then(|d| d.parent()).context("example path")?.join("rlaunch-rendezvous");
     if !bin.exists() {
-        bail!("{} is missing: cargo build --release -p rlaunch-rendezvous --bins", bin.display());
+        bail!("{} is missing: cargo build --release -p rlaunch-launcher --bins", bin.display());
     }
     Ok(bin)
 }

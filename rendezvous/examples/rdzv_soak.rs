@@ -5,7 +5,7 @@
 //! (etcd) the keys under `/rlaunch/` are sampled every second, through the load and after it until
 //! finished jobs are forgotten (the service runs with `--terminal-retention-s 5`).
 //!
-//! `cargo build --release -p rlaunch-rendezvous --bins --examples &&
+//! `cargo build --release -p rlaunch-launcher --bins && cargo build --release -p rlaunch-rendezvous --examples &&
 //!  target/release/examples/rdzv_soak --minutes 10 [--etcd URL] [--csv FILE]`
 //! (`bench/rendezvous/soak_plot.py` draws the CSVs.)
 
@@ -42,7 +42,7 @@ fn service_binary() -> Result<std::path::PathBuf> {
     let exe = std::env::current_exe()?;
     let bin = exe.parent().and_then(|d| d.parent()).context("example path")?.join("rlaunch-rendezvous");
     if !bin.exists() {
-        bail!("{} is missing: cargo build --release -p rlaunch-rendezvous --bins", bin.display());
+        bail!("{} is missing: cargo build --release -p rlaunch-launcher --bins", bin.display());
     }
     Ok(bin)
 }

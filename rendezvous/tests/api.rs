@@ -16,6 +16,16 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tower::ServiceExt;
 
+/// The `rlaunch-rendezvous` binary (built by the launcher package: `cargo build -p
+/// rlaunch-launcher --bins`, which `scripts/test.sh` does before the tests).
+fn service_bin() -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("the test's own path");
+    // target/<profile>/deps/<test> → target/<profile>/rlaunch-rendezvous
+    let bin = exe.parent().and_then(|d| d.parent()).expect("target/<profile>").join("rlaunch-rendezvous");
+    assert!(bin.exists(), "{} is missing: cargo build -p rlaunch-launcher --bins", bin.display());
+    bin
+}
+
 fn rc(message: impl ToString) -> Box<RootCause> {
     Box::new(RootCause::from_message(message.to_string()))
 }
@@ -634,8 +644,8 @@ fn the_service_reads_its_token_from_a_file_and_refuses_an_empty_one() {
     std::fs::write(&file, "s3cret\n").expect("token file");
     let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("port").port();
     let listen = format!("127.0.0.1:{port}");
-    let bin = env!("CARGO_BIN_EXE_rlaunch-rendezvous");
-    let mut child = std::process::Command::new(bin)
+    let bin = service_bin();
+    let mut child = std::process::Command::new(&bin)
         .args(["--listen", &listen, "--token-file"])
         .arg(&file)
         .arg("--protect-metrics")
@@ -847,7 +857,7 @@ fn half_sent_requests_and_a_connection_flood_do_not_stop_healthz() {
     use std::io::{Read, Write};
     let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("port").port();
     let listen = format!("127.0.0.1:{port}");
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_rlaunch-rendezvous"))
+    let mut child = std::process::Command::new(service_bin())
         .args(["--listen", &listen, "--max-connections", "64", "--header-timeout-ms", "1000"])
         .stderr(std::process::Stdio::null())
         .spawn()

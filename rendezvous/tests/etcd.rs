@@ -15,6 +15,16 @@ use serde_json::json;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+/// The `rlaunch-rendezvous` binary (built by the launcher package: `cargo build -p
+/// rlaunch-launcher --bins`, which `scripts/test.sh` does before the tests).
+fn service_bin() -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("the test's own path");
+    // target/<profile>/deps/<test> → target/<profile>/rlaunch-rendezvous
+    let bin = exe.parent().and_then(|d| d.parent()).expect("target/<profile>").join("rlaunch-rendezvous");
+    assert!(bin.exists(), "{} is missing: cargo build -p rlaunch-launcher --bins", bin.display());
+    bin
+}
+
 fn rc(message: impl ToString) -> Box<RootCause> {
     Box::new(RootCause::from_message(message.to_string()))
 }
@@ -132,7 +142,7 @@ struct Replica {
 impl Replica {
     async fn start(etcd: &Etcd) -> Replica {
         let port = free_port();
-        let child = Command::new(env!("CARGO_BIN_EXE_rlaunch-rendezvous"))
+        let child = Command::new(service_bin())
             .args(["--listen", &format!("127.0.0.1:{port}"), "--store", "etcd"])
             .args(["--etcd-endpoints", &etcd.endpoint])
             .env("RUST_LOG", "warn")
@@ -351,7 +361,7 @@ async fn a_node_lost_behind_a_replica_is_detected_by_its_lease() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rendezvous_binary_stops_gracefully_on_sigterm() {
     let port = free_port();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_rlaunch-rendezvous"))
+    let mut child = Command::new(service_bin())
         .env("RLAUNCH_RDZV_LISTEN", format!("127.0.0.1:{port}"))
         .env("RUST_LOG", "warn")
         .spawn()
