@@ -79,46 +79,38 @@ fn main() -> ExitCode {
     ExitCode::from(u8::try_from(code.clamp(0, 255)).expect("clamped to a byte"))
 }
 
+/// A subcommand's async work on a runtime of its own; its error printed as `rlaunch NAME: …`.
+fn run_async<T>(name: &str, work: impl std::future::Future<Output = Result<T, String>>) -> Result<T, ExitCode> {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| {
+        eprintln!("rlaunch {name}: cannot start the async runtime: {e}");
+        ExitCode::from(1)
+    })?;
+    runtime.block_on(work).map_err(|e| {
+        eprintln!("rlaunch {name}: {e}");
+        ExitCode::from(1)
+    })
+}
+
 fn status_main() -> ExitCode {
     let args = status::StatusArgs::parse_from(std::env::args_os().skip(1));
-    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("rlaunch status: cannot start the async runtime: {e}");
-            return ExitCode::from(1);
-        }
-    };
-    match runtime.block_on(status::run(args)) {
+    match run_async("status", status::run(args)) {
         Ok(text) => {
             println!("{}", text.trim_end());
             ExitCode::SUCCESS
         }
-        Err(e) => {
-            eprintln!("rlaunch status: {e}");
-            ExitCode::from(1)
-        }
+        Err(code) => code,
     }
 }
 
 fn top_main() -> ExitCode {
     use std::io::IsTerminal;
     let args = status::TopArgs::parse_from(std::env::args_os().skip(1));
-    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("rlaunch top: cannot start the async runtime: {e}");
-            return ExitCode::from(1);
-        }
-    };
     let terminal = std::io::stdout().is_terminal();
     let mut out = std::io::stdout();
-    match runtime.block_on(status::top(args, &mut out, terminal)) {
+    match run_async("top", status::top(args, &mut out, terminal)) {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::from(1),
-        Err(e) => {
-            eprintln!("rlaunch top: {e}");
-            ExitCode::from(1)
-        }
+        Err(code) => code,
     }
 }
 

@@ -6,10 +6,9 @@ use clap::Parser;
 use rlaunch_rendezvous::round::NodeStatus;
 use rlaunch_rendezvous::{Backend, JobSettings, JobStatus, RendezvousClient};
 
-/// Show a job's state as the rendezvous keeps it.
-#[derive(Debug, Parser)]
-#[command(name = "rlaunch status")]
-pub struct StatusArgs {
+/// Which job, at which rendezvous: what `rlaunch status` and `rlaunch top` share.
+#[derive(Debug, clap::Args)]
+pub struct JobRef {
     /// Rendezvous endpoint(s), `host:port[,host:port…]`.
     #[arg(long = "rdzv-endpoint", alias = "rdzv_endpoint", env = "PET_RDZV_ENDPOINT")]
     pub rdzv_endpoint: String,
@@ -22,6 +21,14 @@ pub struct StatusArgs {
     /// Bearer token of the rendezvous server.
     #[arg(long, env = "RLAUNCH_RDZV_TOKEN")]
     pub token: Option<String>,
+}
+
+/// Show a job's state as the rendezvous keeps it.
+#[derive(Debug, Parser)]
+#[command(name = "rlaunch status")]
+pub struct StatusArgs {
+    #[command(flatten)]
+    pub job: JobRef,
     /// Print the status as JSON.
     #[arg(long)]
     pub json: bool,
@@ -31,18 +38,8 @@ pub struct StatusArgs {
 #[derive(Debug, Parser)]
 #[command(name = "rlaunch top")]
 pub struct TopArgs {
-    /// Rendezvous endpoint(s), `host:port[,host:port…]`.
-    #[arg(long = "rdzv-endpoint", alias = "rdzv_endpoint", env = "PET_RDZV_ENDPOINT")]
-    pub rdzv_endpoint: String,
-    /// The job's id.
-    #[arg(long = "rdzv-id", alias = "rdzv_id", env = "PET_RDZV_ID")]
-    pub rdzv_id: String,
-    /// `rlaunch` (a rendezvous server) or `etcd`.
-    #[arg(long = "rdzv-backend", alias = "rdzv_backend", env = "PET_RDZV_BACKEND", default_value = "rlaunch")]
-    pub rdzv_backend: String,
-    /// Bearer token of the rendezvous server.
-    #[arg(long, env = "RLAUNCH_RDZV_TOKEN")]
-    pub token: Option<String>,
+    #[command(flatten)]
+    pub job: JobRef,
     /// Seconds between refreshes.
     #[arg(long, default_value_t = 1.0, value_parser = parse_interval)]
     pub interval: f64,
@@ -55,17 +52,19 @@ fn parse_interval(s: &str) -> Result<f64, String> {
     }
 }
 
-async fn client(endpoint: &str, id: &str, backend: &str, token: Option<String>) -> Result<RendezvousClient, String> {
-    let endpoints: Vec<String> = endpoint.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
+async fn client(job: JobRef) -> Result<RendezvousClient, String> {
+    let JobRef { rdzv_endpoint, rdzv_id, rdzv_backend, token } = job;
+    let endpoints: Vec<String> =
+        rdzv_endpoint.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
     if endpoints.is_empty() {
         return Err("--rdzv-endpoint is empty".into());
     }
-    let backend = match backend {
+    let backend = match rdzv_backend.as_str() {
         "rlaunch" | "c10d" => Backend::Http { endpoints, token },
         "etcd" | "etcd-v3" => Backend::Etcd { endpoints },
         other => return Err(format!("--rdzv-backend {other}: expected rlaunch or etcd")),
     };
-    RendezvousClient::connect(backend, id, JobSettings::default()).await.map_err(|e| e.to_string())
+    RendezvousClient::connect(backend, &rdzv_id, JobSettings::default()).await.map_err(|e| e.to_string())
 }
 
 /// One frame of `rlaunch top`: a header line, then the status (or why there is none).
@@ -81,7 +80,8 @@ pub fn frame(id: &str, now: &str, interval: f64, status: &Result<JobStatus, Stri
 /// terminal the screen is redrawn, elsewhere a frame is printed when it changes. `Ok(true)`
 /// when it finished, `Ok(false)` when it failed.
 pub async fn top(args: TopArgs, out: &mut dyn std::io::Write, terminal: bool) -> Result<bool, String> {
-    let client = client(&args.rdzv_endpoint, &args.rdzv_id, &args.rdzv_backend, args.token).await?;
+    let id = args.job.rdzv_id.clone();
+    let client = client(args.job).await?;
     let every = std::time::Duration::from_secs_f64(args.interval);
     let mut last_body = String::new();
     loop {
@@ -95,10 +95,10 @@ pub async fn top(args: TopArgs, out: &mut dyn std::io::Write, terminal: bool) ->
         };
         if terminal {
             // Home, clear, the frame: one write, so the screen never shows half of one.
-            let text = format!("\x1b[H\x1b[2J{}", frame(&args.rdzv_id, &now, args.interval, &status));
+            let text = format!("\x1b[H\x1b[2J{}", frame(&id, &now, args.interval, &status));
             let _ = out.write_all(text.as_bytes());
         } else if body != last_body {
-            let _ = writeln!(out, "{}", frame(&args.rdzv_id, &now, args.interval, &status));
+            let _ = writeln!(out, "{}", frame(&id, &now, args.interval, &status));
         }
         let _ = out.flush();
         last_body = body;
@@ -114,7 +114,7 @@ pub async fn top(args: TopArgs, out: &mut dyn std::io::Write, terminal: bool) ->
 }
 
 pub async fn run(args: StatusArgs) -> Result<String, String> {
-    let client = client(&args.rdzv_endpoint, &args.rdzv_id, &args.rdzv_backend, args.token).await?;
+    let client = client(args.job).await?;
     let status = client.status().await.map_err(|e| e.to_string())?;
     if args.json {
         return serde_json::to_string_pretty(&status).map_err(|e| e.to_string());
