@@ -679,6 +679,7 @@ pub fn print_completion(shell: clap_complete::Shell) {
 pub type Sources = Vec<(String, String, String)>;
 
 /// Why the command line could not be read.
+#[derive(Debug)]
 pub enum ParseError {
     /// clap's own (help and version included): it prints and exits itself.
     Clap(clap::Error),
@@ -715,7 +716,7 @@ pub fn parse(argv: Vec<OsString>, env: &dyn Fn(&str) -> Option<String>) -> Resul
     }
     let matches = matches.map_err(ParseError::Clap)?;
     let args = Args::from_arg_matches(&matches).map_err(ParseError::Clap)?;
-    let mut sources = Vec::new();
+    let mut sources: Sources = Vec::new();
     for a in cmd.get_arguments() {
         let id = a.get_id().as_str();
         if matches!(id, "help" | "version" | "program" | "print_config" | "print_completion") {
@@ -738,7 +739,83 @@ pub fn parse(argv: Vec<OsString>, env: &dyn Fn(&str) -> Option<String>) -> Resul
         };
         sources.push((name, value, source));
     }
+    let mut args = args;
+    apply_slurm(&mut args, &mut sources, env, gpu_count);
     Ok((args, sources))
+}
+
+/// The rendezvous port rlaunch's agents host on when Slurm names the first node (torchrun's
+/// c10d default).
+pub const SLURM_RDZV_PORT: u16 = 29400;
+
+/// The first host of a Slurm host list: `node[01-04,07],gpu5` → `node01`,
+/// `rack[1-2]-n[3-4]` → `rack1-n3`. `None` for an empty or malformed list.
+pub fn slurm_first_host(list: &str) -> Option<String> {
+    let mut out = String::new();
+    let mut chars = list.trim().chars();
+    while let Some(c) = chars.next() {
+        match c {
+            ',' => break,
+            '[' => {
+                // The first element of the group: up to the first `,` or `-` inside it.
+                let inner: String = chars.by_ref().take_while(|c| *c != ']').collect();
+                let first = inner.split([',', '-']).next().filter(|f| !f.is_empty())?;
+                out.push_str(first);
+            }
+            ']' => return None,
+            c => out.push(c),
+        }
+    }
+    (!out.is_empty()).then_some(out)
+}
+
+/// Under `srun` (SLURM_JOB_ID set), what Slurm knows stands in for the flags nobody gave:
+/// `--nnodes` from SLURM_NNODES, `--rdzv-endpoint` from the first host of SLURM_JOB_NODELIST
+/// (its agent hosts the rendezvous), `--nproc-per-node` from the node's GPUs (SLURM_GPUS_ON_NODE,
+/// else the GPUs this process sees). A flag, the environment or a config file always wins, and
+/// nothing applies to `--standalone` or a static rendezvous (`--node-rank`, `--master-addr`).
+/// The run id from SLURM_JOB_ID is [`Args::elastic_run_id`]'s.
+pub fn apply_slurm(args: &mut Args, sources: &mut Sources, env: &dyn Fn(&str) -> Option<String>, gpus: fn() -> u32) {
+    let Some(_) = env("SLURM_JOB_ID").filter(|s| !s.is_empty()) else { return };
+    if args.standalone || args.node_rank.is_some() || args.master_addr.is_some() || args.master_port.is_some() {
+        return;
+    }
+    let unset = |sources: &Sources, name: &str| {
+        sources.iter().any(|(n, _, src)| n == name && (src == "default" || src == "unset"))
+    };
+    let set = |sources: &mut Sources, name: &str, value: &str, from: &str| {
+        if let Some(entry) = sources.iter_mut().find(|(n, _, _)| n == name) {
+            *entry = (name.to_owned(), value.to_owned(), format!("Slurm ({from})"));
+        }
+    };
+    if unset(sources, "nnodes") {
+        if let Some((n, var)) = ["SLURM_NNODES", "SLURM_JOB_NUM_NODES"]
+            .iter()
+            .find_map(|v| env(v).and_then(|n| n.trim().parse::<u32>().ok()).filter(|n| *n >= 1).map(|n| (n, *v)))
+        {
+            args.nnodes = n.to_string();
+            set(sources, "nnodes", &args.nnodes, var);
+        }
+    }
+    if args.rdzv_endpoint.trim().is_empty() && unset(sources, "rdzv-endpoint") {
+        if let Some((host, var)) = ["SLURM_JOB_NODELIST", "SLURM_NODELIST"]
+            .iter()
+            .find_map(|v| env(v).and_then(|l| slurm_first_host(&l)).map(|h| (h, *v)))
+        {
+            args.rdzv_endpoint = format!("{host}:{SLURM_RDZV_PORT}");
+            set(sources, "rdzv-endpoint", &args.rdzv_endpoint, &format!("the first host of {var}"));
+        }
+    }
+    if unset(sources, "nproc-per-node") {
+        let (n, from) = match env("SLURM_GPUS_ON_NODE").and_then(|g| g.trim().parse::<u32>().ok()) {
+            Some(n) => (n, "SLURM_GPUS_ON_NODE"),
+            None => (gpus(), "the node's GPUs"),
+        };
+        if (1..=4096).contains(&n) {
+            args.nproc_per_node = n.to_string();
+            set(sources, "nproc-per-node", &args.nproc_per_node, from);
+        }
+    }
 }
 
 /// `--print-config`: every setting, then what rlaunch derives from them.
@@ -848,6 +925,68 @@ fn validate_endpoint(e: &str) -> Result<(), UsageError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn fake_env(pairs: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Option<String> {
+        move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+    }
+
+    fn argv(v: &[&str]) -> Vec<OsString> {
+        v.iter().map(OsString::from).collect()
+    }
+
+    #[test]
+    fn slurm_host_lists_give_their_first_host() {
+        assert_eq!(slurm_first_host("node[01-04,07],gpu5").as_deref(), Some("node01"));
+        assert_eq!(slurm_first_host("gpu5,node[01-04]").as_deref(), Some("gpu5"));
+        assert_eq!(slurm_first_host("rack[1-2]-n[3-4]").as_deref(), Some("rack1-n3"));
+        assert_eq!(slurm_first_host("n[7,9]").as_deref(), Some("n7"));
+        assert_eq!(slurm_first_host("10.0.0.5").as_deref(), Some("10.0.0.5"));
+        for bad in ["", "n[]", "]x", "[,]"] {
+            assert_eq!(slurm_first_host(bad), None, "{bad:?}");
+        }
+    }
+
+    const SLURM: &[(&str, &str)] = &[
+        ("SLURM_JOB_ID", "77"),
+        ("SLURM_NNODES", "2"),
+        ("SLURM_NODEID", "1"),
+        ("SLURM_JOB_NODELIST", "gpu[03-04]"),
+        ("SLURM_GPUS_ON_NODE", "4"),
+    ];
+
+    #[test]
+    fn under_srun_slurm_fills_in_the_flags_nobody_gave_and_flags_win() {
+        let env = fake_env(SLURM);
+        let (a, sources) = parse(argv(&["rlaunch", "train.py"]), &env).unwrap();
+        assert_eq!((a.nnodes.as_str(), a.rdzv_endpoint.as_str(), a.nproc_per_node.as_str()), ("2", "gpu03:29400", "4"));
+        assert_eq!(a.backend().0, "rlaunch");
+        assert_eq!(a.elastic_run_id(&env).unwrap().0, "slurm-77");
+        let src = |name: &str| sources.iter().find(|(n, _, _)| n == name).map(|(_, _, s)| s.clone()).unwrap();
+        assert_eq!(src("nnodes"), "Slurm (SLURM_NNODES)");
+        assert_eq!(src("rdzv-endpoint"), "Slurm (the first host of SLURM_JOB_NODELIST)");
+        // Explicit flags always win.
+        let (a, _) =
+            parse(argv(&["rlaunch", "--nproc-per-node", "2", "--rdzv-endpoint", "svc:1", "train.py"]), &env).unwrap();
+        assert_eq!((a.nnodes.as_str(), a.rdzv_endpoint.as_str(), a.nproc_per_node.as_str()), ("2", "svc:1", "2"));
+        // Standalone and static rendezvous are left alone.
+        let (a, _) = parse(argv(&["rlaunch", "--standalone", "train.py"]), &env).unwrap();
+        assert_eq!((a.nnodes.as_str(), a.rdzv_endpoint.as_str()), ("1:1", ""));
+        let (a, _) = parse(argv(&["rlaunch", "--node-rank", "0", "--master-addr", "h", "train.py"]), &env).unwrap();
+        assert_eq!(a.rdzv_endpoint, "");
+        // Not under Slurm: nothing changes.
+        let (a, _) = parse(argv(&["rlaunch", "train.py"]), &fake_env(&[])).unwrap();
+        assert_eq!((a.nnodes.as_str(), a.rdzv_endpoint.as_str(), a.nproc_per_node.as_str()), ("1:1", "", "1"));
+    }
+
+    #[test]
+    fn under_srun_without_gpus_one_worker_per_node_stays() {
+        let env = fake_env(&[("SLURM_JOB_ID", "5"), ("SLURM_JOB_NODELIST", "n1")]);
+        let (mut a, mut sources) = parse(argv(&["rlaunch", "x"]), &fake_env(&[])).unwrap();
+        apply_slurm(&mut a, &mut sources, &env, || 0);
+        assert_eq!((a.nproc_per_node.as_str(), a.rdzv_endpoint.as_str()), ("1", "n1:29400"));
+        apply_slurm(&mut a, &mut sources, &env, || 8);
+        assert_eq!(a.nproc_per_node, "8", "the GPUs this node sees");
+    }
 
     #[test]
     fn signals_to_handle_take_torchruns_spelling_and_refuse_what_cannot_be_handled() {
