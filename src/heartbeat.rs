@@ -54,8 +54,16 @@ pub struct Heartbeat {
 }
 
 impl Heartbeat {
+    /// The file the agent named in `RLAUNCH_HEARTBEAT_FILE` (with `--hang-timeout`), else the
+    /// `heartbeat` file the agent made beside the worker's error file (`TORCHELASTIC_ERROR_FILE`),
+    /// which keeps the worker's environment exactly torchrun's; none under another launcher.
     pub fn from_env() -> Heartbeat {
-        let file = std::env::var_os(HEARTBEAT_ENV).and_then(|p| File::options().write(true).open(p).ok());
+        let named = std::env::var_os(HEARTBEAT_ENV).map(std::path::PathBuf::from).or_else(|| {
+            let error_file = std::path::PathBuf::from(std::env::var_os("TORCHELASTIC_ERROR_FILE")?);
+            Some(error_file.parent()?.join("heartbeat"))
+        });
+        // Opened for writing only if it exists: nothing is created where no agent made it.
+        let file = named.and_then(|p| File::options().write(true).open(p).ok());
         Heartbeat { file, last: None }
     }
 

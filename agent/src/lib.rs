@@ -331,7 +331,11 @@ pub(crate) fn worker_specs(
                 prefix,
                 terminal,
                 cpus: ctx.cpus.as_ref().map(|sets| sets[local_rank as usize]),
-                heartbeat: Some(dir.join("heartbeat")),
+                // Hang detection reads it; an elastic job's heartbeats carry the Rust runtime's
+                // step waits from it (stragglers). Otherwise the log directory is torchrun's.
+                heartbeat: (p.hang_timeout.is_some() || matches!(config.rendezvous, RendezvousConfig::Dynamic(_)))
+                    .then(|| dir.join("heartbeat")),
+                heartbeat_env: p.hang_timeout.is_some(),
                 overrides: if config.virtual_local_rank {
                     virtual_local_rank(local_rank, ctx.agent_env)
                 } else {

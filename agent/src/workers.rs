@@ -37,9 +37,12 @@ pub struct WorkerSpec {
     pub terminal: Terminal,
     /// CPUs the worker is bound to (`--numa-binding`).
     pub cpus: Option<libc::cpu_set_t>,
-    /// The heartbeat file, created before the worker starts and named to it in
-    /// `RLAUNCH_HEARTBEAT_FILE` (`--hang-timeout`).
+    /// The heartbeat file, created before the worker starts beside its error file (where the
+    /// Rust runtime finds it and writes its step statistics).
     pub heartbeat: Option<PathBuf>,
+    /// Whether the worker is told its name in `RLAUNCH_HEARTBEAT_FILE` (`--hang-timeout`, for
+    /// scripts that beat explicitly); otherwise the environment stays exactly torchrun's.
+    pub heartbeat_env: bool,
 }
 
 /// Where a group's workers' output and input go, besides their own files.
@@ -136,7 +139,9 @@ impl WorkerGroup {
         if let Some(path) = &spec.heartbeat {
             crate::hangwatch::create_heartbeat(path)
                 .map_err(|source| AgentError::LogDir { path: path.clone(), source })?;
-            cmd.env(crate::hangwatch::HEARTBEAT_ENV, path);
+            if spec.heartbeat_env {
+                cmd.env(crate::hangwatch::HEARTBEAT_ENV, path);
+            }
         }
         let place = Placement { cgroup_procs: self.containment.procs_file(local_rank), cpus: spec.cpus };
         let spawned = spawn_worker(cmd, place, spec.terminal).map_err(|source| AgentError::Spawn {
