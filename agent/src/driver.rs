@@ -42,6 +42,7 @@ pub(crate) async fn run(config: &AgentConfig, ctx: &Ctx<'_>, signals: &mut Signa
         calls: JoinSet::new(),
         join: None,
         last_error: LastError::default(),
+        watching_hangs: false,
     };
     let membership = io.setup().await?;
     let result = drive(Core::new(membership).with_handled_signals(&config.handled_signals), &mut io, rx, signals).await;
@@ -278,6 +279,8 @@ struct Io<'a> {
     join: Option<AbortHandle>,
     /// The last rendezvous error, kept as the source of an `AgentError`.
     last_error: LastError,
+    /// The running group reads stacks (`--hang-timeout`, the job's).
+    watching_hangs: bool,
 }
 
 /// Where call tasks leave the rendezvous error behind the `CallError` they post.
@@ -407,6 +410,17 @@ impl Io<'_> {
     /// something elsewhere, so that one report shows every node's. Awaited (within bounds), so
     /// a root cause fetched after the stop has them.
     async fn share_stacks(&mut self, round: u64) {
+        if self.group.is_none() || !self.watching_hangs {
+            return;
+        }
+        // Only a round that ended by a failure takes stacks (a node lost, a scale-up: the
+        // workers are not paused for nothing). If the rendezvous cannot say, read them anyway.
+        let (client, _) = self.client();
+        if let Ok(Ok(status)) = tokio::time::timeout(Duration::from_secs(1), client.status()).await {
+            if status.last_failure_round != Some(round) {
+                return;
+            }
+        }
         let Some(g) = &self.group else { return };
         let (tx, rx) = tokio::sync::oneshot::channel();
         if g.send(GroupCmd::Stacks(tx)).is_err() {
@@ -516,6 +530,7 @@ impl Io<'_> {
             self.ctx.host,
             self.ctx.containment.clone(),
         )?;
+        self.watching_hangs = p.hang_timeout.is_some();
         let hang = p.hang_timeout.map(|timeout| {
             let py_spy = hangwatch::find_py_spy(&self.config.program);
             match &py_spy {

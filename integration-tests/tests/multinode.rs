@@ -591,3 +591,22 @@ fn fingerprint_strict_refuses_a_node_with_another_nccl_variable() {
     assert!(log.contains("env NCCL_SOCKET_NTHREADS=2 (4 there)"), "{log}");
     assert!(first.try_status().is_none(), "the job's first node waits on: {}", first.log_tail(2000));
 }
+
+#[test]
+fn a_node_loss_with_hang_detection_reforms_without_reading_the_survivors_stacks() {
+    // Stacks are read for a round that ended by a failure; a node lost is no failure, and the
+    // survivors' workers are not paused (py-spy) before they are stopped.
+    let cluster = Cluster::new(3);
+    let dir = tempdir();
+    let mut agents = start_loop_job(&cluster, dir.path(), "1:3", "kill-hang", &[0, 1, 2], &["--hang-timeout", "600"]);
+    wait_formed(dir.path(), &["a", "b", "c"], &mut agents, FORM);
+    cluster.host(2).kill_all();
+    wait_formed(dir.path(), &["a", "b"], &mut agents[..2], Duration::from_secs_f64(TTL_S + 10.0));
+    for a in &agents[..2] {
+        let log = a.output();
+        // (The looping worker is a shell script: kernel wait channels, no py-spy.)
+        assert!(log.contains("hang detection (--hang-timeout)") || log.contains("py-spy not found"), "{log}");
+        assert!(!log.contains("where this node's ranks stood"), "no stacks for a node loss: {log}");
+    }
+    finish(dir.path(), &mut agents[..2]);
+}
