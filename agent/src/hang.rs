@@ -425,7 +425,7 @@ mod tests {
     }
 
     const DUMP: &str = "Process 4242: python3 -u train.py\nPython v3.11.2 (/usr/bin/python3.11)\n\n\
-Thread 4242 (idle): \"MainThread\"\n    stuck_here (/work/job/train.py:4)\n    main (/work/job/train.py:12)\n    <module> (/work/job/train.py:20)\n\
+Thread 4242 (idle): \"MainThread\"\n    stuck_here (job/train.py:4)\n    main (job/train.py:12)\n    <module> (job/train.py:20)\n\
 Thread 4250 (idle): \"Thread-1\"\n    wait (threading.py:320)\n";
 
     #[test]
