@@ -6,7 +6,10 @@
 #   scripts/install-deps.sh           the above, plus what the tests need: etcd (the etcd
 #                                     backend), iproute2 (network-namespace hosts) and a Python
 #                                     virtualenv with PyTorch from PyPI (the interop peer) and
-#                                     py-spy (stacks of hung ranks) and maturin (the wheel) in .venv/
+#                                     py-spy (stacks of hung ranks) and maturin (the wheel) in .venv/,
+#                                     chromium (the status page's browser test), and Slurm with
+#                                     munge (the Slurm test runs a controller and one slurmd per
+#                                     network-namespace host)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build_only=false
@@ -20,6 +23,11 @@ if ! $build_only; then
   command -v etcd >/dev/null || need_apt+=(etcd-server)
   command -v ip >/dev/null || need_apt+=(iproute2)
   command -v python3 >/dev/null || need_apt+=(python3 python3-venv)
+  command -v chromium >/dev/null || need_apt+=(chromium)
+  command -v slurmctld >/dev/null || need_apt+=(slurmctld)
+  command -v slurmd >/dev/null || need_apt+=(slurmd)
+  command -v srun >/dev/null || need_apt+=(slurm-client)
+  command -v munged >/dev/null || need_apt+=(munge)
 fi
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "install-deps: apt-get install ${need_apt[*]}"

@@ -1,6 +1,7 @@
 //! Shared helpers for rlaunch's integration tests: where the built binaries are, running a
 //! command under a deadline, temporary directories, and waiting for conditions with deadlines.
 
+pub mod browser;
 pub mod netns;
 
 use std::path::{Path, PathBuf};

@@ -15,6 +15,7 @@
 //! | `GET /v1/jobs` | | `[JobStatus]` |
 //! | `GET /healthz` | | `ok` |
 //! | `GET /metrics` | | Prometheus text |
+//! | `GET /`, `/page.js`, `/page.css` | | the status page ([`crate::page`]): no data, it reads `/v1` with the token |
 //!
 //! Node identity: a node's first join answers a secret (256 random bits, hex); every later call
 //! for the node carries it as `secret` (a re-join too), or is refused with 403 whatever else the
@@ -347,6 +348,7 @@ pub fn router(state: AppState) -> Router {
         .merge(v1)
         .merge(metrics_route)
         .route("/healthz", get(healthz))
+        .merge(crate::page::routes())
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(state.body_limit))
         .with_state(state)

@@ -11,6 +11,7 @@
 //! - [`service`]: [`Rendezvous`], the operations over a store: long-polls, the ticker that drives
 //!   timers, metrics. Shared by the HTTP API and the in-process / etcd-direct client.
 //! - [`api`]: axum routes (`router(state)`, `serve(listener, state, shutdown)`).
+//! - [`page`]: the status page `/` (embedded HTML, script, style) over the `/v1` API.
 //! - [`client`]: [`RendezvousClient`] over a [`Backend`].
 //!
 //! # The client API (what the agent uses)
@@ -82,6 +83,7 @@ pub mod client;
 pub mod detector;
 pub mod error;
 pub mod identity;
+pub mod page;
 pub mod round;
 pub mod service;
 pub mod store;

@@ -166,6 +166,33 @@ async fn healthz_and_metrics_answer_without_a_token() {
 }
 
 #[tokio::test]
+async fn the_status_page_is_served_without_the_token_and_holds_no_data() {
+    let rdzv = Rendezvous::in_memory();
+    let app = api::router(AppState::new(rdzv, Some("s3cret".into())));
+    // A job exists, with a node id the page must never see without the token.
+    let join = json!({"settings": calm(1, 1), "node": node("node-secret-name")});
+    let mut req = post_json("/v1/jobs/jobzq7/join", &join);
+    req.headers_mut().insert(header::AUTHORIZATION, "Bearer s3cret".parse().expect("header"));
+    assert_eq!(send(&app, req).await.0, StatusCode::OK);
+    for (path, kind) in [("/", "text/html"), ("/page.js", "text/javascript"), ("/page.css", "text/css")] {
+        let resp = app.clone().oneshot(Request::get(path).body(Body::empty()).expect("req")).await.expect("answer");
+        assert_eq!(resp.status(), StatusCode::OK, "{path}");
+        let h = resp.headers();
+        let ct = h.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or_default();
+        assert!(ct.starts_with(kind), "{path}: {ct}");
+        let csp = h.get(header::CONTENT_SECURITY_POLICY).and_then(|v| v.to_str().ok()).unwrap_or_default();
+        assert!(csp.contains("script-src 'self'") && csp.contains("default-src 'none'"), "{path}: {csp}");
+        assert_eq!(h.get(header::X_CONTENT_TYPE_OPTIONS).and_then(|v| v.to_str().ok()), Some("nosniff"));
+        let body = axum::body::to_bytes(resp.into_body(), 1 << 20).await.expect("body");
+        let text = String::from_utf8_lossy(&body);
+        assert!(!text.contains("node-secret-name") && !text.contains("jobzq7"), "{path} leaks job data");
+    }
+    // What the page reads stays behind the token.
+    let (status, _) = send(&app, Request::get("/v1/jobs").body(Body::empty()).expect("req")).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+}
+
+#[tokio::test]
 async fn join_over_oneshot_closes_a_single_node_round() {
     let rdzv = Rendezvous::in_memory();
     let app = api::router(AppState::new(rdzv, None));

@@ -1,0 +1,252 @@
+//! The status page of `rlaunch-rendezvous` (`/`) in a real headless Chromium, driven over the
+//! DevTools protocol ([`integration_tests::browser`]): without the token it shows no job and asks
+//! for one; with it, it follows a 2-node job live — formed, a node lost (every process of its
+//! network-namespace host killed), re-formed on the survivor, finished — reading the page's DOM
+//! all along, never reloading it. Screenshots are kept in `target/<profile>/status-page/`.
+//!
+//! Needs root (network namespaces), the built binaries and Debian's `chromium`
+//! (`scripts/install-deps.sh`).
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use integration_tests::browser::Browser;
+use integration_tests::netns::{self, finish, listening, loop_worker, Cluster, Proc};
+use integration_tests::{bin, target_dir, tempdir, wait_until};
+use serde_json::Value;
+
+const NPROC: u32 = 2;
+/// A TTL long enough that a dead node is suspected for a few seconds before it is dropped (the
+/// page re-reads the job every 2 s: it must show that state).
+const CONF: &str = "heartbeat_interval=0.5,node_ttl=5,last_call_timeout=1,join_timeout=30";
+const FORM: Duration = Duration::from_secs(30);
+/// How long the page may take to show what the service already knows (one watch answer, or
+/// the 2 s re-read, plus rendering).
+const PAGE: Duration = Duration::from_secs(10);
+
+/// What the page shows of its selected job, read from its DOM.
+const JOB_VIEW: &str = r#"(() => {
+  const box = document.getElementById('job');
+  const rows = [...document.querySelectorAll('#members tbody tr[data-node]')];
+  return {
+    shown: !box.hidden && !document.getElementById('job-body').hidden,
+    state: box.dataset.state || null,
+    round: box.dataset.round ? Number(box.dataset.round) : null,
+    world: box.dataset.worldSize ? Number(box.dataset.worldSize) : null,
+    members: rows.map((r) => r.dataset.node),
+    beats: rows.map((r) => r.children[3].textContent),
+    suspected: rows.filter((r) => r.children[4].classList.contains('suspected')).map((r) => r.dataset.node),
+    listed: [...document.querySelectorAll('#job-table tbody tr[data-job]')].map((r) => r.dataset.job),
+    conn: document.getElementById('conn').dataset.state,
+  };
+})()"#;
+
+fn screenshot(browser: &mut Browser, name: &str) {
+    let dir = target_dir().join("status-page");
+    std::fs::create_dir_all(&dir).expect("screenshot dir");
+    let path = dir.join(name);
+    browser.screenshot(&path);
+    eprintln!("screenshot: {}", path.display());
+}
+
+fn agent_args(endpoint: &str, token_file: &Path, dir: &Path) -> Vec<String> {
+    let mut a: Vec<String> = [
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        &NPROC.to_string(),
+        "--rdzv-backend",
+        "rlaunch",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        "page",
+        "--rdzv-conf",
+        CONF,
+        "--shutdown-timeout",
+        "6",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    a.push("--rdzv-token-file".into());
+    a.push(token_file.display().to_string());
+    a.push(loop_worker(dir).display().to_string());
+    a.push(dir.display().to_string());
+    a
+}
+
+#[test]
+fn the_page_follows_a_job_that_forms_loses_a_node_and_reforms() {
+    let cluster = Cluster::new(2);
+    let dir = tempdir();
+    let token = format!("page-token-{}", std::process::id());
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, &token).expect("token file");
+    let listen = format!("{}:{}", cluster.root_ip(), cluster.free_root_port());
+    let mut service = Command::new(bin("rlaunch-rendezvous"));
+    service
+        .args(["--listen", &listen, "--store", "memory", "--token-file"])
+        .arg(&token_file)
+        .env("RLAUNCH_LOG", "info");
+    let _service = Proc::spawn(service, "rlaunch-rendezvous", &dir.path().join("service.log"));
+    wait_until("the service to listen", Duration::from_secs(10), || listening(&listen));
+
+    let mut browser = Browser::launch(&dir.path().join("chromium.log"));
+
+    // Without the token the page asks for it and shows nothing of any job.
+    browser.open(&format!("http://{listen}/"));
+    browser.wait_for("the token form", "!document.getElementById('auth').hidden", PAGE);
+    assert_eq!(browser.eval("document.getElementById('content').hidden"), Value::Bool(true));
+    assert_eq!(browser.eval("document.getElementById('conn').dataset.state"), "unauthorized");
+
+    // With it (in the fragment: never sent to the server, and taken out of the address bar),
+    // opened before the job exists.
+    browser.open(&format!("http://{listen}/#token={token}&job=page"));
+    browser.wait_for("that the job is not there yet", "!document.getElementById('job-missing').hidden", PAGE);
+    let hash = browser.eval("location.hash");
+    assert_eq!(hash, "#job=page", "the token left the address bar");
+
+    let args = agent_args(&listen, &token_file, dir.path());
+    let mut agents: Vec<Proc> = cluster.hosts().iter().map(|h| h.rlaunch(dir.path(), &args)).collect();
+    netns::wait_formed(dir.path(), &["a", "b"], NPROC, &mut agents, FORM);
+    let formed = browser.wait_for(
+        "the 2-node round",
+        &format!("(v => v.state === 'running' && v.members.length === 2 && v.world === 4 && v)({JOB_VIEW})"),
+        PAGE,
+    );
+    eprintln!("formed: {formed}");
+    assert_eq!(formed["listed"], serde_json::json!(["page"]));
+    assert_eq!(formed["conn"], "live");
+    let round = formed["round"].as_u64().expect("a round");
+    // Heartbeat ages are shown and recent.
+    for beat in formed["beats"].as_array().expect("beats") {
+        let s = beat.as_str().unwrap_or_default();
+        assert!(s.ends_with(" s ago"), "heartbeat cell {s:?}");
+    }
+    screenshot(&mut browser, "formed.png");
+
+    // Host b is lost: every process of it killed at once.
+    let b_nodes: Vec<String> = formed["members"]
+        .as_array()
+        .expect("members")
+        .iter()
+        .filter_map(Value::as_str)
+        .filter(|n| n.starts_with('b'))
+        .map(str::to_owned)
+        .collect();
+    assert_eq!(b_nodes.len(), 1, "one member is host b's: {formed}");
+    cluster.host(1).kill_all();
+    // Before the job drops it, the page shows host b's node as suspected (its heartbeats stopped).
+    let suspected = browser.wait_for(
+        "host b's node suspected",
+        &format!("(v => v.suspected.includes({:?}) && v)({JOB_VIEW})", b_nodes[0]),
+        PAGE,
+    );
+    eprintln!("suspected: {suspected}");
+    assert_eq!(suspected["round"].as_u64(), Some(round), "still the round host b was lost from");
+    screenshot(&mut browser, "suspected.png");
+    netns::wait_formed(dir.path(), &["a"], NPROC, &mut agents[..1], FORM);
+    let reformed = browser.wait_for(
+        "the re-formed round on host a alone",
+        &format!(
+            "(v => v.state === 'running' && v.round > {round} && v.members.length === 1 && v.world === 2 && v)({JOB_VIEW})"
+        ),
+        PAGE,
+    );
+    eprintln!("re-formed: {reformed}");
+    assert!(!reformed["members"][0].as_str().unwrap_or_default().starts_with('b'), "host b is gone: {reformed}");
+    let event = browser.eval("document.querySelector('[data-fact=\"last event\"]').textContent");
+    eprintln!("last event: {event}");
+    let closed = format!("round {} closed", reformed["round"]);
+    assert!(event.as_str().is_some_and(|e| e.contains(&closed)), "the page says the round closed: {event}");
+    screenshot(&mut browser, "reformed.png");
+
+    finish(dir.path(), &mut agents[..1]);
+    browser.wait_for("the finished job", &format!("(v => v.state === 'finished' && v)({JOB_VIEW})"), PAGE);
+    screenshot(&mut browser, "finished.png");
+}
+
+/// POSTs `body` to the service with the token (plain HTTP/1.1 on a socket); the answer's JSON.
+fn post(listen: &str, token: &str, path: &str, body: &Value) -> Value {
+    use std::io::{Read, Write};
+    let body = body.to_string();
+    let mut s = std::net::TcpStream::connect(listen).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: {listen}\r\nAuthorization: Bearer {token}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("send");
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).expect("answer");
+    let (head, json) = answer.split_once("\r\n\r\n").expect("an HTTP answer");
+    assert!(head.starts_with("HTTP/1.1 200"), "{path}: {head}\n{json}");
+    serde_json::from_str(json).unwrap_or_else(|e| panic!("{path}: {e}: {json}"))
+}
+
+#[test]
+fn markup_in_node_ids_and_root_causes_is_shown_as_text_and_a_wrong_token_shows_nothing() {
+    let dir = tempdir();
+    let listen =
+        format!("127.0.0.1:{}", std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port());
+    let token = "page-markup-token";
+    let mut service = Command::new(bin("rlaunch-rendezvous"));
+    service.args(["--listen", &listen, "--store", "memory", "--token", token]).env("RLAUNCH_LOG", "info");
+    let _service = Proc::spawn(service, "rlaunch-rendezvous", &dir.path().join("service.log"));
+    wait_until("the service to listen", Duration::from_secs(10), || listening(&listen));
+
+    // A client of the service (any job's agent may be hostile) names its node and its failure
+    // with markup that would run script if the page wrote it as HTML.
+    let evil_node = r#"<img src=x onerror="document.title='pwned-node'">"#;
+    let evil_message = r#"<script>document.title='pwned-script'</script><b id=injected>bold</b>"#;
+    let settings = serde_json::json!({
+        "min_nodes": 1, "max_nodes": 1, "join_timeout_ms": 60000, "last_call_timeout_ms": 1000,
+        "heartbeat_interval_ms": 1000, "node_ttl_ms": 30000, "probe_timeout_ms": 5000, "max_restarts": 0
+    });
+    let node = serde_json::json!({"node_id": evil_node, "local_world_size": 1, "store_addr": "127.0.0.1:1"});
+    let joined = post(&listen, token, "/v1/jobs/markup/join", &serde_json::json!({"settings": settings, "node": node}));
+    let secret = joined["secret"].as_str().expect("a secret").to_owned();
+    let mut cause =
+        serde_json::to_value(rlaunch::contract::RootCause::from_message(evil_message.to_owned())).expect("json");
+    cause["traceback"] = Value::from(format!("Traceback: {evil_node}"));
+    post(
+        &listen,
+        token,
+        "/v1/jobs/markup/failure",
+        &serde_json::json!({"node_id": evil_node, "secret": secret, "round": 1, "root_cause": cause}),
+    );
+
+    let mut browser = Browser::launch(&dir.path().join("chromium.log"));
+    // A wrong token: refused, nothing shown.
+    browser.open(&format!("http://{listen}/#token=wrong&job=markup"));
+    browser.wait_for("the token refused", "!document.getElementById('auth-error').hidden", PAGE);
+    assert_eq!(browser.eval("document.getElementById('content').hidden"), Value::Bool(true));
+    assert_eq!(
+        browser.eval("document.body.innerText.includes('pwned') || document.body.innerText.includes('markup')"),
+        Value::Bool(false)
+    );
+
+    // The right one, typed into the form.
+    browser.eval(&format!(
+        "document.getElementById('auth-token').value = {token:?}; document.getElementById('auth-form').requestSubmit(); true"
+    ));
+    let shown = browser.wait_for(
+        "the failed job with its root cause",
+        "(() => { const c = document.getElementById('cause'); return !document.getElementById('cause-box').hidden && c.textContent; })()",
+        PAGE,
+    );
+    let shown = shown.as_str().unwrap_or_default();
+    assert!(shown.contains(evil_message), "the message is shown as written: {shown}");
+    assert!(shown.contains(evil_node), "the traceback is shown as written: {shown}");
+    let row = browser.eval("document.querySelector('#members tbody tr td').textContent");
+    assert_eq!(row, evil_node, "the node id is shown as written");
+    // Nothing of it became markup, and no script of it ran.
+    assert_eq!(browser.eval("document.querySelectorAll('img, #injected, body script:not([src])').length"), 0);
+    assert_eq!(browser.eval("document.title"), "rlaunch rendezvous");
+    assert_eq!(browser.eval("document.getElementById('job').dataset.state"), "failed");
+    screenshot(&mut browser, "markup.png");
+}
