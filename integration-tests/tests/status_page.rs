@@ -213,6 +213,8 @@ fn markup_in_node_ids_and_root_causes_is_shown_as_text_and_a_wrong_token_shows_n
     let mut cause =
         serde_json::to_value(rlaunch::contract::RootCause::from_message(evil_message.to_owned())).expect("json");
     cause["traceback"] = Value::from(format!("Traceback: {evil_node}"));
+    // Where the ranks stood (as a hang report has them): one line per group of ranks.
+    cause["stacks"] = serde_json::json!(["rank 0: stuck_here (train.py:4) <- main (train.py:12)"]);
     post(
         &listen,
         token,
@@ -242,6 +244,12 @@ fn markup_in_node_ids_and_root_causes_is_shown_as_text_and_a_wrong_token_shows_n
     let shown = shown.as_str().unwrap_or_default();
     assert!(shown.contains(evil_message), "the message is shown as written: {shown}");
     assert!(shown.contains(evil_node), "the traceback is shown as written: {shown}");
+    let stacks = browser.eval("[...document.querySelectorAll('#stacks li')].map((li) => li.textContent)");
+    assert_eq!(
+        stacks,
+        serde_json::json!(["rank 0: stuck_here (train.py:4) <- main (train.py:12)"]),
+        "the stacks are listed"
+    );
     let row = browser.eval("document.querySelector('#members tbody tr td').textContent");
     assert_eq!(row, evil_node, "the node id is shown as written");
     // Nothing of it became markup, and no script of it ran.
