@@ -75,7 +75,7 @@ impl Browser {
         .stderr(out)
         // Its own process group, so the renderer and GPU helpers go with it.
         .process_group(0);
-        // SAFETY: only async-signal-safe calls (fcntl, dup2) between fork and exec.
+        // SAFETY: only async-signal-safe calls (fcntl, dup2, close) between fork and exec.
         unsafe {
             cmd.pre_exec(move || {
                 // Out of the way of 3 and 4 first, whatever numbers the pipes got.
@@ -84,6 +84,8 @@ impl Browser {
                 if c < 0 || a < 0 || libc::dup2(c, 3) < 0 || libc::dup2(a, 4) < 0 {
                     return Err(std::io::Error::last_os_error());
                 }
+                libc::close(c);
+                libc::close(a);
                 Ok(())
             });
         }

@@ -17,9 +17,10 @@ use integration_tests::{bin, target_dir, tempdir, wait_until};
 use serde_json::Value;
 
 const NPROC: u32 = 2;
-/// A TTL long enough that a dead node is suspected for a few seconds before it is dropped (the
-/// page re-reads the job every 2 s: it must show that state).
-const CONF: &str = "heartbeat_interval=0.5,node_ttl=5,last_call_timeout=1,join_timeout=30";
+/// A dead node is suspected at its TTL (it has sent too few heartbeats for an earlier verdict)
+/// and lost when the probes of it time out 4 s later: the page, which re-reads the job every
+/// 2 s, must show it suspected in between.
+const CONF: &str = "heartbeat_interval=0.5,node_ttl=5,probe_timeout=4,last_call_timeout=1,join_timeout=30";
 const FORM: Duration = Duration::from_secs(30);
 /// How long the page may take to show what the service already knows (one watch answer, or
 /// the 2 s re-read, plus rendering).
@@ -81,7 +82,8 @@ fn agent_args(endpoint: &str, token_file: &Path, dir: &Path) -> Vec<String> {
 fn the_page_follows_a_job_that_forms_loses_a_node_and_reforms() {
     let cluster = Cluster::new(2);
     let dir = tempdir();
-    let token = format!("page-token-{}", std::process::id());
+    // As `openssl rand -base64` makes them: `+`, `/` and `=` reach the service as written.
+    let token = format!("page+token/{}==", std::process::id());
     let token_file = dir.path().join("token");
     std::fs::write(&token_file, &token).expect("token file");
     let listen = format!("{}:{}", cluster.root_ip(), cluster.free_root_port());

@@ -134,14 +134,17 @@ pub enum WatchEvent {
 
 /// Run ids name etcd keys and URL segments: keep them tame.
 pub fn validate_run_id(run_id: &str) -> Result<(), RdzvError> {
+    // `.` and `..` are path segments: no URL (the status page's, a proxy's) could address them.
     let ok = !run_id.is_empty()
         && run_id.len() <= 128
-        && run_id.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+        && run_id.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        && run_id != "."
+        && run_id != "..";
     if ok {
         Ok(())
     } else {
         Err(RdzvError::BadRequest {
-            message: format!("run id `{run_id}` must be 1 to 128 characters of [A-Za-z0-9._-]"),
+            message: format!("run id `{run_id}` must be 1 to 128 characters of [A-Za-z0-9._-], not `.` or `..`"),
         })
     }
 }
@@ -665,5 +668,18 @@ async fn ticker(me: Weak<Rendezvous>) {
         }
         let Some(r) = me.upgrade() else { return };
         r.tick().await;
+    }
+}
+
+#[cfg(test)]
+mod run_id_tests {
+    #[test]
+    fn run_ids_are_tame_url_segments() {
+        for ok in ["job42", "slurm-1234", "k8s-train", "a.b", "...", "x".repeat(128).as_str()] {
+            assert!(super::validate_run_id(ok).is_ok(), "{ok}");
+        }
+        for bad in ["", ".", "..", "a/b", "a b", "é", "x".repeat(129).as_str()] {
+            assert!(super::validate_run_id(bad).is_err(), "{bad:?}");
+        }
     }
 }

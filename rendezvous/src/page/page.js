@@ -1,14 +1,19 @@
 // The status page of rlaunch-rendezvous: jobs, their rounds and members, the last root cause.
 // It reads the service's own API (GET /v1/jobs, GET /v1/jobs/{id}, POST /v1/jobs/{id}/watch)
 // with the bearer token the user gives (URL fragment `#token=…` or the form; kept in
-// sessionStorage, never sent anywhere else). The selected job is followed through the watch
-// long-poll, so a new round shows at once; the list is re-read every few seconds. Everything
-// from the service is written with textContent: a node id or a stack line is never markup.
+// sessionStorage, sent only to this origin in a header). The selected job is followed through
+// one watch long-poll, so a new round shows at once; the list is re-read every few seconds.
+// Nothing is read while the tab is hidden. Everything from the service is written with
+// textContent: a node id or a stack line is never markup.
 'use strict';
 
 const LIST_EVERY_MS = 3000;
 const JOB_EVERY_MS = 2000;
+/// A finished or failed job changes no more: re-read it seldom, and watch it no longer.
+const OVER_EVERY_MS = 15000;
 const WATCH_WAIT_MS = 20000;
+/// Between two watch requests at least this long, whatever they answer.
+const WATCH_GAP_MS = 500;
 const MAX_ROWS = 500;
 const TOKEN_KEY = 'rlaunch-rendezvous-token';
 
@@ -17,7 +22,9 @@ const st = {
   selected: null,
   jobs: [],
   job: null, // {status, at} of the selected job, or {missing: true}
-  watching: null,
+  rendered: null, // the JSON of the job status last drawn
+  follow: null, // {gen, abort} of the one watch loop
+  gen: 0,
   listTimer: null,
   jobTimer: null,
 };
@@ -35,13 +42,15 @@ function sleep(ms) {
   return new Promise((r) => setTimeout(r, ms));
 }
 
+const over = (status) => status && (status.state === 'finished' || status.state === 'failed');
+
 class Unauthorized extends Error {}
 class NotFound extends Error {}
 
-async function api(path, body) {
+async function api(path, body, signal) {
   const headers = { Accept: 'application/json' };
   if (st.token) headers.Authorization = 'Bearer ' + st.token;
-  const init = { headers, cache: 'no-store' };
+  const init = { headers, cache: 'no-store', signal };
   if (body !== undefined) {
     init.method = 'POST';
     headers['Content-Type'] = 'application/json';
@@ -60,32 +69,61 @@ async function api(path, body) {
 
 // --- the URL fragment: #token=…&job=… -------------------------------------------------------
 
-function readFragment() {
-  const h = new URLSearchParams(location.hash.slice(1));
-  const token = h.get('token');
-  if (token) {
-    st.token = token;
-    sessionStorage.setItem(TOKEN_KEY, token);
-    h.delete('token');
-    // The token leaves the address bar (and the history) at once.
-    history.replaceState(null, '', location.pathname + location.search + (h.toString() ? '#' + h : ''));
+// Parsed by hand: a token is taken byte for byte (`+` stays `+`), percent-escapes decoded.
+function fragment() {
+  const out = new Map();
+  for (const part of location.hash.slice(1).split('&')) {
+    if (!part) continue;
+    const at = part.indexOf('=');
+    const key = at < 0 ? part : part.slice(0, at);
+    let value = at < 0 ? '' : part.slice(at + 1);
+    try { value = decodeURIComponent(value); } catch (_) { /* kept as written */ }
+    out.set(key, value);
   }
-  select(h.get('job'));
+  return out;
 }
 
-function select(id) {
-  if (id === st.selected) return;
-  st.selected = id || null;
-  st.job = null;
-  const h = new URLSearchParams(location.hash.slice(1));
-  if (st.selected) h.set('job', st.selected); else h.delete('job');
-  const frag = h.toString();
+function setFragment(job) {
+  const frag = job ? 'job=' + encodeURIComponent(job) : '';
   if (location.hash.slice(1) !== frag) history.replaceState(null, '', location.pathname + location.search + (frag ? '#' + frag : ''));
-  renderList();
-  renderJob();
+}
+
+function readFragment() {
+  const f = fragment();
+  const token = (f.get('token') || '').trim();
+  const job = f.has('job') ? f.get('job') : st.selected;
+  if (token) {
+    // Out of the address bar at once (the browser's history may still hold the address).
+    setFragment(job);
+    useToken(token);
+  }
+  select(job);
+}
+
+function useToken(token) {
+  st.token = token;
+  sessionStorage.setItem(TOKEN_KEY, token);
+  refreshList();
   if (st.selected) {
     refreshJob();
     followJob(st.selected);
+  }
+}
+
+function select(id) {
+  id = id || null;
+  if (id === st.selected) return;
+  st.selected = id;
+  st.job = null;
+  st.rendered = null;
+  setFragment(id);
+  renderList();
+  renderJob();
+  if (id) {
+    refreshJob();
+    followJob(id);
+  } else {
+    stopFollowing();
   }
 }
 
@@ -118,6 +156,8 @@ function onError(e) {
 
 async function refreshList() {
   clearTimeout(st.listTimer);
+  st.listTimer = null;
+  if (document.hidden) return; // resumed by visibilitychange
   try {
     st.jobs = await api('/v1/jobs');
     $('auth').hidden = true;
@@ -127,56 +167,87 @@ async function refreshList() {
     renderList();
   } catch (e) {
     if (onError(e)) return; // waits for a token: no timer
+  } finally {
+    // One chain only, whoever called.
+    clearTimeout(st.listTimer);
   }
   st.listTimer = setTimeout(refreshList, LIST_EVERY_MS);
 }
 
+/// Re-reads the selected job; true when it was read.
 async function refreshJob() {
   const id = st.selected;
-  if (!id) return;
+  if (!id) return false;
   clearTimeout(st.jobTimer);
+  st.jobTimer = null;
+  if (document.hidden) return false;
+  let read = false;
   try {
     const status = await api('/v1/jobs/' + encodeURIComponent(id));
+    read = true;
     if (st.selected === id) {
       st.job = { status, at: Date.now() };
       // The list shows the same job as the detail, without waiting for its own re-read.
       const i = st.jobs.findIndex((j) => j.run_id === id);
       if (i >= 0) st.jobs[i] = status; else st.jobs.push(status);
       renderList();
+      // A run id used again after its job ended: follow the new job.
+      if (!over(status) && !st.follow) followJob(id);
     }
   } catch (e) {
     if (e instanceof NotFound) {
       if (st.selected === id) st.job = { missing: true };
     } else if (onError(e)) {
-      return;
+      return false;
+    }
+  } finally {
+    if (st.selected === id) {
+      try { renderJob(); } catch (e) { setConn('error', 'cannot show this job: ' + e.message); }
+      clearTimeout(st.jobTimer);
+      const every = st.job && over(st.job.status) ? OVER_EVERY_MS : JOB_EVERY_MS;
+      st.jobTimer = setTimeout(refreshJob, every);
     }
   }
-  if (st.selected === id) {
-    renderJob();
-    st.jobTimer = setTimeout(refreshJob, JOB_EVERY_MS);
-  }
+  return read;
+}
+
+function stopFollowing() {
+  if (st.follow) st.follow.abort.abort();
+  st.follow = null;
 }
 
 // Follows one job through the watch long-poll: each answer (a new round, the job's end, or
-// nothing within the wait) re-reads it, so a re-formed round shows within one request.
+// nothing within the wait) re-reads it, so a re-formed round shows within one request. One
+// loop at a time: selecting another job, or this one again, ends the previous loop and aborts
+// its request.
 async function followJob(id) {
-  if (st.watching === id) return;
-  st.watching = id;
-  while (st.selected === id) {
-    const after = st.job && st.job.status ? st.job.status.round : 0;
+  stopFollowing();
+  const me = { gen: ++st.gen, abort: new AbortController() };
+  st.follow = me;
+  const mine = () => st.follow === me && st.selected === id;
+  let after = st.job && st.job.status ? st.job.status.round : 0;
+  while (mine()) {
+    const started = Date.now();
+    if (document.hidden) {
+      await sleep(JOB_EVERY_MS);
+      continue;
+    }
     let ev = null;
     try {
-      ev = await api('/v1/jobs/' + encodeURIComponent(id) + '/watch', { after_round: after, wait_ms: WATCH_WAIT_MS });
+      ev = await api('/v1/jobs/' + encodeURIComponent(id) + '/watch', { after_round: after, wait_ms: WATCH_WAIT_MS }, me.abort.signal);
     } catch (e) {
-      if (e instanceof Unauthorized) break;
+      if (!mine() || e instanceof Unauthorized) break;
       await sleep(JOB_EVERY_MS); // not there yet, or the service is away
       continue;
     }
-    if (st.selected !== id) break;
-    await refreshJob();
-    if (ev.event === 'finished' || ev.event === 'failed') await sleep(5000); // over: no hurry
+    if (!mine()) break;
+    if (ev.event === 'new_round' && typeof ev.data === 'number') after = Math.max(after, ev.data);
+    const read = await refreshJob();
+    if (st.job && st.job.status) after = Math.max(after, st.job.status.round);
+    if (ev.event === 'finished' || ev.event === 'failed' || (st.job && over(st.job.status))) break; // over: refreshJob goes on, slowly
+    await sleep(read ? Math.max(0, WATCH_GAP_MS - (Date.now() - started)) : JOB_EVERY_MS);
   }
-  if (st.watching === id) st.watching = null;
+  if (st.follow === me) st.follow = null;
 }
 
 // --- rendering ------------------------------------------------------------------------------
@@ -187,7 +258,13 @@ function briefCause(c) {
   return 'rank ' + c.rank + ' on ' + c.host + ': ' + (c.message || exit || '');
 }
 
+let listDrawn = null;
+
 function renderList() {
+  const shown = st.jobs.slice(0, MAX_ROWS).map((j) => [j.run_id, j.state, j.round, j.members.length, j.pending.length, j.world_size, j.restart_count, j.max_restarts, briefCause(j.last_root_cause)]);
+  const key = JSON.stringify([shown, st.jobs.length, st.selected]);
+  if (key === listDrawn) return;
+  listDrawn = key;
   const tbody = $('job-table').tBodies[0];
   tbody.replaceChildren();
   $('job-count').textContent = st.jobs.length ? '(' + st.jobs.length + ')' : '';
@@ -243,6 +320,17 @@ function fact(dl, name, value) {
   dl.append(dt, dd);
 }
 
+// Whether `part` of the selected job differs from what was drawn last (then it is drawn
+// again): a section is rebuilt only when its own data changed, so a text selection in the
+// root cause survives new heartbeats.
+function changed(part, value) {
+  const key = JSON.stringify(value);
+  if (st.rendered && st.rendered[part] === key) return false;
+  st.rendered = st.rendered || {};
+  st.rendered[part] = key;
+  return true;
+}
+
 function renderJob() {
   const box = $('job');
   box.hidden = !st.selected;
@@ -253,94 +341,118 @@ function renderJob() {
   $('job-body').hidden = !j;
   box.dataset.job = st.selected;
   if (!j) {
+    st.rendered = null;
     delete box.dataset.state;
     delete box.dataset.round;
+    delete box.dataset.worldSize;
     return;
   }
   box.dataset.state = j.state;
   box.dataset.round = j.round;
   box.dataset.worldSize = j.world_size;
-  const since = Date.now() - st.job.at;
 
-  const dl = $('job-facts');
-  dl.replaceChildren();
-  fact(dl, 'state', j.state);
-  fact(dl, 'round', j.round);
-  fact(dl, 'world size', j.world_size);
-  fact(dl, 'nodes', j.settings.min_nodes === j.settings.max_nodes ? j.settings.min_nodes : j.settings.min_nodes + ' to ' + j.settings.max_nodes);
-  fact(dl, 'restarts', j.restart_count + ' of ' + j.max_restarts);
-  fact(dl, 'last event', j.last_reason);
-  fact(dl, 'failure', j.failure);
-  if (j.straggler) fact(dl, 'straggler', 'rank ' + j.straggler.rank + ' on ' + j.straggler.node_id + ', ' + j.straggler.late_ms.toFixed(1) + ' ms late per step');
-  if (j.fingerprint_diff && j.fingerprint_diff.length) fact(dl, 'nodes differ', j.fingerprint_diff.join('; '));
+  const facts = [
+    ['state', j.state],
+    ['round', j.round],
+    ['world size', j.world_size],
+    ['nodes', j.settings.min_nodes === j.settings.max_nodes ? j.settings.min_nodes : j.settings.min_nodes + ' to ' + j.settings.max_nodes],
+    ['restarts', j.restart_count + ' of ' + j.max_restarts],
+    ['last event', j.last_reason],
+    ['failure', j.failure],
+    ['straggler', j.straggler && 'rank ' + j.straggler.rank + ' on ' + j.straggler.node_id + ', ' + Number(j.straggler.late_ms).toFixed(1) + ' ms late per step'],
+    ['nodes differ', j.fingerprint_diff && j.fingerprint_diff.join('; ')],
+  ];
+  if (changed('facts', facts)) {
+    const dl = $('job-facts');
+    dl.replaceChildren();
+    for (const [name, value] of facts) fact(dl, name, value);
+  }
 
-  $('member-count').textContent = '(' + j.members.length + ')';
-  const tbody = $('members').tBodies[0];
-  tbody.replaceChildren();
   const members = [...j.members].sort((a, b) => (a.group_rank ?? 0) - (b.group_rank ?? 0));
-  for (const m of members.slice(0, MAX_ROWS)) {
-    const tr = el('tr');
-    tr.dataset.node = m.node_id;
-    tr.dataset.groupRank = m.group_rank;
-    const beat = m.last_heartbeat_ago_ms === null || m.last_heartbeat_ago_ms === undefined ? null : m.last_heartbeat_ago_ms + since;
-    const h = health(m.health);
-    tr.append(
-      el('td', m.node_id),
-      el('td', m.group_rank, 'num'),
-      el('td', m.local_world_size, 'num'),
-      el('td', age(beat), 'num'),
-      el('td', h, m.health && m.health.suspected_for_ms != null ? 'suspected' : ''),
-      el('td', m.succeeded ? 'finished' : ''),
-    );
-    tbody.append(tr);
+  const rows = members.slice(0, MAX_ROWS).map((m) => [m.node_id, m.group_rank, m.local_world_size, m.succeeded]);
+  if (changed('members', [rows, members.length])) {
+    $('member-count').textContent = '(' + members.length + ')';
+    const tbody = $('members').tBodies[0];
+    tbody.replaceChildren();
+    for (const [node, rank, workers, succeeded] of rows) {
+      const tr = el('tr');
+      tr.dataset.node = node;
+      tr.dataset.groupRank = rank;
+      tr.append(el('td', node), el('td', rank, 'num'), el('td', workers, 'num'), el('td', '', 'num beat'), el('td', '', 'health'), el('td', succeeded ? 'finished' : ''));
+      tbody.append(tr);
+    }
+    if (members.length > MAX_ROWS) {
+      const tr = el('tr');
+      const td = el('td', '… and ' + (members.length - MAX_ROWS) + ' more members');
+      td.colSpan = 6;
+      tr.append(td);
+      tbody.append(tr);
+    }
   }
-  if (members.length > MAX_ROWS) {
-    const tr = el('tr');
-    const td = el('td', '… and ' + (members.length - MAX_ROWS) + ' more members');
-    td.colSpan = 6;
-    tr.append(td);
-    tbody.append(tr);
-  }
+  updateAges();
 
-  $('pending-box').hidden = !j.pending.length;
-  const pending = $('pending');
-  pending.replaceChildren(...j.pending.slice(0, MAX_ROWS).map((p) => el('li', p.node_id + ' (' + p.local_world_size + ' workers)')));
+  const pending = j.pending.slice(0, MAX_ROWS).map((p) => p.node_id + ' (' + p.local_world_size + ' workers)');
+  if (changed('pending', pending)) {
+    $('pending-box').hidden = !pending.length;
+    $('pending').replaceChildren(...pending.map((p) => el('li', p)));
+  }
 
   const c = j.last_root_cause;
-  $('cause-box').hidden = !c;
-  if (c) {
-    $('cause-round').textContent = j.last_failure_round ? '(round ' + j.last_failure_round + ')' : '';
-    const lines = [briefCause(c), 'pid ' + c.pid + ', local rank ' + c.local_rank + ', restart ' + c.restart_count];
-    if (c.error_file) lines.push('error file: ' + c.error_file);
-    if (c.traceback) lines.push('', c.traceback);
-    else if (c.stderr_tail && c.stderr_tail.length) lines.push('', ...c.stderr_tail);
-    for (const o of c.other_failures || []) lines.push('also failed: rank ' + o.rank + ' (pid ' + o.pid + ')' + (o.message ? ': ' + o.message : ''));
-    $('cause').textContent = lines.join('\n');
-    const stacks = c.stacks || [];
-    $('stacks-box').hidden = !stacks.length;
-    $('stacks').replaceChildren(...stacks.map((s) => el('li', s)));
+  if (changed('cause', [c, j.last_failure_round])) {
+    $('cause-box').hidden = !c;
+    if (c) {
+      $('cause-round').textContent = j.last_failure_round ? '(round ' + j.last_failure_round + ')' : '';
+      const lines = [briefCause(c), 'pid ' + c.pid + ', local rank ' + c.local_rank + ', restart ' + c.restart_count];
+      if (c.error_file) lines.push('error file: ' + c.error_file);
+      if (c.traceback) lines.push('', c.traceback);
+      else if (c.stderr_tail && c.stderr_tail.length) lines.push('', ...c.stderr_tail);
+      for (const o of c.other_failures || []) lines.push('also failed: rank ' + o.rank + ' (pid ' + o.pid + ')' + (o.message ? ': ' + o.message : ''));
+      $('cause').textContent = lines.join('\n');
+      const stacks = c.stacks || [];
+      $('stacks-box').hidden = !stacks.length;
+      $('stacks').replaceChildren(...stacks.map((s) => el('li', s)));
+    }
   }
 }
 
-// Heartbeat ages move on between reads.
-function tick() {
-  if (st.job && st.job.status) renderJob();
+// Heartbeat ages (and how long a node has been suspected) move on between reads: only those
+// cells are written, every second.
+function updateAges() {
+  const j = st.job && st.job.status;
+  if (!j) return;
+  const since = Date.now() - st.job.at;
+  const byNode = new Map(j.members.map((m) => [m.node_id, m]));
+  for (const tr of $('members').tBodies[0].rows) {
+    const m = byNode.get(tr.dataset.node);
+    if (!m) continue;
+    const beat = m.last_heartbeat_ago_ms === null || m.last_heartbeat_ago_ms === undefined ? null : m.last_heartbeat_ago_ms + since;
+    const h = m.health || {};
+    const suspected = h.suspected_for_ms !== null && h.suspected_for_ms !== undefined;
+    const shown = suspected ? { ...h, suspected_for_ms: h.suspected_for_ms + since } : h;
+    const cells = tr.cells;
+    const ageText = age(beat);
+    if (cells[3].textContent !== ageText) cells[3].textContent = ageText;
+    const healthText = health(shown);
+    if (cells[4].textContent !== healthText) cells[4].textContent = healthText;
+    cells[4].classList.toggle('suspected', suspected);
+  }
 }
 
 document.addEventListener('DOMContentLoaded', () => {
   $('auth-form').addEventListener('submit', (e) => {
     e.preventDefault();
-    st.token = $('auth-token').value.trim();
-    sessionStorage.setItem(TOKEN_KEY, st.token);
+    const token = $('auth-token').value.trim();
     $('auth-token').value = '';
-    refreshList();
-    if (st.selected) {
-      refreshJob();
-      followJob(st.selected);
-    }
+    useToken(token);
   });
   window.addEventListener('hashchange', readFragment);
+  // A hidden tab reads nothing; shown again, it catches up at once.
+  document.addEventListener('visibilitychange', () => {
+    if (document.hidden) return;
+    refreshList();
+    if (st.selected) refreshJob();
+  });
   readFragment();
   refreshList();
-  setInterval(tick, 1000);
+  setInterval(updateAges, 1000);
 });
