@@ -343,7 +343,12 @@ async fn backend(d: &DynamicRendezvous) -> Result<(Backend, Option<AbortOnDrop>)
                 // another host: wait for that server to answer.
                 Err(e) => {
                     if !announced {
-                        info!(endpoint = %first, reason = %e, "waiting for the rendezvous server to answer");
+                        let why = if e.kind() == std::io::ErrorKind::AddrNotAvailable {
+                            "another host's address: its agent hosts the server".to_owned()
+                        } else {
+                            format!("this host's address, but it cannot serve there: {e}")
+                        };
+                        info!(endpoint = %first, %why, "waiting for the rendezvous server to answer");
                         announced = true;
                     }
                 }
