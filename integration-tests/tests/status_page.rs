@@ -260,3 +260,49 @@ fn markup_in_node_ids_and_root_causes_is_shown_as_text_and_a_wrong_token_shows_n
     assert_eq!(browser.eval("document.getElementById('job').dataset.state"), "failed");
     screenshot(&mut browser, "markup.png");
 }
+
+#[test]
+fn switching_between_jobs_keeps_one_watch_in_flight() {
+    // Each selected job is followed by a long-poll that may hold a connection for 20 s; a
+    // browser has 6 per host. Selecting jobs back and forth must end the old loops and abort
+    // their requests, not stack them.
+    let dir = tempdir();
+    let listen =
+        format!("127.0.0.1:{}", std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port());
+    let token = "page-switch-token";
+    let mut service = Command::new(bin("rlaunch-rendezvous"));
+    service.args(["--listen", &listen, "--store", "memory", "--token", token]).env("RLAUNCH_LOG", "info");
+    let _service = Proc::spawn(service, "rlaunch-rendezvous", &dir.path().join("service.log"));
+    wait_until("the service to listen", Duration::from_secs(10), || listening(&listen));
+    // Two running jobs of one node each (slow timers: they stay running through the test).
+    let settings = serde_json::json!({
+        "min_nodes": 1, "max_nodes": 1, "join_timeout_ms": 60000, "last_call_timeout_ms": 1000,
+        "heartbeat_interval_ms": 10000, "node_ttl_ms": 50000, "probe_timeout_ms": 30000, "max_restarts": 0
+    });
+    for job in ["left", "right"] {
+        let node =
+            serde_json::json!({"node_id": format!("{job}-node"), "local_world_size": 1, "store_addr": "127.0.0.1:1"});
+        post(&listen, token, &format!("/v1/jobs/{job}/join"), &serde_json::json!({"settings": settings, "node": node}));
+    }
+
+    let mut browser = Browser::launch(&dir.path().join("chromium.log"));
+    browser.open(&format!("http://{listen}/#token={token}&job=left"));
+    browser.wait_for("job left", "document.getElementById('job').dataset.state === 'running'", PAGE);
+    // Count the page's watch requests in flight from here on.
+    browser.eval(
+        "window.watches = 0; const f = window.fetch; window.fetch = (...a) => { \
+           if (!String(a[0]).endsWith('/watch')) return f(...a); \
+           window.watches++; return f(...a).finally(() => window.watches--); }; true",
+    );
+    for job in ["right", "left", "right", "left", "right", "left"] {
+        browser.eval(&format!("location.hash = '#job={job}'; true"));
+        std::thread::sleep(Duration::from_millis(150));
+    }
+    browser.wait_for("job left again", "document.getElementById('job').dataset.job === 'left' && document.getElementById('job').dataset.state === 'running'", PAGE);
+    std::thread::sleep(Duration::from_secs(2));
+    let in_flight = browser.eval("window.watches");
+    assert_eq!(in_flight, 1, "one watch request in flight after switching jobs six times");
+    // And it is the selected job's.
+    let list = browser.eval("[...document.querySelectorAll('#job-table tbody tr.selected')].map((r) => r.dataset.job)");
+    assert_eq!(list, serde_json::json!(["left"]));
+}
