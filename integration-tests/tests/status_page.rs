@@ -262,7 +262,7 @@ fn markup_in_node_ids_and_root_causes_is_shown_as_text_and_a_wrong_token_shows_n
 }
 
 #[test]
-fn switching_between_jobs_keeps_one_watch_in_flight() {
+fn switching_between_jobs_keeps_one_watch_in_flight_and_a_service_restart_is_survived() {
     // Each selected job is followed by a long-poll that may hold a connection for 20 s; a
     // browser has 6 per host. Selecting jobs back and forth must end the old loops and abort
     // their requests, not stack them.
@@ -270,20 +270,27 @@ fn switching_between_jobs_keeps_one_watch_in_flight() {
     let listen =
         format!("127.0.0.1:{}", std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port());
     let token = "page-switch-token";
-    let mut service = Command::new(bin("rlaunch-rendezvous"));
-    service.args(["--listen", &listen, "--store", "memory", "--token", token]).env("RLAUNCH_LOG", "info");
-    let _service = Proc::spawn(service, "rlaunch-rendezvous", &dir.path().join("service.log"));
-    wait_until("the service to listen", Duration::from_secs(10), || listening(&listen));
-    // Two running jobs of one node each (slow timers: they stay running through the test).
-    let settings = serde_json::json!({
-        "min_nodes": 1, "max_nodes": 1, "join_timeout_ms": 60000, "last_call_timeout_ms": 1000,
-        "heartbeat_interval_ms": 10000, "node_ttl_ms": 50000, "probe_timeout_ms": 30000, "max_restarts": 0
-    });
-    for job in ["left", "right"] {
-        let node =
-            serde_json::json!({"node_id": format!("{job}-node"), "local_world_size": 1, "store_addr": "127.0.0.1:1"});
-        post(&listen, token, &format!("/v1/jobs/{job}/join"), &serde_json::json!({"settings": settings, "node": node}));
-    }
+    let serve = |log: &str| {
+        let mut service = Command::new(bin("rlaunch-rendezvous"));
+        service.args(["--listen", &listen, "--store", "memory", "--token", token]).env("RLAUNCH_LOG", "info");
+        let p = Proc::spawn(service, "rlaunch-rendezvous", &dir.path().join(log));
+        wait_until("the service to listen", Duration::from_secs(10), || listening(&listen));
+        p
+    };
+    // Running jobs of one node each (slow timers: they stay running through the test).
+    let create = |jobs: &[&str]| {
+        let settings = serde_json::json!({
+            "min_nodes": 1, "max_nodes": 1, "join_timeout_ms": 60000, "last_call_timeout_ms": 1000,
+            "heartbeat_interval_ms": 10000, "node_ttl_ms": 50000, "probe_timeout_ms": 30000, "max_restarts": 0
+        });
+        for job in jobs {
+            let node = serde_json::json!({"node_id": format!("{job}-node"), "local_world_size": 1, "store_addr": "127.0.0.1:1"});
+            let body = serde_json::json!({"settings": settings, "node": node});
+            post(&listen, token, &format!("/v1/jobs/{job}/join"), &body);
+        }
+    };
+    let mut service = serve("service.log");
+    create(&["left", "right"]);
 
     let mut browser = Browser::launch(&dir.path().join("chromium.log"));
     browser.open(&format!("http://{listen}/#token={token}&job=left"));
@@ -305,4 +312,18 @@ fn switching_between_jobs_keeps_one_watch_in_flight() {
     // And it is the selected job's.
     let list = browser.eval("[...document.querySelectorAll('#job-table tbody tr.selected')].map((r) => r.dataset.job)");
     assert_eq!(list, serde_json::json!(["left"]));
+
+    // The service goes away: the page says so; back (a new process, its memory empty), the
+    // page finds the job again once it exists, without a reload.
+    service.kill();
+    browser.wait_for("the service unreachable", "document.getElementById('conn').dataset.state === 'error'", PAGE);
+    let _service = serve("service-again.log");
+    browser.wait_for("the job gone with the old process", "!document.getElementById('job-missing').hidden", PAGE);
+    create(&["left"]);
+    browser.wait_for(
+        "the job again, live",
+        "document.getElementById('job').dataset.state === 'running' && document.getElementById('conn').dataset.state === 'live'",
+        PAGE,
+    );
+    assert!(browser.eval("window.watches").as_i64().is_some_and(|n| n <= 1), "still one watch at most");
 }
