@@ -126,7 +126,7 @@ impl CgroupJob {
                 .map(|p| cstring(&p).ok_or("cgroup path with a NUL byte"))
                 .collect::<Result<_, _>>()?,
         };
-        let watchdog = spawn_watchdog(&plan).map_err(|e| {
+        let (watchdog, _pid) = spawn_watchdog(&plan).map_err(|e| {
             remove_all(ranks);
             format!("cannot start the watchdog: {e}")
         })?;

@@ -454,8 +454,9 @@ pub struct WatchdogPlan {
 /// out `plan`: it waits for end-of-file on a pipe only the agent holds open. It runs in a session
 /// of its own (a signal to the agent's process group does not reach it), holds no other
 /// descriptor of the agent's, and runs only async-signal-safe system calls (the agent has
-/// threads). Dropping the returned descriptor (or the agent dying) sets it off.
-pub fn spawn_watchdog(plan: &WatchdogPlan) -> io::Result<OwnedFd> {
+/// threads). Dropping the returned descriptor (or the agent dying) sets it off; the pid is the
+/// watchdog's.
+pub fn spawn_watchdog(plan: &WatchdogPlan) -> io::Result<(OwnedFd, libc::pid_t)> {
     let mut fds = [0 as libc::c_int; 2];
     // SAFETY: pipe2 writes two descriptors into the array it is given.
     if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
@@ -481,6 +482,10 @@ pub fn spawn_watchdog(plan: &WatchdogPlan) -> io::Result<OwnedFd> {
             libc::signal(libc::SIGINT, libc::SIG_IGN);
             libc::signal(libc::SIGHUP, libc::SIG_IGN);
             libc::signal(libc::SIGPIPE, libc::SIG_IGN);
+            // A scheduler that signals every process of a job (Slurm's warning to a whole step
+            // under proctrack/cgroup) must not end the watchdog by the way.
+            libc::signal(libc::SIGUSR1, libc::SIG_IGN);
+            libc::signal(libc::SIGUSR2, libc::SIG_IGN);
             libc::signal(libc::SIGTERM, libc::SIG_DFL);
             libc::signal(libc::SIGQUIT, libc::SIG_DFL);
             // Hold nothing of the agent's (its console pipes, sockets, the store) — above all not
@@ -543,12 +548,12 @@ pub fn spawn_watchdog(plan: &WatchdogPlan) -> io::Result<OwnedFd> {
             }
             libc::_exit(0)
         },
-        _child => {
+        child => {
             // SAFETY: the parent's copy of the read end is owned here and used no more;
             // the write end becomes an OwnedFd that closes it exactly once.
             unsafe {
                 libc::close(read_end);
-                Ok(OwnedFd::from_raw_fd(write_end))
+                Ok((OwnedFd::from_raw_fd(write_end), child))
             }
         }
     }
@@ -633,6 +638,53 @@ fn kill_children_once(keep: &[u32]) -> bool {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_watchdog_outlives_the_signals_a_scheduler_sends_a_whole_job_and_acts_when_set_off() {
+        let dir = tempfile::tempdir().unwrap();
+        let kill = dir.path().join("cgroup.kill");
+        let events = dir.path().join("cgroup.events");
+        std::fs::write(&kill, "").unwrap();
+        std::fs::write(&events, "populated 0\n").unwrap();
+        let c = |p: &std::path::Path| std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
+        let plan = WatchdogPlan { kill: vec![c(&kill)], events: c(&events), rmdir: Vec::new() };
+        let (fd, pid) = spawn_watchdog(&plan).unwrap();
+        let state = || {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|s| s.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next()))
+        };
+        // Its dispositions are set just after the fork: wait until they are (bounded).
+        let ignored = || -> u64 {
+            let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+            let mask = status.lines().find_map(|l| l.strip_prefix("SigIgn:")).unwrap_or("0").trim().to_owned();
+            u64::from_str_radix(&mask, 16).unwrap_or(0)
+        };
+        let want =
+            [libc::SIGUSR1, libc::SIGUSR2, libc::SIGINT, libc::SIGHUP].iter().fold(0u64, |m, s| m | 1 << (s - 1));
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while ignored() & want != want {
+            assert!(
+                std::time::Instant::now() < until,
+                "the watchdog ignores USR1, USR2, INT, HUP: SigIgn {:x}",
+                ignored()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        for sig in [libc::SIGUSR1, libc::SIGUSR2, libc::SIGINT, libc::SIGHUP] {
+            // SAFETY: kill(2) on our own child.
+            assert_eq!(unsafe { libc::kill(pid, sig) }, 0);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        assert!(matches!(state(), Some('S' | 'R')), "the watchdog is alive after USR1/USR2/INT/HUP: {:?}", state());
+        assert_eq!(std::fs::read_to_string(&kill).unwrap(), "", "not set off yet");
+        drop(fd);
+        let mut status = 0;
+        // SAFETY: waitpid on our own child, with a valid status pointer.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "status {status}");
+        assert_eq!(std::fs::read_to_string(&kill).unwrap(), "1", "set off: it wrote cgroup.kill");
+    }
+
     use super::*;
 
     #[tokio::test]

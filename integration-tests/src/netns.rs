@@ -131,6 +131,11 @@ impl Cluster {
         assert_eq!(unsafe { libc::geteuid() }, 0, "the multi-node tests create network namespaces: run them as root");
         let seq = CLUSTERS.fetch_add(1, Ordering::SeqCst);
         let pid = std::process::id();
+        if seq == 0 {
+            // Whatever a test process that was killed (CI cancelled, `timeout`) left on any subnet:
+            // its namespaces with their processes, bridge and firewall rule.
+            sweep_all_stale();
+        }
         let first = ((pid.wrapping_mul(7919).wrapping_add(seq.wrapping_mul(37))) % 240) as u8;
         // The bridge's name doubles as the lock on the subnet: creating it is atomic.
         let mut taken = None;
@@ -220,6 +225,17 @@ impl Drop for Cluster {
         sh_quiet(&["ip", "link", "del", &self.bridge]);
         if self.firewall {
             sh_quiet(&argv(&firewall("-D", &self.bridge, std::process::id())));
+        }
+    }
+}
+
+/// [`sweep_if_stale`] for every test bridge there is.
+fn sweep_all_stale() {
+    let Ok(dir) = std::fs::read_dir("/sys/class/net") else { return };
+    for e in dir.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if let Some(subnet) = name.strip_prefix("rlnb").and_then(|n| n.parse::<u8>().ok()) {
+            sweep_if_stale(subnet, &name);
         }
     }
 }

@@ -297,10 +297,12 @@ impl Slurm {
             .expect("read examples/slurm/train.sbatch");
         let sruns: Vec<&str> = example.lines().filter(|l| l.starts_with("srun ")).collect();
         assert_eq!(sruns.len(), 1, "the example has one srun line: {sruns:?}");
-        let flags = sruns[0]
-            .strip_prefix("srun rlaunch ")
-            .and_then(|rest| rest.strip_suffix(" train.py"))
-            .unwrap_or_else(|| panic!("the example's srun line is `srun rlaunch FLAGS train.py`: {}", sruns[0]));
+        let (srun, flags) = sruns[0]
+            .split_once(" rlaunch ")
+            .and_then(|(srun, rest)| Some((srun, rest.strip_suffix(" train.py")?)))
+            .unwrap_or_else(|| {
+                panic!("the example's srun line is `srun [OPTIONS] rlaunch FLAGS train.py`: {}", sruns[0])
+            });
         assert!(!flags.contains("--rdzv"), "the example gives no rendezvous flag: {flags}");
         let dir = quoted(path_str(&self.dir));
         let worker = match program {
@@ -308,7 +310,7 @@ impl Slurm {
             None => format!("{} {dir}", quoted(path_str(&worker_script(&self.dir)))),
         };
         let line = format!(
-            "srun --output={dir}/rlaunch-%N.log {rlaunch} {flags} {extra} {worker}",
+            "{srun} --output={dir}/rlaunch-%N.log {rlaunch} {flags} {extra} {worker}",
             rlaunch = quoted(path_str(&bin("rlaunch"))),
             extra = rlaunch_flags.iter().map(|f| quoted(f)).collect::<Vec<_>>().join(" "),
         );
@@ -376,11 +378,18 @@ impl Slurm {
     /// early if the job ends meanwhile.
     fn wait_formed(&self, job: &str, hosts: &[&str], deadline: Duration) -> Vec<Start> {
         let start = Instant::now();
+        let mut checked = Instant::now();
         loop {
             if let Some(group) = formed(&self.dir, hosts, 1) {
                 return group;
             }
-            let state = self.job_state(job);
+            // scontrol (a munge credential each time) at most once a second.
+            let state = if checked.elapsed() >= Duration::from_secs(1) {
+                checked = Instant::now();
+                self.job_state(job)
+            } else {
+                String::new()
+            };
             assert!(
                 !ended(&state),
                 "job {job} ended ({state}) before hosts {hosts:?} formed one group; worker starts:\n{:#?}",
@@ -552,13 +561,18 @@ fn assert_formed_under_slurm(slurm: &Slurm, job: &str, group: &[Start]) {
     assert_eq!(run_ids.len(), group.len(), "every worker logged its run id");
     // Under srun, SLURM_STEP_ID is set: the id is the step's.
     assert!(run_ids.iter().all(|r| *r == format!("slurm-{job}.0")), "run id slurm-{job}.0 everywhere: {run_ids:?}");
-    for host in slurm.node_names() {
-        let log = slurm.rlaunch_log(&host);
-        assert!(log.contains(r#"endpoints=["a:29400"]"#), "host {host}'s rlaunch took a:29400 from Slurm:\n{log}");
-    }
+    // The endpoint: host a (the first of the job's nodes) on the step's port, the same on both.
+    let port_of = |log: &str| -> Option<u16> {
+        let (_, rest) = log.split_once(r#"endpoints=["a:"#)?;
+        rest.split('"').next()?.parse().ok()
+    };
     let a = slurm.rlaunch_log("a");
+    let port = port_of(&a).unwrap_or_else(|| panic!("host a's rlaunch took host a from Slurm:\n{a}"));
+    assert!((20_000..29_000).contains(&port), "a port of the step's, not 29400: {port}");
+    let b = slurm.rlaunch_log("b");
+    assert_eq!(port_of(&b), Some(port), "host b's rlaunch took the same endpoint:\n{b}");
     assert!(
-        a.contains(&format!("this agent hosts one (memory store) addr={}:29400", slurm.host(0).ip)),
+        a.contains(&format!("this agent hosts one (memory store) addr={}:{port}", slurm.host(0).ip)),
         "host a's rlaunch hosts the rendezvous:\n{a}"
     );
 }
@@ -586,9 +600,16 @@ fn a_two_node_sbatch_job_forms_from_slurm_reforms_when_a_link_is_cut_and_complet
     }
     assert_eq!(slurm.job_state(&job), "RUNNING");
 
+    let restored = now_unix_f64();
     slurm.host(1).restore_link();
     let again = slurm.wait_formed(&job, &["a", "b"], FORM);
     eprintln!("link restored: both hosts running again with WORLD_SIZE 2");
+    for s in &again {
+        assert!(
+            s.t >= restored && !before.iter().any(|b| b.pid == s.pid),
+            "a new worker after the link came back: {s:?}"
+        );
+    }
 
     std::fs::write(slurm.dir.join("stop"), b"").expect("touch stop");
     let state = slurm.wait_job_end(&job, Duration::from_secs(30));
@@ -618,6 +639,36 @@ fn the_example_trains_a_model_on_two_slurm_nodes() {
     assert!(b.contains(&format!("run_id=slurm-{job}.0")), "host b joined Slurm's run id:\n{b}");
     slurm.assert_rlaunch_exited(&job, 0);
     slurm.assert_nothing_left(&[], GONE);
+
+    // What rlaunch takes from Slurm with no flag at all (the example gives --nnodes): the node
+    // count from the step, the endpoint from its first node, as --print-config says on each node.
+    let dir = path_str(&slurm.dir).to_owned();
+    let wrap = format!(
+        "srun --output={dir}/print-%N.log {} --print-config {}",
+        quoted(path_str(&bin("rlaunch"))),
+        quoted(&train)
+    );
+    let out = slurm.client_ok(
+        "sbatch",
+        &["--parsable", "-N2", "--ntasks-per-node=1", &format!("--output={dir}/print-job.out"), "--wrap", &wrap],
+    );
+    let print_job = out.trim().split(';').next().unwrap_or_default().to_owned();
+    assert_eq!(slurm.wait_job_end(&print_job, Duration::from_secs(60)), "COMPLETED");
+    for host in slurm.node_names() {
+        let text = std::fs::read_to_string(slurm.dir.join(format!("print-{host}.log"))).unwrap_or_default();
+        let line =
+            |name: &str| text.lines().find(|l| l.starts_with(&format!("{name} "))).unwrap_or_default().to_owned();
+        let nnodes = line("nnodes");
+        assert!(
+            nnodes.contains(" 2 ") && nnodes.contains("Slurm (SLURM_STEP_NUM_NODES)"),
+            "host {host}: {nnodes}\n{text}"
+        );
+        let endpoint = line("rdzv-endpoint");
+        assert!(
+            endpoint.contains(" a:") && endpoint.contains("first host of SLURM_STEP_NODELIST"),
+            "host {host}: {endpoint}"
+        );
+    }
 }
 
 #[test]

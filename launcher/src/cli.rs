@@ -744,9 +744,20 @@ pub fn parse(argv: Vec<OsString>, env: &dyn Fn(&str) -> Option<String>) -> Resul
     Ok((args, sources))
 }
 
-/// The rendezvous port rlaunch's agents host on when Slurm names the first node (torchrun's
-/// c10d default).
-pub const SLURM_RDZV_PORT: u16 = 29400;
+/// The ports rlaunch's agents host the rendezvous on when Slurm names the first node: one per
+/// job step, [`slurm_rdzv_port`], so that jobs sharing a node (and two `srun`s of one job) do not
+/// meet on one port, as they would on torchrun's fixed 29400. Below Linux's ephemeral ports and
+/// clear of 29400 and 29500 (torchrun's rendezvous and master ports).
+pub const SLURM_RDZV_PORTS: std::ops::Range<u16> = 20_000..29_000;
+
+/// The rendezvous port of Slurm job step `job`.`step`: in [`SLURM_RDZV_PORTS`], the same on every
+/// node of the step (FNV-1a of `job.step`).
+pub fn slurm_rdzv_port(job: &str, step: Option<&str>) -> u16 {
+    let key = format!("{job}.{}", step.unwrap_or(""));
+    let hash = key.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
+    let span = u64::from(SLURM_RDZV_PORTS.end - SLURM_RDZV_PORTS.start);
+    SLURM_RDZV_PORTS.start + (hash % span) as u16
+}
 
 /// The first host of a Slurm host list: `node[01-04,07],gpu5` → `node01`,
 /// `rack[1-2]-n[3-4]` → `rack1-n3`. `None` for an empty or malformed list.
@@ -770,13 +781,15 @@ pub fn slurm_first_host(list: &str) -> Option<String> {
 }
 
 /// Under `srun` (SLURM_JOB_ID set), what Slurm knows stands in for the flags nobody gave:
-/// `--nnodes` from SLURM_NNODES, `--rdzv-endpoint` from the first host of SLURM_JOB_NODELIST
-/// (its agent hosts the rendezvous), `--nproc-per-node` from the node's GPUs (SLURM_GPUS_ON_NODE,
-/// else the GPUs this process sees). A flag, the environment or a config file always wins, and
+/// `--nnodes` from the step's node count (SLURM_STEP_NUM_NODES, else the job's SLURM_NNODES),
+/// `--rdzv-endpoint` from the first host of the step's nodes (SLURM_STEP_NODELIST, else the
+/// job's SLURM_JOB_NODELIST) on the step's port ([`slurm_rdzv_port`]; its agent hosts the
+/// rendezvous), `--nproc-per-node` from the node's GPUs (SLURM_GPUS_ON_NODE, else the GPUs this
+/// process sees). A flag, the environment or a config file always wins, and
 /// nothing applies to `--standalone` or a static rendezvous (`--node-rank`, `--master-addr`).
 /// The run id from SLURM_JOB_ID is [`Args::elastic_run_id`]'s.
 pub fn apply_slurm(args: &mut Args, sources: &mut Sources, env: &dyn Fn(&str) -> Option<String>, gpus: fn() -> u32) {
-    let Some(_) = env("SLURM_JOB_ID").filter(|s| !s.is_empty()) else { return };
+    let Some(job) = env("SLURM_JOB_ID").filter(|s| !s.is_empty()) else { return };
     if args.standalone || args.node_rank.is_some() || args.master_addr.is_some() || args.master_port.is_some() {
         return;
     }
@@ -789,7 +802,8 @@ pub fn apply_slurm(args: &mut Args, sources: &mut Sources, env: &dyn Fn(&str) ->
         }
     };
     if unset(sources, "nnodes") {
-        if let Some((n, var)) = ["SLURM_NNODES", "SLURM_JOB_NUM_NODES"]
+        // A step may run on part of the job's nodes (`srun -N1`): the step's count first.
+        if let Some((n, var)) = ["SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES"]
             .iter()
             .find_map(|v| env(v).and_then(|n| n.trim().parse::<u32>().ok()).filter(|n| *n >= 1).map(|n| (n, *v)))
         {
@@ -798,12 +812,13 @@ pub fn apply_slurm(args: &mut Args, sources: &mut Sources, env: &dyn Fn(&str) ->
         }
     }
     if args.rdzv_endpoint.trim().is_empty() && unset(sources, "rdzv-endpoint") {
-        if let Some((host, var)) = ["SLURM_JOB_NODELIST", "SLURM_NODELIST"]
+        if let Some((host, var)) = ["SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"]
             .iter()
             .find_map(|v| env(v).and_then(|l| slurm_first_host(&l)).map(|h| (h, *v)))
         {
-            args.rdzv_endpoint = format!("{host}:{SLURM_RDZV_PORT}");
-            set(sources, "rdzv-endpoint", &args.rdzv_endpoint, &format!("the first host of {var}"));
+            let step = env("SLURM_STEP_ID").filter(|s| !s.is_empty());
+            args.rdzv_endpoint = format!("{host}:{}", slurm_rdzv_port(&job, step.as_deref()));
+            set(sources, "rdzv-endpoint", &args.rdzv_endpoint, &format!("the first host of {var}, the step's port"));
         }
     }
     if unset(sources, "nproc-per-node") {
@@ -958,12 +973,16 @@ mod tests {
     fn under_srun_slurm_fills_in_the_flags_nobody_gave_and_flags_win() {
         let env = fake_env(SLURM);
         let (a, sources) = parse(argv(&["rlaunch", "train.py"]), &env).unwrap();
-        assert_eq!((a.nnodes.as_str(), a.rdzv_endpoint.as_str(), a.nproc_per_node.as_str()), ("2", "gpu03:29400", "4"));
+        let port = slurm_rdzv_port("77", None);
+        assert_eq!(
+            (a.nnodes.as_str(), a.rdzv_endpoint.as_str(), a.nproc_per_node.as_str()),
+            ("2", format!("gpu03:{port}").as_str(), "4")
+        );
         assert_eq!(a.backend().0, "rlaunch");
         assert_eq!(a.elastic_run_id(&env).unwrap().0, "slurm-77");
         let src = |name: &str| sources.iter().find(|(n, _, _)| n == name).map(|(_, _, s)| s.clone()).unwrap();
         assert_eq!(src("nnodes"), "Slurm (SLURM_NNODES)");
-        assert_eq!(src("rdzv-endpoint"), "Slurm (the first host of SLURM_JOB_NODELIST)");
+        assert_eq!(src("rdzv-endpoint"), "Slurm (the first host of SLURM_JOB_NODELIST, the step's port)");
         // Explicit flags always win.
         let (a, _) =
             parse(argv(&["rlaunch", "--nproc-per-node", "2", "--rdzv-endpoint", "svc:1", "train.py"]), &env).unwrap();
@@ -979,11 +998,46 @@ mod tests {
     }
 
     #[test]
+    fn a_step_on_part_of_the_job_takes_its_own_nodes_and_port() {
+        // `srun -N1 -r1` inside a 2-node job: the step runs on gpu04 alone.
+        let mut vars = SLURM.to_vec();
+        vars.extend([("SLURM_STEP_ID", "3"), ("SLURM_STEP_NUM_NODES", "1"), ("SLURM_STEP_NODELIST", "gpu04")]);
+        let env = fake_env(vars.leak());
+        let (a, sources) = parse(argv(&["rlaunch", "train.py"]), &env).unwrap();
+        assert_eq!(
+            (a.nnodes.as_str(), a.rdzv_endpoint.as_str()),
+            ("1", format!("gpu04:{}", slurm_rdzv_port("77", Some("3"))).as_str())
+        );
+        let src = |name: &str| sources.iter().find(|(n, _, _)| n == name).map(|(_, _, s)| s.clone()).unwrap();
+        assert_eq!(src("nnodes"), "Slurm (SLURM_STEP_NUM_NODES)");
+        assert_eq!(a.elastic_run_id(&env).unwrap().0, "slurm-77.3");
+    }
+
+    #[test]
+    fn slurm_steps_get_distinct_ports_in_their_range() {
+        let mut seen = std::collections::HashSet::new();
+        for job in 1000..1100 {
+            for step in ["0", "1", "2"] {
+                let p = slurm_rdzv_port(&job.to_string(), Some(step));
+                assert!(SLURM_RDZV_PORTS.contains(&p), "{p}");
+                assert_ne!(p, 29400);
+                seen.insert(p);
+            }
+        }
+        // 300 steps over 9,000 ports: almost all distinct (a hash, not an allocation).
+        assert!(seen.len() > 290, "{} distinct of 300", seen.len());
+        assert_eq!(slurm_rdzv_port("42", Some("0")), slurm_rdzv_port("42", Some("0")), "the same on every node");
+    }
+
+    #[test]
     fn under_srun_without_gpus_one_worker_per_node_stays() {
         let env = fake_env(&[("SLURM_JOB_ID", "5"), ("SLURM_JOB_NODELIST", "n1")]);
         let (mut a, mut sources) = parse(argv(&["rlaunch", "x"]), &fake_env(&[])).unwrap();
         apply_slurm(&mut a, &mut sources, &env, || 0);
-        assert_eq!((a.nproc_per_node.as_str(), a.rdzv_endpoint.as_str()), ("1", "n1:29400"));
+        assert_eq!(
+            (a.nproc_per_node.as_str(), a.rdzv_endpoint.as_str()),
+            ("1", format!("n1:{}", slurm_rdzv_port("5", None)).as_str())
+        );
         apply_slurm(&mut a, &mut sources, &env, || 8);
         assert_eq!(a.nproc_per_node, "8", "the GPUs this node sees");
     }
