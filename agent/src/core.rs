@@ -296,6 +296,16 @@ enum Phase {
         /// When to ask for the root cause next; `None` while a fetch is in flight.
         poll_at: Option<Millis>,
     },
+    /// The workers were stopped after one died of a stop signal that did not come from this
+    /// agent (a scheduler or service manager signalling every process of the job: Slurm under
+    /// proctrack/cgroup, systemd's control-group kill). The agent's own signal usually follows
+    /// within milliseconds; until `until` the restart (or failure report) waits for it, so a
+    /// job being stopped is not restarted first.
+    Holding {
+        round: u64,
+        then: AfterStop,
+        until: Millis,
+    },
     /// Elastic: the failure report of a stopped group awaits its acknowledgement.
     ReportingFailure {
         round: u64,
@@ -341,6 +351,9 @@ pub struct Core {
     restarts: u32,
     /// The last failure of this node's workers.
     local_failure: Option<Box<RootCause>>,
+    /// The rank (and signal) of a failure that was a death by a stop signal (not a hang
+    /// verdict): the stop it causes holds before going on (`Phase::Holding`).
+    killed_by: Option<(u32, i32)>,
     /// A worker process of this node may be alive (started and not yet seen gone).
     workers_alive: bool,
     /// When this node's current workers were started.
@@ -382,6 +395,16 @@ pub fn can_handle(signal: i32) -> bool {
 
 /// Signals that stop the job whether handled or not, so that nothing of it is left running;
 /// the others (SIGUSR1, SIGUSR2) are relayed to the workers unless handled.
+/// How the workers ended, as far as holding a restart is concerned.
+enum EndKind {
+    Failed,
+    Other,
+}
+
+/// How long a restart waits, after a worker died of a stop signal the agent did not send, for
+/// the agent's own (see `Phase::Holding`).
+pub const STOP_SIGNAL_HOLD: Duration = Duration::from_millis(500);
+
 pub fn is_stop_signal(signal: i32) -> bool {
     DEFAULT_HANDLED_SIGNALS.contains(&signal)
 }
@@ -405,6 +428,7 @@ impl Core {
             success_acked: false,
             restarts: 0,
             local_failure: None,
+            killed_by: None,
             workers_alive: false,
             started_at: 0,
             stop_first: libc::SIGTERM,
@@ -593,6 +617,10 @@ impl Core {
             return;
         };
         let placement = placement.clone();
+        let end_kind = match &end {
+            WorkersEnd::Failed(_) => EndKind::Failed,
+            _ => EndKind::Other,
+        };
         match end {
             WorkersEnd::Succeeded => {
                 self.workers_alive = false;
@@ -622,6 +650,12 @@ impl Core {
                 };
             }
             WorkersEnd::Failed(rc) | WorkersEnd::Hung(rc) => {
+                self.killed_by = match (&end_kind, rc.exit) {
+                    (EndKind::Failed, rlaunch::contract::Exit::Signal(sig)) if is_stop_signal(sig) => {
+                        Some((rc.rank, sig))
+                    }
+                    _ => None,
+                };
                 self.local_failure = Some(rc.clone());
                 let then = match &self.membership {
                     Membership::Fixed { max_restarts, .. } if self.restarts < *max_restarts => AfterStop::Restart,
@@ -640,6 +674,21 @@ impl Core {
             return;
         };
         self.workers_alive = false;
+        let killed_by = self.killed_by.take();
+        if let (AfterStop::Restart | AfterStop::ReportFailure(_), Some((rank, sig))) = (&then, killed_by) {
+            out.push(Action::Note(format!(
+                "rank {rank} died of {} that this agent did not send; waiting {STOP_SIGNAL_HOLD:?} for a stop signal \
+                 of the agent's own before going on",
+                rlaunch::contract::signal_name(sig)
+            )));
+            self.phase = Phase::Holding { round, then, until: now.saturating_add(ms(STOP_SIGNAL_HOLD)) };
+            return;
+        }
+        self.after_stop(round, then, now, out);
+    }
+
+    /// What comes once the workers are stopped.
+    fn after_stop(&mut self, round: u64, then: AfterStop, now: Millis, out: &mut Vec<Action>) {
         match then {
             AfterStop::Rejoin => self.join(out),
             AfterStop::Restart => {
@@ -930,6 +979,11 @@ impl Core {
     }
 
     fn on_tick(&mut self, now: Millis, out: &mut Vec<Action>) {
+        if matches!(self.phase, Phase::Holding { until, .. } if now >= until) {
+            if let Phase::Holding { round, then, .. } = std::mem::replace(&mut self.phase, Phase::Idle) {
+                self.after_stop(round, then, now, out);
+            }
+        }
         // Reports due again.
         if let Some(outbox) = &mut self.outbox {
             if outbox.retry_at.is_some_and(|t| now >= t) {

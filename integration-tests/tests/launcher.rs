@@ -215,6 +215,32 @@ fn a_worker_ignoring_sigterm_is_killed_after_the_grace() {
 }
 
 #[test]
+fn sigterm_to_every_process_of_the_job_stops_it_without_a_restart() {
+    // Slurm under proctrack/cgroup, systemd's control-group kill: the workers get SIGTERM a
+    // moment before the agent. The agent must not restart them in between.
+    for delay_ms in [20, 200] {
+        let dir = tempdir();
+        let agent = spawn_and_wait_for_workers(
+            &["--standalone", "--nproc-per-node", "2", "--max-restarts", "3"],
+            &["pidfile", "hang"],
+            dir.path(),
+            2,
+        );
+        for r in 0..2 {
+            let pid: i32 =
+                std::fs::read_to_string(dir.path().join(format!("pid_rank{r}_attempt0"))).unwrap().parse().unwrap();
+            kill(pid as u32, libc::SIGTERM);
+        }
+        std::thread::sleep(Duration::from_millis(delay_ms));
+        kill(agent.id(), libc::SIGTERM);
+        let o = wait_deadline(agent, Duration::from_secs(15));
+        assert_eq!(o.status.code(), Some(143), "{}", stderr_of(&o));
+        assert!(!dir.path().join("pid_rank0_attempt1").exists(), "no restart was started: {}", stderr_of(&o));
+        assert!(stderr_of(&o).contains("did not send"), "{}", stderr_of(&o));
+    }
+}
+
+#[test]
 fn sigusr1_and_sigusr2_are_relayed_to_every_worker() {
     let dir = tempdir();
     let agent = spawn_and_wait_for_workers(

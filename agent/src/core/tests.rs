@@ -183,6 +183,67 @@ fn fixed_membership_restarts_within_its_budget_then_fails_with_the_workers_exit(
     assert_eq!(s.starts, 2);
 }
 
+/// A worker's failure by `exit`.
+fn failure_by(exit: Exit) -> Box<RootCause> {
+    match failure(1) {
+        WorkersEnd::Failed(rc) => Box::new(RootCause { exit, ..*rc }),
+        _ => unreachable!(),
+    }
+}
+
+#[test]
+fn a_worker_killed_by_a_stop_signal_holds_the_restart_for_the_agents_own_signal() {
+    // Slurm under proctrack/cgroup, systemd's control-group kill: every process of the job gets
+    // SIGTERM, the workers a moment before the agent. No restart may start in between.
+    let mut s = Sim::new(fixed(3));
+    s.ev(Event::Start);
+    let a = s.at(1_000).ev(Event::WorkersEnded(WorkersEnd::Failed(failure_by(Exit::Signal(libc::SIGTERM)))));
+    assert_eq!(a, vec![STOP]);
+    let a = s.at(1_010).ev(Event::WorkersStopped);
+    assert!(matches!(&a[..], [Action::Note(n)] if n.contains("SIGTERM")), "held, not restarted: {a:?}");
+    assert!(s.tick(1_400).is_empty(), "still held");
+    // The agent's own SIGTERM arrives: the run ends as stopped by it, nothing restarted.
+    let a = s.at(1_450).ev(Event::Signal(libc::SIGTERM));
+    assert_eq!(a, vec![Action::Exit(Outcome::Run(RunOutcome::Interrupted { signal: libc::SIGTERM }))]);
+    assert_eq!(s.starts, 1);
+
+    // No signal follows (a worker killed by hand): the restart goes on after the hold.
+    let mut s = Sim::new(fixed(3));
+    s.ev(Event::Start);
+    s.at(1_000).ev(Event::WorkersEnded(WorkersEnd::Failed(failure_by(Exit::Signal(libc::SIGTERM)))));
+    s.at(1_010).ev(Event::WorkersStopped);
+    assert!(s.tick(1_010 + 499).is_empty());
+    let a = s.tick(1_010 + ms(STOP_SIGNAL_HOLD));
+    assert!(matches!(&a[..], [Action::Note(_), Action::StartWorkers(p)] if p.restart_count == 1), "{a:?}");
+    assert_eq!(s.starts, 2);
+
+    // Elastic: the failure report waits the same way; the signal makes the node leave instead.
+    let mut s = Sim::new(elastic());
+    s.joined_running(round(1, 0));
+    s.ev(Event::WorkersEnded(WorkersEnd::Failed(failure_by(Exit::Signal(libc::SIGINT)))));
+    let a = s.ev(Event::WorkersStopped);
+    assert!(!sends(&a, ReportKind::Failure), "the failure report is held: {a:?}");
+    let a = s.ev(Event::Signal(libc::SIGTERM));
+    assert!(sends(&a, ReportKind::Leave) && !sends(&a, ReportKind::Failure), "{a:?}");
+}
+
+#[test]
+fn other_failures_restart_at_once() {
+    for end in [
+        failure(1),
+        WorkersEnd::Failed(failure_by(Exit::Signal(libc::SIGKILL))),
+        WorkersEnd::Failed(failure_by(Exit::Signal(libc::SIGSEGV))),
+        // A hang verdict's cause says SIGTERM (the agent's own stop): no hold.
+        WorkersEnd::Hung(failure_by(Exit::Signal(libc::SIGTERM))),
+    ] {
+        let mut s = Sim::new(fixed(3));
+        s.ev(Event::Start);
+        s.ev(Event::WorkersEnded(end));
+        let a = s.ev(Event::WorkersStopped);
+        assert!(matches!(&a[..], [Action::Note(_), Action::StartWorkers(_)]), "{a:?}");
+    }
+}
+
 #[test]
 fn fixed_membership_succeeds_and_relays_and_stops_on_signals() {
     let mut s = Sim::new(fixed(0));
