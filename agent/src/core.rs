@@ -395,12 +395,6 @@ pub fn can_handle(signal: i32) -> bool {
 
 /// Signals that stop the job whether handled or not, so that nothing of it is left running;
 /// the others (SIGUSR1, SIGUSR2) are relayed to the workers unless handled.
-/// How the workers ended, as far as holding a restart is concerned.
-enum EndKind {
-    Failed,
-    Other,
-}
-
 /// How long a restart waits, after a worker died of a stop signal the agent did not send, for
 /// the agent's own (see `Phase::Holding`).
 pub const STOP_SIGNAL_HOLD: Duration = Duration::from_millis(500);
@@ -617,9 +611,13 @@ impl Core {
             return;
         };
         let placement = placement.clone();
-        let end_kind = match &end {
-            WorkersEnd::Failed(_) => EndKind::Failed,
-            _ => EndKind::Other,
+        // A death by a stop signal (a hang verdict's cause says SIGTERM too, but is no death).
+        let killed_by = match &end {
+            WorkersEnd::Failed(rc) => match rc.exit {
+                rlaunch::contract::Exit::Signal(sig) if is_stop_signal(sig) => Some((rc.rank, sig)),
+                _ => None,
+            },
+            _ => None,
         };
         match end {
             WorkersEnd::Succeeded => {
@@ -650,12 +648,7 @@ impl Core {
                 };
             }
             WorkersEnd::Failed(rc) | WorkersEnd::Hung(rc) => {
-                self.killed_by = match (&end_kind, rc.exit) {
-                    (EndKind::Failed, rlaunch::contract::Exit::Signal(sig)) if is_stop_signal(sig) => {
-                        Some((rc.rank, sig))
-                    }
-                    _ => None,
-                };
+                self.killed_by = killed_by;
                 self.local_failure = Some(rc.clone());
                 let then = match &self.membership {
                     Membership::Fixed { max_restarts, .. } if self.restarts < *max_restarts => AfterStop::Restart,

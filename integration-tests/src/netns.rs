@@ -428,6 +428,44 @@ impl Drop for Proc {
     }
 }
 
+/// The command line of an elastic job's agent on a `--rdzv-backend rlaunch` endpoint, as the
+/// multi-node tests run it, then `rest` (more flags, the program and its arguments).
+pub fn rdzv_args(
+    nnodes: &str,
+    nproc: u32,
+    endpoint: &str,
+    run_id: &str,
+    conf: &str,
+    shutdown_timeout: &str,
+    rest: &[&str],
+) -> Vec<String> {
+    let nproc = nproc.to_string();
+    let head = [
+        "--nnodes",
+        nnodes,
+        "--nproc-per-node",
+        &nproc,
+        "--rdzv-backend",
+        "rlaunch",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        run_id,
+        "--rdzv-conf",
+        conf,
+        "--shutdown-timeout",
+        shutdown_timeout,
+    ];
+    head.iter().chain(rest).map(|s| s.to_string()).collect()
+}
+
+/// Writes `text` to `path` as an executable script.
+pub fn write_script(path: &Path, text: &str) {
+    std::fs::write(path, text).expect("write the worker script");
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).expect("chmod the worker script");
+}
+
 /// Writes the looping worker into `dir` and returns its path. `WORKER OUT` appends one `start`
 /// line to `OUT/events.log` (time, host, ranks, world size, restart count, master, pid); exits 7
 /// at once if `OUT/crash_all_<restart count>` exists; then loops until `OUT/stop` exists (exit
@@ -452,9 +490,7 @@ while :; do
   sleep 0.1
 done
 "#;
-    std::fs::write(&path, script).expect("write the worker script");
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod the worker script");
+    write_script(&path, script);
     path
 }
 

@@ -29,30 +29,8 @@ fn loss_seconds() -> u64 {
 }
 
 fn agent_args(endpoint: &str, run_id: &str, dir: &Path) -> Vec<String> {
-    let mut a: Vec<String> = [
-        "--nnodes",
-        "1:2",
-        "--nproc-per-node",
-        &NPROC.to_string(),
-        "--rdzv-backend",
-        "rlaunch",
-        "--rdzv-endpoint",
-        endpoint,
-        "--rdzv-id",
-        run_id,
-        "--rdzv-conf",
-        CONF,
-        "--shutdown-timeout",
-        "3",
-        "--max-restarts",
-        "0",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    a.push(loop_worker(dir).display().to_string());
-    a.push(dir.display().to_string());
-    a
+    let (worker, out) = (loop_worker(dir).display().to_string(), dir.display().to_string());
+    netns::rdzv_args("1:2", NPROC, endpoint, run_id, CONF, "3", &["--max-restarts", "0", &worker, &out])
 }
 
 /// Hosts a and b running the looping worker under `--nnodes 1:2`; the rendezvous hosted by a's

@@ -29,28 +29,8 @@ const RECOVERY_SLACK_S: f64 = 5.0;
 /// The agent's command line: `--nproc-per-node 2`, short timeouts, `--shutdown-timeout 3`, then
 /// `extra`, then the program and its arguments.
 fn agent_args(nnodes: &str, endpoint: &str, run_id: &str, extra: &[&str], program: &[&str]) -> Vec<String> {
-    let mut a: Vec<String> = [
-        "--nnodes",
-        nnodes,
-        "--nproc-per-node",
-        &NPROC.to_string(),
-        "--rdzv-backend",
-        "rlaunch",
-        "--rdzv-endpoint",
-        endpoint,
-        "--rdzv-id",
-        run_id,
-        "--rdzv-conf",
-        CONF,
-        "--shutdown-timeout",
-        "3",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    a.extend(extra.iter().map(|s| s.to_string()));
-    a.extend(program.iter().map(|s| s.to_string()));
-    a
+    let rest: Vec<&str> = extra.iter().chain(program).copied().collect();
+    netns::rdzv_args(nnodes, NPROC, endpoint, run_id, CONF, "3", &rest)
 }
 
 /// Waits until `hosts` run one consistent group (see `netns::formed`); panics early if an

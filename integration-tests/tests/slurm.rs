@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-use integration_tests::netns::{formed, now_unix_f64, starts, Cluster, Host, Proc, Start};
+use integration_tests::netns::{formed, now_unix_f64, starts, write_script, Cluster, Host, Proc, Start};
 use integration_tests::{bin, pid_alive, repo_root, run_deadline, stderr_of, stdout_of, tempdir, wait_until, which};
 
 /// Heartbeats every 0.5 s, a node is lost after 2 s without one (as in multinode.rs).
@@ -510,9 +510,7 @@ while [ ! -e "$out/stop" ]; do
   sleep 0.1
 done
 "#;
-    std::fs::write(&path, script).expect("write the worker script");
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod the worker script");
+    write_script(&path, script);
     path
 }
 
@@ -577,12 +575,19 @@ fn assert_formed_under_slurm(slurm: &Slurm, job: &str, group: &[Start]) {
     );
 }
 
+/// Submits the example with `rlaunch_flags` and waits until both hosts formed one group under
+/// Slurm's environment (as [`assert_formed_under_slurm`] checks); the job id and the group.
+fn submit_formed(slurm: &Slurm, rlaunch_flags: &[&str]) -> (String, Vec<Start>) {
+    let job = slurm.submit(rlaunch_flags, &[]);
+    let group = slurm.wait_formed(&job, &["a", "b"], FORM);
+    assert_formed_under_slurm(slurm, &job, &group);
+    (job, group)
+}
+
 #[test]
 fn a_two_node_sbatch_job_forms_from_slurm_reforms_when_a_link_is_cut_and_completes() {
     let slurm = Slurm::start(2);
-    let job = slurm.submit(&[], &[]);
-    let before = slurm.wait_formed(&job, &["a", "b"], FORM);
-    assert_formed_under_slurm(&slurm, &job, &before);
+    let (job, before) = submit_formed(&slurm, &[]);
     assert!(before.iter().all(|s| s.world_size == 2), "{before:#?}");
 
     // Host b's link (not a's: a hosts the rendezvous) goes down: a's workers re-form alone.
@@ -674,9 +679,7 @@ fn the_example_trains_a_model_on_two_slurm_nodes() {
 #[test]
 fn scancel_usr1_is_relayed_to_every_worker_and_scancel_stops_the_job_leaving_nothing() {
     let slurm = Slurm::start(2);
-    let job = slurm.submit(&[], &[]);
-    let group = slurm.wait_formed(&job, &["a", "b"], FORM);
-    assert_formed_under_slurm(&slurm, &job, &group);
+    let (job, group) = submit_formed(&slurm, &[]);
 
     // Slurm's warning (`--signal=USR1@N` takes this path): every worker gets it and goes on.
     slurm.client_ok("scancel", &["--signal=USR1", &job]);
@@ -704,8 +707,7 @@ fn scancel_usr1_is_relayed_to_every_worker_and_scancel_stops_the_job_leaving_not
 #[test]
 fn with_sigusr1_in_signals_to_handle_slurms_warning_stops_the_job() {
     let slurm = Slurm::start(2);
-    let job = slurm.submit(&["--signals-to-handle", "SIGTERM,SIGUSR1"], &[]);
-    let group = slurm.wait_formed(&job, &["a", "b"], FORM);
+    let (job, group) = submit_formed(&slurm, &["--signals-to-handle", "SIGTERM,SIGUSR1"]);
 
     slurm.client_ok("scancel", &["--signal=USR1", &job]);
     let pids: Vec<i32> = group.iter().map(|s| s.pid).chain(agents_of(&slurm.dir, &group)).collect();

@@ -190,28 +190,46 @@ fn post(listen: &str, token: &str, path: &str, body: &Value) -> Value {
     serde_json::from_str(json).unwrap_or_else(|e| panic!("{path}: {e}: {json}"))
 }
 
+/// A free port on loopback, as `127.0.0.1:PORT`.
+fn free_loopback() -> String {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port").port();
+    format!("127.0.0.1:{port}")
+}
+
+/// `rlaunch-rendezvous` (memory store) on `listen` with `token`, its output in `log`.
+fn serve(listen: &str, token: &str, log: &Path) -> Proc {
+    let mut service = Command::new(bin("rlaunch-rendezvous"));
+    service.args(["--listen", listen, "--store", "memory", "--token", token]).env("RLAUNCH_LOG", "info");
+    let p = Proc::spawn(service, "rlaunch-rendezvous", log);
+    wait_until("the service to listen", Duration::from_secs(10), || listening(listen));
+    p
+}
+
+/// Node `node_id` joins `job`, a job of one node that closes its round at once and whose slow
+/// timers let nothing lapse during a test; the node's secret.
+fn join_one_node_job(listen: &str, token: &str, job: &str, node_id: &str) -> String {
+    let settings = serde_json::json!({
+        "min_nodes": 1, "max_nodes": 1, "join_timeout_ms": 60000, "last_call_timeout_ms": 1000,
+        "heartbeat_interval_ms": 10000, "node_ttl_ms": 50000, "probe_timeout_ms": 30000, "max_restarts": 0
+    });
+    let node = serde_json::json!({"node_id": node_id, "local_world_size": 1, "store_addr": "127.0.0.1:1"});
+    let body = serde_json::json!({"settings": settings, "node": node});
+    let joined = post(listen, token, &format!("/v1/jobs/{job}/join"), &body);
+    joined["secret"].as_str().expect("a secret").to_owned()
+}
+
 #[test]
 fn markup_in_node_ids_and_root_causes_is_shown_as_text_and_a_wrong_token_shows_nothing() {
     let dir = tempdir();
-    let listen =
-        format!("127.0.0.1:{}", std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port());
+    let listen = free_loopback();
     let token = "page-markup-token";
-    let mut service = Command::new(bin("rlaunch-rendezvous"));
-    service.args(["--listen", &listen, "--store", "memory", "--token", token]).env("RLAUNCH_LOG", "info");
-    let _service = Proc::spawn(service, "rlaunch-rendezvous", &dir.path().join("service.log"));
-    wait_until("the service to listen", Duration::from_secs(10), || listening(&listen));
+    let _service = serve(&listen, token, &dir.path().join("service.log"));
 
     // A client of the service (any job's agent may be hostile) names its node and its failure
     // with markup that would run script if the page wrote it as HTML.
     let evil_node = r#"<img src=x onerror="document.title='pwned-node'">"#;
     let evil_message = r#"<script>document.title='pwned-script'</script><b id=injected>bold</b>"#;
-    let settings = serde_json::json!({
-        "min_nodes": 1, "max_nodes": 1, "join_timeout_ms": 60000, "last_call_timeout_ms": 1000,
-        "heartbeat_interval_ms": 1000, "node_ttl_ms": 30000, "probe_timeout_ms": 5000, "max_restarts": 0
-    });
-    let node = serde_json::json!({"node_id": evil_node, "local_world_size": 1, "store_addr": "127.0.0.1:1"});
-    let joined = post(&listen, token, "/v1/jobs/markup/join", &serde_json::json!({"settings": settings, "node": node}));
-    let secret = joined["secret"].as_str().expect("a secret").to_owned();
+    let secret = join_one_node_job(&listen, token, "markup", evil_node);
     let mut cause =
         serde_json::to_value(rlaunch::contract::RootCause::from_message(evil_message.to_owned())).expect("json");
     cause["traceback"] = Value::from(format!("Traceback: {evil_node}"));
@@ -267,29 +285,15 @@ fn switching_between_jobs_keeps_one_watch_in_flight_and_a_service_restart_is_sur
     // browser has 6 per host. Selecting jobs back and forth must end the old loops and abort
     // their requests, not stack them.
     let dir = tempdir();
-    let listen =
-        format!("127.0.0.1:{}", std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port());
+    let listen = free_loopback();
     let token = "page-switch-token";
-    let serve = |log: &str| {
-        let mut service = Command::new(bin("rlaunch-rendezvous"));
-        service.args(["--listen", &listen, "--store", "memory", "--token", token]).env("RLAUNCH_LOG", "info");
-        let p = Proc::spawn(service, "rlaunch-rendezvous", &dir.path().join(log));
-        wait_until("the service to listen", Duration::from_secs(10), || listening(&listen));
-        p
-    };
-    // Running jobs of one node each (slow timers: they stay running through the test).
+    // Running jobs of one node each.
     let create = |jobs: &[&str]| {
-        let settings = serde_json::json!({
-            "min_nodes": 1, "max_nodes": 1, "join_timeout_ms": 60000, "last_call_timeout_ms": 1000,
-            "heartbeat_interval_ms": 10000, "node_ttl_ms": 50000, "probe_timeout_ms": 30000, "max_restarts": 0
-        });
         for job in jobs {
-            let node = serde_json::json!({"node_id": format!("{job}-node"), "local_world_size": 1, "store_addr": "127.0.0.1:1"});
-            let body = serde_json::json!({"settings": settings, "node": node});
-            post(&listen, token, &format!("/v1/jobs/{job}/join"), &body);
+            join_one_node_job(&listen, token, job, &format!("{job}-node"));
         }
     };
-    let mut service = serve("service.log");
+    let mut service = serve(&listen, token, &dir.path().join("service.log"));
     create(&["left", "right"]);
 
     let mut browser = Browser::launch(&dir.path().join("chromium.log"));
@@ -317,7 +321,7 @@ fn switching_between_jobs_keeps_one_watch_in_flight_and_a_service_restart_is_sur
     // page finds the job again once it exists, without a reload.
     service.kill();
     browser.wait_for("the service unreachable", "document.getElementById('conn').dataset.state === 'error'", PAGE);
-    let _service = serve("service-again.log");
+    let _service = serve(&listen, token, &dir.path().join("service-again.log"));
     browser.wait_for("the job gone with the old process", "!document.getElementById('job-missing').hidden", PAGE);
     create(&["left"]);
     browser.wait_for(

@@ -23,8 +23,7 @@ const st = {
   jobs: [],
   job: null, // {status, at} of the selected job, or {missing: true}
   rendered: null, // the JSON of the job status last drawn
-  follow: null, // {gen, abort} of the one watch loop
-  gen: 0,
+  follow: null, // {abort} of the one watch loop
   listTimer: null,
   jobTimer: null,
 };
@@ -222,7 +221,7 @@ function stopFollowing() {
 // its request.
 async function followJob(id) {
   stopFollowing();
-  const me = { gen: ++st.gen, abort: new AbortController() };
+  const me = { abort: new AbortController() };
   st.follow = me;
   const mine = () => st.follow === me && st.selected === id;
   let after = st.job && st.job.status ? st.job.status.round : 0;
