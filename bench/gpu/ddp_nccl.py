@@ -73,15 +73,16 @@ def main():
             flush=True,
         )
 
+    centres = centres.to(device)
+    gen = torch.Generator(device=device)
     losses, t0 = [], None
     for step in range(start, a.steps):
         if step == start + a.warmup:
             torch.cuda.synchronize()
             t0, timed_from = time.perf_counter(), step
-        sg = torch.Generator().manual_seed(step * 1000 + rank)
-        y = torch.randint(0, a.classes, (a.batch_size,), generator=sg)
-        x = centres[y] + torch.randn(a.batch_size, a.dim, generator=sg)
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        sg = gen.manual_seed(step * 1000 + rank)  # made on the GPU: no host work in the step
+        y = torch.randint(0, a.classes, (a.batch_size,), generator=sg, device=device)
+        x = centres[y] + torch.randn(a.batch_size, a.dim, generator=sg, device=device)
         loss = nn.functional.cross_entropy(ddp(x), y)
         if restart == 0 and rank == a.kill_rank and step == a.kill_step:
             print(f"ddp-nccl: rank {rank} kills itself in step {step}", flush=True)

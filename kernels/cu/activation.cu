@@ -27,8 +27,9 @@ extern "C" __global__ void bias_gelu_fwd(float* y, const float* b, float* pre, i
     GRID_STRIDE(i, (long long)rows * cols) {
         float x = y[i] + b[i % cols];
         pre[i] = x;
-        float t = tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x));
-        y[i] = 0.5f * x * (1.0f + t);
+        float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+        // 0.5 (1 + tanh u) = sigmoid(2u): no cancellation where tanh u rounds to -1.
+        y[i] = x / (1.0f + expf(-2.0f * u));
     }
 }
 
@@ -36,9 +37,13 @@ extern "C" __global__ void gelu_bwd(float* dx, const float* pre, long long n) {
     GRID_STRIDE(i, n) {
         float x = pre[i];
         float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
-        float t = tanhf(u);
         float du = 0.7978845608028654f * (1.0f + 3.0f * 0.044715f * x * x);
-        float d = 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * du;
+        // With s = sigmoid(2u) = 0.5 (1 + tanh u) and sm = 1 - s = sigmoid(-2u), each from its
+        // own exponential: 1 - tanh^2 u = 4 s sm. The tanh form rounds both terms to 0 in the
+        // tails (x < -5: 1 + tanhf(u) == 0 in fp32) where the true derivative is ~1e-6.
+        float s = 1.0f / (1.0f + expf(-2.0f * u));
+        float sm = 1.0f / (1.0f + expf(2.0f * u));
+        float d = s + 2.0f * x * s * sm * du;
         dx[i] *= d;
     }
 }

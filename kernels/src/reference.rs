@@ -121,6 +121,23 @@ pub fn adam(p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32], h: AdamStep)
     }
 }
 
+/// [`adam`]'s new parameters evaluated in f64 from the same f32 inputs and hyper-parameters:
+/// the truth both f32 evaluations (this file's and the GPU's) are measured against. Adam is
+/// ill-conditioned where the second moment is tiny (the step is `m / sqrt(v)`), so two correct
+/// f32 evaluations that round differently (fused multiply-adds) can differ by more than a few
+/// ulps there; the check bounds the GPU's error by the f32 reference's own.
+pub fn adam_f64(p: &[f32], m: &[f32], v: &[f32], g: &[f32], h: AdamStep) -> Vec<f64> {
+    let d = |x: f32| x as f64;
+    (0..p.len())
+        .map(|i| {
+            let gi = d(g[i]) * d(h.grad_scale) + d(h.weight_decay) * d(p[i]);
+            let mi = d(h.beta1) * d(m[i]) + (1.0 - d(h.beta1)) * gi;
+            let vi = d(h.beta2) * d(v[i]) + (1.0 - d(h.beta2)) * gi * gi;
+            d(p[i]) - d(h.lr) * (mi / d(h.bc1)) / ((vi / d(h.bc2)).sqrt() + d(h.eps))
+        })
+        .collect()
+}
+
 /// `out[s, o] = sum_i x[s, i] * w[o, i]` (row-major; `w` is `dout x din`), the layer's GEMM.
 pub fn linear_fwd(x: &[f32], w: &[f32], din: usize, dout: usize) -> Vec<f32> {
     let rows = x.len() / din;
