@@ -82,7 +82,8 @@ impl Ctx {
     fn cmp_to_exact(&mut self, what: &str, got: &[f32], ref32: &[f32], exact: &[f64], floor: f64, factor: f64) {
         let err = |v: &[f32]| {
             v.iter().zip(exact).enumerate().fold((0.0f64, 0usize), |worst, (i, (&a, &e))| {
-                let r = if a.is_nan() || e.is_nan() { f64::INFINITY } else { (a as f64 - e).abs() / e.abs().max(floor) };
+                let r =
+                    if a.is_nan() || e.is_nan() { f64::INFINITY } else { (a as f64 - e).abs() / e.abs().max(floor) };
                 if r > worst.0 {
                     (r, i)
                 } else {
