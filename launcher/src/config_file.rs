@@ -6,8 +6,14 @@
 //! names. Keys are the long flag names (`rdzv-endpoint` or `rdzv_endpoint`); values are strings,
 //! numbers or booleans. A flag beats its environment variable, which beats the files: a file's
 //! value is used only where the command line and the environment say nothing.
+//!
+//! A file others could have written is not the operator's: one writable by others (or in a
+//! directory they can write, sticky directories like `/tmp` excepted), or owned by a user other
+//! than root and the one running, is refused when running as root and warned about otherwise.
 
 use std::collections::BTreeMap;
+use std::io::Read;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use crate::cli::UsageError;
@@ -37,23 +43,105 @@ pub fn config_paths(env: &dyn Fn(&str) -> Option<String>) -> Vec<(PathBuf, bool)
 }
 
 /// Reads the files into `long flag name → setting`, later files winning. `known` says which
-/// keys exist (long flag names with dashes).
+/// keys exist (long flag names with dashes). Warnings about files others could have written go
+/// to stderr (this runs before logging is set up).
 pub fn load(
     paths: &[(PathBuf, bool)],
     known: &dyn Fn(&str) -> bool,
 ) -> Result<BTreeMap<String, FileSetting>, UsageError> {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    load_as(paths, known, euid, &mut |w| eprintln!("rlaunch: warning: {w}"))
+}
+
+/// [`load`] for the effective user `euid`, each warning handed to `warn`.
+pub fn load_as(
+    paths: &[(PathBuf, bool)],
+    known: &dyn Fn(&str) -> bool,
+    euid: u32,
+    warn: &mut dyn FnMut(String),
+) -> Result<BTreeMap<String, FileSetting>, UsageError> {
     let mut out = BTreeMap::new();
     for (path, required) in paths {
-        let text = match std::fs::read_to_string(path) {
-            Ok(t) => t,
+        let cannot_read =
+            |e: std::io::Error| UsageError(format!("cannot read the config file {}: {e}", path.display()));
+        let mut file = match std::fs::File::open(path) {
+            Ok(f) => f,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound && !required => continue,
-            Err(e) => return Err(UsageError(format!("cannot read the config file {}: {e}", path.display()))),
+            Err(e) => return Err(cannot_read(e)),
         };
+        // The open file itself is judged (not the path again), then every directory above it.
+        let mut owners = vec![(path.clone(), Owner::of(&file.metadata().map_err(cannot_read)?))];
+        for dir in directories_above(path) {
+            let meta = std::fs::metadata(&dir).map_err(cannot_read)?;
+            owners.push((dir, Owner::of(&meta)));
+        }
+        if let Some(why) = owners.iter().find_map(|(p, o)| o.untrusted(euid).map(|why| (p, why))) {
+            let (what, why) = why;
+            let msg = format!(
+                "config file {}: {} {why}, so someone else could have chosen these settings",
+                path.display(),
+                if what == path { "it is".to_string() } else { format!("the directory {} is", what.display()) }
+            );
+            if euid == 0 {
+                return Err(UsageError(format!(
+                    "{msg}; refusing to use it as root (make it and its directories writable only by root)"
+                )));
+            }
+            warn(msg);
+        }
+        let mut text = String::new();
+        file.read_to_string(&mut text).map_err(cannot_read)?;
         for (key, value) in parse(&text, path, known)? {
             out.insert(key, FileSetting { value, file: path.clone() });
         }
     }
     Ok(out)
+}
+
+/// Who owns a file or directory and who may write it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Owner {
+    pub uid: u32,
+    pub mode: u32,
+    pub is_dir: bool,
+}
+
+impl Owner {
+    fn of(meta: &std::fs::Metadata) -> Self {
+        Owner { uid: meta.uid(), mode: meta.mode(), is_dir: meta.is_dir() }
+    }
+
+    /// Why someone other than root and `euid` could have written it, if they could.
+    pub fn untrusted(&self, euid: u32) -> Option<String> {
+        const OTHERS_WRITE: u32 = 0o002;
+        const STICKY: u32 = 0o1000;
+        // In a sticky directory (`/tmp`) others may add entries but not replace ours; the entry
+        // itself is judged on its own.
+        if self.mode & OTHERS_WRITE != 0 && !(self.is_dir && self.mode & STICKY != 0) {
+            return Some(format!("writable by every user (mode {:o})", self.mode & 0o7777));
+        }
+        if self.uid != 0 && self.uid != euid {
+            return Some(format!("owned by another user (uid {})", self.uid));
+        }
+        None
+    }
+}
+
+/// Every directory above `path`, nearest first, by the absolute path as given and again by the
+/// path with its symbolic links resolved (a link's target is a different directory).
+fn directories_above(path: &Path) -> Vec<PathBuf> {
+    let mut out: Vec<PathBuf> = Vec::new();
+    let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    let real = std::fs::canonicalize(path).ok();
+    for p in [Some(absolute), real].into_iter().flatten() {
+        for dir in p.ancestors().skip(1) {
+            if !dir.as_os_str().is_empty() && !out.iter().any(|d| d == dir) {
+                out.push(dir.to_path_buf());
+            }
+        }
+    }
+    out
 }
 
 /// One file's settings.
@@ -116,6 +204,94 @@ mod tests {
         assert!(e.0.contains("unknown setting `rdzv_endpont`") && e.0.contains("/etc/rlaunch/config.toml"), "{e}");
         assert!(parse("max-restarts = [1]", Path::new("f"), &known).unwrap_err().0.contains("must be a string"));
         assert!(parse("= nope", Path::new("f"), &known).unwrap_err().0.contains("not valid TOML"));
+    }
+
+    /// A fresh directory only the test's user can write, removed on drop.
+    struct Scratch(PathBuf);
+    impl Scratch {
+        fn new(name: &str) -> Self {
+            use std::os::unix::fs::PermissionsExt;
+            let dir = std::env::temp_dir().join(format!("rlaunch-config-{name}-{}", std::process::id()));
+            std::fs::remove_dir_all(&dir).ok();
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+            Scratch(dir)
+        }
+    }
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            std::fs::remove_dir_all(&self.0).ok();
+        }
+    }
+
+    fn chmod(p: &Path, mode: u32) {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+
+    fn me() -> u32 {
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        unsafe { libc::geteuid() }
+    }
+
+    #[test]
+    fn refuses_a_world_writable_config_file_as_root_and_warns_otherwise() {
+        let dir = Scratch::new("world-writable");
+        let file = dir.0.join("config.toml");
+        std::fs::write(&file, "rdzv-endpoint = \"evil:1\"\n").unwrap();
+        chmod(&file, 0o666);
+        let paths = [(file.clone(), false)];
+        let mut warnings = Vec::new();
+        let e = load_as(&paths, &known, 0, &mut |w| warnings.push(w)).unwrap_err();
+        assert!(e.0.contains(&file.display().to_string()) && e.0.contains("writable by every user"), "{e}");
+        assert!(e.0.contains("refusing to use it as root"), "{e}");
+
+        // Run by a plain user: used, with a warning naming the file. The file belongs to the
+        // test's user, so that is the plain user (a made-up one where the test runs as root).
+        let plain = if me() == 0 { 4242 } else { me() };
+        let got = load_as(&paths, &known, plain, &mut |w| warnings.push(w)).unwrap();
+        assert_eq!(got["rdzv-endpoint"].value, "evil:1");
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(warnings[0].contains(&file.display().to_string()) && warnings[0].contains("mode 666"), "{warnings:?}");
+
+        // Writable only by its owner: used without a word, as root too (where the owner is root).
+        chmod(&file, 0o644);
+        warnings.clear();
+        assert!(load_as(&paths, &known, me(), &mut |w| warnings.push(w)).is_ok());
+        assert!(warnings.is_empty(), "{warnings:?}");
+    }
+
+    #[test]
+    fn refuses_a_config_file_in_a_directory_others_can_write_naming_both() {
+        let dir = Scratch::new("open-dir");
+        let sub = dir.0.join("rlaunch");
+        std::fs::create_dir(&sub).unwrap();
+        let file = sub.join("config.toml");
+        std::fs::write(&file, "max-restarts = 3\n").unwrap();
+        chmod(&file, 0o644);
+        chmod(&sub, 0o777);
+        let e = load_as(&[(file.clone(), true)], &known, 0, &mut |_| {}).unwrap_err();
+        assert!(e.0.contains(&file.display().to_string()) && e.0.contains(&sub.display().to_string()), "{e}");
+        // Sticky (like /tmp): others cannot replace the file, so it is fine.
+        chmod(&sub, 0o1777);
+        let mut warnings = Vec::new();
+        let got = load_as(&[(file.clone(), true)], &known, me(), &mut |w| warnings.push(w)).unwrap();
+        assert_eq!(got["max-restarts"].value, "3");
+        assert!(warnings.is_empty(), "{warnings:?}");
+    }
+
+    #[test]
+    fn a_file_owned_by_another_plain_user_is_untrusted_but_root_and_ones_own_are_not() {
+        let file = |uid: u32, mode: u32| Owner { uid, mode: 0o100000 | mode, is_dir: false };
+        assert!(file(1001, 0o644).untrusted(0).unwrap().contains("owned by another user (uid 1001)"));
+        assert!(file(1001, 0o644).untrusted(1002).is_some());
+        assert_eq!(file(1001, 0o644).untrusted(1001), None);
+        assert_eq!(file(0, 0o644).untrusted(1001), None);
+        assert!(file(0, 0o646).untrusted(1001).unwrap().contains("mode 646"));
+        let dir = |mode: u32| Owner { uid: 0, mode: 0o040000 | mode, is_dir: true };
+        assert!(dir(0o777).untrusted(0).is_some());
+        assert_eq!(dir(0o1777).untrusted(0), None);
+        assert_eq!(dir(0o775).untrusted(0), None);
     }
 
     #[test]
