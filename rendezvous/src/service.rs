@@ -641,10 +641,20 @@ fn health_metrics(out: &mut String, jobs: &[(String, Job)], now: Millis) {
     }
 }
 
-/// A node id as a Prometheus label value: node ids may hold `"` and `\` (never control
-/// characters, which a join refuses), which would end or escape the label.
+/// A node id as a Prometheus label value, escaped as the text exposition format says
+/// (backslash, double quote and line feed as `\\`, `\"` and `\n`): replacing them instead
+/// would give `a"b` and `a_b` the same series.
 fn label_value(s: &str) -> String {
-    s.replace(['\\', '"'], "_")
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
+            '\n' => out.push_str("\\n"),
+            c => out.push(c),
+        }
+    }
+    out
 }
 
 /// Drives timers (heartbeat lapses, last calls, join timeouts) while the rendezvous lives.
@@ -668,6 +678,18 @@ async fn ticker(me: Weak<Rendezvous>) {
         }
         let Some(r) = me.upgrade() else { return };
         r.tick().await;
+    }
+}
+
+#[cfg(test)]
+mod label_tests {
+    #[test]
+    fn label_values_are_escaped_as_the_exposition_format_says_not_replaced() {
+        assert_eq!(super::label_value(r#"a"b"#), r#"a\"b"#);
+        assert_eq!(super::label_value("a_b"), "a_b");
+        assert_eq!(super::label_value(r"a\b"), r"a\\b");
+        assert_eq!(super::label_value("a\nb"), r"a\nb");
+        assert_ne!(super::label_value(r#"a"b"#), super::label_value("a_b"));
     }
 }
 

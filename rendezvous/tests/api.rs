@@ -959,3 +959,29 @@ async fn nodes_may_differ_in_shutdown_timeout_and_the_first_hang_timeout_given_i
     assert_eq!(rd.expect("d's round").hang_timeout, hang);
     server.stop().await;
 }
+
+#[tokio::test]
+async fn metrics_escape_node_ids_so_distinct_nodes_keep_distinct_series() {
+    let rdzv = Rendezvous::in_memory();
+    let app = api::router(AppState::new(rdzv, None));
+    for id in [r#"a"b"#, "a_b", r"a\b"] {
+        let body = json!({"settings": calm(4, 4), "node": node(id), "wait_ms": 0});
+        let (status, body) = send(&app, post_json("/v1/jobs/esc/join", &body)).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+    }
+    let (status, body) = send(&app, Request::get("/metrics").body(Body::empty()).expect("req")).await;
+    assert_eq!(status, StatusCode::OK);
+    let text = body.as_str().expect("metrics are text");
+    let series: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("rlaunch_rdzv_node_suspected{"))
+        .map(|l| l.rsplit_once(' ').expect("name and value").0)
+        .collect();
+    let mut distinct = series.clone();
+    distinct.sort_unstable();
+    distinct.dedup();
+    assert_eq!(distinct.len(), 3, "one series per node: {series:?}");
+    for label in [r#"node_id="a\"b""#, r#"node_id="a_b""#, r#"node_id="a\\b""#] {
+        assert!(series.iter().any(|s| s.contains(label)), "{label} missing from {series:?}");
+    }
+}
