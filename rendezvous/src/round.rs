@@ -597,6 +597,11 @@ impl Job {
         }
     }
 
+    /// The global ranks `node_id` runs in the running round; `None` when it runs none.
+    pub fn ranks_of(&self, node_id: &str) -> Option<std::ops::Range<u32>> {
+        matches!(self.phase, Phase::Running { .. }).then(|| self.member(node_id).map(Member::ranks)).flatten()
+    }
+
     fn is_pending(&self, node_id: &str) -> bool {
         self.pending.iter().any(|p| p.node.node_id == node_id)
     }

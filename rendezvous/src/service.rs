@@ -403,12 +403,17 @@ impl Rendezvous {
             Action::Rejected(r) => Err(r.into()),
             _ => {
                 if !beat.steps.is_empty() {
-                    self.stragglers.lock().unwrap_or_else(|p| p.into_inner()).record(
-                        run_id,
-                        node_id,
-                        beat.steps,
-                        now_ms(),
-                    );
+                    // Only the ranks the running round gave this node count.
+                    let own = self.store.view(run_id, |job| job.ranks_of(node_id)).await.ok().flatten().flatten();
+                    if let Some(own) = own {
+                        self.stragglers.lock().unwrap_or_else(|p| p.into_inner()).record(
+                            run_id,
+                            node_id,
+                            beat.steps,
+                            own,
+                            now_ms(),
+                        );
+                    }
                 }
                 self.metrics.probes_reached.fetch_add(reached, Ordering::Relaxed);
                 self.metrics.probes_missed.fetch_add(missed, Ordering::Relaxed);

@@ -42,10 +42,20 @@ pub struct Stragglers {
 }
 
 impl Stragglers {
-    /// Keeps `node_id`'s latest report (ranks beyond [`MAX_RANKS_PER_BEAT`] are dropped).
-    pub fn record(&mut self, run_id: &str, node_id: &str, mut waits: Vec<RankWait>, now: Millis) {
+    /// Keeps `node_id`'s latest report of its own ranks, `own` (the span the running round gave
+    /// it): a rank outside it, or one named twice, is dropped, so no node can name another's
+    /// rank the straggler. Ranks beyond [`MAX_RANKS_PER_BEAT`] are dropped too.
+    pub fn record(
+        &mut self,
+        run_id: &str,
+        node_id: &str,
+        mut waits: Vec<RankWait>,
+        own: std::ops::Range<u32>,
+        now: Millis,
+    ) {
         waits.truncate(MAX_RANKS_PER_BEAT);
-        waits.retain(|w| w.window > 0);
+        let mut seen = std::collections::HashSet::new();
+        waits.retain(|w| w.window > 0 && own.contains(&w.rank) && seen.insert(w.rank));
         if waits.is_empty() {
             return;
         }
@@ -109,30 +119,45 @@ mod tests {
     #[test]
     fn the_rank_that_waits_least_is_the_straggler_across_nodes() {
         let mut s = Stragglers::default();
-        s.record("j", "a", vec![w(0, 50), w(1, 48)], 0);
+        s.record("j", "a", vec![w(0, 50), w(1, 48)], 0..2, 0);
         assert_eq!(s.slowest("j", 0).map(|x| x.rank), Some(1), "within one node too");
-        s.record("j", "b", vec![w(2, 2), w(3, 49)], 100);
+        s.record("j", "b", vec![w(2, 2), w(3, 49)], 2..4, 100);
         let slow = s.slowest("j", 200).expect("a straggler");
         assert_eq!((slow.rank, slow.node_id.as_str(), slow.late_ms, slow.ranks), (2, "b", 48.0, 4));
         // A newer report replaces the node's last one.
-        s.record("j", "b", vec![w(2, 45), w(3, 49)], 300);
+        s.record("j", "b", vec![w(2, 45), w(3, 49)], 2..4, 300);
         assert_eq!(s.slowest("j", 300).map(|x| (x.rank, x.late_ms)), Some((2, 5.0)));
     }
 
     #[test]
     fn stale_reports_and_lone_ranks_name_nobody_and_are_forgotten() {
         let mut s = Stragglers::default();
-        s.record("j", "a", vec![w(0, 10)], 0);
+        s.record("j", "a", vec![w(0, 10)], 0..1, 0);
         assert_eq!(s.slowest("j", 0), None, "one rank is nobody's straggler");
-        s.record("j", "b", vec![w(1, 1)], 0);
+        s.record("j", "b", vec![w(1, 1)], 1..2, 0);
         assert!(s.slowest("j", FRESH_MS).is_some());
         assert_eq!(s.slowest("j", FRESH_MS + 1), None);
-        s.record("k", "c", vec![RankWait { rank: 0, mean_wait_us: 5, window: 0 }], 0);
+        s.record("k", "c", vec![RankWait { rank: 0, mean_wait_us: 5, window: 0 }], 0..1, 0);
         assert_eq!(s.jobs(), 1, "a report without steps is no report");
         s.prune(FRESH_MS + 1);
         assert_eq!(s.jobs(), 0);
         let many: Vec<RankWait> = (0..1000).map(|r| w(r, 1)).collect();
-        s.record("j", "a", many, 0);
+        s.record("j", "a", many, 0..1000, 0);
         assert_eq!(s.slowest("j", 0).map(|x| x.ranks), Some(MAX_RANKS_PER_BEAT));
+    }
+
+    #[test]
+    fn a_node_names_only_its_own_ranks() {
+        let mut s = Stragglers::default();
+        s.record("j", "a", vec![w(0, 50), w(1, 49)], 0..2, 0);
+        // Node b runs ranks 2 and 3 but claims ranks 0 and 1 waited least, and names its own
+        // rank 2 twice.
+        s.record("j", "b", vec![w(0, 1), w(1, 1), w(2, 40), w(2, 0), w(3, 45)], 2..4, 0);
+        let slow = s.slowest("j", 0).expect("a straggler");
+        assert_eq!((slow.rank, slow.node_id.as_str(), slow.ranks), (2, "b", 4), "{slow:?}");
+        assert_eq!(slow.late_ms, 10.0, "rank 2 as first named (40 ms), not the repeat");
+        // A node with no span in the round (not a member) records nothing.
+        s.record("k", "c", vec![w(0, 1), w(1, 2)], 0..0, 0);
+        assert_eq!(s.slowest("k", 0), None);
     }
 }

@@ -985,3 +985,32 @@ async fn metrics_escape_node_ids_so_distinct_nodes_keep_distinct_series() {
         assert!(series.iter().any(|s| s.contains(label)), "{label} missing from {series:?}");
     }
 }
+
+#[tokio::test]
+async fn a_straggler_report_naming_another_nodes_ranks_is_not_taken() {
+    let rdzv = Rendezvous::in_memory();
+    let app = api::router(AppState::new(rdzv, None));
+    let mut secrets = Vec::new();
+    for id in ["a", "b"] {
+        let body = json!({"settings": calm(2, 2), "node": node(id), "wait_ms": 0});
+        let (status, body) = send(&app, post_json("/v1/jobs/st/join", &body)).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        secrets.push(body["secret"].as_str().expect("a secret").to_owned());
+    }
+    // a runs ranks 0 and 1, b ranks 2 and 3; b claims rank 0 waits least of all.
+    let steps = |ranks: &[(u32, u64)]| -> Value {
+        ranks.iter().map(|(r, us)| json!({"rank": r, "mean_wait_us": us, "window": 20})).collect()
+    };
+    for (id, secret, ranks) in
+        [("a", &secrets[0], vec![(0, 50_000), (1, 49_000)]), ("b", &secrets[1], vec![(0, 1), (2, 40_000), (3, 45_000)])]
+    {
+        let body = json!({"node_id": id, "secret": secret, "steps": steps(&ranks)});
+        let (status, body) = send(&app, post_json("/v1/jobs/st/heartbeat", &body)).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+    }
+    let (status, body) = send(&app, Request::get("/v1/jobs/st").body(Body::empty()).expect("req")).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let straggler = &body["straggler"];
+    assert_eq!((straggler["rank"].as_u64(), straggler["node_id"].as_str()), (Some(2), Some("b")), "{body}");
+    assert_eq!(straggler["ranks"].as_u64(), Some(4), "b's claim on rank 0 dropped: {body}");
+}
