@@ -1119,13 +1119,55 @@ pub fn validate_node(node: &NodeInfo) -> Result<(), Rejection> {
 }
 
 /// Most distinct fingerprints a job keeps; a node with yet another is reported without its
-/// entries.
-pub const MAX_FINGERPRINTS: usize = 32;
+/// entries. With [`MAX_FINGERPRINT_BYTES`], a job's fingerprints stay within 32 kB (a node may
+/// send 128 entries of 1 kB: 147 kB, which 32 of, in every job, took the service's memory
+/// and etcd's history to hundreds of megabytes).
+pub const MAX_FINGERPRINTS: usize = 8;
+/// Most bytes (keys and values) of the copy of a node's fingerprint a job keeps
+/// ([`fingerprint_summary`]); the digest is of the whole.
+pub const MAX_FINGERPRINT_BYTES: usize = 4096;
+/// Longest value a kept fingerprint holds whole; a longer one keeps its start and a digest.
+const FINGERPRINT_VALUE: usize = 96;
+/// The key of the kept fingerprint's entry that stands for the entries past its bound.
+pub const FINGERPRINT_MORE: &str = "…";
 
 /// A fingerprint's digest: SHA-256 of its JSON (keys in order), hex, the first 16 characters.
 pub fn fingerprint_digest(fp: &rlaunch::fingerprint::Fingerprint) -> String {
     let json = serde_json::to_string(fp).unwrap_or_default();
     crate::identity::digest(&json)[..16].to_owned()
+}
+
+/// The copy of `fp` a job keeps: at most [`MAX_FINGERPRINT_BYTES`], and different wherever `fp`
+/// is. A long key or value keeps its first 64 characters and a digest of all of it; past the
+/// bound, the remaining entries (in key order) become one [`FINGERPRINT_MORE`] entry with their
+/// count and digest.
+pub fn fingerprint_summary(fp: &rlaunch::fingerprint::Fingerprint) -> rlaunch::fingerprint::Fingerprint {
+    let digest = |parts: &[&str]| crate::identity::digest(&parts.join("\0"))[..12].to_owned();
+    let short = |s: &str, keep: usize| {
+        if s.len() <= keep {
+            s.to_owned()
+        } else {
+            let start: String = s.chars().take(64).collect();
+            format!("{start}… (sha256 {})", digest(&[s]))
+        }
+    };
+    // Room for the entry that says what was left out.
+    let budget = MAX_FINGERPRINT_BYTES - 64;
+    let entries: Vec<(&String, &String)> = fp.0.iter().collect();
+    let mut out = BTreeMap::new();
+    let mut used = 0usize;
+    for (i, (k, v)) in entries.iter().enumerate() {
+        let (k, v) = (short(k, 64), short(v, FINGERPRINT_VALUE));
+        if used + k.len() + v.len() > budget {
+            let rest = &entries[i..];
+            let all: Vec<&str> = rest.iter().flat_map(|(k, v)| [k.as_str(), v.as_str()]).collect();
+            out.insert(FINGERPRINT_MORE.to_owned(), format!("{} more entries (sha256 {})", rest.len(), digest(&all)));
+            break;
+        }
+        used += k.len() + v.len();
+        out.insert(k, v);
+    }
+    rlaunch::fingerprint::Fingerprint(out)
 }
 
 fn join(job: &mut Job, mut node: NodeInfo, now: Millis) -> Decision {
@@ -1135,8 +1177,9 @@ fn join(job: &mut Job, mut node: NodeInfo, now: Millis) -> Decision {
     if let Some(r) = job.rejection_if_terminal() {
         return reject(r);
     }
-    // The job keeps each distinct fingerprint once; the node's pending entry keeps its digest.
-    let fingerprint = node.fingerprint.take().map(|fp| (fingerprint_digest(&fp), fp));
+    // The job keeps each distinct fingerprint once, bounded; the node's pending entry keeps
+    // the digest of the whole.
+    let fingerprint = node.fingerprint.take().map(|fp| (fingerprint_digest(&fp), fingerprint_summary(&fp)));
     let strict = job.settings.fingerprint == Some(rlaunch::fingerprint::Policy::Strict);
     if strict && fingerprint.is_none() {
         return reject(Rejection::FingerprintMismatch {

@@ -1357,6 +1357,52 @@ fn nodes_that_differ_in_their_fingerprint_are_named_when_the_round_closes() {
     assert!(plain.fingerprint_diff.is_empty() && plain.fingerprints.is_empty());
 }
 
+/// A fingerprint at the bounds a node may send (128 entries of 1 kB values: 147 kB), that
+/// differs from another made with another `tag` only in the last character of its last value.
+fn huge_fp_node(id: &str, tag: &str) -> NodeInfo {
+    use rlaunch::fingerprint::{Fingerprint, MAX_ENTRIES, MAX_VALUE};
+    let mut fp: Fingerprint =
+        Fingerprint((0..MAX_ENTRIES).map(|i| (format!("env NCCL_{i:03}"), "v".repeat(MAX_VALUE))).collect());
+    fp.0.insert(format!("env NCCL_{:03}", MAX_ENTRIES - 1), format!("{}{tag}", "v".repeat(MAX_VALUE - tag.len())));
+    assert!(fp.check().is_ok());
+    NodeInfo { fingerprint: Some(fp), ..node(id) }
+}
+
+#[test]
+fn a_jobs_fingerprints_stay_small_however_large_and_many_nodes_send() {
+    let mut job = Job::new(settings(40, 40), 0);
+    for i in 0..20u64 {
+        let (next, d) = step(&job, Event::Join(huge_fp_node(&format!("n{i}"), &format!("{i}"))), i);
+        assert_eq!(d.action, Action::Updated, "{d:?}");
+        job = next;
+    }
+    assert_eq!(job.fingerprints.len(), MAX_FINGERPRINTS, "distinct fingerprints capped");
+    for fp in job.fingerprints.values() {
+        let bytes: usize = fp.0.iter().map(|(k, v)| k.len() + v.len()).sum();
+        assert!(bytes <= MAX_FINGERPRINT_BYTES, "{bytes}");
+    }
+    let size = serde_json::to_vec(&job).expect("encodes").len();
+    assert!(size < 64 * 1024, "a job of 20 nodes with 147 kB fingerprints is {size} bytes");
+    assert!(job.pending.iter().all(|p| p.fingerprint_digest.is_some()), "every node keeps its digest");
+}
+
+#[test]
+fn kept_fingerprints_still_tell_nodes_apart_and_strict_still_compares_the_whole() {
+    // Differing only in the last character of the last of 128 values, past what is kept whole.
+    let job = Job::new(settings(2, 2), 0);
+    let (job, _) = step(&job, Event::Join(huge_fp_node("a", "x")), 0);
+    let (job, d) = step(&job, Event::Join(huge_fp_node("b", "y")), 10);
+    assert_eq!(d.action, Action::RoundClosed { round: 1 });
+    assert_eq!(job.fingerprint_diff.len(), 1, "{:?}", job.fingerprint_diff);
+    assert!(job.fingerprint_diff[0].contains("1 of 2 node(s) (b) differ from 1 (a)"), "{:?}", job.fingerprint_diff);
+    let strict = JobSettings { fingerprint: Some(rlaunch::fingerprint::Policy::Strict), ..settings(2, 2) };
+    let (job, _) = step(&Job::new(strict, 0), Event::Join(huge_fp_node("a", "x")), 0);
+    let (_, d) = step(&job, Event::Join(huge_fp_node("b", "y")), 10);
+    assert!(matches!(d.action, Action::Rejected(Rejection::FingerprintMismatch { .. })), "{d:?}");
+    let (_, d) = step(&job, Event::Join(huge_fp_node("c", "x")), 10);
+    assert_eq!(d.action, Action::RoundClosed { round: 1 }, "the same fingerprint is the same");
+}
+
 #[test]
 fn strict_fingerprints_refuse_a_node_that_differs_from_the_first() {
     let s = JobSettings { fingerprint: Some(rlaunch::fingerprint::Policy::Strict), ..settings(2, 2) };
