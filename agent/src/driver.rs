@@ -508,7 +508,7 @@ impl Io<'_> {
             world_size = p.world_size,
             restart_count = p.restart_count,
             master = %master,
-            logs = %self.ctx.log_root.display(),
+            logs = %self.ctx.log_root.path().display(),
             "starting workers"
         );
         if !p.fingerprint_diff.is_empty() {
@@ -550,16 +550,17 @@ impl Io<'_> {
     /// The console, stdin and this attempt's duplicate filters (torchrun keeps one filtered log
     /// per attempt: `attempt_{n}/filtered_stdout.log`).
     fn group_io(&self, attempt: u32) -> Result<GroupIo, AgentError> {
-        let dir = self.ctx.log_root.join(format!("attempt_{attempt}"));
+        let root = self.ctx.log_root;
+        let dir = root.path().join(format!("attempt_{attempt}"));
         let open = |needles: &[String], name: &str| {
             let path = dir.join(name);
-            DupFilter::open(needles, path.clone()).map_err(|source| AgentError::LogDir { path, source })
+            DupFilter::open(needles, root, path.clone()).map_err(|source| AgentError::LogDir { path, source })
         };
         let dup = [
             open(&self.config.duplicate_stdout_filters, "filtered_stdout.log")?,
             open(&self.config.duplicate_stderr_filters, "filtered_stderr.log")?,
         ];
-        Ok(GroupIo { console: self.ctx.console.clone(), stdin: self.ctx.stdin.clone(), dup })
+        Ok(GroupIo { console: self.ctx.console.clone(), stdin: self.ctx.stdin.clone(), dup, log_root: root.clone() })
     }
 
     fn send(&mut self, report: Report) {

@@ -147,8 +147,9 @@ pub fn rank_waits(workers: &[Watched]) -> Vec<rlaunch_rendezvous::stragglers::Ra
 }
 
 /// Creates a worker's heartbeat file (its time is the baseline: untouched means no beat).
-pub fn create_heartbeat(path: &Path) -> std::io::Result<()> {
-    std::fs::File::create(path).map(|_| ())
+/// Made through the held run directory, never through a symlink.
+pub fn create_heartbeat(root: &crate::logdir::LogRoot, path: &Path) -> std::io::Result<()> {
+    root.open(path, crate::logdir::Open::Truncate).map(|_| ())
 }
 
 /// py-spy: `RLAUNCH_PY_SPY`, else on `PATH`, else next to the Python the workers run (a

@@ -14,6 +14,7 @@ mod elastic;
 pub mod fingerprint;
 pub mod hang;
 mod hangwatch;
+pub mod logdir;
 pub mod numa;
 pub mod output;
 pub mod process;
@@ -52,6 +53,8 @@ pub enum AgentError {
         #[source]
         source: std::io::Error,
     },
+    #[error(transparent)]
+    LogRoot(#[from] logdir::LogDirError),
     #[error("cannot serve the workers' store on {addr}")]
     Store {
         addr: String,
@@ -147,6 +150,7 @@ async fn run_inner(config: AgentConfig) -> Result<RunOutcome, AgentError> {
     let stdin_is_tty = std::io::IsTerminal::is_terminal(&std::io::stdin());
     let stdin = (console.tty && stdin_is_tty).then(|| StdinRouter::start(console.clone()));
     let (log_root, temp_logs) = log_root(&config)?;
+    let log_root = std::sync::Arc::new(log_root);
     let cpus = numa_binding(&config, &agent_env)?;
     let choice = if config.process_groups_only { Some("process-group") } else { None };
     let containment = std::sync::Arc::new(contain::Containment::detect(config.nproc_per_node, choice));
@@ -166,12 +170,13 @@ async fn run_inner(config: AgentConfig) -> Result<RunOutcome, AgentError> {
     drop(containment);
     console.flush();
     if let Ok(RunOutcome::Failed { root_cause, .. }) = &outcome {
-        eprint!("{}", root_cause.render());
-        eprintln!("rlaunch: the workers' logs are kept in {}", log_root.display());
+        // Its text may come from another node (through the rendezvous): no escapes on our terminal.
+        eprint!("{}", rlaunch::terminal::sanitize(&root_cause.render()));
+        eprintln!("rlaunch: the workers' logs are kept in {}", log_root.path().display());
         write_agent_error_file(&log_root, root_cause, &agent_env);
     }
     if temp_logs && matches!(outcome, Ok(RunOutcome::Succeeded { .. })) {
-        let _ = std::fs::remove_dir_all(&log_root);
+        let _ = std::fs::remove_dir_all(log_root.path());
     }
     outcome
 }
@@ -183,7 +188,8 @@ pub(crate) struct Ctx<'a> {
     pub agent_env: &'a BTreeMap<String, String>,
     pub console: &'a Console,
     pub stdin: Option<StdinRouter>,
-    pub log_root: &'a std::path::Path,
+    /// The run's log directory, held open: files are made through it (see [`logdir`]).
+    pub log_root: &'a std::sync::Arc<logdir::LogRoot>,
     /// The agent's terminal's size (rows, columns), when stdout is one.
     pub term_size: Option<(u16, u16)>,
     /// Each local rank's CPUs (`--numa-binding`).
@@ -223,40 +229,26 @@ pub(crate) async fn start_store(bind: &str, max_total_bytes: usize) -> Result<St
 }
 
 /// `--log-dir/{run_id}_{pid}`, or a private temporary directory removed after a successful run.
-/// Either is created here, exclusively: an existing directory or a planted symlink is never
-/// used. The temporary one is `$TMPDIR/rlaunch_{run_id}_{pid}_{64 random bits}`, mode 0700.
-fn log_root(config: &AgentConfig) -> Result<(PathBuf, bool), AgentError> {
-    use std::os::unix::fs::DirBuilderExt;
+/// Either is created here, exclusively, and held open: an existing directory or a planted
+/// symlink is never used, and a later rename of it changes nothing (see [`logdir`]). The
+/// temporary one is `$TMPDIR/rlaunch_{run_id}_{pid}_{64 random bits}`, mode 0700.
+fn log_root(config: &AgentConfig) -> Result<(logdir::LogRoot, bool), AgentError> {
     let name = format!("{}_{}", sanitize(&config.run_id), std::process::id());
-    let err = |path: &PathBuf| {
-        let path = path.clone();
-        move |source| AgentError::LogDir { path, source }
-    };
     match &config.log_dir {
-        Some(d) => {
-            std::fs::create_dir_all(d).map_err(err(d))?;
-            // A restarted container has the same pid and run id: `_1`, `_2`, … then, never the
-            // existing directory (nor a symlink planted there).
-            for n in 0..1000 {
-                let root = if n == 0 { d.join(&name) } else { d.join(format!("{name}_{n}")) };
-                match std::fs::DirBuilder::new().create(&root) {
-                    Ok(()) => return Ok((root, false)),
-                    Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
-                    Err(e) => return Err(err(&root)(e)),
-                }
-            }
-            let root = d.join(&name);
-            Err(err(&root)(std::io::Error::other("a thousand log directories of this run id and pid exist")))
-        }
+        Some(d) => Ok((logdir::LogRoot::create_in(d, &name)?, false)),
         None => {
             let mut tries = 0;
             loop {
                 let random = (u64::from(elastic::rand_u32()) << 32) | u64::from(elastic::rand_u32());
                 let root = std::env::temp_dir().join(format!("rlaunch_{name}_{random:016x}"));
-                match std::fs::DirBuilder::new().mode(0o700).create(&root) {
-                    Ok(()) => return Ok((root, true)),
-                    Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && tries < 16 => tries += 1,
-                    Err(e) => return Err(err(&root)(e)),
+                match logdir::LogRoot::create_private(&root, 0o700) {
+                    Ok(r) => return Ok((r, true)),
+                    Err(logdir::LogDirError::Io { source, .. })
+                        if source.kind() == std::io::ErrorKind::AlreadyExists && tries < 16 =>
+                    {
+                        tries += 1
+                    }
+                    Err(e) => return Err(e.into()),
                 }
             }
         }
@@ -273,7 +265,7 @@ pub(crate) fn worker_specs(
     master: &HostPort,
     ctx: &Ctx<'_>,
 ) -> Vec<WorkerSpec> {
-    let (log_root, host) = (ctx.log_root, ctx.host);
+    let (log_root, host) = (ctx.log_root.path(), ctx.host);
     let restart_count = p.restart_count;
     let signals: Vec<String> = config.handled_signals.iter().map(|s| rlaunch::contract::signal_name(*s)).collect();
     let signals_to_handle = signals.join(",");
@@ -367,15 +359,19 @@ pub fn virtual_local_rank(local_rank: u32, agent_env: &BTreeMap<String, String>)
 
 /// The agent's own error file: `{log_root}/error.json`, and `$TORCHELASTIC_ERROR_FILE` when the
 /// agent was given one (as torchrun's `@record`-decorated main writes it).
-fn write_agent_error_file(log_root: &std::path::Path, root_cause: &RootCause, agent_env: &BTreeMap<String, String>) {
+fn write_agent_error_file(log_root: &logdir::LogRoot, root_cause: &RootCause, agent_env: &BTreeMap<String, String>) {
     let json = root_cause.to_error_file_json();
-    let mut targets = vec![log_root.join("error.json")];
-    if let Some(f) = agent_env.get(rlaunch::env::ERROR_FILE) {
-        targets.push(PathBuf::from(f));
+    let ours = log_root.path().join("error.json");
+    let bytes = match serde_json::to_vec_pretty(&json) {
+        Ok(b) => b,
+        Err(e) => return warn!(error = %e, "cannot render the agent's error file"),
+    };
+    if let Err(e) = log_root.write_atomically(&ours, &bytes) {
+        warn!(path = %ours.display(), error = %e, "cannot write the agent's error file");
     }
-    for t in targets {
-        if let Err(e) = report::write_json_atomically(&t, &json) {
-            warn!(path = %t.display(), error = %e, "cannot write the agent's error file");
+    if let Some(f) = agent_env.get(rlaunch::env::ERROR_FILE).map(PathBuf::from) {
+        if let Err(e) = report::write_json_atomically(&f, &json) {
+            warn!(path = %f.display(), error = %e, "cannot write the agent's error file");
         }
     }
 }

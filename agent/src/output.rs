@@ -370,15 +370,20 @@ pub struct DupFilter {
 impl DupFilter {
     /// Opens (creates, with its directory, or appends to) `path`; `None`, and nothing created,
     /// for an empty list of needles.
-    pub fn open(needles: &[String], path: PathBuf) -> io::Result<Option<Arc<DupFilter>>> {
+    /// Made through the held run directory, never through a symlink.
+    pub fn open(
+        needles: &[String],
+        root: &crate::logdir::LogRoot,
+        path: PathBuf,
+    ) -> io::Result<Option<Arc<DupFilter>>> {
         let needles: Vec<String> = needles.iter().filter(|n| !n.is_empty()).cloned().collect();
         if needles.is_empty() {
             return Ok(None);
         }
         if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir)?;
+            root.create_dirs(dir)?;
         }
-        let file = open_log(&path)?;
+        let file = root.open(&path, crate::logdir::Open::Append)?;
         Ok(Some(Arc::new(DupFilter { needles, file: Mutex::new(Some(io::BufWriter::new(file))), path })))
     }
 
@@ -512,7 +517,8 @@ pub struct Sink {
     pub stream: Stream,
     /// `Some(prefix)` when the stream is shown on the console.
     pub console: Option<(Console, Vec<u8>)>,
-    pub file: Option<PathBuf>,
+    /// The stream's log file, opened by the caller (through the held run directory), and its path.
+    pub file: Option<(File, PathBuf)>,
     /// Keeps the last lines for the failure report.
     pub tail: Option<Arc<Mutex<VecDeque<String>>>>,
     /// A line not yet ended goes to the console at once (a worker on a terminal: progress bars,
@@ -529,17 +535,8 @@ pub struct Sink {
 /// The log file is written as long as it can be; a file that cannot be opened or written (a full
 /// disk) is reported once and the stream goes on to the console, so a worker is never stopped
 /// by its logs.
-pub async fn pump(mut reader: impl AsyncRead + Unpin, sink: Sink) -> io::Result<()> {
-    let mut file = match &sink.file {
-        Some(path) => match open_log(path) {
-            Ok(f) => Some((io::BufWriter::new(f), path)),
-            Err(e) => {
-                tracing::warn!(path = %path.display(), error = %e, "cannot open the log file; this stream is not kept in a file (the console still gets it where it is shown)");
-                None
-            }
-        },
-        None => None,
-    };
+pub async fn pump(mut reader: impl AsyncRead + Unpin, mut sink: Sink) -> io::Result<()> {
+    let mut file = sink.file.take().map(|(f, path)| (io::BufWriter::new(f), path));
     let mut lines = LineState::new(&sink);
     let mut chunk = vec![0u8; 16 * 1024];
     loop {
@@ -657,19 +654,6 @@ impl LineState {
             let rest = std::mem::take(&mut self.pending);
             self.end_line(sink, rest);
         }
-    }
-}
-
-/// Opens a log file without ever following a symlink: created new, or (a later round of the same
-/// attempt) appended to when it is a regular file already.
-fn open_log(path: &std::path::Path) -> io::Result<File> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let new = std::fs::OpenOptions::new().write(true).create_new(true).custom_flags(libc::O_NOFOLLOW).open(path);
-    match new {
-        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
-            std::fs::OpenOptions::new().append(true).custom_flags(libc::O_NOFOLLOW).open(path)
-        }
-        other => other,
     }
 }
 
@@ -847,10 +831,12 @@ mod tests {
 
     #[tokio::test]
     async fn duplicate_filters_copy_matching_console_lines_with_their_prefix() {
-        let dir = tempfile::tempdir().unwrap();
+        let base = tempfile::tempdir().unwrap();
+        let root = crate::logdir::LogRoot::create_in(base.path(), "run").unwrap();
+        let dir = root.path();
         // The attempt's directory is made when a filter needs it.
-        let path = dir.path().join("attempt_0/filtered_stdout.log");
-        let dup = DupFilter::open(&["apple".into(), "or,ange".into()], path.clone()).unwrap();
+        let path = dir.join("attempt_0/filtered_stdout.log");
+        let dup = DupFilter::open(&["apple".into(), "or,ange".into()], &root, path.clone()).unwrap();
         let (tx, _rx) = sync_channel(64);
         let console = Console { tx, tty: false, stderr_tty: false, next_source: Arc::new(AtomicU64::new(1)) };
         let sink = Sink {
@@ -865,7 +851,7 @@ mod tests {
         pump(&b"an apple\npear\nor,ange juice\norange\n"[..], sink).await.unwrap();
         let got = std::fs::read_to_string(&path).unwrap();
         assert_eq!(got, "[default0]:an apple\n[default0]:or,ange juice\n");
-        assert!(DupFilter::open(&["".into()], dir.path().join("attempt_1/none")).unwrap().is_none());
-        assert!(!dir.path().join("attempt_1").exists(), "no filter, nothing made");
+        assert!(DupFilter::open(&["".into()], &root, dir.join("attempt_1/none")).unwrap().is_none());
+        assert!(!dir.join("attempt_1").exists(), "no filter, nothing made");
     }
 }

@@ -61,19 +61,15 @@ pub fn now_unix() -> u64 {
 
 /// Writes `value` to `path` through a temporary file and a rename, so a reader never sees half.
 /// The file's data is fsync'd before the rename, and the directory after it, so a crash leaves
-/// either the old file or the whole new one.
+/// either the old file or the whole new one. The temporary file is made new and never through a
+/// symlink (see [`crate::logdir::write_atomically_at`]).
 pub fn write_json_atomically(path: &Path, value: &serde_json::Value) -> std::io::Result<()> {
-    use std::io::Write as _;
-    let tmp = path.with_extension("json.tmp");
-    let mut f = std::fs::File::create(&tmp)?;
-    f.write_all(&serde_json::to_vec_pretty(value).map_err(std::io::Error::other)?)?;
-    f.sync_all()?;
-    drop(f);
-    std::fs::rename(&tmp, path)?;
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::File::open(dir)?.sync_all()?;
-    }
-    Ok(())
+    let bytes = serde_json::to_vec_pretty(value).map_err(std::io::Error::other)?;
+    let leaf = path.file_name().map(Path::new).ok_or_else(|| std::io::Error::other("no file name"))?;
+    let parent = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    // The caller named the directory: a link there is followed, none below it.
+    let dir = crate::logdir::open_dir(libc::AT_FDCWD, parent, true)?;
+    crate::logdir::write_atomically_at(&dir, leaf, &bytes)
 }
 
 #[cfg(test)]
@@ -109,6 +105,19 @@ mod tests {
         std::fs::write(&p, big).unwrap();
         let d = read_error_file(&p).expect("a message saying the file is too large");
         assert!(d.message.contains("larger than"), "{}", d.message);
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    #[test]
+    fn the_temporary_file_is_never_written_through_a_symlink() {
+        let dir = tempfile_dir("tmp-link");
+        let victim = dir.join("victim");
+        std::fs::write(&victim, b"keep me").unwrap();
+        let _ = std::fs::remove_file(dir.join("error.json.tmp"));
+        std::os::unix::fs::symlink(&victim, dir.join("error.json.tmp")).unwrap();
+        write_json_atomically(&dir.join("error.json"), &serde_json::json!({"message": "m"})).unwrap();
+        assert_eq!(std::fs::read(&victim).unwrap(), b"keep me");
+        assert!(read_error_file(&dir.join("error.json")).is_some());
         std::fs::remove_dir_all(dir).ok();
     }
 

@@ -52,6 +52,8 @@ pub struct GroupIo {
     pub stdin: Option<StdinRouter>,
     /// torchrun's duplicate filters: stdout's, stderr's.
     pub dup: [Option<Arc<DupFilter>>; 2],
+    /// The run's log directory, held open: the workers' directories and files are made there.
+    pub log_root: Arc<crate::logdir::LogRoot>,
 }
 
 struct Running {
@@ -126,7 +128,7 @@ impl WorkerGroup {
     ) -> Result<(), AgentError> {
         let console: &Console = &io.console;
         let local_rank = spec.env.local_rank;
-        std::fs::create_dir_all(&spec.dir).map_err(|source| AgentError::LogDir { path: spec.dir.clone(), source })?;
+        io.log_root.create_dirs(&spec.dir).map_err(|source| AgentError::LogDir { path: spec.dir.clone(), source })?;
         let (exe, args) = program.split_first().expect("the launcher never passes an empty program");
         let mut cmd = std::process::Command::new(exe);
         cmd.args(args);
@@ -137,7 +139,7 @@ impl WorkerGroup {
             cmd.env(k, v);
         }
         if let Some(path) = &spec.heartbeat {
-            crate::hangwatch::create_heartbeat(path)
+            crate::hangwatch::create_heartbeat(&io.log_root, path)
                 .map_err(|source| AgentError::LogDir { path: path.clone(), source })?;
             if spec.heartbeat_env {
                 cmd.env(crate::hangwatch::HEARTBEAT_ENV, path);
@@ -164,10 +166,21 @@ impl WorkerGroup {
         let mut pumps = Vec::new();
         for (stream, reader) in [(Stream::Stdout, spawned.stdout), (Stream::Stderr, spawned.stderr)] {
             let name = if stream == Stream::Stdout { "stdout.log" } else { "stderr.log" };
+            // A log that cannot be opened leaves the stream to the console, as a full disk does:
+            // a worker is never stopped by its logs.
+            let file = spec.files.has(stream).then(|| spec.dir.join(name)).and_then(|path| {
+                match io.log_root.open(&path, crate::logdir::Open::Append) {
+                    Ok(f) => Some((f, path)),
+                    Err(e) => {
+                        warn!(path = %path.display(), error = %e, "cannot open the log file; this stream is not kept in a file (the console still gets it where it is shown)");
+                        None
+                    }
+                }
+            });
             let sink = Sink {
                 stream,
                 console: spec.console.has(stream).then(|| (console.clone(), spec.prefix.clone().into_bytes())),
-                file: spec.files.has(stream).then(|| spec.dir.join(name)),
+                file,
                 tail: (stream == Stream::Stderr).then(|| stderr_tail.clone()),
                 partial: if stream == Stream::Stdout { spec.terminal.stdout } else { spec.terminal.stderr },
                 dup: io.dup[if stream == Stream::Stdout { 0 } else { 1 }].clone(),

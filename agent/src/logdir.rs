@@ -1,0 +1,372 @@
+//! The run's log directory (`--log-dir/{run_id}_{pid}` or a private temporary one): created
+//! exclusively, then held open, and every directory and file under it made through that handle
+//! without following a symlink.
+//!
+//! Why: an agent often runs as root while `--log-dir` belongs to someone else. Whoever may
+//! rename entries of `--log-dir` could swap the run directory for a symlink while the agent
+//! waits in the rendezvous; path-based creates would then make or truncate files wherever the
+//! link points. Holding the run directory as a descriptor makes a rename harmless (the agent
+//! keeps writing into the directory it created), `O_NOFOLLOW` on every component refuses a link
+//! planted below it, and an existing `--log-dir` that another user could rename entries of is
+//! refused up front (so the paths the workers are given stay where they were made, too).
+
+use std::ffi::CString;
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Component, Path, PathBuf};
+
+/// Mode of the directories the agent makes under the run directory.
+const DIR_MODE: libc::mode_t = 0o755;
+/// Mode of the files it makes there.
+const FILE_MODE: libc::mode_t = 0o644;
+
+/// Why a log directory cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum LogDirError {
+    #[error("cannot create or open log directory {path}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error(
+        "refusing log directory {path}: it belongs to uid {owner} (mode {mode:o}), who could swap what the agent \
+         creates in it; use a directory owned by uid {me} or root and not writable by others"
+    )]
+    Untrusted { path: PathBuf, owner: u32, mode: u32, me: u32 },
+    #[error("the run directory {path} was replaced while it was being created")]
+    Replaced { path: PathBuf },
+    #[error("a thousand log directories of this run id and pid exist in {path}")]
+    Exhausted { path: PathBuf },
+}
+
+/// How a file under the run directory is opened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Open {
+    /// Created, or emptied when it exists (a heartbeat file).
+    Truncate,
+    /// Created, or appended to when it exists (logs, filtered logs).
+    Append,
+    /// Created; an existing entry of that name is an error.
+    New,
+}
+
+/// The run directory, held open.
+#[derive(Debug)]
+pub struct LogRoot {
+    path: PathBuf,
+    dir: OwnedFd,
+}
+
+impl LogRoot {
+    /// Makes `{log_dir}/{name}` (then `{name}_1`, `{name}_2`, … where it exists) and holds it.
+    /// `log_dir` itself may exist: it is refused when another user could rename its entries.
+    pub fn create_in(log_dir: &Path, name: &str) -> Result<LogRoot, LogDirError> {
+        let io_err = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| LogDirError::Io { path, source }
+        };
+        std::fs::create_dir_all(log_dir).map_err(io_err(log_dir))?;
+        // The invoker named `log_dir`: following a link there is theirs to decide.
+        let parent = open_dir(libc::AT_FDCWD, log_dir, true).map_err(io_err(log_dir))?;
+        let st = fstat(&parent).map_err(io_err(log_dir))?;
+        let me = euid();
+        let others_may_rename = st.st_mode & 0o022 != 0 && st.st_mode & libc::S_ISVTX == 0;
+        if (st.st_uid != me && st.st_uid != 0) || others_may_rename {
+            return Err(LogDirError::Untrusted {
+                path: log_dir.to_path_buf(),
+                owner: st.st_uid,
+                mode: st.st_mode & 0o7777,
+                me,
+            });
+        }
+        // A restarted container has the same pid and run id: `_1`, `_2`, … then, never the
+        // existing directory (nor a symlink planted there).
+        for n in 0..1000 {
+            let leaf = if n == 0 { name.to_owned() } else { format!("{name}_{n}") };
+            match mkdir_at(&parent, Path::new(&leaf), DIR_MODE) {
+                Ok(()) => return Self::hold(&parent, log_dir.join(&leaf), &leaf),
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+                Err(e) => return Err(io_err(&log_dir.join(&leaf))(e)),
+            }
+        }
+        Err(LogDirError::Exhausted { path: log_dir.to_path_buf() })
+    }
+
+    /// Makes `path` (whose parent is a directory only this user may write, such as a sticky
+    /// `$TMPDIR`) with `mode` and holds it; `AlreadyExists` when it exists.
+    pub fn create_private(path: &Path, mode: libc::mode_t) -> Result<LogRoot, LogDirError> {
+        let io_err = |source| LogDirError::Io { path: path.to_path_buf(), source };
+        let (parent, leaf) = split(path).map_err(io_err)?;
+        let parent = open_dir(libc::AT_FDCWD, parent, true).map_err(io_err)?;
+        mkdir_at(&parent, leaf, mode).map_err(io_err)?;
+        Self::hold(&parent, path.to_path_buf(), leaf)
+    }
+
+    /// Opens the directory just made and checks it is still the one made: a real directory of
+    /// this user (a rename between the two calls leaves something else, or nothing, there).
+    fn hold(parent: &OwnedFd, path: PathBuf, leaf: impl AsRef<Path>) -> Result<LogRoot, LogDirError> {
+        let dir = match open_dir(parent.as_raw_fd(), leaf.as_ref(), false) {
+            Ok(d) => d,
+            Err(_) => return Err(LogDirError::Replaced { path }),
+        };
+        let st = fstat(&dir).map_err(|source| LogDirError::Io { path: path.clone(), source })?;
+        if st.st_uid != euid() {
+            return Err(LogDirError::Replaced { path });
+        }
+        Ok(LogRoot { path, dir })
+    }
+
+    /// The run directory's path, as made (for messages and for the workers' environment).
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Makes every directory of `path` (a path under [`LogRoot::path`]) that does not exist,
+    /// never following a symlink; returns the last one, open.
+    pub fn create_dirs(&self, path: &Path) -> io::Result<OwnedFd> {
+        let rel = self.relative(path)?;
+        self.walk(&rel, true)
+    }
+
+    /// Opens the file `path` (under [`LogRoot::path`]) for writing, without following a symlink
+    /// anywhere below the run directory; its directories must exist.
+    pub fn open(&self, path: &Path, how: Open) -> io::Result<File> {
+        let rel = self.relative(path)?;
+        let (dir, leaf) = split(&rel)?;
+        let dir = self.walk(dir, false)?;
+        open_file_at(&dir, leaf, how)
+    }
+
+    /// Writes `bytes` to `path` (under [`LogRoot::path`]) whole or not at all (see
+    /// [`write_atomically_at`]).
+    pub fn write_atomically(&self, path: &Path, bytes: &[u8]) -> io::Result<()> {
+        let rel = self.relative(path)?;
+        let (dir, leaf) = split(&rel)?;
+        let dir = self.walk(dir, false)?;
+        write_atomically_at(&dir, leaf, bytes)
+    }
+
+    fn relative(&self, path: &Path) -> io::Result<PathBuf> {
+        let rel = path.strip_prefix(&self.path).map_err(|_| {
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{} is not under {}", path.display(), self.path.display()),
+            )
+        })?;
+        if rel.components().any(|c| !matches!(c, Component::Normal(_))) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{} leaves the log directory", path.display()),
+            ));
+        }
+        Ok(rel.to_path_buf())
+    }
+
+    /// Opens `rel`'s directories one by one below the held one, making the missing ones when
+    /// `make`.
+    fn walk(&self, rel: &Path, make: bool) -> io::Result<OwnedFd> {
+        let mut cur = dup(&self.dir)?;
+        for c in rel.components() {
+            let Component::Normal(name) = c else { continue };
+            let name = Path::new(name);
+            if make {
+                match mkdir_at(&cur, name, DIR_MODE) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+                    Err(e) => return Err(e),
+                }
+            }
+            cur = open_dir(cur.as_raw_fd(), name, false)?;
+        }
+        Ok(cur)
+    }
+}
+
+/// Writes `bytes` to `dir/leaf` through a temporary file and a rename, so a reader never sees
+/// half: the temporary file is made new (a stale one is removed first, never followed), its data
+/// fsync'd before the rename, the directory after it.
+pub fn write_atomically_at(dir: &OwnedFd, leaf: &Path, bytes: &[u8]) -> io::Result<()> {
+    use std::io::Write as _;
+    let mut tmp_name = leaf.as_os_str().to_owned();
+    tmp_name.push(".tmp");
+    let tmp = Path::new(&tmp_name);
+    let ctmp = cstr(tmp)?;
+    // SAFETY: `dir` is an open descriptor and `ctmp` a NUL-terminated string, both alive for
+    // the call; unlinkat never follows a link (it removes the link itself).
+    let _ = unsafe { libc::unlinkat(dir.as_raw_fd(), ctmp.as_ptr(), 0) };
+    let mut f = open_file_at(dir, tmp, Open::New)?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    drop(f);
+    let cleaf = cstr(leaf)?;
+    // SAFETY: as above; renameat replaces `leaf` (even a symlink) without following it.
+    if unsafe { libc::renameat(dir.as_raw_fd(), ctmp.as_ptr(), dir.as_raw_fd(), cleaf.as_ptr()) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    File::from(dup(dir)?).sync_all()
+}
+
+/// Opens the directory `path` relative to `at`, following a final symlink only when `follow`.
+pub fn open_dir(at: libc::c_int, path: &Path, follow: bool) -> io::Result<OwnedFd> {
+    let c = cstr(path)?;
+    let nofollow = if follow { 0 } else { libc::O_NOFOLLOW };
+    let flags = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC | nofollow;
+    // SAFETY: `c` is NUL-terminated and alive for the call; `at` is AT_FDCWD or a descriptor the
+    // caller holds open.
+    let fd = unsafe { libc::openat(at, c.as_ptr(), flags) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: openat just returned this descriptor and nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn open_file_at(dir: &OwnedFd, leaf: &Path, how: Open) -> io::Result<File> {
+    let c = cstr(leaf)?;
+    let mode = match how {
+        Open::Truncate => libc::O_CREAT | libc::O_TRUNC,
+        Open::Append => libc::O_CREAT | libc::O_APPEND,
+        Open::New => libc::O_CREAT | libc::O_EXCL,
+    };
+    let flags = libc::O_WRONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK | mode;
+    // SAFETY: `dir` is an open descriptor and `c` NUL-terminated, both alive for the call.
+    let fd = unsafe { libc::openat(dir.as_raw_fd(), c.as_ptr(), flags, FILE_MODE as libc::c_uint) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: openat just returned this descriptor and nothing else owns it.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // O_NONBLOCK only so that opening a FIFO planted there never blocks; a non-regular file is
+    // refused (a device, a FIFO), and writes to the regular one block as usual.
+    let st = fstat(&fd)?;
+    if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{} is not a regular file", leaf.display())));
+    }
+    // SAFETY: `fd` is open; F_SETFL only changes its status flags.
+    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, mode & libc::O_APPEND) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(File::from(fd))
+}
+
+fn mkdir_at(dir: &OwnedFd, name: &Path, mode: libc::mode_t) -> io::Result<()> {
+    let c = cstr(name)?;
+    // SAFETY: `dir` is an open descriptor and `c` NUL-terminated, both alive for the call;
+    // mkdirat never follows a link at the new name (an existing one is EEXIST).
+    if unsafe { libc::mkdirat(dir.as_raw_fd(), c.as_ptr(), mode) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+fn fstat(fd: &OwnedFd) -> io::Result<libc::stat> {
+    // SAFETY: an all-zero `stat` is a valid value of this plain C struct.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `fd` is open and `st` a valid, writable `stat`.
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(st)
+}
+
+fn dup(fd: &OwnedFd) -> io::Result<OwnedFd> {
+    fd.try_clone()
+}
+
+fn euid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+fn split(path: &Path) -> io::Result<(&Path, &Path)> {
+    let leaf = path
+        .file_name()
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, format!("{} names no file", path.display())))?;
+    let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    Ok((parent, Path::new(leaf)))
+}
+
+fn cstr(path: &Path) -> io::Result<CString> {
+    CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a NUL byte in a path"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+
+    /// The attack of issue 26: the run directory's parent belongs to someone who renames the
+    /// run directory and puts a symlink to a victim directory in its place.
+    #[test]
+    fn a_run_directory_swapped_for_a_symlink_is_never_followed() {
+        let base = tempfile::tempdir().unwrap();
+        let logs = base.path().join("logs");
+        let victim = base.path().join("victim");
+        std::fs::create_dir_all(&victim).unwrap();
+        std::fs::write(victim.join("precious"), b"keep me").unwrap();
+        let root = LogRoot::create_in(&logs, "run_1").unwrap();
+        let moved = base.path().join("moved");
+        std::fs::rename(root.path(), &moved).unwrap();
+        std::os::unix::fs::symlink(&victim, root.path()).unwrap();
+
+        let worker = root.path().join("attempt_1").join("0");
+        root.create_dirs(&worker).unwrap();
+        root.open(&worker.join("heartbeat"), Open::Truncate).unwrap();
+        root.open(&worker.join("stdout.log"), Open::Append).unwrap();
+        root.write_atomically(&root.path().join("error.json"), b"{}").unwrap();
+        // A link planted below the run directory is not followed either.
+        std::os::unix::fs::symlink(victim.join("precious"), moved.join("attempt_1/0/precious")).unwrap();
+        assert!(root.open(&worker.join("precious"), Open::Truncate).is_err());
+        std::os::unix::fs::symlink(victim.join("precious"), moved.join("error.json.tmp")).unwrap();
+        root.write_atomically(&root.path().join("error.json"), b"{}").unwrap();
+
+        let mut in_victim: Vec<_> =
+            std::fs::read_dir(&victim).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        in_victim.sort();
+        assert_eq!(in_victim, ["precious"], "nothing made in the victim directory");
+        assert_eq!(std::fs::read(victim.join("precious")).unwrap(), b"keep me");
+        assert!(moved.join("attempt_1/0/heartbeat").is_file());
+        assert!(moved.join("attempt_1/0/stdout.log").is_file());
+        assert_eq!(std::fs::read(moved.join("error.json")).unwrap(), b"{}");
+    }
+
+    #[test]
+    fn a_log_dir_others_may_rename_entries_of_is_refused() {
+        let base = tempfile::tempdir().unwrap();
+        let logs = base.path().join("logs");
+        std::fs::create_dir(&logs).unwrap();
+        std::fs::set_permissions(&logs, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let err = LogRoot::create_in(&logs, "run").unwrap_err();
+        assert!(matches!(err, LogDirError::Untrusted { .. }), "{err}");
+        // Sticky, as /tmp: others cannot rename what is not theirs.
+        std::fs::set_permissions(&logs, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        LogRoot::create_in(&logs, "run").unwrap();
+        if euid() == 0 {
+            // Owned by another user: they may rename entries whatever the mode.
+            let other = base.path().join("others");
+            std::fs::create_dir(&other).unwrap();
+            std::os::unix::fs::chown(&other, Some(65534), Some(65534)).unwrap();
+            assert_eq!(std::fs::metadata(&other).unwrap().uid(), 65534);
+            let err = LogRoot::create_in(&other, "run").unwrap_err();
+            assert!(matches!(err, LogDirError::Untrusted { owner: 65534, .. }), "{err}");
+        }
+    }
+
+    #[test]
+    fn a_fifo_or_a_path_outside_the_run_directory_is_refused() {
+        let base = tempfile::tempdir().unwrap();
+        let root = LogRoot::create_in(base.path(), "run").unwrap();
+        let fifo = root.path().join("fifo");
+        let c = cstr(&fifo).unwrap();
+        // SAFETY: `c` is NUL-terminated and alive for the call.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        assert!(root.open(&fifo, Open::Append).is_err(), "opening a FIFO neither blocks nor succeeds");
+        assert!(root.open(&base.path().join("elsewhere"), Open::Truncate).is_err());
+        assert!(root.open(&root.path().join("../elsewhere"), Open::Truncate).is_err());
+        assert!(!base.path().join("elsewhere").exists());
+    }
+}
