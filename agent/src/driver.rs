@@ -532,10 +532,13 @@ impl Io<'_> {
         )?;
         self.watching_hangs = p.hang_timeout.is_some();
         let hang = p.hang_timeout.map(|timeout| {
-            let py_spy = hangwatch::find_py_spy(&self.config.program);
+            let (py_spy, refused) = hangwatch::find_py_spy(&self.config.program, self.ctx.agent_env);
+            for why in refused {
+                warn!(candidate = %why, "not running this py-spy");
+            }
             match &py_spy {
                 Some(path) => info!(%timeout, py_spy = %path.display(), "hang detection (--hang-timeout) reads Python stacks with py-spy"),
-                None => warn!("py-spy not found (RLAUNCH_PY_SPY, PATH, beside the workers' Python, .venv/bin): hang reports show kernel wait channels only"),
+                None => warn!("py-spy not found (absolute RLAUNCH_PY_SPY, absolute PATH entries, beside the workers' Python): hang reports show kernel wait channels only"),
             }
             HangWatch { timeout, py_spy, nodes: p.group_world_size }
         });

@@ -153,23 +153,79 @@ pub fn create_heartbeat(root: &crate::logdir::LogRoot, path: &Path) -> std::io::
 }
 
 /// py-spy: `RLAUNCH_PY_SPY`, else on `PATH`, else next to the Python the workers run (a
-/// virtualenv's `bin/`), else the project's own `.venv/bin/` (installed by
-/// `scripts/install-deps.sh`).
-pub fn find_py_spy(program: &[std::ffi::OsString]) -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("RLAUNCH_PY_SPY") {
-        return Some(PathBuf::from(p));
+/// virtualenv's `bin/`, as `scripts/install-deps.sh` makes `.venv/`). Only absolute places: the
+/// agent often runs as root, and a `py-spy` relative to its working directory (a relative `PATH`
+/// entry, a bare `.venv/bin`) is whatever the owner of that directory put there. Each candidate
+/// is checked ([`trusted`]) and the first that passes is returned, absolute and resolved; the
+/// refusals say why, for the log.
+pub fn find_py_spy(
+    program: &[std::ffi::OsString],
+    agent_env: &BTreeMap<String, String>,
+) -> (Option<PathBuf>, Vec<String>) {
+    let mut refused = Vec::new();
+    for c in py_spy_candidates(program, agent_env.get("RLAUNCH_PY_SPY"), agent_env.get("PATH")) {
+        if !c.is_file() {
+            continue;
+        }
+        match trusted(&c, euid()) {
+            Ok(p) => return (Some(p), refused),
+            Err(why) => refused.push(format!("{}: {why}", c.display())),
+        }
     }
-    let on_path = std::env::var_os("PATH")
-        .map(|paths| std::env::split_paths(&paths).map(|d| d.join("py-spy")).collect::<Vec<_>>())
-        .unwrap_or_default();
-    let beside_python = program.first().map(PathBuf::from).and_then(|p| Some(p.parent()?.join("py-spy")));
-    on_path
-        .into_iter()
-        .chain(beside_python)
-        .chain(std::iter::once(PathBuf::from(".venv/bin/py-spy")))
-        .find(|p| p.is_file())
-        // Absolute: what was checked is what runs, whatever the workers' directory.
-        .map(|p| std::fs::canonicalize(&p).unwrap_or(p))
+    if let Some(p) = agent_env.get("RLAUNCH_PY_SPY").filter(|p| !Path::new(p).is_absolute()) {
+        refused.push(format!("RLAUNCH_PY_SPY={p}: not an absolute path"));
+    }
+    (None, refused)
+}
+
+/// Where py-spy may be, in order; every one absolute. Pure.
+pub fn py_spy_candidates(
+    program: &[std::ffi::OsString],
+    rlaunch_py_spy: Option<&String>,
+    path: Option<&String>,
+) -> Vec<PathBuf> {
+    let dirs: Vec<PathBuf> =
+        path.map(|p| std::env::split_paths(p).filter(|d| d.is_absolute()).collect()).unwrap_or_default();
+    let mut out: Vec<PathBuf> = rlaunch_py_spy.map(PathBuf::from).filter(|p| p.is_absolute()).into_iter().collect();
+    out.extend(dirs.iter().map(|d| d.join("py-spy")));
+    // The workers' Python: as given when absolute, else (a bare `python3`) the first on the
+    // absolute part of `PATH`; beside it, not beside what its symlinks resolve to (a
+    // virtualenv's `python` links to the system's).
+    let python = program.first().map(PathBuf::from).and_then(|p| {
+        if p.is_absolute() {
+            Some(p)
+        } else if p.components().count() == 1 {
+            dirs.iter().map(|d| d.join(&p)).find(|c| c.is_file())
+        } else {
+            None
+        }
+    });
+    out.extend(python.and_then(|p| Some(p.parent()?.join("py-spy"))));
+    out
+}
+
+/// Whether the agent (effective uid `euid`) may run `candidate`: resolved, it and its directory
+/// are owned by root or by `euid` and writable by no one else (a directory others may write but
+/// not rename in, sticky, is fine). Returns the resolved path, which is what runs.
+pub fn trusted(candidate: &Path, euid: u32) -> Result<PathBuf, String> {
+    use std::os::unix::fs::MetadataExt;
+    let real = std::fs::canonicalize(candidate).map_err(|e| format!("cannot resolve: {e}"))?;
+    let dir = real.parent().ok_or("no directory")?;
+    for (what, p, sticky_ok) in [("it", real.as_path(), false), ("its directory", dir, true)] {
+        let m = std::fs::metadata(p).map_err(|e| format!("cannot read {what}: {e}"))?;
+        if m.uid() != 0 && m.uid() != euid {
+            return Err(format!("{what} belongs to uid {}", m.uid()));
+        }
+        if m.mode() & 0o022 != 0 && !(sticky_ok && m.mode() & 0o1000 != 0) {
+            return Err(format!("{what} is writable by others (mode {:o})", m.mode() & 0o7777));
+        }
+    }
+    Ok(real)
+}
+
+fn euid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
 }
 
 /// Where `pid` stands: its Python main thread's frames (py-spy), else its threads' kernel wait
@@ -284,6 +340,104 @@ pub async fn stacks(py_spy: Option<&Path>, workers: &[Watched]) -> BTreeMap<u32,
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn executable(path: &Path, mode: u32) {
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, "#!/bin/sh\n").unwrap();
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+
+    /// Issue 26, item 2: a `py-spy` planted relative to the agent's working directory (bare, in
+    /// `.venv/bin/`, or on a relative `PATH` entry) never runs. The old lookup returned
+    /// `.venv/bin/py-spy` from the working directory. The check runs in a child process of this
+    /// test binary whose working directory is the planted one (a test must not move this
+    /// process's).
+    #[test]
+    fn a_py_spy_relative_to_the_working_directory_is_never_chosen() {
+        const CHILD: &str = "RLAUNCH_TEST_PY_SPY_CWD";
+        if std::env::var_os(CHILD).is_some() {
+            let env: BTreeMap<String, String> = [
+                ("PATH".to_owned(), ":.:bin:.venv/bin".to_owned()),
+                ("RLAUNCH_PY_SPY".to_owned(), "py-spy".to_owned()),
+            ]
+            .into();
+            for program in [["python3"], ["bin/python3"], [".venv/bin/python3"]] {
+                let program: Vec<std::ffi::OsString> = program.iter().map(Into::into).collect();
+                let (found, refused) = find_py_spy(&program, &env);
+                assert_eq!(found, None, "{program:?}");
+                assert!(refused.iter().any(|r| r.contains("not an absolute path")), "{refused:?}");
+            }
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        for p in ["py-spy", "bin/py-spy", ".venv/bin/py-spy", "python3", "bin/python3", ".venv/bin/python3"] {
+            executable(&dir.path().join(p), 0o755);
+        }
+        let exe = std::env::current_exe().unwrap();
+        let mut child = std::process::Command::new(exe)
+            .args(["--exact", "hangwatch::tests::a_py_spy_relative_to_the_working_directory_is_never_chosen"])
+            .env(CHILD, "1")
+            .current_dir(dir.path())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            if std::time::Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("the child check ran past 30 s");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let out = child.wait_with_output().unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(status.success() && text.contains("1 passed"), "{text}");
+    }
+
+    #[test]
+    fn py_spy_is_looked_for_in_absolute_places_only_and_beside_the_workers_python() {
+        let dir = tempfile::tempdir().unwrap();
+        let venv = dir.path().join("venv/bin");
+        executable(&venv.join("python3"), 0o755);
+        let path = format!("relative:{}:/usr/bin", venv.display());
+        let got = py_spy_candidates(&["python3".into(), "x.py".into()], Some(&"rel/py-spy".into()), Some(&path));
+        assert_eq!(got, [venv.join("py-spy"), PathBuf::from("/usr/bin/py-spy"), venv.join("py-spy")]);
+        let abs = dir.path().join("py-spy");
+        let got = py_spy_candidates(&[venv.join("python3").into()], Some(&abs.display().to_string()), None);
+        assert_eq!(got, [abs, venv.join("py-spy")]);
+        assert!(py_spy_candidates(&["./python3".into()], None, None).is_empty());
+    }
+
+    #[test]
+    fn a_py_spy_others_may_write_or_replace_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let me = euid();
+        let good = dir.path().join("good/py-spy");
+        executable(&good, 0o755);
+        assert_eq!(trusted(&good, me), Ok(std::fs::canonicalize(&good).unwrap()));
+        let writable = dir.path().join("writable/py-spy");
+        executable(&writable, 0o775);
+        assert!(trusted(&writable, me).unwrap_err().contains("writable by others"));
+        let open_dir = dir.path().join("open/py-spy");
+        executable(&open_dir, 0o755);
+        std::fs::set_permissions(open_dir.parent().unwrap(), std::fs::Permissions::from_mode(0o777)).unwrap();
+        assert!(trusted(&open_dir, me).unwrap_err().contains("its directory"));
+        // A link to a writable file is judged by the file.
+        let link = dir.path().join("good/link");
+        std::os::unix::fs::symlink(&writable, &link).unwrap();
+        assert!(trusted(&link, me).is_err());
+        if me == 0 {
+            let theirs = dir.path().join("theirs/py-spy");
+            executable(&theirs, 0o755);
+            std::os::unix::fs::chown(&theirs, Some(65534), None).unwrap();
+            assert!(trusted(&theirs, me).unwrap_err().contains("belongs to uid 65534"));
+        }
+    }
 
     #[test]
     fn step_stats_never_wait_on_a_fifo_or_follow_a_link_a_worker_put_there() {
