@@ -14,4 +14,5 @@ pub mod model;
 pub mod sampler;
 pub mod stacks;
 pub mod store;
+pub mod terminal;
 pub mod worker;

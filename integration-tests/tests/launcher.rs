@@ -143,6 +143,20 @@ fn error_file_message_and_traceback_reach_the_report_and_agent_error_file() {
 }
 
 #[test]
+fn a_hostile_root_cause_reaches_the_console_with_its_escapes_shown_not_obeyed() {
+    let dir = tempdir();
+    let mut cmd = rlaunch();
+    cmd.args(["--standalone", "--nproc-per-node", "1"]).arg(worker()).arg("--out").arg(dir.path());
+    // An OSC 52 clipboard write, a screen clear and a one-character CSI (C1, 0x9b).
+    cmd.args(["error-file", "evil\x1b]52;c;ZXZpbA==\x07\x1b[2J\u{9b}31m done"]);
+    let o = run_deadline(&mut cmd, DEADLINE);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr_of(&o));
+    let err = stderr_of(&o);
+    assert!(err.contains("message     : evil\\x1b]52;c;ZXZpbA==\\x07\\x1b[2J\\x9b31m done"), "{err:?}");
+    assert!(!err.contains('\x1b') && !err.contains('\u{9b}') && !err.contains('\x07'), "{err:?}");
+}
+
+#[test]
 fn killing_the_agent_with_sigkill_leaves_no_worker_alive() {
     let dir = tempdir();
     let mut cmd = rlaunch();

@@ -67,10 +67,9 @@ fn main() -> ExitCode {
         Ok(outcome) => outcome.exit_code(),
         Err(e) => {
             let code = agent_error_code(&e);
-            eprintln!(
-                "rlaunch: {}",
-                anyhow::Error::from(e).chain().map(|c| c.to_string()).collect::<Vec<_>>().join(": ")
-            );
+            // The chain may quote what the rendezvous or another node sent.
+            let chain = anyhow::Error::from(e).chain().map(|c| c.to_string()).collect::<Vec<_>>().join(": ");
+            eprintln!("rlaunch: {}", rlaunch::terminal::sanitize(&chain));
             code
         }
     };

@@ -1,5 +1,8 @@
 //! `rlaunch status`: a job as the rendezvous sees it — round, members, ranks, heartbeats,
 //! restarts and the last root cause.
+//!
+//! Everything shown came from the rendezvous and from other nodes, so it is printed through
+//! `rlaunch::terminal`: an escape sequence in a root cause or a node id is shown, not obeyed.
 
 use clap::Parser;
 
@@ -64,7 +67,12 @@ async fn client(job: JobRef) -> Result<RendezvousClient, String> {
         "etcd" | "etcd-v3" => Backend::Etcd { endpoints },
         other => return Err(format!("--rdzv-backend {other}: expected rlaunch or etcd")),
     };
-    RendezvousClient::connect(backend, &rdzv_id, JobSettings::default()).await.map_err(|e| e.to_string())
+    RendezvousClient::connect(backend, &rdzv_id, JobSettings::default()).await.map_err(|e| shown(&e))
+}
+
+/// An error as the reader may see it: its text may quote what the service sent.
+fn shown(e: &dyn std::fmt::Display) -> String {
+    rlaunch::terminal::sanitize(&e.to_string()).into_owned()
 }
 
 /// One frame of `rlaunch top`: a header line, then the status (or why there is none).
@@ -72,7 +80,7 @@ pub fn frame(id: &str, now: &str, interval: f64, status: &Result<JobStatus, Stri
     let head = format!("rlaunch top — job {id} — {now} — every {interval} s, until the job ends (Ctrl-C quits)\n\n");
     match status {
         Ok(s) => head + &render(s),
-        Err(e) => head + &format!("no status: {e}\n(retrying)\n"),
+        Err(e) => head + &format!("no status: {}\n(retrying)\n", rlaunch::terminal::sanitize(e)),
     }
 }
 
@@ -85,7 +93,7 @@ pub async fn top(args: TopArgs, out: &mut dyn std::io::Write, terminal: bool) ->
     let every = std::time::Duration::from_secs_f64(args.interval);
     let mut last_body = String::new();
     loop {
-        let status = client.status().await.map_err(|e| e.to_string());
+        let status = client.status().await.map_err(|e| shown(&e));
         let now = rlaunch::contract::format_time(
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
         );
@@ -115,9 +123,10 @@ pub async fn top(args: TopArgs, out: &mut dyn std::io::Write, terminal: bool) ->
 
 pub async fn run(args: StatusArgs) -> Result<String, String> {
     let client = client(args.job).await?;
-    let status = client.status().await.map_err(|e| e.to_string())?;
+    let status = client.status().await.map_err(|e| shown(&e))?;
     if args.json {
-        return serde_json::to_string_pretty(&status).map_err(|e| e.to_string());
+        let json = serde_json::to_string_pretty(&status).map_err(|e| e.to_string())?;
+        return Ok(rlaunch::terminal::sanitize_json(&json).into_owned());
     }
     Ok(render(&status))
 }
@@ -130,6 +139,7 @@ fn health_columns(n: &NodeStatus) -> (String, String) {
     (loss, state.to_owned())
 }
 
+/// The status as text, safe to print on a terminal.
 pub fn render(s: &JobStatus) -> String {
     let mut out = format!(
         "job {}: {} — round {}, world size {}, restarts {}/{}\n",
@@ -193,7 +203,7 @@ pub fn render(s: &JobStatus) -> String {
             }
         }
     }
-    out
+    rlaunch::terminal::sanitize(&out).into_owned()
 }
 
 #[cfg(test)]
@@ -232,6 +242,26 @@ mod tests {
         assert!(text.contains("hb loss  health"), "{text}");
         assert!(text.contains("SUSPECTED  b"), "{text}");
         assert!(text.contains("suspected: b for 0.3 s (reached by a)"), "{text}");
+    }
+
+    #[test]
+    fn a_hostile_root_cause_is_shown_with_its_escapes_written_out() {
+        let settings = JobSettings { min_nodes: 1, max_nodes: 1, ..JobSettings::default() };
+        let mut job = apply(&Job::new(settings, 0), Event::Join(node("a")), 0).0;
+        let osc52 = "\x1b]52;c;ZXZpbA==\x07";
+        let mut rc = rlaunch::contract::RootCause::from_message(format!("boom{osc52}\x1b[2J\u{9b}31m"));
+        rc.host = format!("evil{osc52}host");
+        rc.stacks = vec!["rank 0: \x1b[2Jhere\x7f".into()];
+        job = apply(&job, Event::ReportFailure { node_id: "a".into(), round: 1, root_cause: Box::new(rc) }, 20).0;
+        let status = job.status("j", 40);
+        let text = render(&status);
+        assert!(text.contains("boom\\x1b]52;c;ZXZpbA==\\x07\\x1b[2J\\x9b31m"), "{text}");
+        assert!(text.contains("rank 0: ") && text.contains("here"), "{text}");
+        assert!(!text.chars().any(rlaunch::terminal::is_unsafe), "{text:?}");
+        let framed = frame("j", "now", 1.0, &Ok(status));
+        assert!(!framed.chars().any(rlaunch::terminal::is_unsafe), "{framed:?}");
+        let refused = frame("j", "now", 1.0, &Err(shown(&"service said \x1b[2J")));
+        assert!(refused.contains("service said \\x1b[2J") && !refused.contains('\x1b'), "{refused:?}");
     }
 
     #[test]

@@ -1,0 +1,72 @@
+//! Text from elsewhere (other nodes, the rendezvous) made safe to print on a terminal.
+//!
+//! Root causes, host names, roles, stderr tails and tracebacks come from other machines; printed
+//! as they are, an escape sequence in them would act on the reader's terminal (an OSC 52
+//! clipboard write, `ESC [2J`). Every control character a terminal acts on is shown instead as
+//! its code: C0 but newline and tab, DEL, and C1 (0x80–0x9f, among them the one-character CSI
+//! 0x9b, which some terminals take in its UTF-8 form too). ESC is a C0 character.
+
+use std::borrow::Cow;
+
+/// Whether a terminal would act on `c` rather than show it (newline and tab are kept).
+pub fn is_unsafe(c: char) -> bool {
+    matches!(c, '\0'..='\x08' | '\x0b'..='\x1f' | '\x7f'..='\u{9f}')
+}
+
+/// `text` with every character a terminal acts on written out as `\xNN` (`\x1b` for ESC), so
+/// the reader sees that it was there and nothing happens. Unchanged text is not copied.
+pub fn sanitize(text: &str) -> Cow<'_, str> {
+    if !text.chars().any(is_unsafe) {
+        return Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        if is_unsafe(c) {
+            out.push_str(&format!("\\x{:02x}", u32::from(c)));
+        } else {
+            out.push(c);
+        }
+    }
+    Cow::Owned(out)
+}
+
+/// JSON text (as `serde_json` writes it) with DEL and C1 escaped as `\u00NN` too: the same
+/// document, safe on a terminal. JSON already escapes the C0 characters, and these can only be
+/// inside strings, where the escape means the same character.
+pub fn sanitize_json(json: &str) -> Cow<'_, str> {
+    if !json.chars().any(is_unsafe) {
+        return Cow::Borrowed(json);
+    }
+    let mut out = String::with_capacity(json.len() + 8);
+    for c in json.chars() {
+        if is_unsafe(c) {
+            out.push_str(&format!("\\u{:04x}", u32::from(c)));
+        } else {
+            out.push(c);
+        }
+    }
+    Cow::Owned(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shows_escapes_osc52_csi_and_c1_as_codes_and_keeps_newlines_tabs_and_text() {
+        let hostile = "boom\x1b]52;c;ZXZpbA==\x07\x1b[2J\u{9b}31m\r\x7f\tok\nnext é ✓";
+        let clean = sanitize(hostile);
+        assert!(!clean.chars().any(is_unsafe), "{clean:?}");
+        assert_eq!(clean, "boom\\x1b]52;c;ZXZpbA==\\x07\\x1b[2J\\x9b31m\\x0d\\x7f\tok\nnext é ✓");
+        assert!(matches!(sanitize("plain\ttext\n"), Cow::Borrowed(_)));
+    }
+
+    #[test]
+    fn json_keeps_its_meaning_with_c1_and_del_escaped() {
+        let value = serde_json::json!({ "host": "a\u{9b}2Jb\x7f\x1b[2J" });
+        let text = serde_json::to_string(&value).unwrap();
+        let clean = sanitize_json(&text);
+        assert!(!clean.chars().any(is_unsafe), "{clean}");
+        assert_eq!(serde_json::from_str::<serde_json::Value>(&clean).unwrap(), value);
+    }
+}
