@@ -60,11 +60,23 @@ pub struct AppState {
     pub body_limit: usize,
     /// `/metrics` needs the token too (it names every job and node).
     pub protect_metrics: bool,
+    /// Take the addresses a join advertises as given, whatever address the join came from
+    /// (`--trust-advertised-addrs`: behind NAT or a proxy that is not on the service's host).
+    /// Otherwise a node may advertise only the address its join came from
+    /// ([`crate::round::check_advertised`]), known when the server records each request's
+    /// peer as `ConnectInfo<SocketAddr>`.
+    pub trust_advertised_addrs: bool,
 }
 
 impl AppState {
     pub fn new(rdzv: Arc<Rendezvous>, token: Option<String>) -> Self {
-        Self { rdzv, token: token.map(Arc::from), body_limit: DEFAULT_BODY_LIMIT, protect_metrics: false }
+        Self {
+            rdzv,
+            token: token.map(Arc::from),
+            body_limit: DEFAULT_BODY_LIMIT,
+            protect_metrics: false,
+            trust_advertised_addrs: false,
+        }
     }
 }
 
@@ -226,8 +238,13 @@ fn wait_of(ms: Option<u64>) -> Duration {
 async fn join(
     State(app): State<AppState>,
     Path(run_id): Path<String>,
+    peer: Option<axum::Extension<axum::extract::ConnectInfo<std::net::SocketAddr>>>,
     ApiJson(req): ApiJson<JoinRequest>,
 ) -> ApiResult<Joined> {
+    // Others connect to the addresses a node advertises: it may name only itself.
+    if let Some(axum::Extension(axum::extract::ConnectInfo(peer))) = peer.filter(|_| !app.trust_advertised_addrs) {
+        crate::round::check_advertised(&req.node, peer.ip()).map_err(RdzvError::from)?;
+    }
     let secret = req.secret.as_deref();
     Ok(Json(app.rdzv.join(&run_id, &req.settings, req.node, secret, req.members, wait_of(req.wait_ms)).await?))
 }

@@ -35,6 +35,9 @@ pub const MAX_LOCAL_WORLD_SIZE: u32 = 4096;
 /// Longest any timeout of a job may be: a forming job that never expires holds the service's
 /// memory for good.
 pub const MAX_TIMEOUT: Duration = Duration::from_secs(7 * 24 * 3600);
+/// How many node TTLs a node waiting beside a running round below MAX must keep heartbeating
+/// before the round is torn down for it (a scale-up): see [`Job::scale_up_candidate`].
+pub const SCALE_UP_TTLS: u32 = 2;
 /// Shortest heartbeat interval: faster ones only load the service.
 pub const MIN_HEARTBEAT: Duration = Duration::from_millis(10);
 
@@ -597,6 +600,26 @@ impl Job {
         }
     }
 
+    /// The waiting node a running round below MAX is torn down for: the first (in join order)
+    /// that joined at least [`SCALE_UP_TTLS`] node TTLs ago and is still heard from within the
+    /// TTL and not suspected. A join that is never followed by heartbeats (a node that died at
+    /// once, or joins sent to disturb the job) lapses before that and is dropped without
+    /// disturbing the running round. On etcd a node's alive key outlives its last heartbeat by
+    /// at most a TTL, so two TTLs prove heartbeats there too.
+    pub fn scale_up_candidate(&self, now: Millis) -> Option<String> {
+        if !matches!(self.phase, Phase::Running { .. }) || self.members.len() >= self.settings.max_nodes as usize {
+            return None;
+        }
+        let ttl = JobSettings::ms(self.settings.node_ttl);
+        let proven = ttl.saturating_mul(u64::from(SCALE_UP_TTLS));
+        self.pending
+            .iter()
+            .filter(|p| now.saturating_sub(p.joined_at) >= proven)
+            .filter(|p| self.last_seen.get(&p.node.node_id).is_some_and(|seen| now.saturating_sub(*seen) < ttl))
+            .find(|p| self.health.get(&p.node.node_id).is_none_or(|h| h.suspicion.is_none()))
+            .map(|p| p.node.node_id.clone())
+    }
+
     /// The global ranks `node_id` runs in the running round; `None` when it runs none.
     pub fn ranks_of(&self, node_id: &str) -> Option<std::ops::Range<u32>> {
         matches!(self.phase, Phase::Running { .. }).then(|| self.member(node_id).map(Member::ranks)).flatten()
@@ -1118,6 +1141,39 @@ pub fn validate_node(node: &NodeInfo) -> Result<(), Rejection> {
     Ok(())
 }
 
+/// Whether a node joining from `peer` (the TCP peer address of its join) may advertise the
+/// addresses it does: other members connect to its store and send probes to its probe address,
+/// so a node may name only itself. Every advertised host must be `peer`'s IP address (an IPv4
+/// address also in its IPv6-mapped form); a host name is refused, as the service resolves
+/// nothing. A join from loopback is not checked: an agent on the service's own host (a
+/// single-host job, `--standalone`), or a proxy on that host, in front of the service, which
+/// hides every peer. Behind NAT or a proxy elsewhere the service is started with
+/// `--trust-advertised-addrs`, and this check is skipped.
+pub fn check_advertised(node: &NodeInfo, peer: std::net::IpAddr) -> Result<(), Rejection> {
+    let canonical = |ip: std::net::IpAddr| match ip {
+        std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, std::net::IpAddr::V4),
+        v4 => v4,
+    };
+    let peer = canonical(peer);
+    if peer.is_loopback() {
+        return Ok(());
+    }
+    let addrs = [("store_addr", Some(&node.store_addr)), ("probe_addr", node.probe_addr.as_ref())];
+    for (what, addr) in addrs.into_iter().filter_map(|(w, a)| Some((w, a?))) {
+        let ok = addr.host().parse::<std::net::IpAddr>().is_ok_and(|ip| canonical(ip) == peer);
+        if !ok {
+            return Err(Rejection::InvalidNode {
+                message: format!(
+                    "{what} `{addr}` is not the address this join came from ({peer}): a node may advertise only \
+                     its own address (rlaunch --local-addr {peer}); behind NAT or a proxy, start \
+                     rlaunch-rendezvous with --trust-advertised-addrs"
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Most distinct fingerprints a job keeps; a node with yet another is reported without its
 /// entries. With [`MAX_FINGERPRINT_BYTES`], a job's fingerprints stay within 32 kB (a node may
 /// send 128 entries of 1 kB: 147 kB, which 32 of, in every job, took the service's memory
@@ -1245,12 +1301,16 @@ fn join(job: &mut Job, mut node: NodeInfo, now: Millis) -> Decision {
     if matches!(job.phase, Phase::Running { .. }) {
         let max = job.settings.max_nodes as usize;
         if job.members.len() < max {
+            // A join alone costs nothing to send: the running round is torn down only for a node
+            // that keeps heartbeating ([`Job::scale_up_candidate`], at a tick).
             let reason = format!(
-                "node {id} waits to join running round {} with {} of at most {max} nodes: scale-up",
+                "node {id} waits to join running round {} with {} of at most {max} nodes: scale-up once it \
+                 has heartbeated for {:?}",
                 job.round,
-                job.members.len()
+                job.members.len(),
+                job.settings.node_ttl.saturating_mul(SCALE_UP_TTLS)
             );
-            return open_round(job, now, RoundCause::ScaleUp { node_id: id }, &[], reason);
+            return decide(Action::Updated, reason);
         }
         return decide(
             Action::Updated,
@@ -1350,6 +1410,18 @@ fn tick(job: &mut Job, now: Millis) -> Decision {
                 job.health.remove(id);
             }
             job.prune_last_seen();
+            if let Some(id) = job.scale_up_candidate(now) {
+                let prefix = if note.is_empty() { String::new() } else { format!("{note}; ") };
+                let reason = format!(
+                    "{prefix}node {id} has waited and heartbeated for {:?} beside running round {} with {} of at \
+                     most {} nodes: scale-up",
+                    job.settings.node_ttl.saturating_mul(SCALE_UP_TTLS),
+                    job.round,
+                    job.members.len(),
+                    job.settings.max_nodes
+                );
+                return open_round(job, now, RoundCause::ScaleUp { node_id: id }, &[], reason);
+            }
             if !note.is_empty() {
                 decide(Action::Updated, note)
             } else {

@@ -450,13 +450,45 @@ async fn a_node_joining_a_running_job_scales_it_up() {
     let a = http_client(vec![server.endpoint()], "ju", s.clone()).await;
     let r1 = within("a joins", a.join(node("a"))).await.expect("a joins");
     assert_eq!(r1.group_world_size, 1);
-    let c = http_client(vec![server.endpoint()], "ju", s).await;
-    let joiner = tokio::spawn(async move { c.join(node("ccc")).await });
-    assert_eq!(within("watch", a.watch(None, r1.round)).await.expect("watch"), WatchEvent::NewRound(r1.round + 1));
+    let c = http_client(vec![server.endpoint()], "ju", s.clone()).await;
+    let joiner = {
+        let c = c.clone();
+        tokio::spawn(async move { c.join(node("ccc")).await })
+    };
+    // Both heartbeat, as agents do; the scale-up comes once c has for two TTLs.
+    let beats = tokio::spawn(async move {
+        loop {
+            let _ = c.heartbeat("ccc", Default::default()).await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    let a_beat = {
+        let a = a.clone();
+        tokio::spawn(async move {
+            loop {
+                let _ = a.heartbeat("a", Default::default()).await;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+    let started = tokio::time::Instant::now();
+    let ev = within("watch", async {
+        loop {
+            match a.watch(None, r1.round).await.expect("watch") {
+                WatchEvent::NoChange => continue,
+                ev => return ev,
+            }
+        }
+    })
+    .await;
+    assert_eq!(ev, WatchEvent::NewRound(r1.round + 1));
+    assert!(started.elapsed() >= s.node_ttl * 2 - Duration::from_millis(200), "{:?}", started.elapsed());
     let r2 = within("a rejoins", a.join(node("a"))).await.expect("a rejoins");
     let rc = within("c joins", joiner).await.expect("task").expect("c joins");
     assert_eq!((r2.round, r2.group_world_size, r2.group_rank), (2, 2, 0));
     assert_eq!((rc.group_rank, rc.rank_offset), (1, 2));
+    beats.abort();
+    a_beat.abort();
     server.stop().await;
 }
 
@@ -1013,4 +1045,54 @@ async fn a_straggler_report_naming_another_nodes_ranks_is_not_taken() {
     let straggler = &body["straggler"];
     assert_eq!((straggler["rank"].as_u64(), straggler["node_id"].as_str()), (Some(2), Some("b")), "{body}");
     assert_eq!(straggler["ranks"].as_u64(), Some(4), "b's claim on rank 0 dropped: {body}");
+}
+
+/// A join request as it reaches the router from `peer` (the server records each connection's
+/// peer address).
+fn join_from(peer: &str, run_id: &str, body: &Value) -> Request<Body> {
+    let mut req = post_json(&format!("/v1/jobs/{run_id}/join"), body);
+    let peer: SocketAddr = peer.parse().expect("a socket address");
+    req.extensions_mut().insert(axum::extract::ConnectInfo(peer));
+    req
+}
+
+#[tokio::test]
+async fn a_join_may_advertise_only_the_address_it_came_from_unless_the_service_trusts_them() {
+    let rdzv = Rendezvous::in_memory();
+    let app = api::router(AppState::new(rdzv.clone(), None));
+    let own = |id: &str, probe: &str| NodeInfo {
+        store_addr: "10.0.0.5:29500".parse().unwrap(),
+        probe_addr: Some(probe.parse().unwrap()),
+        ..node(id)
+    };
+    // A node at 10.0.0.5 pointing others' probes at their own loopback: refused, nothing kept.
+    let body = json!({"settings": calm(2, 2), "node": own("x", "127.0.0.1:39999"), "wait_ms": 0});
+    let (status, body) = send(&app, join_from("10.0.0.5:41000", "adv", &body)).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert!(body["message"].as_str().unwrap_or_default().contains("not the address this join came from"), "{body}");
+    assert!(job(&rdzv, "adv").await.is_none(), "a refused first join creates no job");
+    // Its own address, from there: taken.
+    let body = json!({"settings": calm(2, 2), "node": own("a", "10.0.0.5:29400"), "wait_ms": 0});
+    let (status, body) = send(&app, join_from("10.0.0.5:41001", "adv", &body)).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    // Another host's address: refused.
+    let body = json!({"settings": calm(2, 2), "node": own("b", "10.0.0.5:29400"), "wait_ms": 0});
+    let (status, body) = send(&app, join_from("10.0.0.6:41002", "adv", &body)).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert_eq!(job(&rdzv, "adv").await.expect("the job").pending.len(), 1, "only a waits");
+    // A service told to trust advertised addresses (behind NAT) takes them.
+    let mut trusting = AppState::new(rdzv.clone(), None);
+    trusting.trust_advertised_addrs = true;
+    let app = api::router(trusting);
+    let (status, body) = send(&app, join_from("10.0.0.6:41003", "adv", &body_of("b"))).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+}
+
+fn body_of(id: &str) -> Value {
+    let n = NodeInfo {
+        store_addr: "10.0.0.5:29500".parse().unwrap(),
+        probe_addr: Some("10.0.0.5:29400".parse().unwrap()),
+        ..node(id)
+    };
+    json!({"settings": calm(2, 2), "node": n, "wait_ms": 0})
 }

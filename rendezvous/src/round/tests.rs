@@ -532,17 +532,124 @@ fn failure_from_a_non_member_is_rejected() {
     assert_eq!(after, job);
 }
 
+/// Heartbeats from `ids` every 250 ms and a tick every 250 ms, from `from` until `to`; returns
+/// the job and every decision that was not a plain heartbeat or nothing.
+fn beating(job: &Job, ids: &[&str], from: Millis, to: Millis) -> (Job, Vec<Decision>) {
+    let mut job = job.clone();
+    let mut seen = Vec::new();
+    let mut t = from;
+    while t < to {
+        for id in ids {
+            let ev = Event::Heartbeat { node_id: (*id).to_owned(), sent: None, probes: Vec::new() };
+            let (next, d) = step(&job, ev, t);
+            assert!(matches!(d.action, Action::HeartbeatRecorded | Action::Updated), "{id} at {t}: {d:?}");
+            job = next;
+        }
+        let (next, d) = tick(&job, t + 1);
+        if !matches!(d.action, Action::Nothing | Action::HeartbeatRecorded) {
+            seen.push(d.clone());
+        }
+        job = next;
+        if matches!(d.action, Action::RoundOpened { .. }) {
+            break;
+        }
+        t += 250;
+    }
+    (job, seen)
+}
+
+/// A running job scaled up for `id` at `now`, as [`Job::scale_up_candidate`] would once `id` had
+/// heartbeated for two TTLs (set up directly, for tests of what follows a scale-up; the walk
+/// there is [`beating`]'s test).
+fn scaled_up(job: &Job, id: &str, now: Millis) -> (Job, Decision) {
+    let mut j = job.clone();
+    j.pending.push(Pending { node: node(id), joined_at: now, fingerprint_digest: None });
+    j.last_seen.insert(id.to_owned(), now);
+    j.health.entry(id.to_owned()).or_default().arrived(None, now);
+    let d = open_round(&mut j, now, RoundCause::ScaleUp { node_id: id.into() }, &[], "scale-up".into());
+    j.version += 1;
+    j.last_reason = d.reason.clone();
+    assert_eq!(
+        d.action,
+        Action::RoundOpened { round: job.round + 1, cause: RoundCause::ScaleUp { node_id: id.into() } }
+    );
+    (j, d)
+}
+
 #[test]
-fn a_node_joining_a_running_job_below_max_triggers_scale_up() {
+fn a_node_joining_a_running_job_below_max_triggers_scale_up_once_it_has_heartbeated_for_two_ttls() {
     let job = running(&["a", "b"], settings(2, 3));
     let (job, d) = join(&job, "n", 1500);
-    assert_eq!(d.action, Action::RoundOpened { round: 2, cause: RoundCause::ScaleUp { node_id: "n".into() } });
-    let job = hb(&job, "n", 1600);
-    let (job, _) = join(&job, "b", 1700);
-    let (job, d) = join(&job, "a", 1800);
+    assert_eq!(d.action, Action::Updated, "a join alone tears nothing down: {d:?}");
+    assert_eq!(job.round, 1);
+    let (job, seen) = beating(&job, &["a", "b", "n"], 1500, 10_000);
+    let opened = seen.iter().find(|d| matches!(d.action, Action::RoundOpened { .. })).expect("a scale-up");
+    assert_eq!(opened.action, Action::RoundOpened { round: 2, cause: RoundCause::ScaleUp { node_id: "n".into() } });
+    let at = 1500 + 2 * 2000;
+    assert!(opened.reason.contains("scale-up"), "{}", opened.reason);
+    let (job, _) = join(&job, "n", at + 300);
+    let (job, _) = join(&job, "b", at + 300);
+    let (job, d) = join(&job, "a", at + 300);
     assert_eq!(d.action, Action::RoundClosed { round: 2 });
     assert_eq!(member_ids(&job), ["a", "b", "n"]);
     assert_eq!(job.round_info("n").unwrap().rank_offset, 4);
+    // Not before two TTLs: the same walk stopped short of them opens nothing.
+    let early = running(&["a", "b"], settings(2, 3));
+    let (early, _) = join(&early, "n", 1500);
+    let (early, seen) = beating(&early, &["a", "b", "n"], 1500, at - 250);
+    assert!(seen.iter().all(|d| !matches!(d.action, Action::RoundOpened { .. })), "{seen:?}");
+    assert_eq!(early.round, 1);
+}
+
+#[test]
+fn joins_that_never_heartbeat_expire_without_disturbing_a_running_round_below_max() {
+    // Three joins naming a probe address of their choice, then silence (issue 26, item 5).
+    let job = running(&["a", "b"], settings(2, 5));
+    let mut job = job;
+    for id in ["x1", "x2", "x3"] {
+        let fake = NodeInfo { probe_addr: Some("127.0.0.1:39999".parse().unwrap()), ..node(id) };
+        let (next, d) = step(&job, Event::Join(fake), 1500);
+        assert_eq!(d.action, Action::Updated, "{d:?}");
+        job = next;
+    }
+    let (job, seen) = beating(&job, &["a", "b"], 1500, 15_000);
+    assert!(
+        seen.iter().all(|d| !matches!(d.action, Action::RoundOpened { .. } | Action::RoundClosed { .. })),
+        "the running round is never torn down: {seen:?}"
+    );
+    assert_eq!((job.round, job.version), (1, 1), "{}", job.last_reason);
+    assert!(job.pending.is_empty(), "the silent joins were dropped: {:?}", job.pending);
+    assert_eq!(member_ids(&job), ["a", "b"]);
+}
+
+#[test]
+fn a_node_may_advertise_only_the_address_its_join_came_from() {
+    let peer: std::net::IpAddr = "10.0.0.5".parse().unwrap();
+    let at = |store: &str, probe: Option<&str>| NodeInfo {
+        store_addr: store.parse().unwrap(),
+        probe_addr: probe.map(|p| p.parse().unwrap()),
+        ..node("n")
+    };
+    assert_eq!(check_advertised(&at("10.0.0.5:29500", Some("10.0.0.5:29400")), peer), Ok(()));
+    assert_eq!(check_advertised(&at("10.0.0.5:29500", None), "::ffff:10.0.0.5".parse().unwrap()), Ok(()));
+    for (store, probe) in [
+        ("10.0.0.5:29500", Some("127.0.0.1:39999")),
+        ("10.0.0.6:29500", None),
+        ("node-5:29500", None),
+        ("0.0.0.0:29500", None),
+    ] {
+        match check_advertised(&at(store, probe), peer) {
+            Err(Rejection::InvalidNode { message }) => {
+                assert!(message.contains("not the address this join came from (10.0.0.5)"), "{message}");
+                assert!(message.contains("--trust-advertised-addrs"), "{message}");
+            }
+            other => panic!("{store} {probe:?}: {other:?}"),
+        }
+    }
+    // From loopback (a single-host job, a proxy on the service's host) nothing is checked.
+    let local: std::net::IpAddr = "127.0.0.1".parse().unwrap();
+    assert_eq!(check_advertised(&at("node-5:29500", Some("10.9.9.9:1")), local), Ok(()));
+    assert_eq!(check_advertised(&at("node-5:29500", None), "::1".parse().unwrap()), Ok(()));
 }
 
 #[test]
@@ -852,7 +959,7 @@ fn a_survivor_still_stopping_its_workers_is_waited_for_within_the_shutdown_timeo
     s.last_call_timeout = Duration::from_secs(1);
     s.stop_grace = Duration::from_secs(10);
     let job = running(&["a", "b"], s);
-    let (job, d) = join(&job, "c", 1_000);
+    let (job, d) = scaled_up(&job, "c", 1_000);
     assert!(matches!(d.action, Action::RoundOpened { round: 2, .. }), "{d:?}");
     let (job, _) = join(&job, "a", 1_100);
     let mut job = hb(&job, "b", 1_500);
@@ -872,7 +979,7 @@ fn a_survivor_still_stopping_its_workers_is_waited_for_within_the_shutdown_timeo
     // A survivor that died instead is dropped once its heartbeats lapse, and the round closes.
     let job = running(&["a", "b"], s_with_grace());
     let job = hb(&job, "b", 1_000);
-    let (job, _) = join(&job, "c", 1_000);
+    let (job, _) = scaled_up(&job, "c", 1_000);
     let (job, _) = join(&job, "a", 1_100);
     let job = hb(&hb(&job, "a", 2_000), "c", 2_000);
     let (job, d) = tick(&job, 2_100);
@@ -887,7 +994,7 @@ fn a_survivor_still_stopping_its_workers_is_waited_for_within_the_shutdown_timeo
 
     // And one that heartbeats but never comes back is waited for no longer than the grace.
     let job = running(&["a", "b"], s_with_grace());
-    let (job, _) = join(&job, "c", 1_000);
+    let (job, _) = scaled_up(&job, "c", 1_000);
     let (mut job, _) = join(&job, "a", 1_100);
     let mut closed_at = None;
     for t in (1_500..20_000).step_by(500) {
@@ -960,7 +1067,7 @@ fn a_zero_last_call_still_waits_for_survivors_still_stopping() {
     let mut job = running(&["a", "b"], s_with_grace());
     job.settings.last_call_timeout = Duration::ZERO;
     let job = hb(&job, "b", 1_000);
-    let (job, _) = join(&job, "c", 1_000);
+    let (job, _) = scaled_up(&job, "c", 1_000);
     let (job, d) = join(&job, "a", 1_100);
     assert!(!matches!(d.action, Action::RoundClosed { .. }), "{d:?}");
     let job = hb(&hb(&hb(&job, "a", 1_500), "b", 1_500), "c", 1_500);
