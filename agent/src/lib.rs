@@ -140,6 +140,12 @@ pub async fn run(config: AgentConfig) -> Result<RunOutcome, AgentError> {
 }
 
 async fn run_inner(config: AgentConfig) -> Result<RunOutcome, AgentError> {
+    // The stores and the probe endpoint hold a descriptor per client: the common soft limit of
+    // 1024 would run out long before the connection caps do (issue 26, item 3).
+    match rlaunch::store::raise_open_files() {
+        Ok(files) => tracing::debug!(files, "open-file limit"),
+        Err(e) => warn!(error = %e, "cannot raise the open-file limit"),
+    }
     let host = hostname();
     let agent_env: BTreeMap<String, String> = std::env::vars().collect();
     let mut signals = Signals::install(&config.handled_signals).map_err(AgentError::Signals)?;

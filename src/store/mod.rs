@@ -22,7 +22,10 @@ use std::time::Duration;
 
 pub use client::{probe, probe_udp, serve_udp_probes, PrefixStore, StoreClient, PROBE_DATAGRAM};
 pub use protocol::Limits;
-pub use server::{bind, ServerConfig, StoreHandle, StoreServer, DEFAULT_MAX_TOTAL_BYTES};
+pub use server::{
+    admit, bind, default_max_connections, Admission, ServerConfig, StoreHandle, StoreServer, DEFAULT_MAX_TOTAL_BYTES,
+    FIRST_FRAME_TIMEOUT, MAX_CONNECTIONS_CEILING, MAX_UNVALIDATED,
+};
 
 /// Raises this process's soft open-file limit to its hard one (an infinite hard limit: the
 /// kernel's `fs.nr_open`) and returns the soft limit now in force. A server of thousands of

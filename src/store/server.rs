@@ -4,8 +4,17 @@
 //! and a serving task that applies them and writes replies in order, interleaving the
 //! `STOP_WAITING` of waits released by other clients. A connection that misbehaves is closed
 //! with a `warn!`; nothing it stored is dropped, and its pending waits are removed.
+//!
+//! Idle connections cannot exhaust the server: a connection must send its first frame (the
+//! validation every torch and rlaunch client sends at once) within
+//! [`ServerConfig::first_frame_timeout`]; at most [`ServerConfig::max_unvalidated`] such
+//! connections are kept (a new one evicts the oldest), and at most
+//! [`ServerConfig::max_connections`] in all (derived from the open-file limit). A validated
+//! client may stay idle, or block in a `wait`, for as long as it likes. Running out of
+//! descriptors on accept evicts the oldest unvalidated connection and backs off; it never ends
+//! the server. The admission decision is [`admit`], a pure function.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::io::{self, IoSlice};
 use std::net::SocketAddr;
@@ -38,6 +47,66 @@ pub struct ServerConfig {
     /// that client's connection (the TCPStore protocol has no error reply; torch's client
     /// raises on the closed connection), and leaves the store and its keys as they were.
     pub max_total_bytes: usize,
+    /// A connection that has not sent a complete first frame within this time is closed
+    /// (default [`FIRST_FRAME_TIMEOUT`]).
+    pub first_frame_timeout: Duration,
+    /// Connections kept open at most; `0`: derived from the open-file limit when serving
+    /// starts ([`default_max_connections`]).
+    pub max_connections: usize,
+    /// Connections not yet validated kept at most (default [`MAX_UNVALIDATED`]); a new one
+    /// past it evicts the oldest of them.
+    pub max_unvalidated: usize,
+}
+
+/// The default of [`ServerConfig::first_frame_timeout`]: torch's and rlaunch's clients send
+/// their validation right after connecting, so 10 s is ample on any network.
+pub const FIRST_FRAME_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The default of [`ServerConfig::max_unvalidated`].
+pub const MAX_UNVALIDATED: usize = 1024;
+
+/// The most connections one server keeps whatever the open-file limit: four per rank of a
+/// 16,384-rank job.
+pub const MAX_CONNECTIONS_CEILING: usize = 65_536;
+
+/// [`ServerConfig::max_connections`] when it is `0`: a quarter of the soft open-file limit (an
+/// agent serves two stores, its probe endpoint and its workers' pipes and logs), less 64, at
+/// least 16, at most [`MAX_CONNECTIONS_CEILING`].
+pub fn default_max_connections() -> usize {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit only writes the struct passed.
+    let soft = if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0 {
+        usize::try_from(lim.rlim_cur).unwrap_or(usize::MAX)
+    } else {
+        1024
+    };
+    (soft / 4).saturating_sub(64).clamp(16, MAX_CONNECTIONS_CEILING)
+}
+
+/// What to do with a connection just accepted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admission {
+    /// Serve it.
+    Admit,
+    /// Serve it and close the oldest connection that has not validated yet.
+    AdmitEvictingOldest,
+    /// Close it: the server is full of validated clients.
+    Refuse,
+}
+
+/// Whether a new connection is served, given `open` connections of which `unvalidated` have not
+/// sent their validation yet. Pure. A new connection is always preferred to the oldest
+/// unvalidated one (a real client validates within a round trip; an idle one never does), and
+/// validated clients are never evicted.
+pub fn admit(open: usize, unvalidated: usize, max_connections: usize, max_unvalidated: usize) -> Admission {
+    let full = open >= max_connections;
+    if !full && unvalidated < max_unvalidated {
+        Admission::Admit
+    } else if unvalidated > 0 {
+        Admission::AdmitEvictingOldest
+    } else {
+        Admission::Refuse
+    }
 }
 
 impl Default for ServerConfig {
@@ -47,6 +116,9 @@ impl Default for ServerConfig {
             stall_timeout: Duration::from_secs(30),
             max_pending_waits: 1024,
             max_total_bytes: DEFAULT_MAX_TOTAL_BYTES,
+            first_frame_timeout: FIRST_FRAME_TIMEOUT,
+            max_connections: 0,
+            max_unvalidated: MAX_UNVALIDATED,
         }
     }
 }
@@ -201,26 +273,46 @@ async fn serve_shared(
     shared: Arc<Shared>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> io::Result<()> {
+    let mut config = config;
+    if config.max_connections == 0 {
+        config.max_connections = default_max_connections();
+    }
     let config = Arc::new(config);
     let mut conns = JoinSet::new();
     let mut next_conn: ConnId = 0;
+    let mut backoff = ACCEPT_BACKOFF_MIN;
+    let mut complaints = Complaints::default();
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
             _ = &mut shutdown => break,
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
+                    backoff = ACCEPT_BACKOFF_MIN;
                     let conn = next_conn;
                     next_conn += 1;
+                    let Some(registered) = shared.register(conn, &config) else {
+                        complaints.note(&mut || warn!(%peer, max_connections = config.max_connections, "store: full of validated clients; refusing a connection"));
+                        continue;
+                    };
                     if let Err(err) = stream.set_nodelay(true) {
                         debug!(%peer, error = %err, "store: cannot set TCP_NODELAY");
                     }
-                    conns.spawn(serve_connection(shared.clone(), config.clone(), stream, peer, conn));
+                    conns.spawn(serve_connection(shared.clone(), config.clone(), stream, peer, conn, registered));
                 }
                 Err(err) => {
-                    // Out of descriptors or an aborted handshake: keep serving the others.
-                    warn!(error = %err, "store: accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    // Out of descriptors or an aborted handshake: keep serving the others. Out
+                    // of descriptors, the oldest connection that never validated goes, and the
+                    // next accept waits a little longer (up to a second).
+                    let out_of_files = matches!(err.raw_os_error(), Some(libc::EMFILE | libc::ENFILE));
+                    if out_of_files {
+                        shared.evict_oldest_unvalidated();
+                    }
+                    complaints.note(&mut || warn!(error = %err, "store: accept failed"));
+                    tokio::time::sleep(backoff).await;
+                    if out_of_files {
+                        backoff = (backoff * 2).min(ACCEPT_BACKOFF_MAX);
+                    }
                 }
             },
             Some(joined) = conns.join_next(), if !conns.is_empty() => {
@@ -236,6 +328,40 @@ async fn serve_shared(
     Ok(())
 }
 
+/// The first pause after a failed accept, doubled while descriptors stay out, up to the max.
+const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(50);
+const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
+
+/// Logs the first of a kind of trouble, then at most one line (with the count) per 10 s.
+#[derive(Default)]
+struct Complaints {
+    last: Option<std::time::Instant>,
+    suppressed: u64,
+}
+
+impl Complaints {
+    fn note(&mut self, log: &mut dyn FnMut()) {
+        let now = std::time::Instant::now();
+        if self.last.is_some_and(|t| now.duration_since(t) < Duration::from_secs(10)) {
+            self.suppressed += 1;
+            return;
+        }
+        if self.suppressed > 0 {
+            warn!(suppressed = self.suppressed, "store: more of the same in the last 10 s");
+        }
+        self.suppressed = 0;
+        self.last = Some(now);
+        log();
+    }
+}
+
+/// What a served connection receives when it is registered.
+struct Registered {
+    wake_rx: mpsc::UnboundedReceiver<WaiterId>,
+    /// Fires when the connection is evicted before it validated.
+    evicted: oneshot::Receiver<()>,
+}
+
 #[derive(Default)]
 struct Shared {
     inner: Mutex<Inner>,
@@ -246,6 +372,8 @@ struct Inner {
     state: StoreState,
     /// Where to deliver the wakes of each live connection.
     wakers: HashMap<ConnId, mpsc::UnboundedSender<WaiterId>>,
+    /// Connections not validated yet, oldest first, with what evicts each.
+    unvalidated: BTreeMap<ConnId, oneshot::Sender<()>>,
 }
 
 impl Shared {
@@ -256,7 +384,34 @@ impl Shared {
     }
 }
 
+impl Shared {
+    /// Admits connection `conn` ([`admit`]) and registers it, or `None` when it is refused.
+    fn register(&self, conn: ConnId, config: &ServerConfig) -> Option<Registered> {
+        let mut inner = self.lock();
+        match admit(inner.wakers.len(), inner.unvalidated.len(), config.max_connections, config.max_unvalidated) {
+            Admission::Refuse => return None,
+            Admission::AdmitEvictingOldest => inner.evict_oldest_unvalidated(),
+            Admission::Admit => {}
+        }
+        let (wake_tx, wake_rx) = mpsc::unbounded_channel();
+        let (evict, evicted) = oneshot::channel();
+        inner.wakers.insert(conn, wake_tx);
+        inner.unvalidated.insert(conn, evict);
+        Some(Registered { wake_rx, evicted })
+    }
+
+    fn evict_oldest_unvalidated(&self) {
+        self.lock().evict_oldest_unvalidated();
+    }
+}
+
 impl Inner {
+    fn evict_oldest_unvalidated(&mut self) {
+        if let Some((_, evict)) = self.unvalidated.pop_first() {
+            let _ = evict.send(());
+        }
+    }
+
     fn deliver(&self, wakes: Vec<Wake>) {
         for wake in wakes {
             if let Some(tx) = self.wakers.get(&wake.conn) {
@@ -277,6 +432,7 @@ impl Drop for ConnGuard {
     fn drop(&mut self) {
         let mut inner = self.shared.lock();
         inner.wakers.remove(&self.conn);
+        inner.unvalidated.remove(&self.conn);
         inner.state.cancel_waits(self.conn);
     }
 }
@@ -302,6 +458,10 @@ enum Close {
     Write(#[source] io::Error),
     #[error("client read no reply bytes for {0:?}")]
     WriteStalled(Duration),
+    #[error("no complete first frame within {0:?}")]
+    NoFirstFrame(Duration),
+    #[error("evicted before validating: newer connections wanted its place")]
+    Evicted,
 }
 
 async fn serve_connection(
@@ -310,10 +470,10 @@ async fn serve_connection(
     stream: TcpStream,
     peer: SocketAddr,
     conn: ConnId,
+    registered: Registered,
 ) {
     let (read_half, write_half) = stream.into_split();
-    let (wake_tx, wake_rx) = mpsc::unbounded_channel();
-    shared.lock().wakers.insert(conn, wake_tx);
+    let Registered { wake_rx, evicted } = registered;
     let _guard = ConnGuard { shared: shared.clone(), conn };
 
     // One task per connection: the frame being read stays alive (pinned) while released waits
@@ -323,9 +483,24 @@ async fn serve_connection(
     // read straight into its frame, past the buffer).
     let mut frames =
         FrameReader::new(BufReader::with_capacity(8 * 1024, read_half), config.limits, Some(config.stall_timeout));
-    let mut session = Session { shared, config, conn, out: write_half, wake_rx, pending: 0, validated: false };
+    let first_frame_by = tokio::time::Instant::now() + config.first_frame_timeout;
+    let mut session = Session {
+        shared,
+        config,
+        conn,
+        out: write_half,
+        wake_rx,
+        pending: 0,
+        validated: false,
+        first_frame_by,
+        evicted: Some(evicted),
+    };
     match session.run(&mut frames).await {
         Close::Eof => debug!(%peer, conn, "store: client disconnected"),
+        // Idle connections: expected under a flood, not worth a line each.
+        close @ (Close::NoFirstFrame(_) | Close::Evicted) => {
+            debug!(%peer, conn, reason = %close, "store: closing connection")
+        }
         close => {
             let source = std::error::Error::source(&close).map(|s| s.to_string());
             warn!(%peer, conn, reason = %close, source, "store: closing connection");
@@ -341,6 +516,9 @@ struct Session<W> {
     wake_rx: mpsc::UnboundedReceiver<WaiterId>,
     pending: usize,
     validated: bool,
+    /// Until validated: when the first frame must be complete, and what evicts the connection.
+    first_frame_by: tokio::time::Instant,
+    evicted: Option<oneshot::Receiver<()>>,
 }
 
 /// A reply being assembled: small fields are copied, big values are written from the store's
@@ -404,8 +582,19 @@ impl<W: AsyncWrite + Unpin> Session<W> {
                 let read = frames.next_request();
                 tokio::pin!(read);
                 loop {
+                    let waiting_first = !self.validated;
                     tokio::select! {
                         biased;
+                        _ = tokio::time::sleep_until(self.first_frame_by), if waiting_first => {
+                            return Close::NoFirstFrame(self.config.first_frame_timeout);
+                        }
+                        evicted = async { self.evicted.as_mut().expect("set until validated").await }, if waiting_first && self.evicted.is_some() => {
+                            match evicted {
+                                Ok(()) => return Close::Evicted,
+                                // Unregistered (validated meanwhile): nothing evicts it any more.
+                                Err(_) => self.evicted = None,
+                            }
+                        }
                         Some(_) = self.wake_rx.recv() => {
                             self.pending = self.pending.saturating_sub(1);
                             if let Err(close) = self.send(Reply::default().u8(WAIT_STOP_WAITING)).await {
@@ -483,6 +672,8 @@ impl<W: AsyncWrite + Unpin> Session<W> {
             return match request {
                 Request::Validate { magic } if magic == VALIDATION_MAGIC => {
                     self.validated = true;
+                    self.evicted = None;
+                    self.shared.lock().unvalidated.remove(&self.conn);
                     Ok(())
                 }
                 Request::Validate { magic } => Err(Close::BadMagic { magic }),

@@ -594,3 +594,85 @@ async fn probes_reach_a_live_endpoint_over_tcp_and_udp_and_miss_a_dead_or_frozen
     let err = super::probe(&f, 12, Duration::from_millis(300)).await.unwrap_err();
     assert_eq!(err.kind(), std::io::ErrorKind::TimedOut, "accepted by the kernel, never answered");
 }
+
+// Idle connections (issue 26, item 3): a connection that never validates cannot hold the server.
+
+fn idle_config() -> ServerConfig {
+    ServerConfig { first_frame_timeout: Duration::from_millis(300), ..ServerConfig::default() }
+}
+
+#[test]
+fn store_connection_that_never_sends_a_frame_is_closed_after_the_first_frame_timeout() {
+    let server = TestServer::start_with(idle_config());
+    let mut idle = TcpStream::connect(&server.addr).expect("connect");
+    idle.set_read_timeout(Some(DEADLINE)).expect("read timeout");
+    let start = Instant::now();
+    assert_closed_by_server(&mut idle);
+    let took = start.elapsed();
+    assert!(took >= Duration::from_millis(250) && took < Duration::from_secs(5), "{took:?}");
+    server.eventually("the idle connection is gone", |h| h.connections() == 0);
+}
+
+#[test]
+fn store_validated_client_may_idle_and_wait_long_past_the_first_frame_timeout() {
+    let server = TestServer::start_with(idle_config());
+    let mut c = server.client();
+    thread::sleep(Duration::from_millis(600));
+    c.set("still", b"here").expect("an idle validated client is kept");
+    c.wait(&["never"], Duration::from_millis(700)).expect_err("a wait longer than the timeout times out itself");
+    assert_eq!(c.get("still").expect("still usable"), b"here");
+}
+
+#[test]
+fn store_idle_connections_past_the_cap_evict_the_oldest_unvalidated_and_clients_get_in() {
+    let server = TestServer::start_with(ServerConfig {
+        max_unvalidated: 8,
+        max_connections: 16,
+        first_frame_timeout: Duration::from_secs(60),
+        ..ServerConfig::default()
+    });
+    let mut kept = server.client();
+    kept.set("k", b"v").expect("set");
+    let mut idle: Vec<TcpStream> = (0..100)
+        .map(|_| {
+            let s = TcpStream::connect(&server.addr).expect("connect");
+            s.set_read_timeout(Some(DEADLINE)).expect("read timeout");
+            s
+        })
+        .collect();
+    // Every one of them is accepted, so the listener's queue never holds a real client back.
+    server.eventually("the server keeps at most 8 unvalidated", |h| h.connections() <= 9);
+    let mut fresh = server.client();
+    assert_eq!(fresh.get("k").expect("a new client gets in"), b"v");
+    assert_eq!(kept.get("k").expect("a validated client is never evicted"), b"v");
+    assert_closed_by_server(&mut idle[0]);
+    // Validated clients fill the server (evicting the unvalidated on the way); once there is
+    // no unvalidated connection left a new one is refused, and the validated stay served.
+    let mut clients: Vec<StoreClient> = (0..13).map(|_| server.client()).collect();
+    drop(idle);
+    server.eventually("15 validated clients", |h| h.connections() == 15);
+    clients.push(server.client());
+    server.eventually("16 validated clients", |h| h.connections() == 16);
+    let mut refused = TcpStream::connect(&server.addr).expect("the kernel completes the handshake");
+    refused.set_read_timeout(Some(DEADLINE)).expect("read timeout");
+    let mut twice = TcpStream::connect(&server.addr).expect("connect");
+    twice.set_read_timeout(Some(DEADLINE)).expect("read timeout");
+    assert_closed_by_server(&mut refused);
+    assert_closed_by_server(&mut twice);
+    for c in &mut clients {
+        c.ping().expect("validated clients stay served");
+    }
+    kept.ping().expect("still served");
+}
+
+#[test]
+fn admission_prefers_a_new_connection_to_the_oldest_unvalidated_and_never_evicts_validated() {
+    assert_eq!(admit(0, 0, 16, 8), Admission::Admit);
+    assert_eq!(admit(8, 7, 16, 8), Admission::Admit);
+    assert_eq!(admit(8, 8, 16, 8), Admission::AdmitEvictingOldest);
+    assert_eq!(admit(16, 1, 16, 8), Admission::AdmitEvictingOldest);
+    assert_eq!(admit(16, 0, 16, 8), Admission::Refuse);
+    assert_eq!(admit(20, 0, 16, 8), Admission::Refuse);
+    let derived = default_max_connections();
+    assert!((16..=MAX_CONNECTIONS_CEILING).contains(&derived), "{derived}");
+}
