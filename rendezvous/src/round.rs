@@ -372,6 +372,26 @@ pub struct Job {
     /// Human reason of the last transition.
     pub last_reason: String,
     pub created_at: Millis,
+    /// How many jobs ran under this run id before this one ([`Job::successor`]).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub generation: u64,
+    /// The job this one replaced under the same run id: its nodes are told it is over, never
+    /// joined to this one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub earlier: Option<Earlier>,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+/// What a job keeps of the job it replaced under the same run id.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Earlier {
+    /// Every node that job knew (members, nodes holding a key), at most [`MAX_NODES`].
+    pub nodes: Vec<String>,
+    /// How it ended (finished or failed).
+    pub end: Phase,
 }
 
 /// The effect of one event.
@@ -573,7 +593,50 @@ impl Job {
             fingerprint_diff: Vec::new(),
             last_reason: "job created; round 1 forming".to_owned(),
             created_at: now,
+            generation: 0,
+            earlier: None,
         }
+    }
+
+    /// The job a join from `node_id` with `settings` starts under this job's run id, if this one
+    /// is over and done with: finished or failed, `node_id` is none of its nodes, and none of
+    /// its nodes was heard from within a node TTL (they left, or went quiet). A run id is thus
+    /// free again about a TTL after the job's nodes stop (a Kubernetes Job deleted and created
+    /// again), not only once the retention has passed. The new job remembers the old one's nodes
+    /// ([`Earlier`]): one of them joining late is answered with the old job's end, so it never
+    /// runs in the new job. Its version goes on from the old one's, so long-polls see the change.
+    pub fn successor(&self, node_id: &str, settings: &JobSettings, now: Millis) -> Option<Job> {
+        if !self.phase.is_terminal() {
+            return None;
+        }
+        let ttl = Self::ttl_ms(&self.settings);
+        let quiet = self.last_seen.values().all(|seen| now.saturating_sub(*seen) >= ttl);
+        let known = self.members.iter().any(|m| m.node_id == node_id)
+            || self.keys.contains_key(node_id)
+            || self.last_seen.contains_key(node_id)
+            || self.earlier.as_ref().is_some_and(|e| e.nodes.iter().any(|n| n == node_id));
+        if !quiet || known {
+            return None;
+        }
+        let mut nodes: Vec<String> =
+            self.members.iter().map(|m| m.node_id.clone()).chain(self.keys.keys().cloned()).collect();
+        nodes.sort_unstable();
+        nodes.dedup();
+        nodes.truncate(MAX_NODES as usize);
+        let mut next = Job::new(settings.clone(), now);
+        next.version = self.version + 1;
+        next.generation = self.generation + 1;
+        next.earlier = Some(Earlier { nodes, end: self.phase.clone() });
+        next.last_reason = format!(
+            "job {} of this run id created by node {node_id}; the one before was {} and its nodes quiet",
+            next.generation + 1,
+            self.phase.name()
+        );
+        Some(next)
+    }
+
+    fn ttl_ms(settings: &JobSettings) -> Millis {
+        JobSettings::ms(settings.node_ttl)
     }
 
     /// Whether the job still counts on `node_id`: a member, pending, or expected back.
@@ -1229,6 +1292,13 @@ pub fn fingerprint_summary(fp: &rlaunch::fingerprint::Fingerprint) -> rlaunch::f
 fn join(job: &mut Job, mut node: NodeInfo, now: Millis) -> Decision {
     if let Err(r) = validate_node(&node) {
         return reject(r);
+    }
+    // A node of the job this one replaced learns that job's end.
+    if let Some(earlier) = job.earlier.as_ref().filter(|e| e.nodes.contains(&node.node_id)) {
+        return reject(match &earlier.end {
+            Phase::Failed { kind, reason, .. } => Rejection::JobFailed { kind: *kind, reason: reason.clone() },
+            _ => Rejection::JobFinished,
+        });
     }
     if let Some(r) = job.rejection_if_terminal() {
         return reject(r);

@@ -1096,3 +1096,31 @@ fn body_of(id: &str) -> Value {
     };
     json!({"settings": calm(2, 2), "node": n, "wait_ms": 0})
 }
+
+#[tokio::test]
+async fn a_run_id_whose_job_finished_takes_a_new_job_once_the_old_nodes_left_and_refuses_them() {
+    let rdzv = Rendezvous::in_memory();
+    let app = api::router(AppState::new(rdzv.clone(), None));
+    let (status, body) =
+        send(&app, post_json("/v1/jobs/k8s-train/join", &json!({"settings": fast(1, 1), "node": node("a")}))).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let secret = body["secret"].as_str().expect("a secret").to_owned();
+    let done = json!({"node_id": "a", "secret": secret, "round": body["data"]["round"]});
+    assert_eq!(send(&app, post_json("/v1/jobs/k8s-train/success", &done)).await.0, StatusCode::OK);
+    // a is still about: the run id is still the old job's.
+    let fresh = json!({"settings": fast(1, 1), "node": node("b2"), "wait_ms": 0});
+    let (status, body) = send(&app, post_json("/v1/jobs/k8s-train/join", &fresh)).await;
+    assert_eq!((status, body["error"].as_str()), (StatusCode::GONE, Some("job_finished")), "{body}");
+    // a leaves (its agent exits): a new agent's join starts a new job at once.
+    let leave = json!({"node_id": "a", "secret": secret});
+    assert_eq!(send(&app, post_json("/v1/jobs/k8s-train/leave", &leave)).await.0, StatusCode::OK);
+    let (status, body) = send(&app, post_json("/v1/jobs/k8s-train/join", &fresh)).await;
+    assert_eq!((status, body["status"].as_str()), (StatusCode::OK, Some("round")), "{body}");
+    let now = job(&rdzv, "k8s-train").await.expect("the new job");
+    assert_eq!((now.generation, now.phase.name(), now.restart_count), (1, "running", 0));
+    // a, late, is told its job finished and is not taken in.
+    let late = json!({"settings": fast(1, 1), "node": node("a"), "wait_ms": 0});
+    let (status, body) = send(&app, post_json("/v1/jobs/k8s-train/join", &late)).await;
+    assert_eq!((status, body["error"].as_str()), (StatusCode::GONE, Some("job_finished")), "{body}");
+    assert_eq!(job(&rdzv, "k8s-train").await.expect("the new job"), now, "untouched");
+}

@@ -1589,3 +1589,51 @@ fn a_node_asking_for_strict_fingerprints_is_held_to_them_at_its_own_join() {
         other => panic!("{other:?}"),
     }
 }
+
+// --- A run id used again ---
+
+#[test]
+fn a_finished_run_id_starts_a_new_job_once_its_nodes_are_quiet_and_never_takes_them_in() {
+    let job = running(&["a", "b"], settings(2, 2));
+    let job = hb(&hb(&job, "a", 1500), "b", 1500);
+    let (job, _) = step(&job, Event::NodeSucceeded { node_id: "a".into(), round: 1 }, 1600);
+    let (job, d) = step(&job, Event::NodeSucceeded { node_id: "b".into(), round: 1 }, 1700);
+    assert_eq!(d.action, Action::Finished);
+    // b was heard from 100 ms ago: the old job's nodes may still be about.
+    assert_eq!(job.successor("c", &settings(1, 1), 1800), None);
+    let (job, _) = step(&job, Event::Leave { node_id: "a".into() }, 1900);
+    assert_eq!(job.successor("c", &settings(1, 1), 3499), None, "b heard from at 1500, TTL 2 s");
+    // Quiet for a TTL (a left, b silent): a new node starts a new job, with other settings too.
+    let next = job.successor("c", &settings(1, 1), 3500).expect("a new job");
+    assert_eq!(job.successor("b", &settings(1, 1), 3500), None, "b is one of the old job's nodes");
+    assert_eq!(job.successor("a", &settings(1, 1), 3500), None, "so is a, which left");
+    assert_eq!((next.generation, next.version, next.round), (1, job.version + 1, 1));
+    assert_eq!(next.restart_count, 0);
+    let (next, d) = step(&next, Event::Join(node("c")), 3500);
+    assert_eq!(d.action, Action::RoundClosed { round: 1 });
+    // A late node of the old job is told that job's end, and the new one is untouched.
+    let (after, d) = step(&next, Event::Join(node("b")), 3600);
+    assert!(matches!(d.action, Action::Rejected(Rejection::JobFinished)), "{d:?}");
+    assert_eq!(after, next);
+    // A job that is not over is never replaced.
+    assert_eq!(next.successor("z", &settings(1, 1), 1_000_000), None);
+}
+
+#[test]
+fn a_failed_run_ids_old_nodes_learn_it_failed_when_a_new_job_took_the_id() {
+    let mut s = settings(1, 1);
+    s.max_restarts = 0;
+    let job = running(&["a"], s.clone());
+    let (job, d) = step(&job, Event::ReportFailure { node_id: "a".into(), round: 1, root_cause: rc("boom") }, 500);
+    assert_eq!(d.action, Action::Failed);
+    let (job, _) = step(&job, Event::Leave { node_id: "a".into() }, 600);
+    let next = job.successor("n", &s, 600).expect("a new job once a left");
+    let (next, _) = step(&next, Event::Join(node("n")), 600);
+    let (_, d) = step(&next, Event::Join(node("a")), 700);
+    match d.action {
+        Action::Rejected(Rejection::JobFailed { kind: FailureKind::RestartBudget, reason }) => {
+            assert!(reason.contains("restart budget exhausted"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+}

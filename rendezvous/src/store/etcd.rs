@@ -858,6 +858,17 @@ impl EtcdStore {
             let mut job: Option<Job> = snap.job.as_deref().cloned().map(|j| Self::with_liveness(j, &snap.alive, now));
             let mut outcomes: Vec<Result<Decision, RdzvError>> = Vec::with_capacity(batch.len());
             for q in &batch {
+                // The job under this run id is over and its nodes quiet: this join starts anew.
+                if let Some(mut next) =
+                    job.as_ref().and_then(|j| super::replacement(j, q.create.as_ref(), &q.ev, q.now))
+                {
+                    let d = round::apply_joining(&mut next, q.create.as_ref(), q.ev.clone(), &q.guard, q.now);
+                    if !matches!(d.action, Action::Rejected(_)) {
+                        job = Some(next);
+                    }
+                    outcomes.push(Ok(d));
+                    continue;
+                }
                 // Settings checks and creation as in `existing_or_new`, without copying the job.
                 let fresh = job.is_none();
                 match (&job, q.create.as_ref()) {

@@ -53,6 +53,15 @@ impl MemoryStore {
     ) -> Result<(R, Decision), RdzvError> {
         let mut jobs = self.lock();
         if let Some(entry) = jobs.get_mut(run_id) {
+            if let Some(mut next) = super::replacement(&entry.job, create, &ev, now) {
+                // The job under this run id is over and its nodes quiet: this join starts anew.
+                let decision = round::apply_joining(&mut next, create, ev, guard, now);
+                if !matches!(decision.action, Action::Rejected(_)) {
+                    entry.job = next;
+                    entry.version.send_replace(entry.job.version);
+                }
+                return Ok((view(&entry.job), decision));
+            }
             if let Some(settings) = create {
                 if !entry.job.settings.same_job(settings) {
                     return Err(super::mismatch(run_id, &entry.job.settings, settings));

@@ -61,6 +61,15 @@ pub(crate) fn too_many_jobs(jobs: usize, bound: usize) -> RdzvError {
     }
 }
 
+/// The job that replaces `existing` for a join (`create` given) of a node that may start a new
+/// job under a run id whose job is over ([`Job::successor`]).
+pub(crate) fn replacement(existing: &Job, create: Option<&JobSettings>, ev: &Event, now: Millis) -> Option<Job> {
+    match (create, ev) {
+        (Some(settings), Event::Join(node)) => existing.successor(&node.node_id, settings, now),
+        _ => None,
+    }
+}
+
 /// Checks that a join's settings match the job's, or creates the job when there is none.
 pub(crate) fn existing_or_new(
     run_id: &str,
