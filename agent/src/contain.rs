@@ -6,7 +6,10 @@
 //!   job under the agent's own, one per local rank inside it. A worker moves itself into its
 //!   rank's cgroup before it runs anything, so all it ever starts is there too; every stop ends
 //!   with `cgroup.kill` on it. A watchdog process, forked at start in a session of its own, kills
-//!   the job's cgroup if the agent dies, even by SIGKILL.
+//!   the job's cgroup if the agent dies, even by SIGKILL. It ignores every signal it can; the
+//!   agent checks it every [`WATCHDOG_CHECK`] and starts a new one if it was killed, or resumes
+//!   it if it was stopped, so a worker must kill both within that time to escape (the README
+//!   says so: a worker of the agent's user can always signal both).
 //! - **process groups** otherwise: each worker leads its own group, signalled as a whole; the
 //!   agent is a child subreaper, so orphaned descendants become its children and are killed at
 //!   every stop. After a SIGKILL of the agent, descendants that left the worker's process group
@@ -15,11 +18,16 @@
 use std::ffi::CString;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tracing::{info, warn};
 
-use crate::process::{spawn_watchdog, WatchdogPlan};
+use crate::process::{spawn_watchdog, watchdog_state, WatchdogPlan, WatchdogState};
+
+/// How often the agent checks its watchdog is alive and running.
+pub const WATCHDOG_CHECK: Duration = Duration::from_millis(50);
 
 /// `RLAUNCH_CONTAINMENT=process-group` forces the weaker mechanism (for tests and for nodes
 /// where the operator wants no cgroups touched).
@@ -35,7 +43,16 @@ pub enum Containment {
 pub struct CgroupJob {
     dir: PathBuf,
     ranks: u32,
-    _watchdog: OwnedFd,
+    /// Shared with the checker, which replaces it; the last holder's drop sets it off.
+    _watchdog: Arc<Mutex<Watchdog>>,
+    stop_checking: Arc<AtomicBool>,
+    checker: Option<std::thread::JoinHandle<()>>,
+}
+
+/// The running watchdog: its pipe's write end (closing it sets it off) and its pid.
+struct Watchdog {
+    _pipe: OwnedFd,
+    pid: libc::pid_t,
 }
 
 impl Containment {
@@ -126,11 +143,20 @@ impl CgroupJob {
                 .map(|p| cstring(&p).ok_or("cgroup path with a NUL byte"))
                 .collect::<Result<_, _>>()?,
         };
-        let (watchdog, _pid) = spawn_watchdog(&plan).map_err(|e| {
+        let (pipe, pid) = spawn_watchdog(&plan).map_err(|e| {
             remove_all(ranks);
             format!("cannot start the watchdog: {e}")
         })?;
-        Ok(CgroupJob { dir, ranks, _watchdog: watchdog })
+        let watchdog = Arc::new(Mutex::new(Watchdog { _pipe: pipe, pid }));
+        let stop_checking = Arc::new(AtomicBool::new(false));
+        let checker = {
+            let (watchdog, stop) = (watchdog.clone(), stop_checking.clone());
+            std::thread::Builder::new()
+                .name("rlaunch-watchdog-check".into())
+                .spawn(move || check_watchdog(&watchdog, &stop, &plan))
+                .map_err(|e| format!("cannot start the watchdog's checker: {e}"))?
+        };
+        Ok(CgroupJob { dir, ranks, _watchdog: watchdog, stop_checking, checker: Some(checker) })
     }
 
     fn rank_dir(&self, local_rank: u32) -> PathBuf {
@@ -157,8 +183,35 @@ impl CgroupJob {
     }
 }
 
+/// Until `stop`: every [`WATCHDOG_CHECK`], resumes a stopped watchdog and replaces a dead one
+/// (a worker of the agent's user may signal it; SIGKILL and SIGSTOP cannot be ignored).
+fn check_watchdog(watchdog: &Mutex<Watchdog>, stop: &AtomicBool, plan: &WatchdogPlan) {
+    while !stop.load(Ordering::Acquire) {
+        std::thread::sleep(WATCHDOG_CHECK);
+        let mut w = watchdog.lock().unwrap_or_else(|p| p.into_inner());
+        match watchdog_state(w.pid) {
+            WatchdogState::Running => {}
+            WatchdogState::Stopped => {
+                warn!(pid = w.pid, "the containment watchdog was stopped; resuming it");
+                crate::process::resume(w.pid);
+            }
+            WatchdogState::Gone => match spawn_watchdog(plan) {
+                Ok((pipe, pid)) => {
+                    warn!(old = w.pid, new = pid, "the containment watchdog was killed; started a new one");
+                    *w = Watchdog { _pipe: pipe, pid };
+                }
+                Err(e) => warn!(error = %e, "the containment watchdog was killed and cannot be started again"),
+            },
+        }
+    }
+}
+
 impl Drop for CgroupJob {
     fn drop(&mut self) {
+        self.stop_checking.store(true, Ordering::Release);
+        if let Some(t) = self.checker.take() {
+            let _ = t.join();
+        }
         // The workers are gone by now; kill whatever may be left, then remove the cgroups. The
         // watchdog, its pipe closed with this drop, finds nothing more to do.
         let _ = std::fs::write(self.dir.join("cgroup.kill"), "1");

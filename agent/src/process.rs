@@ -444,6 +444,7 @@ pub fn probe_cgroup(procs: CString) -> io::Result<()> {
 /// What a watchdog does once the agent is gone: write `1` to each `kill` file (`cgroup.kill`),
 /// wait (bounded) until `events` (`cgroup.events`) says the cgroup is empty, then remove `rmdir`
 /// in order.
+#[derive(Clone)]
 pub struct WatchdogPlan {
     pub kill: Vec<CString>,
     pub events: CString,
@@ -456,6 +457,13 @@ pub struct WatchdogPlan {
 /// descriptor of the agent's, and runs only async-signal-safe system calls (the agent has
 /// threads). Dropping the returned descriptor (or the agent dying) sets it off; the pid is the
 /// watchdog's.
+///
+/// Every signal that can be ignored is (SIGTERM and SIGQUIT too: a worker, or a scheduler
+/// signalling the whole job, must not end it without the agent's death; acting on SIGTERM
+/// instead would kill the workers before the agent's own stop gives them their grace). Only
+/// SIGKILL and SIGSTOP reach it: the agent watches for both ([`watchdog_state`]) and starts a
+/// new one or resumes it. Not `PR_SET_PDEATHSIG`: it fires when the forking *thread* ends (a
+/// runtime's blocking thread may), and the pipe already says when the whole agent is gone.
 pub fn spawn_watchdog(plan: &WatchdogPlan) -> io::Result<(OwnedFd, libc::pid_t)> {
     let mut fds = [0 as libc::c_int; 2];
     // SAFETY: pipe2 writes two descriptors into the array it is given.
@@ -486,8 +494,23 @@ pub fn spawn_watchdog(plan: &WatchdogPlan) -> io::Result<(OwnedFd, libc::pid_t)>
             // under proctrack/cgroup) must not end the watchdog by the way.
             libc::signal(libc::SIGUSR1, libc::SIG_IGN);
             libc::signal(libc::SIGUSR2, libc::SIG_IGN);
-            libc::signal(libc::SIGTERM, libc::SIG_DFL);
-            libc::signal(libc::SIGQUIT, libc::SIG_DFL);
+            for sig in [
+                libc::SIGTERM,
+                libc::SIGQUIT,
+                libc::SIGALRM,
+                libc::SIGVTALRM,
+                libc::SIGPROF,
+                libc::SIGTSTP,
+                libc::SIGTTIN,
+                libc::SIGTTOU,
+                libc::SIGXCPU,
+                libc::SIGXFSZ,
+                libc::SIGIO,
+                libc::SIGPWR,
+                libc::SIGSTKFLT,
+            ] {
+                libc::signal(sig, libc::SIG_IGN);
+            }
             // Hold nothing of the agent's (its console pipes, sockets, the store) — above all not
             // the pipe's write end, or the end-of-file would never come: only the read end, moved
             // to 10 or above, and /dev/null as 0, 1, 2.
@@ -557,6 +580,44 @@ pub fn spawn_watchdog(plan: &WatchdogPlan) -> io::Result<(OwnedFd, libc::pid_t)>
             }
         }
     }
+}
+
+/// What became of a watchdog (a child of this process).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WatchdogState {
+    Running,
+    /// Stopped by a signal (SIGSTOP, which it cannot ignore): resume it with [`resume`].
+    Stopped,
+    /// Dead, and reaped by this call: its pid may name another process from now on.
+    Gone,
+}
+
+/// Whether the watchdog `pid` still runs; reaps it when it died. Never blocks.
+pub fn watchdog_state(pid: libc::pid_t) -> WatchdogState {
+    let mut status = 0;
+    // SAFETY: waitpid on this process's own, unreaped child with a valid status pointer.
+    let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG | libc::WUNTRACED) };
+    if r == pid {
+        if libc::WIFSTOPPED(status) {
+            return WatchdogState::Stopped;
+        }
+        return WatchdogState::Gone;
+    }
+    if r < 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ECHILD) {
+        return WatchdogState::Gone;
+    }
+    // A stop already reported once is not reported again: read the state as well.
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    match stat.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next()) {
+        Some('T' | 't') => WatchdogState::Stopped,
+        _ => WatchdogState::Running,
+    }
+}
+
+/// Lets a stopped watchdog run again.
+pub fn resume(pid: libc::pid_t) {
+    // SAFETY: kill(2) on this process's own, unreaped child; no memory is involved.
+    unsafe { libc::kill(pid, libc::SIGCONT) };
 }
 
 /// Lets every process of a worker's group run again (SIGCONT): after a stack reader that stopped
@@ -659,23 +720,40 @@ mod tests {
             let mask = status.lines().find_map(|l| l.strip_prefix("SigIgn:")).unwrap_or("0").trim().to_owned();
             u64::from_str_radix(&mask, 16).unwrap_or(0)
         };
-        let want =
-            [libc::SIGUSR1, libc::SIGUSR2, libc::SIGINT, libc::SIGHUP].iter().fold(0u64, |m, s| m | 1 << (s - 1));
+        let sent = [libc::SIGUSR1, libc::SIGUSR2, libc::SIGINT, libc::SIGHUP, libc::SIGTERM, libc::SIGQUIT];
+        let want = sent.iter().fold(0u64, |m, s| m | 1 << (s - 1));
         let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
         while ignored() & want != want {
             assert!(
                 std::time::Instant::now() < until,
-                "the watchdog ignores USR1, USR2, INT, HUP: SigIgn {:x}",
+                "the watchdog ignores USR1, USR2, INT, HUP, TERM, QUIT: SigIgn {:x}",
                 ignored()
             );
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
-        for sig in [libc::SIGUSR1, libc::SIGUSR2, libc::SIGINT, libc::SIGHUP] {
+        for sig in sent {
             // SAFETY: kill(2) on our own child.
             assert_eq!(unsafe { libc::kill(pid, sig) }, 0);
         }
         std::thread::sleep(std::time::Duration::from_millis(200));
-        assert!(matches!(state(), Some('S' | 'R')), "the watchdog is alive after USR1/USR2/INT/HUP: {:?}", state());
+        assert!(
+            matches!(state(), Some('S' | 'R')),
+            "the watchdog is alive after USR1/USR2/INT/HUP/TERM/QUIT: {:?}",
+            state()
+        );
+        assert_eq!(watchdog_state(pid), WatchdogState::Running);
+        // SAFETY: kill(2) on our own child.
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while watchdog_state(pid) != WatchdogState::Stopped {
+            assert!(std::time::Instant::now() < until, "a SIGSTOP is seen");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        resume(pid);
+        while watchdog_state(pid) != WatchdogState::Running {
+            assert!(std::time::Instant::now() < until, "resumed");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
         assert_eq!(std::fs::read_to_string(&kill).unwrap(), "", "not set off yet");
         drop(fd);
         let mut status = 0;

@@ -169,3 +169,84 @@ fn a_recycled_pid_of_a_reaped_worker_is_never_signalled() {
     let _ = victim.kill();
     let _ = victim.wait();
 }
+
+/// The agent's children that are forks of itself (same executable): its containment watchdog.
+fn watchdogs(agent: u32) -> Vec<i32> {
+    let exe = std::fs::read_link(format!("/proc/{agent}/exe")).unwrap();
+    let mut found = Vec::new();
+    for t in std::fs::read_dir(format!("/proc/{agent}/task")).into_iter().flatten().flatten() {
+        let list = std::fs::read_to_string(t.path().join("children")).unwrap_or_default();
+        for pid in list.split_whitespace().filter_map(|p| p.parse::<i32>().ok()) {
+            if std::fs::read_link(format!("/proc/{pid}/exe")).is_ok_and(|e| e == exe) && pid_alive(pid) {
+                found.push(pid);
+            }
+        }
+    }
+    found
+}
+
+fn signal(pid: i32, sig: &str) {
+    let ok = std::process::Command::new("kill").args([&format!("-{sig}"), &pid.to_string()]).status().unwrap();
+    assert!(ok.success(), "kill -{sig} {pid}");
+}
+
+/// State letter of `/proc/{pid}/stat` (`T` when stopped).
+fn state(pid: i32) -> Option<char> {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next()))
+}
+
+/// Starts a one-rank job of every kind of descendant (cgroup v2), returns the agent, the
+/// descendants' pids, the job's cgroup and its watchdog's pid.
+fn cgroup_job(dir: &Path) -> (std::process::Child, Vec<i32>, String, i32) {
+    let w = script(dir);
+    let mut cmd = rlaunch();
+    cmd.current_dir(dir).args(["--standalone", "--nproc-per-node", "1", &w, "1000", "0"]);
+    let agent = cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    let pids = recorded(dir, 0, 1);
+    let mine: Vec<String> =
+        rlaunch_cgroups().into_iter().filter(|c| c.contains(&format!("rlaunch-{}-", agent.id()))).collect();
+    assert_eq!(mine.len(), 1, "the job has its cgroup (this machine has cgroup v2): {:?}", rlaunch_cgroups());
+    let dogs = watchdogs(agent.id());
+    assert_eq!(dogs.len(), 1, "one watchdog: {dogs:?}");
+    (agent, pids, mine[0].clone(), dogs[0])
+}
+
+fn sigkill_agent_and_expect_nothing_left(mut agent: std::process::Child, pids: &[i32], cgroup: &str) {
+    agent.kill().unwrap(); // SIGKILL
+    agent.wait().unwrap();
+    wait_until("every descendant to be gone within a second", Duration::from_secs(1), || {
+        pids.iter().all(|p| !pid_alive(*p))
+    });
+    wait_until("the job's cgroup to be removed", Duration::from_secs(5), || !Path::new(cgroup).exists());
+}
+
+/// Issue 26, item 7: a worker (same user) sends the watchdog SIGTERM, SIGQUIT and SIGSTOP, then
+/// the agent is SIGKILLed. The watchdog used to die on SIGTERM, leaving the setsid'd daemon, the
+/// worker's children and the cgroup behind; now it ignores them, and the agent resumes it.
+#[test]
+fn the_watchdog_survives_sigterm_and_sigstop_and_still_acts_on_a_sigkill_of_the_agent() {
+    let dir = tempdir();
+    let (agent, pids, cgroup, dog) = cgroup_job(dir.path());
+    signal(dog, "STOP");
+    signal(dog, "TERM");
+    signal(dog, "QUIT");
+    wait_until("the agent to resume its stopped watchdog", Duration::from_secs(5), || {
+        !matches!(state(dog), Some('T' | 't'))
+    });
+    assert!(pid_alive(dog), "the watchdog is alive after SIGTERM and SIGQUIT");
+    sigkill_agent_and_expect_nothing_left(agent, &pids, &cgroup);
+}
+
+/// Issue 26, item 7: a worker SIGKILLs the watchdog (which no process can ignore), then later
+/// the agent is SIGKILLed. The agent used to go on without one; now it starts a new watchdog
+/// within a check period, and that one ends the job.
+#[test]
+fn a_killed_watchdog_is_replaced_and_a_sigkill_of_the_agent_still_ends_everything() {
+    let dir = tempdir();
+    let (agent, pids, cgroup, dog) = cgroup_job(dir.path());
+    signal(dog, "KILL");
+    wait_until("a new watchdog", Duration::from_secs(5), || watchdogs(agent.id()).iter().any(|p| *p != dog));
+    sigkill_agent_and_expect_nothing_left(agent, &pids, &cgroup);
+}
