@@ -844,3 +844,61 @@ async fn etcd_other_nodes_stacks_join_the_root_cause_and_the_job_takes_the_first
         [format!("rank {rank_b}: stuck_here (x.py:4)"), format!("rank {rank_a}: all_reduce (c10d.py:9)")]
     );
 }
+
+/// Parts of a job's state under generations no header names (a replica killed in the middle of
+/// a large write) are deleted by the job's next write, small or in parts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parts_that_no_header_names_are_collected_by_the_jobs_next_write() {
+    use rlaunch_rendezvous::round::{Event, Guard};
+    use rlaunch_rendezvous::service::now_ms;
+    use rlaunch_rendezvous::store::etcd::EtcdStore;
+    let etcd = Etcd::start().await;
+    let store = EtcdStore::connect(std::slice::from_ref(&etcd.endpoint)).await.expect("store");
+    let mut s = settings(1, 5000);
+    s.min_nodes = 5000;
+    let join = |n: NodeInfo| {
+        let (store, s) = (store.clone(), s.clone());
+        async move { store.apply("orph", Some(&s), Event::Join(n), Guard::default(), now_ms()).await }
+    };
+    within("first join", join(node("a"))).await.expect("join applied");
+    let mut c = etcd_client::Client::connect([etcd.endpoint.as_str()], None).await.expect("etcd client");
+    let orphans = ["0000000000000000", "ffffffffffffffff"];
+    let plant = || {
+        let mut c = c.clone();
+        async move {
+            for generation in orphans {
+                for i in 0..2 {
+                    let key = format!("/rlaunch/jobs/orph/part/{generation}/{i:04}");
+                    c.put(key, vec![b'x'; 1024], None).await.expect("put an orphan part");
+                }
+            }
+        }
+    };
+    within("orphans", plant()).await;
+    let (_, keys) = leases_and_keys(&etcd, "/rlaunch/jobs/orph/part/").await;
+    assert_eq!(keys.len(), 4, "{keys:?}");
+    within("second join", join(node("b"))).await.expect("join applied");
+    let (_, keys) = leases_and_keys(&etcd, "/rlaunch/jobs/orph/part/").await;
+    assert!(keys.is_empty(), "orphan parts left after a small write: {keys:?}");
+
+    // Around a state written in parts: only the generation its header names is left.
+    within("orphans", plant()).await;
+    let long = |i: usize| node(&format!("{i:05}-{}", "n".repeat(200)));
+    let mut joins = tokio::task::JoinSet::new();
+    for i in 0..2500 {
+        joins.spawn(join(long(i)));
+    }
+    within("2,500 joins", async {
+        while let Some(r) = joins.join_next().await {
+            r.expect("join task").expect("join applied");
+        }
+    })
+    .await;
+    let (_, keys) = leases_and_keys(&etcd, "/rlaunch/jobs/orph/part/").await;
+    let generations: std::collections::BTreeSet<&str> = keys.iter().filter_map(|k| k.split('/').nth(5)).collect();
+    assert_eq!(generations.len(), 1, "written in parts, one generation: {generations:?}");
+    assert!(orphans.iter().all(|o| !generations.contains(o)), "{generations:?}");
+    let job = store.load("orph", 0).await.expect("load").expect("the job");
+    assert_eq!(job.pending.len(), 2502, "the state reads back whole");
+    c.delete("/rlaunch/", Some(etcd_client::DeleteOptions::new().with_prefix())).await.expect("clean up");
+}

@@ -6,7 +6,8 @@
 //!   compares the key's mod revision (or its absence) before the put, retried on conflict. A
 //!   state over 512 KiB (etcd refuses requests over 1.5 MiB) is written first as parts under
 //!   `part/{generation}/{i}`, each its own request, and `state` holds a small header naming the
-//!   generation, put by the transaction (which deletes the previous generation's parts);
+//!   generation, put by the transaction, which deletes every other generation's parts (the
+//!   previous one's, and those of a writer killed in the middle of a large write);
 //! - `alive/{node_id}`: one key per node, on a lease of the process that hears from the node (one
 //!   lease per TTL, see `leases`), deleted by that process when the node falls silent for its
 //!   TTL. Its presence is the node's liveness: when the machine runs, every node with a key counts
@@ -285,6 +286,11 @@ fn part_prefix(run_id: &str, generation: &str) -> String {
     format!("{PREFIX}{run_id}/part/{generation}/")
 }
 
+/// Where every generation's parts of job `run_id` are.
+fn parts_prefix(run_id: &str) -> String {
+    format!("{PREFIX}{run_id}/part/")
+}
+
 fn part_key(run_id: &str, generation: &str, i: usize) -> String {
     format!("{PREFIX}{run_id}/part/{generation}/{i:04}")
 }
@@ -475,21 +481,23 @@ impl EtcdStore {
 
     /// The transaction operations that make `value` job `run_id`'s state: a put of it under
     /// `state` when small; else its parts are written now, each on its own, and the operations
-    /// put a header naming their generation. The previous generation's parts are deleted.
+    /// put a header naming their generation. Every other generation's parts are deleted: the
+    /// previous one's, and any a writer killed in the middle of a large write left behind,
+    /// which no header names. (A concurrent writer whose parts this deletes loses its race
+    /// anyway: this transaction changes the state it compared, so it reads again and writes a
+    /// new generation.)
     async fn state_ops(
         &self,
         run_id: &str,
         job: &Job,
         value: Vec<u8>,
-        old_generation: Option<&str>,
     ) -> Result<(Vec<TxnOp>, Option<String>), RdzvError> {
-        let mut ops = Vec::new();
-        if let Some(old) = old_generation {
-            let prefix = part_prefix(run_id, old);
-            ops.push(TxnOp::delete(prefix, Some(DeleteOptions::new().with_prefix())));
-        }
+        let parts = parts_prefix(run_id);
         if value.len() <= PART_BYTES {
-            ops.push(TxnOp::put(state_key(run_id), value, None));
+            let ops = vec![
+                TxnOp::delete(parts, Some(DeleteOptions::new().with_prefix())),
+                TxnOp::put(state_key(run_id), value, None),
+            ];
             return Ok((ops, None));
         }
         let chunks: Vec<Vec<u8>> = value.chunks(PART_BYTES).map(<[u8]>::to_vec).collect();
@@ -518,7 +526,13 @@ impl EtcdStore {
         }
         let header = PartsHeader::of(job, chunks.len(), generation.clone());
         let header = serde_json::to_vec(&header).map_err(|e| RdzvError::Store { message: e.to_string() })?;
-        ops.push(TxnOp::put(state_key(run_id), header, None));
+        // Every generation but the new one: the keys before its prefix and after it.
+        let mine = part_prefix(run_id, &generation);
+        let ops = vec![
+            TxnOp::delete(parts.clone(), Some(DeleteOptions::new().with_range(mine.clone()))),
+            TxnOp::delete(prefix_end(&mine), Some(DeleteOptions::new().with_range(prefix_end(&parts)))),
+            TxnOp::put(state_key(run_id), header, None),
+        ];
         Ok((ops, Some(generation)))
     }
 
@@ -939,8 +953,7 @@ impl EtcdStore {
                     cmps.push(since.with_prefix());
                 }
             }
-            let (ops, new_generation) = match self.state_ops(run_id, &to_store, value, snap.generation.as_deref()).await
-            {
+            let (ops, new_generation) = match self.state_ops(run_id, &to_store, value).await {
                 Ok(ops) => ops,
                 Err(e) => {
                     failure = Some(error_chain(&e));
