@@ -27,7 +27,6 @@
 //! nodes per job); a 5xx logs its cause and says only "internal error".
 
 use std::future::Future;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -40,7 +39,6 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
-use tokio::sync::Notify;
 use tracing::{debug, error, warn};
 
 use crate::error::RdzvError;
@@ -371,69 +369,25 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
-/// How the server holds against slow and numerous clients.
+/// How the server holds against slow and numerous clients ([`crate::conn`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ServeLimits {
     /// Most connections open at once. At the bound, the oldest idle connection (no request
     /// in progress: a kept-alive one, or one still sending its headers) is closed to admit the
-    /// new one; when every connection is busy, the new one is closed.
+    /// new one, else the one whose request body has been arriving the longest; when every
+    /// connection is serving a request (a long-poll), the new one is closed.
     pub max_connections: usize,
     /// A request's headers must arrive within this, and a kept-alive connection may sit idle
     /// this long (a half-sent request holds nothing for longer).
     pub header_timeout: Duration,
+    /// A request's body must arrive in full within this of its headers: a whole request takes
+    /// at most `header_timeout + body_timeout`, however slowly it is sent.
+    pub body_timeout: Duration,
 }
 
 impl Default for ServeLimits {
     fn default() -> Self {
-        Self { max_connections: 65_536, header_timeout: Duration::from_secs(10) }
-    }
-}
-
-/// The open connections, by accept order: whether each is serving a request, and how to close it.
-#[derive(Default)]
-struct Connections {
-    open: std::sync::Mutex<std::collections::BTreeMap<u64, Conn>>,
-}
-
-/// One open connection: requests in progress on it, and how to close it.
-struct Conn {
-    busy: Arc<AtomicUsize>,
-    close: Arc<Notify>,
-}
-
-impl Connections {
-    /// Makes room for one more connection within `max`: closes the oldest idle one if needed.
-    /// False when every connection is busy.
-    fn make_room(&self, max: usize) -> bool {
-        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
-        if open.len() < max {
-            return true;
-        }
-        let idle = open.iter().find(|(_, c)| c.busy.load(Ordering::Relaxed) == 0).map(|(id, _)| *id);
-        match idle.and_then(|id| open.remove(&id)) {
-            Some(Conn { close, .. }) => {
-                // Out of the count at once; the connection closes when its task next runs.
-                close.notify_one();
-                true
-            }
-            None => false,
-        }
-    }
-}
-
-/// Counts a request in progress on its connection for as long as it lives.
-struct Busy(Arc<AtomicUsize>);
-
-impl Busy {
-    fn enter(count: &Arc<AtomicUsize>) -> Self {
-        count.fetch_add(1, Ordering::Relaxed);
-        Busy(count.clone())
-    }
-}
-
-impl Drop for Busy {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        Self { max_connections: 65_536, header_timeout: Duration::from_secs(10), body_timeout: Duration::from_secs(10) }
     }
 }
 
@@ -446,8 +400,8 @@ pub async fn serve(
     serve_with(listener, state, ServeLimits::default(), shutdown).await
 }
 
-/// [`serve`] with explicit limits: HTTP/1.1 connections with a header-read (and idle) timeout,
-/// at most `limits.max_connections` of them.
+/// [`serve`] with explicit limits: HTTP/1.1 connections with a header-read (and idle) timeout
+/// and a body deadline, at most `limits.max_connections` of them.
 pub async fn serve_with(
     listener: tokio::net::TcpListener,
     state: AppState,
@@ -458,12 +412,11 @@ pub async fn serve_with(
     use tower::ServiceExt as _;
 
     let app = router(state);
-    let connections = Arc::new(Connections::default());
+    let connections = Arc::new(crate::conn::Connections::new());
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder.timer(TokioTimer::new()).header_read_timeout(limits.header_timeout).keep_alive(true);
     tokio::pin!(shutdown);
-    let mut next_id = 0u64;
     loop {
         let accepted = tokio::select! {
             r = listener.accept() => r,
@@ -491,21 +444,16 @@ pub async fn serve_with(
             continue;
         }
         let _ = stream.set_nodelay(true);
-        let id = next_id;
-        next_id += 1;
-        let (busy, close) = (Arc::new(AtomicUsize::new(0)), Arc::new(Notify::new()));
-        connections
-            .open
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(id, Conn { busy: busy.clone(), close: close.clone() });
+        let (id, conn_state, close) = connections.add();
         let app = app.clone();
+        let requests = connections.clone();
         let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
-            let guard = Busy::enter(&busy);
+            let (parts, body) = req.into_parts();
+            let (guard, body) = requests.request(&conn_state, body, limits.body_timeout);
             let app = app.clone();
             async move {
                 let _guard = guard;
-                app.oneshot(req.map(axum::body::Body::new)).await
+                app.oneshot(Request::from_parts(parts, axum::body::Body::new(body))).await
             }
         });
         let conn = graceful.watch(builder.serve_connection(TokioIo::new(stream), service));
@@ -515,7 +463,7 @@ pub async fn serve_with(
                 r = conn => if let Err(error) = r { debug!(%error, "connection ended with an error") },
                 () = close.notified() => debug!("idle connection closed to admit a new one"),
             }
-            connections.open.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+            connections.remove(id);
         });
     }
     drop(listener);

@@ -11,6 +11,8 @@
 //! - [`service`]: [`Rendezvous`], the operations over a store: long-polls, the ticker that drives
 //!   timers, metrics. Shared by the HTTP API and the in-process / etcd-direct client.
 //! - [`api`]: axum routes (`router(state)`, `serve(listener, state, shutdown)`).
+//! - [`conn`]: the connection layer under `serve`: which connection to close at the bound, the
+//!   deadline on a request body.
 //! - [`page`]: the status page `/` (embedded HTML, script, style) over the `/v1` API.
 //! - [`client`]: [`RendezvousClient`] over a [`Backend`].
 //!
@@ -80,6 +82,7 @@
 
 pub mod api;
 pub mod client;
+pub mod conn;
 pub mod detector;
 pub mod error;
 pub mod identity;

@@ -64,7 +64,8 @@ struct Args {
           value_parser = clap::value_parser!(u64).range(0..=30 * 86_400))]
     terminal_retention_s: u64,
     /// Most HTTP connections open at once (an agent holds one or two); at the bound, the
-    /// oldest idle connection is closed to admit a new one. Default: the open-file limit
+    /// oldest idle connection is closed to admit a new one, else the one whose request body has
+    /// been arriving the longest. Default: the open-file limit
     /// (raised to its hard limit at start) less 128.
     #[arg(long, env = "RLAUNCH_RDZV_MAX_CONNECTIONS")]
     max_connections: Option<usize>,
@@ -73,6 +74,12 @@ struct Args {
     #[arg(long, env = "RLAUNCH_RDZV_HEADER_TIMEOUT_MS", default_value_t = 10_000,
           value_parser = clap::value_parser!(u64).range(1..))]
     header_timeout_ms: u64,
+    /// How long a client may take to send a request's body once its headers are in, in
+    /// milliseconds: however slowly it is sent, a request holds a connection at most the header
+    /// and body timeouts together.
+    #[arg(long, env = "RLAUNCH_RDZV_BODY_TIMEOUT_MS", default_value_t = 10_000,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    body_timeout_ms: u64,
     /// After a shutdown signal, how long requests in flight (long-polls) may take to finish.
     #[arg(long, env = "RLAUNCH_RDZV_SHUTDOWN_GRACE_MS", default_value_t = 3000)]
     shutdown_grace_ms: u64,
@@ -188,7 +195,11 @@ async fn main() -> Result<()> {
             max_connections = room;
         }
     }
-    let serve_limits = ServeLimits { max_connections, header_timeout: Duration::from_millis(args.header_timeout_ms) };
+    let serve_limits = ServeLimits {
+        max_connections,
+        header_timeout: Duration::from_millis(args.header_timeout_ms),
+        body_timeout: Duration::from_millis(args.body_timeout_ms),
+    };
     let auth = token.is_some();
     let mut state = AppState::new(rdzv, token);
     state.body_limit = args.body_limit;
@@ -200,7 +211,7 @@ async fn main() -> Result<()> {
     info!(
         listen = %local, store = ?args.store, auth, protect_metrics = args.protect_metrics,
         max_jobs = args.max_jobs, max_nodes = args.max_nodes, max_connections,
-        header_timeout_ms = args.header_timeout_ms, "rlaunch-rendezvous serving"
+        header_timeout_ms = args.header_timeout_ms, body_timeout_ms = args.body_timeout_ms, "rlaunch-rendezvous serving"
     );
 
     // Memory freed by forgotten jobs goes back to the system: after a burst of jobs the

@@ -1,0 +1,229 @@
+//! The service's connection layer: the open connections and what each is doing, which one to
+//! close to admit a new one at the bound, and the deadline on a request's body.
+//!
+//! A connection is idle (no request in progress: kept alive, or still sending its headers),
+//! receiving a body (headers in, body not yet), or busy (its handler runs: a long-poll). At the
+//! bound an idle one is closed first (the oldest), else the one whose body has been arriving the
+//! longest; busy ones are never closed, and when every connection is busy the new one is. So
+//! neither idle clients nor slowly sent bodies keep `/healthz` and the agents out.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use hyper::body::{Body, Bytes, Frame, Incoming, SizeHint};
+use tokio::sync::Notify;
+
+/// What one connection is doing, shared by its task and the requests on it.
+#[derive(Default)]
+pub(crate) struct ConnState {
+    /// Requests in progress (HTTP/1.1 serves one at a time; 0 or 1).
+    requests: AtomicUsize,
+    /// When the body being received started to arrive, as [`Connections::now`]; 0: none.
+    body_since: AtomicU64,
+}
+
+/// One open connection: its state, and how to close it.
+struct Conn {
+    state: Arc<ConnState>,
+    close: Arc<Notify>,
+}
+
+/// The open connections, by accept order.
+pub(crate) struct Connections {
+    open: Mutex<BTreeMap<u64, Conn>>,
+    next_id: AtomicU64,
+    epoch: Instant,
+}
+
+/// A connection as the choice of which to close sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Seen {
+    pub id: u64,
+    pub requests: usize,
+    /// Since when its request's body has been arriving (0: no body pending).
+    pub body_since: u64,
+}
+
+/// Which connection to close to make room: the oldest idle one, else the one whose body has
+/// been arriving the longest, else none (every connection is serving a request).
+pub(crate) fn victim(open: impl Iterator<Item = Seen>) -> Option<u64> {
+    let mut slowest: Option<Seen> = None;
+    for c in open {
+        if c.requests == 0 {
+            return Some(c.id);
+        }
+        if c.body_since != 0 && !matches!(slowest, Some(s) if s.body_since <= c.body_since) {
+            slowest = Some(c);
+        }
+    }
+    slowest.map(|c| c.id)
+}
+
+impl Connections {
+    pub(crate) fn new() -> Self {
+        Connections { open: Mutex::new(BTreeMap::new()), next_id: AtomicU64::new(0), epoch: Instant::now() }
+    }
+
+    /// Milliseconds since this set was made, at least 1 (0 means "none" in [`ConnState`]).
+    fn now(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX).max(1)
+    }
+
+    /// Makes room for one more connection within `max`: closes an idle or slow one if needed
+    /// ([`victim`]). False when every connection is busy.
+    pub(crate) fn make_room(&self, max: usize) -> bool {
+        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        if open.len() < max {
+            return true;
+        }
+        let seen = open.iter().map(|(id, c)| Seen {
+            id: *id,
+            requests: c.state.requests.load(Ordering::Relaxed),
+            body_since: c.state.body_since.load(Ordering::Relaxed),
+        });
+        match victim(seen).and_then(|id| open.remove(&id)) {
+            Some(Conn { close, .. }) => {
+                // Out of the count at once; the connection closes when its task next runs.
+                close.notify_one();
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Counts a new connection in; its id (for [`Connections::remove`]), state and close signal.
+    pub(crate) fn add(&self) -> (u64, Arc<ConnState>, Arc<Notify>) {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (state, close) = (Arc::new(ConnState::default()), Arc::new(Notify::new()));
+        let conn = Conn { state: state.clone(), close: close.clone() };
+        self.open.lock().unwrap_or_else(|p| p.into_inner()).insert(id, conn);
+        (id, state, close)
+    }
+
+    pub(crate) fn remove(&self, id: u64) {
+        self.open.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+    }
+
+    /// A request has come in on a connection (its headers are read): counted in progress until
+    /// the guard drops, its body (if any) pending until received. The body comes back bounded
+    /// by `body_timeout`.
+    pub(crate) fn request(
+        self: &Arc<Self>,
+        state: &Arc<ConnState>,
+        body: Incoming,
+        body_timeout: Duration,
+    ) -> (InProgress, DeadlineBody) {
+        state.requests.fetch_add(1, Ordering::Relaxed);
+        if !body.is_end_stream() {
+            state.body_since.store(self.now(), Ordering::Relaxed);
+        }
+        let deadline = Box::pin(tokio::time::sleep(body_timeout));
+        let body = DeadlineBody { inner: body, deadline, timeout: body_timeout, state: state.clone(), done: false };
+        (InProgress(state.clone()), body)
+    }
+}
+
+/// A request in progress on its connection, for as long as it lives.
+pub(crate) struct InProgress(Arc<ConnState>);
+
+impl Drop for InProgress {
+    fn drop(&mut self) {
+        self.0.body_since.store(0, Ordering::Relaxed);
+        self.0.requests.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// The body did not arrive in time.
+#[derive(Debug, thiserror::Error)]
+#[error("the request body did not arrive within {0:?}")]
+pub struct BodyTimeout(pub Duration);
+
+/// A request body that must arrive in full before its deadline; marks its connection's body
+/// received when it has.
+pub(crate) struct DeadlineBody {
+    inner: Incoming,
+    deadline: Pin<Box<tokio::time::Sleep>>,
+    timeout: Duration,
+    state: Arc<ConnState>,
+    done: bool,
+}
+
+impl DeadlineBody {
+    fn finish(&mut self) {
+        if !self.done {
+            self.done = true;
+            self.state.body_since.store(0, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Body for DeadlineBody {
+    type Data = Bytes;
+    type Error = Box<dyn std::error::Error + Send + Sync>;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let this = &mut *self;
+        if this.done {
+            return Poll::Ready(None);
+        }
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                if this.inner.is_end_stream() {
+                    this.finish();
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => {
+                this.finish();
+                Poll::Ready(Some(Err(e.into())))
+            }
+            Poll::Ready(None) => {
+                this.finish();
+                Poll::Ready(None)
+            }
+            Poll::Pending => match this.deadline.as_mut().poll(cx) {
+                Poll::Ready(()) => {
+                    this.finish();
+                    Poll::Ready(Some(Err(BodyTimeout(this.timeout).into())))
+                }
+                Poll::Pending => Poll::Pending,
+            },
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done || self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seen(id: u64, requests: usize, body_since: u64) -> Seen {
+        Seen { id, requests, body_since }
+    }
+
+    #[test]
+    fn closes_the_oldest_idle_connection_first() {
+        let open = [seen(1, 1, 0), seen(2, 1, 5), seen(3, 0, 0), seen(4, 0, 0)];
+        assert_eq!(victim(open.into_iter()), Some(3));
+    }
+
+    #[test]
+    fn with_none_idle_closes_the_longest_arriving_body_and_never_a_busy_handler() {
+        let open = [seen(1, 1, 0), seen(2, 1, 900), seen(3, 1, 40), seen(4, 1, 0)];
+        assert_eq!(victim(open.into_iter()), Some(3));
+        assert_eq!(victim([seen(1, 1, 0), seen(2, 1, 0)].into_iter()), None);
+        assert_eq!(victim(std::iter::empty()), None);
+    }
+}
