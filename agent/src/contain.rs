@@ -12,11 +12,12 @@
 //!   says so: a worker of the agent's user can always signal both).
 //! - **process groups** otherwise: each worker leads its own group, signalled as a whole; the
 //!   agent is a child subreaper, so orphaned descendants become its children and are killed at
-//!   every stop. After a SIGKILL of the agent, descendants that left the worker's process group
-//!   (setsid) may survive: the README says so.
+//!   every stop. A watchdog of the same kind is told each worker's group and kills those groups
+//!   if the agent dies. After a SIGKILL of the agent, descendants that left the worker's process
+//!   group (setsid) may survive: the README says so.
 
 use std::ffi::CString;
-use std::os::fd::OwnedFd;
+use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -36,32 +37,89 @@ pub const CONTAINMENT_ENV: &str = "RLAUNCH_CONTAINMENT";
 /// How this agent contains its workers.
 pub enum Containment {
     Cgroup(CgroupJob),
-    ProcessGroups,
+    /// With the watchdog that kills the workers' groups if the agent dies (none if it could
+    /// not be started).
+    ProcessGroups(Option<Guard>),
 }
 
-/// A cgroup v2 directory per job, one per local rank inside it, and the watchdog's pipe.
+/// A cgroup v2 directory per job, one per local rank inside it, and the watchdog.
 pub struct CgroupJob {
     dir: PathBuf,
     ranks: u32,
-    /// Shared with the checker, which replaces it; the last holder's drop sets it off.
-    _watchdog: Arc<Mutex<Watchdog>>,
+    guard: Option<Guard>,
+}
+
+/// A watchdog kept running: started again when killed, resumed when stopped, told the process
+/// groups to kill. Dropping it sets the watchdog off.
+pub struct Guard {
+    /// Shared with the checker, which replaces it.
+    watchdog: Arc<Mutex<Watchdog>>,
     stop_checking: Arc<AtomicBool>,
     checker: Option<std::thread::JoinHandle<()>>,
 }
 
-/// The running watchdog: its pipe's write end (closing it sets it off) and its pid.
+/// The running watchdog: its pipe's write end (closing it sets it off), its pid, and the groups
+/// it was told of (told again to a replacement).
 struct Watchdog {
-    _pipe: OwnedFd,
+    pipe: std::fs::File,
     pid: libc::pid_t,
+    groups: Vec<i32>,
+}
+
+impl Guard {
+    fn start(plan: WatchdogPlan) -> std::io::Result<Guard> {
+        let (pipe, pid) = spawn_watchdog(&plan)?;
+        let watchdog = Arc::new(Mutex::new(Watchdog { pipe: pipe.into(), pid, groups: Vec::new() }));
+        let stop_checking = Arc::new(AtomicBool::new(false));
+        let checker = {
+            let (watchdog, stop) = (watchdog.clone(), stop_checking.clone());
+            std::thread::Builder::new()
+                .name("rlaunch-watchdog-check".into())
+                .spawn(move || check_watchdog(&watchdog, &stop, &plan))?
+        };
+        Ok(Guard { watchdog, stop_checking, checker: Some(checker) })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Watchdog> {
+        self.watchdog.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The watchdog's pid now.
+    pub fn pid(&self) -> u32 {
+        self.lock().pid.unsigned_abs()
+    }
+
+    /// Has the process group `pgid` killed if the agent dies (`watch`), or no longer.
+    pub fn tell(&self, pgid: u32, watch: bool) {
+        let Ok(pgid) = i32::try_from(pgid) else { return };
+        let mut w = self.lock();
+        if watch {
+            w.groups.push(pgid);
+        } else {
+            w.groups.retain(|g| *g != pgid);
+        }
+        if let Err(e) = w.pipe.write_all(&crate::process::watchdog_record(pgid, watch)) {
+            warn!(pgid, error = %e, "cannot tell the containment watchdog of a worker's group");
+        }
+    }
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        self.stop_checking.store(true, Ordering::Release);
+        if let Some(t) = self.checker.take() {
+            let _ = t.join();
+        }
+        // The last holder of the watchdog is gone with this: its pipe closes, it acts.
+    }
 }
 
 impl Containment {
     /// Picks the strongest mechanism available for a job of `ranks` workers per node.
     pub fn detect(ranks: u32, agent_env_choice: Option<&str>) -> Containment {
         if agent_env_choice == Some("process-group") {
-            crate::process::become_subreaper();
             info!(mechanism = "process groups and a child subreaper (asked for)", "containment");
-            return Containment::ProcessGroups;
+            return Containment::process_groups();
         }
         match CgroupJob::create(ranks) {
             Ok(job) => {
@@ -69,20 +127,40 @@ impl Containment {
                 Containment::Cgroup(job)
             }
             Err(why) => {
-                crate::process::become_subreaper();
                 warn!(
                     reason = %why,
                     "containment: process groups and a child subreaper (no writable cgroup v2); descendants that call setsid may outlive a SIGKILL of the agent"
                 );
-                Containment::ProcessGroups
+                Containment::process_groups()
             }
+        }
+    }
+
+    fn process_groups() -> Containment {
+        crate::process::become_subreaper();
+        let plan = WatchdogPlan { kill: Vec::new(), events: None, rmdir: Vec::new() };
+        match Guard::start(plan) {
+            Ok(g) => Containment::ProcessGroups(Some(g)),
+            Err(e) => {
+                warn!(error = %e, "containment: no watchdog; a SIGKILL of the agent leaves its workers' children");
+                Containment::ProcessGroups(None)
+            }
+        }
+    }
+
+    /// Has worker group `pgid` killed if the agent dies (`watch`), or no longer (it was
+    /// stopped: its number may be reused once the group is empty). Only process groups need
+    /// it: a cgroup holds the whole tree.
+    pub fn watch_group(&self, pgid: u32, watch: bool) {
+        if let Containment::ProcessGroups(Some(g)) = self {
+            g.tell(pgid, watch);
         }
     }
 
     pub fn describe(&self) -> &'static str {
         match self {
             Containment::Cgroup(_) => "cgroup v2",
-            Containment::ProcessGroups => "process groups",
+            Containment::ProcessGroups(_) => "process groups",
         }
     }
 
@@ -90,7 +168,7 @@ impl Containment {
     pub fn procs_file(&self, local_rank: u32) -> Option<CString> {
         match self {
             Containment::Cgroup(job) => cstring(&job.rank_dir(local_rank).join("cgroup.procs")),
-            Containment::ProcessGroups => None,
+            Containment::ProcessGroups(_) => None,
         }
     }
 
@@ -100,8 +178,10 @@ impl Containment {
     pub async fn kill_rest(&self, local_rank: u32, keep: &[u32]) {
         match self {
             Containment::Cgroup(job) => job.kill(local_rank).await,
-            Containment::ProcessGroups => {
-                let keep = keep.to_vec();
+            Containment::ProcessGroups(guard) => {
+                // The watchdog is a child of the agent too: never one of the orphans.
+                let mut keep = keep.to_vec();
+                keep.extend(guard.as_ref().map(Guard::pid));
                 let _ = tokio::task::spawn_blocking(move || crate::process::kill_orphans(&keep)).await;
             }
         }
@@ -136,27 +216,18 @@ impl CgroupJob {
         }
         let plan = WatchdogPlan {
             kill: vec![cstring(&dir.join("cgroup.kill")).ok_or("cgroup path with a NUL byte")?],
-            events: cstring(&dir.join("cgroup.events")).ok_or("cgroup path with a NUL byte")?,
+            events: Some(cstring(&dir.join("cgroup.events")).ok_or("cgroup path with a NUL byte")?),
             rmdir: (0..ranks)
                 .map(|r| dir.join(format!("rank{r}")))
                 .chain(std::iter::once(dir.clone()))
                 .map(|p| cstring(&p).ok_or("cgroup path with a NUL byte"))
                 .collect::<Result<_, _>>()?,
         };
-        let (pipe, pid) = spawn_watchdog(&plan).map_err(|e| {
+        let guard = Guard::start(plan).map_err(|e| {
             remove_all(ranks);
             format!("cannot start the watchdog: {e}")
         })?;
-        let watchdog = Arc::new(Mutex::new(Watchdog { _pipe: pipe, pid }));
-        let stop_checking = Arc::new(AtomicBool::new(false));
-        let checker = {
-            let (watchdog, stop) = (watchdog.clone(), stop_checking.clone());
-            std::thread::Builder::new()
-                .name("rlaunch-watchdog-check".into())
-                .spawn(move || check_watchdog(&watchdog, &stop, &plan))
-                .map_err(|e| format!("cannot start the watchdog's checker: {e}"))?
-        };
-        Ok(CgroupJob { dir, ranks, _watchdog: watchdog, stop_checking, checker: Some(checker) })
+        Ok(CgroupJob { dir, ranks, guard: Some(guard) })
     }
 
     fn rank_dir(&self, local_rank: u32) -> PathBuf {
@@ -198,7 +269,13 @@ fn check_watchdog(watchdog: &Mutex<Watchdog>, stop: &AtomicBool, plan: &Watchdog
             WatchdogState::Gone => match spawn_watchdog(plan) {
                 Ok((pipe, pid)) => {
                     warn!(old = w.pid, new = pid, "the containment watchdog was killed; started a new one");
-                    *w = Watchdog { _pipe: pipe, pid };
+                    w.pid = pid;
+                    w.pipe = pipe.into();
+                    let records: Vec<u8> =
+                        w.groups.iter().flat_map(|g| crate::process::watchdog_record(*g, true)).collect();
+                    if let Err(e) = w.pipe.write_all(&records) {
+                        warn!(error = %e, "cannot tell the new containment watchdog of the workers' groups");
+                    }
                 }
                 Err(e) => warn!(error = %e, "the containment watchdog was killed and cannot be started again"),
             },
@@ -208,10 +285,8 @@ fn check_watchdog(watchdog: &Mutex<Watchdog>, stop: &AtomicBool, plan: &Watchdog
 
 impl Drop for CgroupJob {
     fn drop(&mut self) {
-        self.stop_checking.store(true, Ordering::Release);
-        if let Some(t) = self.checker.take() {
-            let _ = t.join();
-        }
+        // No replacement watchdog from here on; this one is set off at the end.
+        let _guard = self.guard.take();
         // The workers are gone by now; kill whatever may be left, then remove the cgroups. The
         // watchdog, its pipe closed with this drop, finds nothing more to do.
         let _ = std::fs::write(self.dir.join("cgroup.kill"), "1");

@@ -441,14 +441,27 @@ pub fn probe_cgroup(procs: CString) -> io::Result<()> {
     }
 }
 
-/// What a watchdog does once the agent is gone: write `1` to each `kill` file (`cgroup.kill`),
-/// wait (bounded) until `events` (`cgroup.events`) says the cgroup is empty, then remove `rmdir`
-/// in order.
+/// What a watchdog does once the agent is gone: SIGKILL every process group the agent told it
+/// of ([`watchdog_record`]), write `1` to each `kill` file (`cgroup.kill`), wait (bounded)
+/// until `events` (`cgroup.events`) says the cgroup is empty, then remove `rmdir` in order.
 #[derive(Clone)]
 pub struct WatchdogPlan {
     pub kill: Vec<CString>,
-    pub events: CString,
+    pub events: Option<CString>,
     pub rmdir: Vec<CString>,
+}
+
+/// Process groups one watchdog remembers at most (the rest are not killed on the agent's death).
+pub const WATCHDOG_GROUPS: usize = 4096;
+
+/// What the agent writes on a watchdog's pipe: `pgid` to have that group killed when the agent
+/// dies, `-pgid` to forget it (the group was stopped).
+pub fn watchdog_record(pgid: i32, watch: bool) -> [u8; 4] {
+    if watch {
+        pgid.to_le_bytes()
+    } else {
+        pgid.wrapping_neg().to_le_bytes()
+    }
 }
 
 /// Forks a watchdog that outlives the agent's death (even by SIGKILL) just long enough to carry
@@ -536,12 +549,36 @@ pub fn spawn_watchdog(plan: &WatchdogPlan) -> io::Result<(OwnedFd, libc::pid_t)>
                     }
                 }
             }
-            let mut byte = 0u8;
+            // The agent's records ([`watchdog_record`]) until end-of-file: on the stack, no
+            // allocation after the fork.
+            let mut groups = [0i32; WATCHDOG_GROUPS];
+            let mut count = 0usize;
+            let mut buf = [0u8; 256];
+            let mut have = 0usize;
             loop {
-                let n = libc::read(r, (&mut byte as *mut u8).cast(), 1);
+                let n = libc::read(r, buf[have..].as_mut_ptr().cast(), buf.len() - have);
                 if n == 0 || (n < 0 && *libc::__errno_location() != libc::EINTR) {
                     break;
                 }
+                have += usize::try_from(n).unwrap_or(0);
+                let whole = have - have % 4;
+                for rec in buf[..whole].chunks_exact(4) {
+                    let v = i32::from_le_bytes([rec[0], rec[1], rec[2], rec[3]]);
+                    if v > 0 && count < WATCHDOG_GROUPS && !groups[..count].contains(&v) {
+                        groups[count] = v;
+                        count += 1;
+                    } else if v < 0 {
+                        if let Some(i) = groups[..count].iter().position(|g| *g == v.wrapping_neg()) {
+                            groups[i] = groups[count - 1];
+                            count -= 1;
+                        }
+                    }
+                }
+                buf.copy_within(whole..have, 0);
+                have -= whole;
+            }
+            for g in &groups[..count] {
+                libc::kill(-*g, libc::SIGKILL);
             }
             for k in &plan.kill {
                 let fd = libc::open(k.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
@@ -551,9 +588,9 @@ pub fn spawn_watchdog(plan: &WatchdogPlan) -> io::Result<(OwnedFd, libc::pid_t)>
                 }
             }
             // Up to 5 s for the kernel to finish the killing ("populated 0").
-            let mut buf = [0u8; 256];
             for _ in 0..250 {
-                let fd = libc::open(plan.events.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC);
+                let Some(events) = &plan.events else { break };
+                let fd = libc::open(events.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC);
                 if fd < 0 {
                     break;
                 }
@@ -573,9 +610,11 @@ pub fn spawn_watchdog(plan: &WatchdogPlan) -> io::Result<(OwnedFd, libc::pid_t)>
         },
         child => {
             // SAFETY: the parent's copy of the read end is owned here and used no more;
-            // the write end becomes an OwnedFd that closes it exactly once.
+            // the write end becomes an OwnedFd that closes it exactly once. Non-blocking: a
+            // stopped watchdog's full pipe must never stall the agent (a record is then lost).
             unsafe {
                 libc::close(read_end);
+                libc::fcntl(write_end, libc::F_SETFL, libc::O_NONBLOCK);
                 Ok((OwnedFd::from_raw_fd(write_end), child))
             }
         }
@@ -707,7 +746,7 @@ mod tests {
         std::fs::write(&kill, "").unwrap();
         std::fs::write(&events, "populated 0\n").unwrap();
         let c = |p: &std::path::Path| std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
-        let plan = WatchdogPlan { kill: vec![c(&kill)], events: c(&events), rmdir: Vec::new() };
+        let plan = WatchdogPlan { kill: vec![c(&kill)], events: Some(c(&events)), rmdir: Vec::new() };
         let (fd, pid) = spawn_watchdog(&plan).unwrap();
         let state = || {
             std::fs::read_to_string(format!("/proc/{pid}/stat"))

@@ -153,6 +153,9 @@ impl WorkerGroup {
         })?;
         let proc = Arc::new(spawned.proc);
         let pid = proc.pid();
+        // Process groups: the watchdog kills this group too if the agent dies (a child left in
+        // the worker's group has no parent-death signal of its own).
+        self.containment.watch_group(pid, true);
         let stdin_id = match (spawned.stdin, &io.stdin) {
             (Some(terminal), Some(router)) => {
                 let id = console.new_source();
@@ -416,11 +419,12 @@ impl WorkerGroup {
                     self.containment.kill_rest(w.spec.env.local_rank, &[]).await;
                 }
             }
-            Containment::ProcessGroups => {
+            Containment::ProcessGroups(_) => {
                 // Groups whose leader is reaped are not signalled (their number may name
                 // someone else by now); what is left of them was orphaned to this subreaper.
                 for w in &self.workers {
                     let _ = w.proc.signal_group(libc::SIGKILL);
+                    self.containment.watch_group(w.pid, false);
                 }
                 // Descendants that left the groups were orphaned to this subreaper.
                 let unreaped: Vec<u32> = self.workers.iter().filter(|w| !w.proc.is_reaped()).map(|w| w.pid).collect();
@@ -449,6 +453,9 @@ impl Drop for WorkerGroup {
         // An agent unwinding (error, cancellation) must not leave workers behind.
         for w in self.workers.iter().filter(|w| w.exit.is_none()) {
             let _ = w.proc.signal_group(libc::SIGKILL);
+        }
+        for w in &self.workers {
+            self.containment.watch_group(w.pid, false);
         }
         for t in &self.waiters {
             t.abort();

@@ -250,3 +250,44 @@ fn a_killed_watchdog_is_replaced_and_a_sigkill_of_the_agent_still_ends_everythin
     wait_until("a new watchdog", Duration::from_secs(5), || watchdogs(agent.id()).iter().any(|p| *p != dog));
     sigkill_agent_and_expect_nothing_left(agent, &pids, &cgroup);
 }
+
+/// Issue 26, item 7: with `--containment process-group`, a plain child in the worker's own
+/// process group (and a double-forked one, still in that group) outlived a SIGKILL of the agent:
+/// only the worker had a parent-death signal. Now the watchdog, told each worker's group, kills
+/// the groups. A child that called `setsid` left the group and may survive: the README says so.
+#[test]
+fn with_process_groups_a_child_in_the_workers_group_ends_with_a_sigkill_of_the_agent() {
+    let dir = tempdir();
+    let w = script(dir.path());
+    let mut cmd = rlaunch();
+    cmd.current_dir(dir.path()).args(["--containment", "process-group", "--standalone", "--nproc-per-node", "1"]);
+    cmd.args([&w, "1000", "0"]);
+    let mut agent = cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    recorded(dir.path(), 0, 1);
+    let pids_of = |kind: &str| -> Vec<i32> {
+        std::fs::read_to_string(dir.path().join(format!("{kind}_r0_a0.pid")))
+            .unwrap()
+            .split_whitespace()
+            .map(|p| p.parse().unwrap())
+            .collect()
+    };
+    let in_group: Vec<i32> = ["group", "daemon", "pool"].iter().flat_map(|k| pids_of(k)).collect();
+    let setsid = pids_of("setsid");
+    for p in &in_group {
+        assert!(pid_alive(*p), "descendant {p} runs before the kill");
+    }
+    agent.kill().unwrap(); // SIGKILL
+    agent.wait().unwrap();
+    let gone = std::panic::catch_unwind(|| {
+        wait_until("every descendant in the worker's group to be gone within a second", Duration::from_secs(1), || {
+            in_group.iter().all(|p| !pid_alive(*p))
+        })
+    });
+    for p in in_group.iter().chain(&setsid) {
+        // Whatever is left of this job (the setsid one, by design).
+        let _ = std::process::Command::new("kill").args(["-KILL", &p.to_string()]).status();
+    }
+    if let Err(e) = gone {
+        std::panic::resume_unwind(e);
+    }
+}
