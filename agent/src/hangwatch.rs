@@ -224,8 +224,7 @@ pub fn trusted(candidate: &Path, euid: u32) -> Result<PathBuf, String> {
 }
 
 fn euid() -> u32 {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    unsafe { libc::geteuid() }
+    crate::logdir::euid()
 }
 
 /// Where `pid` stands: its Python main thread's frames (py-spy), else its threads' kernel wait

@@ -276,7 +276,8 @@ fn dup(fd: &OwnedFd) -> io::Result<OwnedFd> {
     fd.try_clone()
 }
 
-fn euid() -> u32 {
+/// This process's effective uid.
+pub(crate) fn euid() -> u32 {
     // SAFETY: geteuid has no preconditions and cannot fail.
     unsafe { libc::geteuid() }
 }
