@@ -50,6 +50,9 @@ pub struct DynamicRendezvous {
     pub backend: DynamicBackend,
     pub endpoints: Vec<String>,
     pub token: Option<String>,
+    /// `--rdzv-conf tls_ca=PATH`: a private CA bundle (PEM) that `https://` endpoints'
+    /// certificates are verified against (none: the system's roots).
+    pub tls_ca: Option<std::path::PathBuf>,
     /// The job's settings, as every node of the job must give them (validated once, by the
     /// launcher, with [`JobSettings::validate`]).
     pub settings: JobSettings,

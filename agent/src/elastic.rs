@@ -70,9 +70,11 @@ pub(crate) async fn setup(
     // `[v6]` as given on the command line is the bare address inside.
     let advertise = advertise_addr(config, d).trim_start_matches('[').trim_end_matches(']').to_owned();
     let (backend, hosted) = backend(d).await?;
-    let client = RendezvousClient::connect(backend, &config.run_id, d.settings.clone()).await.map_err(|e| {
-        AgentError::Rendezvous { message: "cannot connect to the rendezvous".into(), source: Some(Box::new(e)) }
-    })?;
+    let tls = rlaunch_rendezvous::ClientTls { ca_file: d.tls_ca.clone() };
+    let client =
+        RendezvousClient::connect_with(backend, &config.run_id, d.settings.clone(), &tls).await.map_err(|e| {
+            AgentError::Rendezvous { message: "cannot connect to the rendezvous".into(), source: Some(Box::new(e)) }
+        })?;
     // Other members probe this agent here while it lives (the round's store comes and goes):
     // a store of its own that holds nothing and only answers pings.
     let probe = crate::start_store(&crate::driver::store_bind(config, &advertise), PROBE_STORE_BYTES).await?;
@@ -326,7 +328,8 @@ async fn backend(d: &DynamicRendezvous) -> Result<(Backend, Option<AbortOnDrop>)
             }
         }
         let addr = tokio::net::lookup_host(first.as_str()).await.ok().and_then(|mut a| a.next());
-        if let Some(addr) = addr {
+        // An agent-hosted server speaks plain HTTP: never in place of an https:// endpoint.
+        if let Some(addr) = addr.filter(|_| !d.endpoints[0].starts_with("https://")) {
             match tokio::net::TcpListener::bind(addr).await {
                 Ok(listener) => {
                     info!(%addr, "no rendezvous server answered; this agent hosts one (memory store)");
@@ -374,7 +377,7 @@ async fn answers(endpoint: &str) -> bool {
 }
 
 fn strip_scheme(e: &str) -> &str {
-    e.strip_prefix("http://").unwrap_or(e)
+    e.strip_prefix("http://").or_else(|| e.strip_prefix("https://")).unwrap_or(e)
 }
 
 /// The address other nodes reach this one at: `--local-addr`, else the source address this host

@@ -363,6 +363,8 @@ pub fn parse_ranks_filter(s: &str) -> Result<Option<BTreeSet<u32>>, UsageError> 
 pub struct RdzvConf {
     pub settings: JobSettings,
     pub token: Option<String>,
+    /// `tls_ca=PATH`: the CA bundle `https://` endpoints are verified against.
+    pub tls_ca: Option<PathBuf>,
 }
 
 /// torchrun keys rlaunch has no use for; accepted so torchrun command lines keep working.
@@ -373,6 +375,7 @@ pub fn parse_rdzv_conf(s: &str) -> Result<RdzvConf, UsageError> {
     let mut conf = RdzvConf {
         settings: JobSettings { join_timeout: Duration::from_secs(600), ..JobSettings::default() },
         token: None,
+        tls_ca: None,
     };
     let t = &mut conf.settings;
     let mut probe_timeout_given = false;
@@ -392,10 +395,12 @@ pub fn parse_rdzv_conf(s: &str) -> Result<RdzvConf, UsageError> {
                 probe_timeout_given = true;
             }
             "token" => conf.token = Some(v.to_string()),
+            "tls_ca" if v.is_empty() => return usage("--rdzv-conf tls_ca: give the path of a PEM CA bundle"),
+            "tls_ca" => conf.tls_ca = Some(PathBuf::from(v)),
             k if IGNORED_TORCHRUN_KEYS.contains(&k) => {}
             _ => {
                 return usage(format!(
-                    "--rdzv-conf: unknown key `{k}` (known: join_timeout, last_call_timeout, heartbeat_interval, node_ttl, probe_timeout, token)"
+                    "--rdzv-conf: unknown key `{k}` (known: join_timeout, last_call_timeout, heartbeat_interval, node_ttl, probe_timeout, token, tls_ca)"
                 ))
             }
         }
@@ -587,6 +592,7 @@ impl Args {
                         backend,
                         endpoints,
                         token: self.token(&conf)?,
+                        tls_ca: conf.tls_ca.clone(),
                         settings: settings.clone(),
                     })
                 }
@@ -924,8 +930,8 @@ impl Args {
     }
 }
 
-fn validate_endpoint(e: &str) -> Result<(), UsageError> {
-    let e = e.strip_prefix("http://").unwrap_or(e);
+fn validate_endpoint(given: &str) -> Result<(), UsageError> {
+    let e = given.strip_prefix("http://").or_else(|| given.strip_prefix("https://")).unwrap_or(given);
     let ok = match e.rsplit_once(':') {
         Some((host, port)) => !host.is_empty() && port.parse::<u16>().is_ok(),
         None => false,
@@ -933,7 +939,7 @@ fn validate_endpoint(e: &str) -> Result<(), UsageError> {
     if ok {
         Ok(())
     } else {
-        usage(format!("--rdzv-endpoint {e}: expected host:port"))
+        usage(format!("--rdzv-endpoint {given}: expected host:port, http://host:port or https://host:port"))
     }
 }
 
@@ -1075,6 +1081,19 @@ mod tests {
         assert_eq!(p.get(5), StdSet::NONE);
         for bad in ["4", "x", "0:5", "a:1", "0:1,"] {
             assert!(parse_std("-t", bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn https_endpoints_and_a_private_ca_are_taken() {
+        assert_eq!(parse_rdzv_conf("tls_ca=/etc/rlaunch/ca.pem").unwrap().tls_ca, Some("/etc/rlaunch/ca.pem".into()));
+        assert!(parse_rdzv_conf("tls_ca=").is_err());
+        for ok in ["https://rdzv.cluster:29400", "http://h:1", "h:1"] {
+            assert!(validate_endpoint(ok).is_ok(), "{ok}");
+        }
+        for bad in ["https://rdzv.cluster", "https://:1", "ftp://h"] {
+            let e = validate_endpoint(bad).unwrap_err().0;
+            assert!(e.contains(bad) && e.contains("https://host:port"), "{e}");
         }
     }
 

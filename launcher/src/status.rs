@@ -24,6 +24,10 @@ pub struct JobRef {
     /// Bearer token of the rendezvous server.
     #[arg(long, env = "RLAUNCH_RDZV_TOKEN")]
     pub token: Option<String>,
+    /// A private CA bundle (PEM) that an `https://` endpoint's certificate is verified against
+    /// (default: the system's roots).
+    #[arg(long = "tls-ca", env = "RLAUNCH_RDZV_TLS_CA")]
+    pub tls_ca: Option<std::path::PathBuf>,
 }
 
 /// Show a job's state as the rendezvous keeps it.
@@ -56,7 +60,7 @@ fn parse_interval(s: &str) -> Result<f64, String> {
 }
 
 async fn client(job: JobRef) -> Result<RendezvousClient, String> {
-    let JobRef { rdzv_endpoint, rdzv_id, rdzv_backend, token } = job;
+    let JobRef { rdzv_endpoint, rdzv_id, rdzv_backend, token, tls_ca } = job;
     let endpoints: Vec<String> =
         rdzv_endpoint.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
     if endpoints.is_empty() {
@@ -67,7 +71,8 @@ async fn client(job: JobRef) -> Result<RendezvousClient, String> {
         "etcd" | "etcd-v3" => Backend::Etcd { endpoints },
         other => return Err(format!("--rdzv-backend {other}: expected rlaunch or etcd")),
     };
-    RendezvousClient::connect(backend, &rdzv_id, JobSettings::default()).await.map_err(|e| shown(&e))
+    let tls = rlaunch_rendezvous::ClientTls { ca_file: tls_ca };
+    RendezvousClient::connect_with(backend, &rdzv_id, JobSettings::default(), &tls).await.map_err(|e| shown(&e))
 }
 
 /// An error as the reader may see it: its text may quote what the service sent.

@@ -408,6 +408,28 @@ pub async fn serve_with(
     limits: ServeLimits,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    serve_on(listener, state, limits, None, shutdown).await
+}
+
+/// [`serve_with`] over TLS (HTTPS): every connection's handshake must finish within the
+/// header timeout, and a connection still in its handshake counts as idle at the bound.
+pub async fn serve_tls(
+    listener: tokio::net::TcpListener,
+    state: AppState,
+    limits: ServeLimits,
+    tls: Arc<tokio_rustls::rustls::ServerConfig>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    serve_on(listener, state, limits, Some(tokio_rustls::TlsAcceptor::from(tls)), shutdown).await
+}
+
+async fn serve_on(
+    listener: tokio::net::TcpListener,
+    state: AppState,
+    limits: ServeLimits,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
     use hyper_util::rt::{TokioIo, TokioTimer};
     use tower::ServiceExt as _;
 
@@ -456,12 +478,25 @@ pub async fn serve_with(
                 app.oneshot(Request::from_parts(parts, axum::body::Body::new(body))).await
             }
         });
-        let conn = graceful.watch(builder.serve_connection(TokioIo::new(stream), service));
+        let (watcher, builder, tls) = (graceful.watcher(), builder.clone(), tls.clone());
+        let served = async move {
+            let result = match tls {
+                None => watcher.watch(builder.serve_connection(TokioIo::new(stream), service)).await,
+                Some(tls) => match tokio::time::timeout(limits.header_timeout, tls.accept(stream)).await {
+                    Ok(Ok(stream)) => watcher.watch(builder.serve_connection(TokioIo::new(stream), service)).await,
+                    Ok(Err(error)) => return debug!(%error, "TLS handshake failed"),
+                    Err(_) => return debug!("TLS handshake timed out"),
+                },
+            };
+            if let Err(error) = result {
+                debug!(%error, "connection ended with an error");
+            }
+        };
         let connections = connections.clone();
         tokio::spawn(async move {
             tokio::select! {
-                r = conn => if let Err(error) = r { debug!(%error, "connection ended with an error") },
-                () = close.notified() => debug!("idle connection closed to admit a new one"),
+                () = served => {}
+                () = close.notified() => debug!("idle or slow connection closed to admit a new one"),
             }
             connections.remove(id);
         });

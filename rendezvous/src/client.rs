@@ -36,13 +36,20 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 /// Where the rendezvous runs.
 #[derive(Clone)]
 pub enum Backend {
-    /// `rlaunch-rendezvous` servers (`host:port` or `http://host:port`); tried in order, the
-    /// one that last answered first.
+    /// `rlaunch-rendezvous` servers (`host:port`, `http://host:port` or `https://host:port`,
+    /// verified as [`ClientTls`] says); tried in order, the one that last answered first.
     Http { endpoints: Vec<String>, token: Option<String> },
     /// etcd v3 endpoints (`host:2379` or `http://host:2379`): this process runs the machine.
     Etcd { endpoints: Vec<String> },
     /// A rendezvous in this process (shared with a server this process may also host).
     InProcess(Arc<Rendezvous>),
+}
+
+/// How a client verifies `https://` endpoints ([`crate::tls`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ClientTls {
+    /// A private CA bundle (PEM), then the only roots trusted; none: the system's roots.
+    pub ca_file: Option<std::path::PathBuf>,
 }
 
 /// One job's rendezvous, seen from an agent. Cheap to clone.
@@ -101,6 +108,7 @@ impl HttpTransport {
         let n = self.endpoints.len();
         let start = self.current.load(Ordering::Relaxed) % n;
         let mut last: Option<reqwest::Error> = None;
+        let mut bad_certificate: Option<RdzvError> = None;
         let mut tried = Vec::new();
         for i in 0..n {
             let idx = (start + i) % n;
@@ -117,6 +125,9 @@ impl HttpTransport {
                 Ok(resp) => resp,
                 Err(error) => {
                     debug!(endpoint = %endpoint, error = %error, "rendezvous endpoint did not answer; failing over");
+                    if let Some(reason) = crate::tls::certificate_error(&error) {
+                        bad_certificate = Some(RdzvError::Certificate { endpoint: endpoint.clone(), reason });
+                    }
                     last = Some(error);
                     continue;
                 }
@@ -137,7 +148,8 @@ impl HttpTransport {
             let body: Option<ErrorBody> = resp.json().await.ok();
             return Err(error_from(endpoint, status.as_u16(), body));
         }
-        Err(RdzvError::Unavailable { tried: tried.join(", "), source: last })
+        // An endpoint that is not who it says is a configuration error, not an outage.
+        Err(bad_certificate.unwrap_or(RdzvError::Unavailable { tried: tried.join(", "), source: last }))
     }
 }
 
@@ -174,8 +186,20 @@ fn json(body: &impl Serialize) -> serde_json::Value {
 }
 
 impl RendezvousClient {
-    /// Validates `settings` and connects to the backend (for HTTP nothing is sent yet).
+    /// Validates `settings` and connects to the backend (for HTTP nothing is sent yet);
+    /// `https://` endpoints verified against the system's roots.
     pub async fn connect(backend: Backend, run_id: &str, settings: JobSettings) -> Result<Self, RdzvError> {
+        Self::connect_with(backend, run_id, settings, &ClientTls::default()).await
+    }
+
+    /// [`RendezvousClient::connect`], `https://` endpoints verified as `tls` says. A token
+    /// that would go in clear to another host (`http://`) is warned about.
+    pub async fn connect_with(
+        backend: Backend,
+        run_id: &str,
+        settings: JobSettings,
+        tls: &ClientTls,
+    ) -> Result<Self, RdzvError> {
         crate::service::validate_run_id(run_id)?;
         settings.validate()?;
         let transport = match backend {
@@ -183,15 +207,24 @@ impl RendezvousClient {
                 if endpoints.is_empty() {
                     return Err(RdzvError::BadRequest { message: "no rendezvous endpoint given".to_owned() });
                 }
-                let http = reqwest::Client::builder()
-                    .no_proxy()
-                    .connect_timeout(CONNECT_TIMEOUT)
-                    .tcp_nodelay(true)
-                    .build()
-                    .map_err(|e| RdzvError::Unavailable {
-                        tried: "building the HTTP client".to_owned(),
-                        source: Some(e),
-                    })?;
+                if token.is_some() {
+                    for e in endpoints.iter().filter(|e| crate::tls::cleartext_to_another_host(e)) {
+                        warn!(
+                            endpoint = %e,
+                            "the rendezvous token goes to this endpoint in clear (http://): anyone on the path can \
+                             read it and the nodes' secrets; serve the rendezvous over https (--tls-cert/--tls-key)"
+                        );
+                    }
+                }
+                let mut builder =
+                    reqwest::Client::builder().no_proxy().connect_timeout(CONNECT_TIMEOUT).tcp_nodelay(true);
+                if let Some(ca) = &tls.ca_file {
+                    builder = builder.tls_certs_only(crate::tls::ca_bundle(ca)?);
+                }
+                let http = builder.build().map_err(|e| RdzvError::Unavailable {
+                    tried: "building the HTTP client".to_owned(),
+                    source: Some(e),
+                })?;
                 Transport::Http(HttpTransport {
                     http,
                     endpoints: endpoints.iter().map(|e| normalize(e)).collect(),

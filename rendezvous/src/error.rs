@@ -42,6 +42,15 @@ pub enum RdzvError {
         #[source]
         source: Option<reqwest::Error>,
     },
+    /// A TLS file (the CA bundle) cannot be used: a configuration error.
+    #[error("TLS: {0}")]
+    Tls(#[from] crate::tls::TlsError),
+    /// An `https://` endpoint's certificate does not verify against the trusted roots: not
+    /// retried, the token is not sent.
+    #[error(
+        "the rendezvous at {endpoint} presented a certificate that does not verify ({reason}); a private CA is given with --rdzv-conf tls_ca=PATH"
+    )]
+    Certificate { endpoint: String, reason: String },
     #[error("etcd request failed during {op}")]
     Etcd {
         op: &'static str,
@@ -78,6 +87,7 @@ impl RdzvError {
             RdzvError::JobFailed { .. } => "job_failed",
             RdzvError::JoinTimeout { .. } => "join_timeout",
             RdzvError::Server { .. } | RdzvError::Unavailable { .. } => "unavailable",
+            RdzvError::Tls(_) | RdzvError::Certificate { .. } => "tls",
             RdzvError::Etcd { .. }
             | RdzvError::Corrupt { .. }
             | RdzvError::Contention { .. }

@@ -15,6 +15,7 @@
 //!   deadline on a request body.
 //! - [`page`]: the status page `/` (embedded HTML, script, style) over the `/v1` API.
 //! - [`client`]: [`RendezvousClient`] over a [`Backend`].
+//! - [`tls`]: the service's certificate and key, a client's CA bundle, cleartext endpoints.
 //!
 //! # The client API (what the agent uses)
 //!
@@ -91,8 +92,9 @@ pub mod round;
 pub mod service;
 pub mod store;
 pub mod stragglers;
+pub mod tls;
 
-pub use client::{Backend, RendezvousClient};
+pub use client::{Backend, ClientTls, RendezvousClient};
 pub use error::RdzvError;
 pub use round::{apply, check_nesting, Job, JobSettings, JobStatus, Member, NodeInfo, RoundInfo, SettingsError};
 pub use service::{Beat, HeartbeatAnswer, JoinAnswer, Rendezvous, WatchEvent};

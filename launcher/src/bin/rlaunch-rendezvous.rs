@@ -40,6 +40,13 @@ struct Args {
     /// A file holding the bearer token (its first line).
     #[arg(long, env = "RLAUNCH_RDZV_TOKEN_FILE")]
     token_file: Option<std::path::PathBuf>,
+    /// Serve HTTPS with this certificate chain (PEM, the service's own certificate first);
+    /// with `--tls-key`. Agents then use `https://` endpoints.
+    #[arg(long, env = "RLAUNCH_RDZV_TLS_CERT", requires = "tls_key")]
+    tls_cert: Option<std::path::PathBuf>,
+    /// The private key of `--tls-cert` (PEM: PKCS#8, PKCS#1 or SEC1).
+    #[arg(long, env = "RLAUNCH_RDZV_TLS_KEY", requires = "tls_cert")]
+    tls_key: Option<std::path::PathBuf>,
     /// `/metrics` needs the token too (it names every job and node).
     #[arg(long, env = "RLAUNCH_RDZV_PROTECT_METRICS", requires = "token_or_file")]
     protect_metrics: bool,
@@ -155,6 +162,17 @@ async fn main() -> Result<()> {
             check_endpoint(e)?;
         }
     }
+    // The certificate and key next: a bad file fails at once, naming it.
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => Some(rlaunch_rendezvous::tls::server_config(cert, key)?),
+        _ => None,
+    };
+    if token.is_some() && tls.is_none() && !args.listen.ip().is_loopback() {
+        warn!(
+            listen = %args.listen,
+            "a token over plain HTTP: anyone on the path reads it and the nodes' secrets; serve HTTPS with --tls-cert/--tls-key"
+        );
+    }
     if args.check_config {
         println!(
             "rlaunch-rendezvous: would listen on {} with the {:?} store{}, token {}",
@@ -167,6 +185,7 @@ async fn main() -> Result<()> {
             },
             if token.is_some() { "set" } else { "none (open)" }
         );
+        println!("rlaunch-rendezvous: {}", if tls.is_some() { "HTTPS" } else { "plain HTTP (no --tls-cert)" });
         return Ok(());
     }
 
@@ -209,7 +228,7 @@ async fn main() -> Result<()> {
     let listener = rlaunch::store::bind(args.listen).with_context(|| format!("binding {}", args.listen))?;
     let local = listener.local_addr().context("reading the bound address")?;
     info!(
-        listen = %local, store = ?args.store, auth, protect_metrics = args.protect_metrics,
+        listen = %local, store = ?args.store, auth, https = args.tls_cert.is_some(), protect_metrics = args.protect_metrics,
         max_jobs = args.max_jobs, max_nodes = args.max_nodes, max_connections,
         header_timeout_ms = args.header_timeout_ms, body_timeout_ms = args.body_timeout_ms, "rlaunch-rendezvous serving"
     );
@@ -227,9 +246,13 @@ async fn main() -> Result<()> {
     });
 
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(api::serve_with(listener, state, serve_limits, async move {
+    let stopped = async move {
         let _ = stop_rx.await;
-    }));
+    };
+    let server = match tls {
+        Some(tls) => tokio::spawn(api::serve_tls(listener, state, serve_limits, tls, stopped)),
+        None => tokio::spawn(api::serve_with(listener, state, serve_limits, stopped)),
+    };
     shutdown_signal().await;
     let _ = stop_tx.send(());
     let grace = Duration::from_millis(args.shutdown_grace_ms);
