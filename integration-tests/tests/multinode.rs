@@ -590,3 +590,63 @@ fn a_node_loss_with_hang_detection_reforms_without_reading_the_survivors_stacks(
     }
     finish(dir.path(), &mut agents[..2]);
 }
+
+/// A join sent from host `from` to the job's service, advertising `store` and `probe`; the
+/// HTTP status and body (python3's urllib inside the host's network namespace).
+fn join_from_host(cluster: &Cluster, from: usize, run_id: &str, store: &str, probe: &str) -> (u16, String) {
+    let url = format!("http://{}:{RDZV_PORT}/v1/jobs/{run_id}/join", cluster.host(0).ip);
+    let body = format!(
+        r#"{{"settings": {{"min_nodes": 2, "max_nodes": 3, "join_timeout_ms": 30000, "last_call_timeout_ms": 1000,
+            "heartbeat_interval_ms": 500, "node_ttl_ms": 2000, "max_restarts": 0, "stop_grace_ms": 3000}},
+            "node": {{"node_id": "intruder", "local_world_size": 1, "store_addr": "{store}", "probe_addr": "{probe}"}},
+            "wait_ms": 0}}"#
+    );
+    let script = r#"
+import sys, urllib.request, urllib.error
+req = urllib.request.Request(sys.argv[1], data=sys.argv[2].encode(), headers={"content-type": "application/json"})
+try:
+    r = urllib.request.urlopen(req, timeout=10); print(r.status); print(r.read().decode())
+except urllib.error.HTTPError as e:
+    print(e.code); print(e.read().decode())
+"#;
+    let out = cluster.host(from).run("python3", &["-c", script, &url, &body], Duration::from_secs(20));
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (code, rest) = text.split_once('\n').unwrap_or((text.as_str(), ""));
+    (
+        code.trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("no status from the join: {text} {}", String::from_utf8_lossy(&out.stderr))),
+        rest.to_owned(),
+    )
+}
+
+#[test]
+fn a_join_from_another_host_may_advertise_only_that_hosts_address_on_a_live_service() {
+    let cluster = Cluster::new(3);
+    let dir = tempdir();
+    let mut agents = start_loop_job(&cluster, dir.path(), "2:3", "advertise", &[0, 1], &[]);
+    let before = wait_formed(dir.path(), &["a", "b"], &mut agents, FORM);
+    // From host c: the probes and store connections of the job's members pointed at a's
+    // loopback, then at host b. Both refused (400) by the service the agent on a hosts.
+    let (c, b) = (cluster.host(2).ip.clone(), cluster.host(1).ip.clone());
+    for (store, probe) in
+        [(format!("{c}:29500"), "127.0.0.1:39999".to_owned()), (format!("{b}:29500"), format!("{b}:29401"))]
+    {
+        let (code, body) = join_from_host(&cluster, 2, "advertise", &store, &probe);
+        assert_eq!(code, 400, "{store} {probe}: {body}");
+        assert!(body.contains("not the address this join came from"), "{body}");
+    }
+    // Its own address is taken (the node then waits to be let in; it never heartbeats).
+    let (code, body) = join_from_host(&cluster, 2, "advertise", &format!("{c}:29500"), &format!("{c}:29401"));
+    assert_eq!(code, 200, "{body}");
+    // Nothing of it disturbed the running job: the same workers, no restart.
+    std::thread::sleep(Duration::from_secs(3));
+    let now = formed(dir.path(), &["a", "b"], NPROC).expect("the job still runs");
+    assert_eq!(
+        now.iter().map(|s| s.pid).collect::<Vec<_>>(),
+        before.iter().map(|s| s.pid).collect::<Vec<_>>(),
+        "no worker restarted: {:#?}",
+        starts(dir.path())
+    );
+    finish(dir.path(), &mut agents);
+}

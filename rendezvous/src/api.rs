@@ -26,6 +26,7 @@
 //! settings mismatch), 410 (job over), 413 (body too large), 429 (a bound of the service: jobs,
 //! nodes per job); a 5xx logs its cause and says only "internal error".
 
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -241,10 +242,32 @@ async fn join(
 ) -> ApiResult<Joined> {
     // Others connect to the addresses a node advertises: it may name only itself.
     if let Some(axum::Extension(axum::extract::ConnectInfo(peer))) = peer.filter(|_| !app.trust_advertised_addrs) {
-        crate::round::check_advertised(&req.node, peer.ip()).map_err(RdzvError::from)?;
+        let resolved = if peer.ip().is_loopback() { Default::default() } else { resolve_names(&req.node).await };
+        crate::round::check_advertised(&req.node, peer.ip(), &resolved).map_err(RdzvError::from)?;
     }
     let secret = req.secret.as_deref();
     Ok(Json(app.rdzv.join(&run_id, &req.settings, req.node, secret, req.members, wait_of(req.wait_ms)).await?))
+}
+
+/// Bound on resolving the host names a joining node advertises.
+const RESOLVE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// What this host's resolver answers for each host name `node` advertises (IP literals need
+/// none); a name that does not resolve in time maps to nothing, and the join is refused.
+async fn resolve_names(node: &crate::round::NodeInfo) -> BTreeMap<String, Vec<std::net::IpAddr>> {
+    let mut out = BTreeMap::new();
+    for (_, addr) in crate::round::advertised(node) {
+        let host = addr.host();
+        if host.parse::<std::net::IpAddr>().is_ok() || out.contains_key(host) {
+            continue;
+        }
+        let ips = match tokio::time::timeout(RESOLVE_TIMEOUT, tokio::net::lookup_host((host, 0))).await {
+            Ok(Ok(found)) => found.map(|a| a.ip()).collect(),
+            _ => Vec::new(),
+        };
+        out.insert(host.to_owned(), ips);
+    }
+    out
 }
 
 async fn heartbeat(
@@ -444,8 +467,8 @@ async fn serve_on(
             r = listener.accept() => r,
             () = &mut shutdown => break,
         };
-        let stream = match accepted {
-            Ok((stream, _)) => stream,
+        let (stream, peer) = match accepted {
+            Ok(accepted) => accepted,
             Err(error) if matches!(error.raw_os_error(), Some(libc_emfile) if libc_emfile == 24 || libc_emfile == 23) =>
             {
                 // Out of file descriptors (EMFILE, ENFILE): free an idle connection and pause,
@@ -470,7 +493,9 @@ async fn serve_on(
         let app = app.clone();
         let requests = connections.clone();
         let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
-            let (parts, body) = req.into_parts();
+            let (mut parts, body) = req.into_parts();
+            // Who sent it: a join may advertise only its own address (round::check_advertised).
+            parts.extensions.insert(axum::extract::ConnectInfo(peer));
             let (guard, body) = requests.request(&conn_state, body, limits.body_timeout);
             let app = app.clone();
             async move {

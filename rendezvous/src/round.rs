@@ -1207,12 +1207,17 @@ pub fn validate_node(node: &NodeInfo) -> Result<(), Rejection> {
 /// Whether a node joining from `peer` (the TCP peer address of its join) may advertise the
 /// addresses it does: other members connect to its store and send probes to its probe address,
 /// so a node may name only itself. Every advertised host must be `peer`'s IP address (an IPv4
-/// address also in its IPv6-mapped form); a host name is refused, as the service resolves
-/// nothing. A join from loopback is not checked: an agent on the service's own host (a
-/// single-host job, `--standalone`), or a proxy on that host, in front of the service, which
-/// hides every peer. Behind NAT or a proxy elsewhere the service is started with
+/// address also in its IPv6-mapped form), or a host name that `resolved` (what the service's
+/// resolver answered for each name, looked up by the caller) maps to it: the name the other
+/// members will resolve. A join from loopback is not checked: an agent on the service's own
+/// host (a single-host job, `--standalone`), or a proxy on that host, in front of the service,
+/// which hides every peer. Behind NAT or a proxy elsewhere the service is started with
 /// `--trust-advertised-addrs`, and this check is skipped.
-pub fn check_advertised(node: &NodeInfo, peer: std::net::IpAddr) -> Result<(), Rejection> {
+pub fn check_advertised(
+    node: &NodeInfo,
+    peer: std::net::IpAddr,
+    resolved: &BTreeMap<String, Vec<std::net::IpAddr>>,
+) -> Result<(), Rejection> {
     let canonical = |ip: std::net::IpAddr| match ip {
         std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, std::net::IpAddr::V4),
         v4 => v4,
@@ -1221,20 +1226,29 @@ pub fn check_advertised(node: &NodeInfo, peer: std::net::IpAddr) -> Result<(), R
     if peer.is_loopback() {
         return Ok(());
     }
-    let addrs = [("store_addr", Some(&node.store_addr)), ("probe_addr", node.probe_addr.as_ref())];
-    for (what, addr) in addrs.into_iter().filter_map(|(w, a)| Some((w, a?))) {
-        let ok = addr.host().parse::<std::net::IpAddr>().is_ok_and(|ip| canonical(ip) == peer);
+    for (what, addr) in advertised(node) {
+        let ok = match addr.host().parse::<std::net::IpAddr>() {
+            Ok(ip) => canonical(ip) == peer,
+            Err(_) => resolved.get(addr.host()).is_some_and(|ips| ips.iter().any(|&ip| canonical(ip) == peer)),
+        };
         if !ok {
             return Err(Rejection::InvalidNode {
                 message: format!(
                     "{what} `{addr}` is not the address this join came from ({peer}): a node may advertise only \
-                     its own address (rlaunch --local-addr {peer}); behind NAT or a proxy, start \
-                     rlaunch-rendezvous with --trust-advertised-addrs"
+                     its own address (rlaunch --local-addr {peer}, or a host name that resolves to it); behind \
+                     NAT or a proxy, start rlaunch-rendezvous with --trust-advertised-addrs"
                 ),
             });
         }
     }
     Ok(())
+}
+
+/// The addresses a node asks others to reach it at, named by their field.
+pub fn advertised(node: &NodeInfo) -> impl Iterator<Item = (&'static str, &HostPort)> {
+    [("store_addr", Some(&node.store_addr)), ("probe_addr", node.probe_addr.as_ref())]
+        .into_iter()
+        .filter_map(|(what, addr)| Some((what, addr?)))
 }
 
 /// Most distinct fingerprints a job keeps; a node with yet another is reported without its

@@ -87,6 +87,13 @@ struct Args {
     #[arg(long, env = "RLAUNCH_RDZV_BODY_TIMEOUT_MS", default_value_t = 10_000,
           value_parser = clap::value_parser!(u64).range(1..))]
     body_timeout_ms: u64,
+    /// Take the store and probe addresses a joining node advertises as given. By default a node
+    /// on another host may advertise only the address its join comes from (or a host name that
+    /// resolves to it), so that no client can point the others' probes and connections
+    /// elsewhere; behind NAT, or a proxy that is not on this host, the service sees other
+    /// addresses than the nodes have, and needs this.
+    #[arg(long, env = "RLAUNCH_RDZV_TRUST_ADVERTISED_ADDRS")]
+    trust_advertised_addrs: bool,
     /// After a shutdown signal, how long requests in flight (long-polls) may take to finish.
     #[arg(long, env = "RLAUNCH_RDZV_SHUTDOWN_GRACE_MS", default_value_t = 3000)]
     shutdown_grace_ms: u64,
@@ -223,6 +230,7 @@ async fn main() -> Result<()> {
     let mut state = AppState::new(rdzv, token);
     state.body_limit = args.body_limit;
     state.protect_metrics = args.protect_metrics;
+    state.trust_advertised_addrs = args.trust_advertised_addrs;
 
     // A backlog of 4096, not std's 128: every agent of a large job connects at once.
     let listener = rlaunch::store::bind(args.listen).with_context(|| format!("binding {}", args.listen))?;

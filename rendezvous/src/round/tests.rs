@@ -630,15 +630,32 @@ fn a_node_may_advertise_only_the_address_its_join_came_from() {
         probe_addr: probe.map(|p| p.parse().unwrap()),
         ..node("n")
     };
-    assert_eq!(check_advertised(&at("10.0.0.5:29500", Some("10.0.0.5:29400")), peer), Ok(()));
-    assert_eq!(check_advertised(&at("10.0.0.5:29500", None), "::ffff:10.0.0.5".parse().unwrap()), Ok(()));
+    let none = BTreeMap::new();
+    assert_eq!(check_advertised(&at("10.0.0.5:29500", Some("10.0.0.5:29400")), peer, &none), Ok(()));
+    assert_eq!(check_advertised(&at("10.0.0.5:29500", None), "::ffff:10.0.0.5".parse().unwrap(), &none), Ok(()));
+    // A host name counts as what the service's resolver answered for it.
+    let names: BTreeMap<String, Vec<std::net::IpAddr>> = [
+        ("node-5".to_owned(), vec!["10.0.0.9".parse().unwrap(), "10.0.0.5".parse().unwrap()]),
+        ("elsewhere".to_owned(), vec!["10.0.0.6".parse().unwrap()]),
+        ("unknown".to_owned(), vec![]),
+    ]
+    .into();
+    assert_eq!(check_advertised(&at("node-5:29500", Some("10.0.0.5:29400")), peer, &names), Ok(()));
     for (store, probe) in [
         ("10.0.0.5:29500", Some("127.0.0.1:39999")),
         ("10.0.0.6:29500", None),
-        ("node-5:29500", None),
+        ("node-5:29500", None), // not resolved (not in the map)
+        ("elsewhere:29500", None),
+        ("unknown:29500", None),
+        ("node-5:29500", Some("elsewhere:1")),
         ("0.0.0.0:29500", None),
     ] {
-        match check_advertised(&at(store, probe), peer) {
+        let map = if store.starts_with("10.") || store.starts_with("0.") || store == "node-5:29500" && probe.is_none() {
+            &none
+        } else {
+            &names
+        };
+        match check_advertised(&at(store, probe), peer, map) {
             Err(Rejection::InvalidNode { message }) => {
                 assert!(message.contains("not the address this join came from (10.0.0.5)"), "{message}");
                 assert!(message.contains("--trust-advertised-addrs"), "{message}");
@@ -648,8 +665,8 @@ fn a_node_may_advertise_only_the_address_its_join_came_from() {
     }
     // From loopback (a single-host job, a proxy on the service's host) nothing is checked.
     let local: std::net::IpAddr = "127.0.0.1".parse().unwrap();
-    assert_eq!(check_advertised(&at("node-5:29500", Some("10.9.9.9:1")), local), Ok(()));
-    assert_eq!(check_advertised(&at("node-5:29500", None), "::1".parse().unwrap()), Ok(()));
+    assert_eq!(check_advertised(&at("node-5:29500", Some("10.9.9.9:1")), local, &none), Ok(()));
+    assert_eq!(check_advertised(&at("node-5:29500", None), "::1".parse().unwrap(), &none), Ok(()));
 }
 
 #[test]
