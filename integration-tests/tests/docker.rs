@@ -120,6 +120,10 @@ fn replicated_rendezvous_in_containers_survives_losing_a_replica() {
             "etcd",
             "--etcd-endpoints",
             &format!("http://{etcd_name}:2379"),
+            // The agents reach the replicas through Docker's published ports, whose NAT shows
+            // the service the bridge's gateway instead of the agents' own address: the case
+            // the flag is for (a node may otherwise advertise only the address it joins from).
+            "--trust-advertised-addrs",
         ]);
         endpoints.push(host_port(&name));
         replicas.push(name);

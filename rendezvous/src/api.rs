@@ -176,8 +176,13 @@ impl From<RdzvError> for ApiError {
             | RdzvError::SettingsMismatch { .. }
             | RdzvError::FingerprintMismatch { .. } => StatusCode::CONFLICT,
             RdzvError::JobFinished | RdzvError::JobFailed { .. } | RdzvError::JoinTimeout { .. } => StatusCode::GONE,
+            RdzvError::Busy { .. } => StatusCode::SERVICE_UNAVAILABLE,
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         };
+        if let RdzvError::Busy { message } = &e {
+            // Said to the client as it is (nothing internal in it), and not logged per request.
+            return ApiError { status, code: e.code(), message: message.clone() };
+        }
         if status.is_server_error() {
             error!(error = %e, source = ?std::error::Error::source(&e), "request failed");
             return ApiError { status, code: "internal", message: "internal error".to_owned() };
@@ -238,36 +243,50 @@ async fn join(
     State(app): State<AppState>,
     Path(run_id): Path<String>,
     peer: Option<axum::Extension<axum::extract::ConnectInfo<std::net::SocketAddr>>>,
-    ApiJson(req): ApiJson<JoinRequest>,
+    ApiJson(mut req): ApiJson<JoinRequest>,
 ) -> ApiResult<Joined> {
     // Others connect to the addresses a node advertises: it may name only itself.
     if let Some(axum::Extension(axum::extract::ConnectInfo(peer))) = peer.filter(|_| !app.trust_advertised_addrs) {
-        let resolved = if peer.ip().is_loopback() { Default::default() } else { resolve_names(&req.node).await };
-        crate::round::check_advertised(&req.node, peer.ip(), &resolved).map_err(RdzvError::from)?;
+        if !crate::round::canonical_ip(peer.ip()).is_loopback() {
+            let resolved = resolve_names(&req.node).await?;
+            crate::round::check_advertised(&req.node, peer.ip(), &resolved).map_err(RdzvError::from)?;
+            // The others will reach the node at the address it joined from, not at whatever the
+            // name resolves to later (a name with several addresses, or rebound).
+            crate::round::pin_advertised_names(&mut req.node, peer.ip());
+        }
     }
     let secret = req.secret.as_deref();
     Ok(Json(app.rdzv.join(&run_id, &req.settings, req.node, secret, req.members, wait_of(req.wait_ms)).await?))
 }
 
-/// Bound on resolving the host names a joining node advertises.
+/// Bound on resolving the host names a joining node advertises: past it the join is answered
+/// 503 and the agent tries again.
 const RESOLVE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Most host-name lookups at once (each holds a thread of the blocking pool until the resolver
+/// answers, which the timeout does not cancel): joins past it are answered 503.
+const MAX_RESOLVING: usize = 32;
+static RESOLVING: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(MAX_RESOLVING);
 
 /// What this host's resolver answers for each host name `node` advertises (IP literals need
-/// none); a name that does not resolve in time maps to nothing, and the join is refused.
-async fn resolve_names(node: &crate::round::NodeInfo) -> BTreeMap<String, Vec<std::net::IpAddr>> {
+/// none); a name that does not resolve maps to nothing, and the join is refused. A resolver
+/// that is slow, or busy with others' names, is the service's trouble: [`RdzvError::Busy`].
+async fn resolve_names(node: &crate::round::NodeInfo) -> Result<BTreeMap<String, Vec<std::net::IpAddr>>, RdzvError> {
     let mut out = BTreeMap::new();
     for (_, addr) in crate::round::advertised(node) {
         let host = addr.host();
         if host.parse::<std::net::IpAddr>().is_ok() || out.contains_key(host) {
             continue;
         }
+        let busy = |why: &str| RdzvError::Busy { message: format!("cannot resolve `{host}` now ({why}); try again") };
+        let _permit = RESOLVING.try_acquire().map_err(|_| busy("too many lookups in progress"))?;
         let ips = match tokio::time::timeout(RESOLVE_TIMEOUT, tokio::net::lookup_host((host, 0))).await {
             Ok(Ok(found)) => found.map(|a| a.ip()).collect(),
-            _ => Vec::new(),
+            Ok(Err(_)) => Vec::new(),
+            Err(_) => return Err(busy("the resolver did not answer within 2 s")),
         };
         out.insert(host.to_owned(), ips);
     }
-    out
+    Ok(out)
 }
 
 async fn heartbeat(

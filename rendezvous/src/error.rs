@@ -67,6 +67,10 @@ pub enum RdzvError {
     Contention { run_id: String, attempts: u32 },
     #[error("job state update failed: {message}")]
     Store { message: String },
+    /// The service cannot take the request now (its resolver is slow or busy); 503, and
+    /// clients try again.
+    #[error("{message}")]
+    Busy { message: String },
 }
 
 impl RdzvError {
@@ -86,7 +90,7 @@ impl RdzvError {
             RdzvError::JobFinished => "job_finished",
             RdzvError::JobFailed { .. } => "job_failed",
             RdzvError::JoinTimeout { .. } => "join_timeout",
-            RdzvError::Server { .. } | RdzvError::Unavailable { .. } => "unavailable",
+            RdzvError::Server { .. } | RdzvError::Unavailable { .. } | RdzvError::Busy { .. } => "unavailable",
             RdzvError::Tls(_) | RdzvError::Certificate { .. } => "tls",
             RdzvError::Etcd { .. }
             | RdzvError::Corrupt { .. }
@@ -105,6 +109,7 @@ impl RdzvError {
     pub fn is_transient(&self) -> bool {
         match self {
             RdzvError::Unavailable { .. }
+            | RdzvError::Busy { .. }
             | RdzvError::Etcd { .. }
             | RdzvError::Contention { .. }
             | RdzvError::Store { .. } => true,

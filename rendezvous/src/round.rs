@@ -599,14 +599,19 @@ impl Job {
     }
 
     /// The job a join from `node_id` with `settings` starts under this job's run id, if this one
-    /// is over and done with: finished or failed, `node_id` is none of its nodes, and none of
-    /// its nodes was heard from within a node TTL (they left, or went quiet). A run id is thus
-    /// free again about a TTL after the job's nodes stop (a Kubernetes Job deleted and created
-    /// again), not only once the retention has passed. The new job remembers the old one's nodes
-    /// ([`Earlier`]): one of them joining late is answered with the old job's end, so it never
-    /// runs in the new job. Its version goes on from the old one's, so long-polls see the change.
+    /// is over and done with: finished, `node_id` is none of its nodes (nor of the jobs before
+    /// it under this id), and none of its nodes was heard from within a node TTL (they left, or
+    /// went quiet). A finished run id is thus free again about a TTL after the job's nodes stop
+    /// (a Kubernetes Job deleted and created again), not only once the retention has passed. A
+    /// failed one is not: an orchestrator that restarts failed pods (a Job's backoffLimit,
+    /// `restartPolicy: OnFailure`, systemd's `Restart=`) starts agents with new node ids, which
+    /// would start the job again with its restart count back at 0 (`--max-restarts` bypassed)
+    /// and its root cause gone; they are refused with the failure until the retention passes.
+    /// The new job remembers the nodes of every job before it ([`Earlier`]): one of them joining
+    /// late is answered with its old job's end, so it never runs in the new job. Its version
+    /// goes on from the old one's, so long-polls see the change.
     pub fn successor(&self, node_id: &str, settings: &JobSettings, now: Millis) -> Option<Job> {
-        if !self.phase.is_terminal() {
+        if !matches!(self.phase, Phase::Finished { .. }) {
             return None;
         }
         let ttl = Self::ttl_ms(&self.settings);
@@ -618,8 +623,13 @@ impl Job {
         if !quiet || known {
             return None;
         }
-        let mut nodes: Vec<String> =
-            self.members.iter().map(|m| m.node_id.clone()).chain(self.keys.keys().cloned()).collect();
+        let mut nodes: Vec<String> = self
+            .members
+            .iter()
+            .map(|m| m.node_id.clone())
+            .chain(self.keys.keys().cloned())
+            .chain(self.earlier.iter().flat_map(|e| e.nodes.iter().cloned()))
+            .collect();
         nodes.sort_unstable();
         nodes.dedup();
         nodes.truncate(MAX_NODES as usize);
@@ -1218,10 +1228,7 @@ pub fn check_advertised(
     peer: std::net::IpAddr,
     resolved: &BTreeMap<String, Vec<std::net::IpAddr>>,
 ) -> Result<(), Rejection> {
-    let canonical = |ip: std::net::IpAddr| match ip {
-        std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, std::net::IpAddr::V4),
-        v4 => v4,
-    };
+    let canonical = canonical_ip;
     let peer = canonical(peer);
     if peer.is_loopback() {
         return Ok(());
@@ -1242,6 +1249,31 @@ pub fn check_advertised(
         }
     }
     Ok(())
+}
+
+/// An IPv4 address given in its IPv6-mapped form (`::ffff:a.b.c.d`) as the IPv4 address.
+pub fn canonical_ip(ip: std::net::IpAddr) -> std::net::IpAddr {
+    match ip {
+        std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, std::net::IpAddr::V4),
+        v4 => v4,
+    }
+}
+
+/// Replaces each host name `node` advertises (checked by [`check_advertised`] to resolve to
+/// `peer`) with `peer`'s address, so what the others reach is what was checked.
+pub fn pin_advertised_names(node: &mut NodeInfo, peer: std::net::IpAddr) {
+    let ip = canonical_ip(peer).to_string();
+    let pin = |addr: &mut HostPort| {
+        if addr.host().parse::<std::net::IpAddr>().is_err() {
+            if let Ok(pinned) = HostPort::new(ip.clone(), addr.port()) {
+                *addr = pinned;
+            }
+        }
+    };
+    pin(&mut node.store_addr);
+    if let Some(probe) = node.probe_addr.as_mut() {
+        pin(probe);
+    }
 }
 
 /// The addresses a node asks others to reach it at, named by their field.

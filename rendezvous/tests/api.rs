@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::http::{header, Request, StatusCode};
+use axum::response::IntoResponse;
 use rlaunch::contract::RootCause;
 use rlaunch_rendezvous::api::{self, AppState};
 use rlaunch_rendezvous::round::{Job, JobSettings, NodeInfo};
@@ -1123,4 +1124,33 @@ async fn a_run_id_whose_job_finished_takes_a_new_job_once_the_old_nodes_left_and
     let (status, body) = send(&app, post_json("/v1/jobs/k8s-train/join", &late)).await;
     assert_eq!((status, body["error"].as_str()), (StatusCode::GONE, Some("job_finished")), "{body}");
     assert_eq!(job(&rdzv, "k8s-train").await.expect("the new job"), now, "untouched");
+}
+
+#[tokio::test]
+async fn a_host_name_is_taken_only_when_it_resolves_to_where_the_join_came_from() {
+    let rdzv = Rendezvous::in_memory();
+    let app = api::router(AppState::new(rdzv.clone(), None));
+    // `localhost` resolves here, to loopback: not to 10.0.0.5, where the join comes from.
+    let named = NodeInfo { store_addr: "localhost:29500".parse().unwrap(), probe_addr: None, ..node("x") };
+    let body = json!({"settings": calm(2, 2), "node": named, "wait_ms": 0});
+    let (status, body) = send(&app, join_from("10.0.0.5:41000", "names", &body)).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert!(body["message"].as_str().unwrap_or_default().contains("`localhost:29500` is not the address"), "{body}");
+    // A name that does not resolve at all is refused too.
+    let named = NodeInfo { store_addr: "no-such-host.invalid:29500".parse().unwrap(), probe_addr: None, ..node("y") };
+    let body = json!({"settings": calm(2, 2), "node": named, "wait_ms": 0});
+    let (status, body) = send(&app, join_from("10.0.0.5:41001", "names", &body)).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert!(job(&rdzv, "names").await.is_none(), "nothing kept");
+}
+
+#[tokio::test]
+async fn a_busy_resolver_is_a_503_the_agent_retries_not_a_refusal() {
+    let e = RdzvError::Busy { message: "cannot resolve `n` now (too many lookups in progress); try again".into() };
+    assert!(e.is_transient(), "agents try again");
+    let resp = api::ApiError::from(e).into_response();
+    assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let bytes = within("body", axum::body::to_bytes(resp.into_body(), 1 << 16)).await.expect("body");
+    let v: Value = serde_json::from_slice(&bytes).expect("json");
+    assert!(v["message"].as_str().unwrap_or_default().contains("too many lookups"), "{v}");
 }

@@ -670,6 +670,24 @@ fn a_node_may_advertise_only_the_address_its_join_came_from() {
 }
 
 #[test]
+fn advertised_host_names_are_pinned_to_the_address_the_join_came_from() {
+    let mut n = NodeInfo {
+        store_addr: "node-5:29500".parse().unwrap(),
+        probe_addr: Some("node-5:29400".parse().unwrap()),
+        ..node("n")
+    };
+    pin_advertised_names(&mut n, "::ffff:10.0.0.5".parse().unwrap());
+    assert_eq!(
+        (n.store_addr.to_string(), n.probe_addr.map(|p| p.to_string())),
+        ("10.0.0.5:29500".into(), Some("10.0.0.5:29400".into()))
+    );
+    // Addresses stay as they are.
+    let mut n = NodeInfo { store_addr: "10.0.0.5:29500".parse().unwrap(), probe_addr: None, ..node("n") };
+    pin_advertised_names(&mut n, "10.0.0.5".parse().unwrap());
+    assert_eq!(n.store_addr.to_string(), "10.0.0.5:29500");
+}
+
+#[test]
 fn a_node_joining_a_job_at_max_waits_as_a_standby() {
     let job = running(&["a", "b"], settings(2, 2));
     let (job, d) = join(&job, "s", 1500);
@@ -1637,20 +1655,45 @@ fn a_finished_run_id_starts_a_new_job_once_its_nodes_are_quiet_and_never_takes_t
 }
 
 #[test]
-fn a_failed_run_ids_old_nodes_learn_it_failed_when_a_new_job_took_the_id() {
+fn a_failed_run_id_is_not_taken_by_a_new_job_so_restarted_pods_cannot_reset_the_restart_budget() {
     let mut s = settings(1, 1);
     s.max_restarts = 0;
     let job = running(&["a"], s.clone());
     let (job, d) = step(&job, Event::ReportFailure { node_id: "a".into(), round: 1, root_cause: rc("boom") }, 500);
     assert_eq!(d.action, Action::Failed);
     let (job, _) = step(&job, Event::Leave { node_id: "a".into() }, 600);
-    let next = job.successor("n", &s, 600).expect("a new job once a left");
-    let (next, _) = step(&next, Event::Join(node("n")), 600);
-    let (_, d) = step(&next, Event::Join(node("a")), 700);
+    // A pod restarted after the failure has a new node id, and the old nodes are long quiet.
+    assert_eq!(job.successor("n", &s, 1_000_000), None, "a failed job keeps its run id");
+    let (after, d) = step(&job, Event::Join(node("n")), 1_000_000);
     match d.action {
         Action::Rejected(Rejection::JobFailed { kind: FailureKind::RestartBudget, reason }) => {
             assert!(reason.contains("restart budget exhausted"), "{reason}")
         }
         other => panic!("{other:?}"),
     }
+    assert_eq!(after.restart_count, job.restart_count);
+    assert_eq!(after.phase, job.phase, "the failure and its root cause stay");
+}
+
+#[test]
+fn every_earlier_job_of_a_run_id_keeps_its_nodes_out_of_the_next() {
+    let finish = |job: &Job, ids: &[&str], at: Millis| {
+        let mut job = job.clone();
+        for (i, id) in ids.iter().enumerate() {
+            job = step(&job, Event::NodeSucceeded { node_id: (*id).into(), round: job.round }, at + i as Millis).0;
+        }
+        assert!(matches!(job.phase, Phase::Finished { .. }), "{:?}", job.phase);
+        job
+    };
+    let job = finish(&running(&["a"], settings(1, 1)), &["a"], 1000);
+    let second = job.successor("b", &settings(1, 1), 10_000).expect("a second job");
+    let (second, _) = step(&second, Event::Join(node("b")), 10_000);
+    let second = finish(&second, &["b"], 10_100);
+    let third = second.successor("c", &settings(1, 1), 20_000).expect("a third job");
+    // a ran two jobs ago: it is refused, not taken in, by the third as by the second.
+    assert_eq!(second.successor("a", &settings(1, 1), 20_000), None);
+    let (third, _) = step(&third, Event::Join(node("c")), 20_000);
+    let (after, d) = step(&third, Event::Join(node("a")), 20_100);
+    assert!(matches!(d.action, Action::Rejected(Rejection::JobFinished)), "{d:?}");
+    assert_eq!(after, third);
 }
