@@ -7,8 +7,13 @@
 //! waits in the rendezvous; path-based creates would then make or truncate files wherever the
 //! link points. Holding the run directory as a descriptor makes a rename harmless (the agent
 //! keeps writing into the directory it created), `O_NOFOLLOW` on every component refuses a link
-//! planted below it, and an existing `--log-dir` that another user could rename entries of is
-//! refused up front (so the paths the workers are given stay where they were made, too).
+//! planted below it, and the files workers write there (error files, heartbeats) are read through
+//! it too, never following a link nor waiting on a FIFO.
+//!
+//! A root agent also refuses a `--log-dir` below any directory (as given and resolved) that
+//! another user owns or that a group or others may write without the sticky bit: whoever may
+//! rename entries there could replace the tree the workers (root too) are given paths into. A
+//! non-root agent takes any directory, as torchrun does: only its own files are at stake.
 
 use std::ffi::CString;
 use std::fs::File;
@@ -31,15 +36,60 @@ pub enum LogDirError {
         #[source]
         source: io::Error,
     },
-    #[error(
-        "refusing log directory {path}: it belongs to uid {owner} (mode {mode:o}), who could swap what the agent \
-         creates in it; use a directory owned by uid {me} or root and not writable by others"
-    )]
-    Untrusted { path: PathBuf, owner: u32, mode: u32, me: u32 },
+    #[error("refusing log directory {path}: {}", distrust_message(path, dir, why))]
+    Untrusted { path: PathBuf, dir: PathBuf, why: Distrust },
     #[error("the run directory {path} was replaced while it was being created")]
     Replaced { path: PathBuf },
     #[error("a thousand log directories of this run id and pid exist in {path}")]
     Exhausted { path: PathBuf },
+}
+
+/// Why a root agent does not trust a directory at or above `--log-dir`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Distrust {
+    /// Another user owns it: they may rename any entry.
+    Owner { uid: u32 },
+    /// Its group or others may write it and it is not sticky: they may rename any entry.
+    Writable { mode: u32 },
+}
+
+/// Whether a root agent may create below a directory of owner `uid` and `mode` (st_mode): owned
+/// by root, and writable by no one else unless sticky (as `/tmp`: others may add entries there
+/// but not rename root's). Pure.
+pub fn distrust(uid: u32, mode: u32) -> Option<Distrust> {
+    if uid != 0 {
+        return Some(Distrust::Owner { uid });
+    }
+    if mode & 0o022 != 0 && mode & 0o1000 == 0 {
+        return Some(Distrust::Writable { mode: mode & 0o7777 });
+    }
+    None
+}
+
+fn distrust_message(path: &Path, dir: &Path, why: &Distrust) -> String {
+    let what = if dir == path { "it".to_string() } else { format!("the directory {} above it", dir.display()) };
+    match *why {
+        Distrust::Owner { uid } => format!(
+            "{what} ({}) belongs to uid {uid}, who could rename what this agent, running as root, makes below it \
+             and put their own files there; use a directory owned by root whose every directory above is too",
+            dir.display()
+        ),
+        Distrust::Writable { mode } => {
+            let by = match (mode & 0o020 != 0, mode & 0o002 != 0) {
+                (true, true) => "its group and others",
+                (true, false) => "its group",
+                _ => "others",
+            };
+            format!(
+                "{what} ({}) is writable by {by} (mode {mode:o}) without the sticky bit, so they could rename what \
+                 this agent, running as root, makes below it and put their own files there; run `chmod +t {}` \
+                 (as /tmp: they may then add entries but not rename root's) or use a subdirectory owned by root \
+                 and writable only by it",
+                dir.display(),
+                dir.display()
+            )
+        }
+    }
 }
 
 /// How a file under the run directory is opened.
@@ -62,26 +112,25 @@ pub struct LogRoot {
 
 impl LogRoot {
     /// Makes `{log_dir}/{name}` (then `{name}_1`, `{name}_2`, … where it exists) and holds it.
-    /// `log_dir` itself may exist: it is refused when another user could rename its entries.
+    /// `log_dir` and the directories above it may exist; as root, any of them (as given and
+    /// resolved) another user could rename entries of is refused, before anything is made.
     pub fn create_in(log_dir: &Path, name: &str) -> Result<LogRoot, LogDirError> {
+        Self::create_in_as(log_dir, name, euid() == 0)
+    }
+
+    /// [`LogRoot::create_in`], checking the directories as a root agent must when `as_root`.
+    pub fn create_in_as(log_dir: &Path, name: &str, as_root: bool) -> Result<LogRoot, LogDirError> {
         let io_err = |path: &Path| {
             let path = path.to_path_buf();
             move |source| LogDirError::Io { path, source }
         };
-        std::fs::create_dir_all(log_dir).map_err(io_err(log_dir))?;
-        // The invoker named `log_dir`: following a link there is theirs to decide.
-        let parent = open_dir(libc::AT_FDCWD, log_dir, true).map_err(io_err(log_dir))?;
-        let st = fstat(&parent).map_err(io_err(log_dir))?;
-        let me = euid();
-        let others_may_rename = st.st_mode & 0o022 != 0 && st.st_mode & libc::S_ISVTX == 0;
-        if (st.st_uid != me && st.st_uid != 0) || others_may_rename {
-            return Err(LogDirError::Untrusted {
-                path: log_dir.to_path_buf(),
-                owner: st.st_uid,
-                mode: st.st_mode & 0o7777,
-                me,
-            });
-        }
+        let parent = if as_root {
+            trusted_dir_all(log_dir)?
+        } else {
+            std::fs::create_dir_all(log_dir).map_err(io_err(log_dir))?;
+            // The invoker named `log_dir`: following a link there is theirs to decide.
+            open_dir(libc::AT_FDCWD, log_dir, true).map_err(io_err(log_dir))?
+        };
         // A restarted container has the same pid and run id: `_1`, `_2`, … then, never the
         // existing directory (nor a symlink planted there).
         for n in 0..1000 {
@@ -149,6 +198,43 @@ impl LogRoot {
         write_atomically_at(&dir, leaf, bytes)
     }
 
+    /// Reads the file `path` (under [`LogRoot::path`]), at most `cap` bytes, without following a
+    /// symlink anywhere below the run directory and without waiting on a FIFO: what is there is
+    /// a worker's to put, so anything but a regular file is an error.
+    pub fn read(&self, path: &Path, cap: usize) -> io::Result<Vec<u8>> {
+        use std::io::Read as _;
+        let file = self.open_regular(path)?;
+        let mut buf = Vec::new();
+        file.take(cap as u64).read_to_end(&mut buf)?;
+        Ok(buf)
+    }
+
+    /// The modification time of the regular file `path` (under [`LogRoot::path`]), found as
+    /// [`LogRoot::read`] finds it.
+    pub fn modified(&self, path: &Path) -> io::Result<std::time::SystemTime> {
+        self.open_regular(path)?.metadata()?.modified()
+    }
+
+    fn open_regular(&self, path: &Path) -> io::Result<File> {
+        let rel = self.relative(path)?;
+        let (dir, leaf) = split(&rel)?;
+        let dir = self.walk(dir, false)?;
+        let c = cstr(leaf)?;
+        let flags = libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC;
+        // SAFETY: `dir` is an open descriptor and `c` NUL-terminated, both alive for the call.
+        let fd = unsafe { libc::openat(dir.as_raw_fd(), c.as_ptr(), flags) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: openat just returned this descriptor and nothing else owns it.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        if fstat(&fd)?.st_mode & libc::S_IFMT != libc::S_IFREG {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{} is not a regular file", leaf.display())));
+        }
+        // A regular file never blocks a read; O_NONBLOCK stays, harmless.
+        Ok(File::from(fd))
+    }
+
     fn relative(&self, path: &Path) -> io::Result<PathBuf> {
         let rel = path.strip_prefix(&self.path).map_err(|_| {
             io::Error::new(
@@ -183,6 +269,66 @@ impl LogRoot {
         }
         Ok(cur)
     }
+}
+
+/// A root agent's `--log-dir`, made where missing and opened, every directory of it and above it
+/// judged by [`distrust`] first: those of the path as given (a symlink's target included), then,
+/// opened one by one from `/` without following a link, those of the path resolved. Nothing is
+/// made below a directory that fails.
+fn trusted_dir_all(log_dir: &Path) -> Result<OwnedFd, LogDirError> {
+    let io_err = |source| LogDirError::Io { path: log_dir.to_path_buf(), source };
+    let untrusted = |dir: &Path, st: &libc::stat| {
+        distrust(st.st_uid, st.st_mode).map(|why| LogDirError::Untrusted {
+            path: log_dir.to_path_buf(),
+            dir: dir.to_path_buf(),
+            why,
+        })
+    };
+    let absolute = std::path::absolute(log_dir).map_err(io_err)?;
+    // As given: every existing directory on the way, a link's target judged where it points.
+    for dir in absolute.ancestors().collect::<Vec<_>>().into_iter().rev() {
+        match std::fs::metadata(dir) {
+            Ok(m) => {
+                use std::os::unix::fs::MetadataExt as _;
+                if let Some(why) = distrust(m.uid(), m.mode()) {
+                    return Err(LogDirError::Untrusted { path: log_dir.to_path_buf(), dir: dir.to_path_buf(), why });
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => break,
+            Err(e) => return Err(io_err(e)),
+        }
+    }
+    // Resolved: the deepest existing directory's real path, then what is still to be made.
+    let existing = absolute.ancestors().find(|d| d.exists()).unwrap_or(Path::new("/"));
+    let real = std::fs::canonicalize(existing).map_err(io_err)?;
+    let rest = absolute.strip_prefix(existing).map_err(|_| io_err(io::ErrorKind::InvalidInput.into()))?;
+    if rest.components().any(|c| !matches!(c, Component::Normal(_))) {
+        return Err(io_err(io::Error::new(io::ErrorKind::InvalidInput, "`..` below a directory not made yet")));
+    }
+    let mut at = PathBuf::from("/");
+    let mut cur = open_dir(libc::AT_FDCWD, &at, false).map_err(io_err)?;
+    let st = fstat(&cur).map_err(io_err)?;
+    if let Some(e) = untrusted(&at, &st) {
+        return Err(e);
+    }
+    let made = real.components().filter(|c| matches!(c, Component::Normal(_))).count();
+    for (i, c) in real.components().chain(rest.components()).filter(|c| matches!(c, Component::Normal(_))).enumerate() {
+        let name = Path::new(c.as_os_str());
+        at.push(name);
+        if i >= made {
+            match mkdir_at(&cur, name, DIR_MODE) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(LogDirError::Io { path: at, source: e }),
+            }
+        }
+        cur = open_dir(cur.as_raw_fd(), name, false).map_err(|source| LogDirError::Io { path: at.clone(), source })?;
+        let st = fstat(&cur).map_err(io_err)?;
+        if let Some(e) = untrusted(&at, &st) {
+            return Err(e);
+        }
+    }
+    Ok(cur)
 }
 
 /// Writes `bytes` to `dir/leaf` through a temporary file and a rename, so a reader never sees

@@ -50,10 +50,12 @@ echo second attempt ran"#,
     assert!(std::fs::read_to_string(second.join("stdout.log")).unwrap().contains("second attempt ran"));
 }
 
-/// An existing `--log-dir` that others may rename entries of is refused before anything runs.
+/// An existing `--log-dir` that others may rename entries of is refused before anything runs,
+/// when the agent runs as root (it would be root's files they swap).
 #[test]
 fn a_log_dir_writable_by_others_is_refused() {
     use std::os::unix::fs::PermissionsExt;
+    assert_root();
     let dir = tempdir();
     let logs = dir.path().join("logs");
     std::fs::create_dir(&logs).unwrap();
@@ -68,4 +70,132 @@ fn a_log_dir_writable_by_others_is_refused() {
     assert!(!o.status.success());
     assert!(!stdout_of(&o).contains("ran"), "no worker ran");
     assert!(stderr_of(&o).contains("refusing log directory"), "{}", stderr_of(&o));
+}
+
+fn exit_code(o: &std::process::Output) -> Option<i32> {
+    o.status.code()
+}
+
+/// A worker leaves a FIFO where its error file goes and fails: the agent reads it without
+/// waiting for a writer (it used to block in `File::open` forever, ignoring SIGTERM) and ends
+/// the job with the worker's exit code.
+#[test]
+fn a_fifo_planted_as_a_workers_error_file_does_not_hang_the_agent() {
+    let dir = tempdir();
+    let logs = dir.path().join("logs");
+    let o = run_deadline(
+        rlaunch()
+            .args(["--rdzv-backend", "static", "--rdzv-id", "S", "--nproc-per-node", "1", "--log-dir"])
+            .arg(&logs)
+            .args(["/bin/sh", "-c", r#"mkfifo "$TORCHELASTIC_ERROR_FILE" && exit 7; exit 9"#]),
+        Duration::from_secs(30),
+    );
+    assert_eq!(exit_code(&o), Some(7), "the worker's exit code: {}", stderr_of(&o));
+    assert!(stderr_of(&o).contains("no error file written"), "{}", stderr_of(&o));
+}
+
+/// A worker's error file that is a symlink to a file the worker could not read is not followed:
+/// its text never reaches the root cause (printed, written to the run's error.json, sent to the
+/// rendezvous).
+#[test]
+fn a_symlink_as_a_workers_error_file_does_not_put_its_target_in_the_root_cause() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempdir();
+    let logs = dir.path().join("logs");
+    let secret = dir.path().join("secret.json");
+    std::fs::write(&secret, r#"{"message": "ROOT-ONLY-SECRET-TEXT"}"#).unwrap();
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let script = format!(r#"ln -s {} "$TORCHELASTIC_ERROR_FILE" && exit 5; exit 9"#, secret.display());
+    let o = run_deadline(
+        rlaunch()
+            .args(["--rdzv-backend", "static", "--rdzv-id", "S", "--nproc-per-node", "1", "--log-dir"])
+            .arg(&logs)
+            .args(["/bin/sh", "-c", &script]),
+        DEADLINE,
+    );
+    assert_eq!(exit_code(&o), Some(5), "the worker's exit code: {}", stderr_of(&o));
+    assert!(!stderr_of(&o).contains("ROOT-ONLY-SECRET-TEXT"), "{}", stderr_of(&o));
+    let runs: Vec<_> = std::fs::read_dir(&logs).unwrap().map(|e| e.unwrap().path()).collect();
+    assert_eq!(runs.len(), 1, "{runs:?}");
+    let report = std::fs::read_to_string(runs[0].join("error.json")).unwrap();
+    assert!(!report.contains("ROOT-ONLY-SECRET-TEXT"), "{report}");
+    assert!(report.contains("no error file written"), "{report}");
+}
+
+fn assert_root() {
+    // SAFETY: geteuid has no preconditions.
+    assert_eq!(unsafe { libc::geteuid() }, 0, "this test checks what a root agent refuses: run it as root");
+}
+
+fn refused(log_dir: &std::path::Path) -> String {
+    let o = run_deadline(
+        rlaunch()
+            .args(["--rdzv-backend", "static", "--rdzv-id", "S", "--nproc-per-node", "1", "--log-dir"])
+            .arg(log_dir)
+            .args(["/bin/sh", "-c", "echo ran"]),
+        DEADLINE,
+    );
+    assert!(!o.status.success(), "refused: {}", stderr_of(&o));
+    assert!(!stdout_of(&o).contains("ran"), "no worker ran");
+    assert!(!log_dir.exists(), "nothing was made below the untrusted directory");
+    stderr_of(&o)
+}
+
+/// As root, `--log-dir /scratch/alice/logs` with `logs` not made yet: the agent must not make
+/// it below a directory alice (or a group) may rename entries of.
+#[test]
+fn an_untrusted_parent_of_a_log_dir_not_made_yet_is_refused_as_root() {
+    use std::os::unix::fs::PermissionsExt;
+    assert_root();
+    let dir = tempdir();
+    let alice = dir.path().join("alice");
+    std::fs::create_dir(&alice).unwrap();
+    std::os::unix::fs::chown(&alice, Some(65534), Some(65534)).unwrap();
+    let err = refused(&alice.join("logs/deeper"));
+    assert!(err.contains("refusing log directory"), "{err}");
+    assert!(err.contains(&format!("{} belongs to uid 65534", alice.display())), "{err}");
+
+    let team = dir.path().join("team");
+    std::fs::create_dir(&team).unwrap();
+    std::fs::set_permissions(&team, std::fs::Permissions::from_mode(0o2775)).unwrap();
+    let err = refused(&team.join("logs"));
+    assert!(err.contains("writable by its group"), "{err}");
+    assert!(err.contains(&format!("chmod +t {}", team.display())), "{err}");
+
+    // Through a symlink the invoker may not own: the directory it resolves to is judged too.
+    let link = dir.path().join("link");
+    std::os::unix::fs::symlink(&alice, &link).unwrap();
+    let err = refused(&link.join("logs"));
+    assert!(err.contains("belongs to uid 65534"), "{err}");
+}
+
+/// A non-root agent takes the directories torchrun takes: a setgid team directory (2775) and a
+/// Kubernetes emptyDir (0777). Only its own files are at stake there.
+#[test]
+fn a_non_root_agent_takes_a_group_or_world_writable_log_dir() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    assert_root();
+    let dir = tempdir();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    // The team directory is root's, its group the agent's.
+    for (name, mode) in [("team", 0o2775), ("emptydir", 0o777)] {
+        let logs = dir.path().join(name);
+        std::fs::create_dir(&logs).unwrap();
+        std::os::unix::fs::chown(&logs, Some(0), Some(65534)).unwrap();
+        std::fs::set_permissions(&logs, std::fs::Permissions::from_mode(mode)).unwrap();
+        let o = run_deadline(
+            rlaunch()
+                .uid(65534)
+                .gid(65534)
+                .env("HOME", dir.path())
+                .current_dir(dir.path())
+                .args(["--rdzv-backend", "static", "--rdzv-id", "S", "--nproc-per-node", "1", "--log-dir"])
+                .arg(&logs)
+                .args(["/bin/sh", "-c", "echo ran as $(id -u)"]),
+            DEADLINE,
+        );
+        assert!(o.status.success(), "{name} ({mode:o}) taken: {}", stderr_of(&o));
+        assert!(stdout_of(&o).contains("ran as 65534"), "{}", stdout_of(&o));
+    }
 }
