@@ -4,13 +4,32 @@
 //! as they are, an escape sequence in them would act on the reader's terminal (an OSC 52
 //! clipboard write, `ESC [2J`). Every control character a terminal acts on is shown instead as
 //! its code: C0 but newline and tab, DEL, and C1 (0x80–0x9f, among them the one-character CSI
-//! 0x9b, which some terminals take in its UTF-8 form too). ESC is a C0 character.
+//! 0x9b, which some terminals take in its UTF-8 form too). ESC is a C0 character. So are the
+//! bidirectional-text controls (U+202A–U+202E, U+2066–U+2069, U+200E, U+200F, U+061C), with
+//! which a line shows other text than it holds.
 
 use std::borrow::Cow;
 
 /// Whether a terminal would act on `c` rather than show it (newline and tab are kept).
 pub fn is_unsafe(c: char) -> bool {
-    matches!(c, '\0'..='\x08' | '\x0b'..='\x1f' | '\x7f'..='\u{9f}')
+    matches!(
+        c,
+        '\0'..='\x08'
+            | '\x0b'..='\x1f'
+            | '\x7f'..='\u{9f}'
+            | '\u{200e}'..='\u{200f}'
+            | '\u{202a}'..='\u{202e}'
+            | '\u{2066}'..='\u{2069}'
+            | '\u{061c}'
+    )
+}
+
+/// How [`sanitize`] writes out `c`: `\xNN`, or `\u{NNNN}` past 0xff.
+fn written_out(c: char) -> String {
+    match u32::from(c) {
+        n @ 0..=0xff => format!("\\x{n:02x}"),
+        n => format!("\\u{{{n:04x}}}"),
+    }
 }
 
 /// `text` with every character a terminal acts on written out as `\xNN` (`\x1b` for ESC), so
@@ -22,7 +41,7 @@ pub fn sanitize(text: &str) -> Cow<'_, str> {
     let mut out = String::with_capacity(text.len() + 8);
     for c in text.chars() {
         if is_unsafe(c) {
-            out.push_str(&format!("\\x{:02x}", u32::from(c)));
+            out.push_str(&written_out(c));
         } else {
             out.push(c);
         }
@@ -58,6 +77,8 @@ mod tests {
         let clean = sanitize(hostile);
         assert!(!clean.chars().any(is_unsafe), "{clean:?}");
         assert_eq!(clean, "boom\\x1b]52;c;ZXZpbA==\\x07\\x1b[2J\\x9b31m\\x0d\\x7f\tok\nnext é ✓");
+        // A right-to-left override would show `exe.txt` for `txt.exe`.
+        assert_eq!(sanitize("file\u{202e}txt.exe \u{2066}x\u{2069}"), "file\\u{202e}txt.exe \\u{2066}x\\u{2069}");
         assert!(matches!(sanitize("plain\ttext\n"), Cow::Borrowed(_)));
     }
 

@@ -588,6 +588,22 @@ impl Args {
                     run_id = self.elastic_run_id(env)?.0;
                     let backend =
                         if backend_name.starts_with("etcd") { DynamicBackend::Etcd } else { DynamicBackend::Server };
+                    if backend == DynamicBackend::Etcd {
+                        // The agent's etcd client speaks plain gRPC: say so rather than fail to connect.
+                        if let Some(e) = endpoints.iter().find(|e| e.starts_with("https://")) {
+                            return usage(format!(
+                                "--rdzv-backend {backend_name}: `{e}`: etcd over TLS is not supported by the agent's \
+                                 etcd client; use a rlaunch-rendezvous service with --tls-cert/--tls-key (its own etcd \
+                                 stays on the cluster's network) or a plain http:// etcd endpoint"
+                            ));
+                        }
+                        if conf.tls_ca.is_some() {
+                            return usage(format!(
+                                "--rdzv-conf tls_ca is for https:// rendezvous services; --rdzv-backend {backend_name} \
+                                 does not use it"
+                            ));
+                        }
+                    }
                     RendezvousConfig::Dynamic(DynamicRendezvous {
                         backend,
                         endpoints,
@@ -1140,6 +1156,18 @@ mod tests {
         assert_eq!(p(&["--rdzv-endpoint", "h:1"]).backend().0, "rlaunch");
         assert_eq!(p(&["--rdzv-endpoint", "h:1", "--node-rank", "1"]).backend().0, "static");
         assert_eq!(p(&["--rdzv-endpoint", "h:1", "--rdzv-backend", "etcd"]).backend().0, "etcd");
+        // etcd-direct has no TLS: an https:// etcd endpoint or a CA bundle is refused, not ignored.
+        for extra in [
+            &["--rdzv-endpoint", "https://etcd:2379"][..],
+            &["--rdzv-endpoint", "etcd:2379", "--rdzv-conf", "tls_ca=/ca.pem"],
+        ] {
+            let mut argv = vec!["rlaunch", "--nnodes", "2", "--rdzv-backend", "etcd", "--rdzv-id", "j"];
+            argv.extend_from_slice(extra);
+            argv.push("train");
+            let err =
+                Args::try_parse_from(argv).unwrap().into_config(&"python3".into(), &|_| None).expect_err("refused");
+            assert!(err.0.contains("etcd") && (err.0.contains("TLS") || err.0.contains("tls_ca")), "{}", err.0);
+        }
         assert_eq!(p(&[]).backend().0, "static");
     }
 

@@ -7,9 +7,12 @@
 //! numbers or booleans. A flag beats its environment variable, which beats the files: a file's
 //! value is used only where the command line and the environment say nothing.
 //!
-//! A file others could have written is not the operator's: one writable by others (or in a
-//! directory they can write, sticky directories like `/tmp` excepted), or owned by a user other
-//! than root and the one running, is refused when running as root and warned about otherwise.
+//! A file others could have written is not the operator's: one writable by every user or by a
+//! group other than root's and the runner's (or in a directory they can write, sticky
+//! directories like `/tmp` excepted), or owned by a user other than root and the one running.
+//! Running as root, such a file named by `$RLAUNCH_CONFIG` is refused, and a default one (a
+//! user's own `~/.config` under `sudo -E`) is skipped with a warning; otherwise it is used with
+//! a warning.
 
 use std::collections::BTreeMap;
 use std::io::Read;
@@ -49,16 +52,23 @@ pub fn load(
     paths: &[(PathBuf, bool)],
     known: &dyn Fn(&str) -> bool,
 ) -> Result<BTreeMap<String, FileSetting>, UsageError> {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let euid = unsafe { libc::geteuid() };
-    load_as(paths, known, euid, &mut |w| eprintln!("rlaunch: warning: {w}"))
+    // SAFETY: geteuid and getegid have no preconditions and cannot fail.
+    let (euid, egid) = unsafe { (libc::geteuid(), libc::getegid()) };
+    load_as(paths, known, Runner { uid: euid, gid: egid }, &mut |w| eprintln!("rlaunch: warning: {w}"))
 }
 
-/// [`load`] for the effective user `euid`, each warning handed to `warn`.
+/// Who runs rlaunch: the effective user and group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Runner {
+    pub uid: u32,
+    pub gid: u32,
+}
+
+/// [`load`] for `runner`, each warning handed to `warn`.
 pub fn load_as(
     paths: &[(PathBuf, bool)],
     known: &dyn Fn(&str) -> bool,
-    euid: u32,
+    runner: Runner,
     warn: &mut dyn FnMut(String),
 ) -> Result<BTreeMap<String, FileSetting>, UsageError> {
     let mut out = BTreeMap::new();
@@ -76,19 +86,25 @@ pub fn load_as(
             let meta = std::fs::metadata(&dir).map_err(cannot_read)?;
             owners.push((dir, Owner::of(&meta)));
         }
-        if let Some(why) = owners.iter().find_map(|(p, o)| o.untrusted(euid).map(|why| (p, why))) {
+        if let Some(why) = owners.iter().find_map(|(p, o)| o.untrusted(runner).map(|why| (p, why))) {
             let (what, why) = why;
             let msg = format!(
                 "config file {}: {} {why}, so someone else could have chosen these settings",
                 path.display(),
                 if what == path { "it is".to_string() } else { format!("the directory {} is", what.display()) }
             );
-            if euid == 0 {
-                return Err(UsageError(format!(
-                    "{msg}; refusing to use it as root (make it and its directories writable only by root)"
-                )));
+            match (runner.uid, required) {
+                (0, true) => {
+                    return Err(UsageError(format!(
+                        "{msg}; refusing to use it as root (make it and its directories writable only by root)"
+                    )))
+                }
+                (0, false) => {
+                    warn(format!("{msg}; not used as root"));
+                    continue;
+                }
+                _ => warn(msg),
             }
-            warn(msg);
         }
         let mut text = String::new();
         file.read_to_string(&mut text).map_err(cannot_read)?;
@@ -103,25 +119,31 @@ pub fn load_as(
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Owner {
     pub uid: u32,
+    pub gid: u32,
     pub mode: u32,
     pub is_dir: bool,
 }
 
 impl Owner {
     fn of(meta: &std::fs::Metadata) -> Self {
-        Owner { uid: meta.uid(), mode: meta.mode(), is_dir: meta.is_dir() }
+        Owner { uid: meta.uid(), gid: meta.gid(), mode: meta.mode(), is_dir: meta.is_dir() }
     }
 
-    /// Why someone other than root and `euid` could have written it, if they could.
-    pub fn untrusted(&self, euid: u32) -> Option<String> {
+    /// Why someone other than root and `runner` could have written it, if they could.
+    pub fn untrusted(&self, runner: Runner) -> Option<String> {
         const OTHERS_WRITE: u32 = 0o002;
+        const GROUP_WRITE: u32 = 0o020;
         const STICKY: u32 = 0o1000;
         // In a sticky directory (`/tmp`) others may add entries but not replace ours; the entry
         // itself is judged on its own.
-        if self.mode & OTHERS_WRITE != 0 && !(self.is_dir && self.mode & STICKY != 0) {
+        let sticky_dir = self.is_dir && self.mode & STICKY != 0;
+        if self.mode & OTHERS_WRITE != 0 && !sticky_dir {
             return Some(format!("writable by every user (mode {:o})", self.mode & 0o7777));
         }
-        if self.uid != 0 && self.uid != euid {
+        if self.mode & GROUP_WRITE != 0 && self.gid != 0 && self.gid != runner.gid && !sticky_dir {
+            return Some(format!("writable by group {} (mode {:o})", self.gid, self.mode & 0o7777));
+        }
+        if self.uid != 0 && self.uid != runner.uid {
             return Some(format!("owned by another user (uid {})", self.uid));
         }
         None
@@ -229,6 +251,8 @@ mod tests {
         std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap();
     }
 
+    const ROOT: Runner = Runner { uid: 0, gid: 0 };
+
     fn me() -> u32 {
         // SAFETY: geteuid has no preconditions and cannot fail.
         unsafe { libc::geteuid() }
@@ -240,15 +264,20 @@ mod tests {
         let file = dir.0.join("config.toml");
         std::fs::write(&file, "rdzv-endpoint = \"evil:1\"\n").unwrap();
         chmod(&file, 0o666);
-        let paths = [(file.clone(), false)];
+        let paths = [(file.clone(), true)];
         let mut warnings = Vec::new();
-        let e = load_as(&paths, &known, 0, &mut |w| warnings.push(w)).unwrap_err();
+        let e = load_as(&paths, &known, ROOT, &mut |w| warnings.push(w)).unwrap_err();
         assert!(e.0.contains(&file.display().to_string()) && e.0.contains("writable by every user"), "{e}");
         assert!(e.0.contains("refusing to use it as root"), "{e}");
+        // A default file (not named by RLAUNCH_CONFIG) is skipped as root, with a warning.
+        let got = load_as(&[(file.clone(), false)], &known, ROOT, &mut |w| warnings.push(w)).unwrap();
+        assert!(got.is_empty(), "{got:?}");
+        assert!(warnings.len() == 1 && warnings[0].contains("not used as root"), "{warnings:?}");
+        warnings.clear();
 
         // Run by a plain user: used, with a warning naming the file. The file belongs to the
         // test's user, so that is the plain user (a made-up one where the test runs as root).
-        let plain = if me() == 0 { 4242 } else { me() };
+        let plain = Runner { uid: if me() == 0 { 4242 } else { me() }, gid: 4242 };
         let got = load_as(&paths, &known, plain, &mut |w| warnings.push(w)).unwrap();
         assert_eq!(got["rdzv-endpoint"].value, "evil:1");
         assert_eq!(warnings.len(), 1, "{warnings:?}");
@@ -257,7 +286,7 @@ mod tests {
         // Writable only by its owner: used without a word, as root too (where the owner is root).
         chmod(&file, 0o644);
         warnings.clear();
-        assert!(load_as(&paths, &known, me(), &mut |w| warnings.push(w)).is_ok());
+        assert!(load_as(&paths, &known, Runner { uid: me(), gid: 0 }, &mut |w| warnings.push(w)).is_ok());
         assert!(warnings.is_empty(), "{warnings:?}");
     }
 
@@ -270,28 +299,35 @@ mod tests {
         std::fs::write(&file, "max-restarts = 3\n").unwrap();
         chmod(&file, 0o644);
         chmod(&sub, 0o777);
-        let e = load_as(&[(file.clone(), true)], &known, 0, &mut |_| {}).unwrap_err();
+        let e = load_as(&[(file.clone(), true)], &known, ROOT, &mut |_| {}).unwrap_err();
         assert!(e.0.contains(&file.display().to_string()) && e.0.contains(&sub.display().to_string()), "{e}");
         // Sticky (like /tmp): others cannot replace the file, so it is fine.
         chmod(&sub, 0o1777);
         let mut warnings = Vec::new();
-        let got = load_as(&[(file.clone(), true)], &known, me(), &mut |w| warnings.push(w)).unwrap();
+        let got =
+            load_as(&[(file.clone(), true)], &known, Runner { uid: me(), gid: 0 }, &mut |w| warnings.push(w)).unwrap();
         assert_eq!(got["max-restarts"].value, "3");
         assert!(warnings.is_empty(), "{warnings:?}");
     }
 
     #[test]
     fn a_file_owned_by_another_plain_user_is_untrusted_but_root_and_ones_own_are_not() {
-        let file = |uid: u32, mode: u32| Owner { uid, mode: 0o100000 | mode, is_dir: false };
-        assert!(file(1001, 0o644).untrusted(0).unwrap().contains("owned by another user (uid 1001)"));
-        assert!(file(1001, 0o644).untrusted(1002).is_some());
-        assert_eq!(file(1001, 0o644).untrusted(1001), None);
-        assert_eq!(file(0, 0o644).untrusted(1001), None);
-        assert!(file(0, 0o646).untrusted(1001).unwrap().contains("mode 646"));
-        let dir = |mode: u32| Owner { uid: 0, mode: 0o040000 | mode, is_dir: true };
-        assert!(dir(0o777).untrusted(0).is_some());
-        assert_eq!(dir(0o1777).untrusted(0), None);
-        assert_eq!(dir(0o775).untrusted(0), None);
+        let file = |uid: u32, mode: u32| Owner { uid, gid: 0, mode: 0o100000 | mode, is_dir: false };
+        let user = |uid: u32| Runner { uid, gid: 100 };
+        assert!(file(1001, 0o644).untrusted(ROOT).unwrap().contains("owned by another user (uid 1001)"));
+        assert!(file(1001, 0o644).untrusted(user(1002)).is_some());
+        assert_eq!(file(1001, 0o644).untrusted(user(1001)), None);
+        assert_eq!(file(0, 0o644).untrusted(user(1001)), None);
+        assert!(file(0, 0o646).untrusted(user(1001)).unwrap().contains("mode 646"));
+        let dir = |mode: u32| Owner { uid: 0, gid: 0, mode: 0o040000 | mode, is_dir: true };
+        assert!(dir(0o777).untrusted(ROOT).is_some());
+        assert_eq!(dir(0o1777).untrusted(ROOT), None);
+        assert_eq!(dir(0o775).untrusted(ROOT), None, "root's group");
+        // Group-writable by another group (root:users 0664): its members could have written it.
+        let grouped = |gid: u32, mode: u32| Owner { uid: 0, gid, mode: 0o100000 | mode, is_dir: false };
+        assert!(grouped(100, 0o664).untrusted(ROOT).unwrap().contains("writable by group 100 (mode 664)"));
+        assert_eq!(grouped(100, 0o664).untrusted(user(1001)), None, "the runner's own group");
+        assert_eq!(grouped(100, 0o644).untrusted(ROOT), None);
     }
 
     #[test]

@@ -216,8 +216,13 @@ impl RendezvousClient {
                         );
                     }
                 }
-                let mut builder =
-                    reqwest::Client::builder().no_proxy().connect_timeout(CONNECT_TIMEOUT).tcp_nodelay(true);
+                // No redirects: a 307/308 would send the join's body, which carries the node's
+                // secret, wherever the answer points.
+                let mut builder = reqwest::Client::builder()
+                    .no_proxy()
+                    .redirect(reqwest::redirect::Policy::none())
+                    .connect_timeout(CONNECT_TIMEOUT)
+                    .tcp_nodelay(true);
                 if let Some(ca) = &tls.ca_file {
                     builder = builder.tls_certs_only(crate::tls::ca_bundle(ca)?);
                 }

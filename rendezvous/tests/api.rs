@@ -1154,3 +1154,31 @@ async fn a_busy_resolver_is_a_503_the_agent_retries_not_a_refusal() {
     let v: Value = serde_json::from_slice(&bytes).expect("json");
     assert!(v["message"].as_str().unwrap_or_default().contains("too many lookups"), "{v}");
 }
+
+#[tokio::test]
+async fn the_client_does_not_follow_a_redirect_with_a_nodes_join() {
+    // Whatever listens where the redirect points counts the connections it gets.
+    let collector = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let target = format!("http://{}/v1/jobs/redir/join", collector.local_addr().expect("addr"));
+    let reached = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = reached.clone();
+    let collecting = tokio::spawn(async move {
+        while let Ok((_conn, _)) = collector.accept().await {
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    });
+    let redirecting = axum::Router::new().fallback(move || {
+        let target = target.clone();
+        async move { (StatusCode::PERMANENT_REDIRECT, [(header::LOCATION, target)]) }
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let serving = tokio::spawn(async move { axum::serve(listener, redirecting).await });
+    let client = http_client(vec![addr.to_string()], "redir", calm(1, 1)).await;
+    let joined = within("join", client.join_once(&node("a"), Duration::ZERO)).await;
+    assert!(joined.is_err(), "a redirect is not an answer: {joined:?}");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(reached.load(std::sync::atomic::Ordering::SeqCst), 0, "the join (and its secret) went nowhere else");
+    serving.abort();
+    collecting.abort();
+}
