@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::hang::{self, Frame, Sample, Stack};
+use crate::logdir::LogRoot;
 
 /// The variable naming a worker's heartbeat file (with `--hang-timeout`): touching it is a sign
 /// of progress, e.g. `os.utime(os.environ["RLAUNCH_HEARTBEAT_FILE"])` once per step (the Rust
@@ -34,6 +35,8 @@ pub struct Watched {
     /// Bytes it wrote to stdout and stderr so far.
     pub written: Arc<AtomicU64>,
     pub heartbeat: Option<PathBuf>,
+    /// The run's log directory: the heartbeat is read through it (see [`step_stats`]).
+    pub log_root: Arc<crate::logdir::LogRoot>,
 }
 
 /// Clock ticks per second of `/proc/{pid}/stat`'s CPU times: Linux's USER_HZ, 100 on every
@@ -89,10 +92,10 @@ fn tree_cpu_ticks(roots: &[u32]) -> BTreeMap<u32, u64> {
     out
 }
 
-/// The heartbeat file's modification time in ms since the epoch (0 if never touched).
-fn heartbeat_ms(path: &Path) -> u64 {
-    std::fs::metadata(path)
-        .and_then(|m| m.modified())
+/// The heartbeat file's modification time in ms since the epoch (0 if never touched, or if it is
+/// not a regular file: read as [`step_stats`] reads it).
+fn heartbeat_ms(root: &LogRoot, path: &Path) -> u64 {
+    root.modified(path)
         .ok()
         .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
@@ -108,7 +111,7 @@ pub fn samples(workers: &[Watched], stacks: &BTreeMap<usize, u64>) -> BTreeMap<u
             let s = Sample {
                 cpu_ticks: cpu.get(&w.pid).copied().unwrap_or(0),
                 output_bytes: w.written.load(Ordering::Relaxed),
-                beats: w.heartbeat.as_deref().map_or(0, heartbeat_ms),
+                beats: w.heartbeat.as_deref().map_or(0, |p| heartbeat_ms(&w.log_root, p)),
                 stack: stacks.get(&w.index).copied(),
             };
             (w.index, s)
@@ -117,18 +120,11 @@ pub fn samples(workers: &[Watched], stacks: &BTreeMap<usize, u64>) -> BTreeMap<u
 }
 
 /// The step statistics a worker's runtime wrote into its heartbeat file, if any.
-/// The file is the worker's to write: opened without following a link or waiting on a FIFO
-/// it may have put there, and read only if it is a regular file.
-pub fn step_stats(path: &Path) -> Option<rlaunch::heartbeat::StepStats> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let mut f =
-        std::fs::File::options().read(true).custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW).open(path).ok()?;
-    if !f.metadata().ok()?.is_file() {
-        return None;
-    }
-    let mut buf = [0u8; 128];
-    let n = std::io::Read::read(&mut f, &mut buf).ok()?;
-    rlaunch::heartbeat::StepStats::parse(std::str::from_utf8(&buf[..n]).ok()?)
+/// The file is the worker's to write: read through the held run directory, without following a
+/// link or waiting on a FIFO it may have put there, and only if it is a regular file.
+pub fn step_stats(root: &LogRoot, path: &Path) -> Option<rlaunch::heartbeat::StepStats> {
+    let buf = root.read(path, 128).ok()?;
+    rlaunch::heartbeat::StepStats::parse(std::str::from_utf8(&buf).ok()?)
 }
 
 /// Each worker's wait in all-reduces, for the rendezvous (workers without stats are left out).
@@ -136,7 +132,7 @@ pub fn rank_waits(workers: &[Watched]) -> Vec<rlaunch_rendezvous::stragglers::Ra
     workers
         .iter()
         .filter_map(|w| {
-            let s = step_stats(w.heartbeat.as_deref()?)?;
+            let s = step_stats(&w.log_root, w.heartbeat.as_deref()?)?;
             Some(rlaunch_rendezvous::stragglers::RankWait {
                 rank: w.rank,
                 mean_wait_us: s.mean_wait_us,
@@ -441,20 +437,29 @@ mod tests {
     #[test]
     fn step_stats_never_wait_on_a_fifo_or_follow_a_link_a_worker_put_there() {
         let dir = tempfile::tempdir().unwrap();
-        let real = dir.path().join("heartbeat");
+        let root = crate::logdir::LogRoot::create_in_as(dir.path(), "run", false).unwrap();
+        let real = root.path().join("heartbeat");
         let stats = rlaunch::heartbeat::StepStats { steps: 9, window: 9, mean_wait_us: 1234 };
         std::fs::write(&real, stats.line()).unwrap();
-        assert_eq!(step_stats(&real), Some(stats));
-        let fifo = dir.path().join("fifo");
+        assert_eq!(step_stats(&root, &real), Some(stats));
+        assert!(heartbeat_ms(&root, &real) > 0);
+        let fifo = root.path().join("fifo");
         let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
         // SAFETY: mkfifo(3) on a NUL-terminated path in a private temporary directory.
         assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
         let started = std::time::Instant::now();
-        assert_eq!(step_stats(&fifo), None);
+        assert_eq!(step_stats(&root, &fifo), None);
+        assert_eq!(heartbeat_ms(&root, &fifo), 0);
         assert!(started.elapsed() < Duration::from_secs(1), "opened without waiting for a writer");
-        let link = dir.path().join("link");
+        let link = root.path().join("link");
         std::os::unix::fs::symlink(&real, &link).unwrap();
-        assert_eq!(step_stats(&link), None, "a link is not followed");
+        assert_eq!(step_stats(&root, &link), None, "a link is not followed");
+        assert_eq!(heartbeat_ms(&root, &link), 0, "a link is not followed");
+        // Nor a directory above it that a worker swapped for a link.
+        std::fs::create_dir(root.path().join("elsewhere")).unwrap();
+        std::fs::write(root.path().join("elsewhere/heartbeat"), stats.line()).unwrap();
+        std::os::unix::fs::symlink(root.path().join("elsewhere"), root.path().join("attempt_0")).unwrap();
+        assert_eq!(step_stats(&root, &root.path().join("attempt_0/heartbeat")), None);
     }
 
     #[test]

@@ -67,12 +67,11 @@ pub fn distrust(uid: u32, mode: u32) -> Option<Distrust> {
 }
 
 fn distrust_message(path: &Path, dir: &Path, why: &Distrust) -> String {
-    let what = if dir == path { "it".to_string() } else { format!("the directory {} above it", dir.display()) };
+    let what = if dir == path { "it".to_string() } else { dir.display().to_string() };
     match *why {
         Distrust::Owner { uid } => format!(
-            "{what} ({}) belongs to uid {uid}, who could rename what this agent, running as root, makes below it \
-             and put their own files there; use a directory owned by root whose every directory above is too",
-            dir.display()
+            "{what} belongs to uid {uid}, who could rename what this agent, running as root, makes below it and \
+             put their own files there; use a directory owned by root, as is every directory above it"
         ),
         Distrust::Writable { mode } => {
             let by = match (mode & 0o020 != 0, mode & 0o002 != 0) {
@@ -81,11 +80,10 @@ fn distrust_message(path: &Path, dir: &Path, why: &Distrust) -> String {
                 _ => "others",
             };
             format!(
-                "{what} ({}) is writable by {by} (mode {mode:o}) without the sticky bit, so they could rename what \
-                 this agent, running as root, makes below it and put their own files there; run `chmod +t {}` \
-                 (as /tmp: they may then add entries but not rename root's) or use a subdirectory owned by root \
-                 and writable only by it",
-                dir.display(),
+                "{what} is writable by {by} (mode {mode:o}) without the sticky bit, so they could rename what this \
+                 agent, running as root, makes below it and put their own files there; run `chmod +t {}` (as \
+                 /tmp: they may then add entries but not rename root's) or use a subdirectory owned by root and \
+                 writable only by it",
                 dir.display()
             )
         }
@@ -229,7 +227,10 @@ impl LogRoot {
         // SAFETY: openat just returned this descriptor and nothing else owns it.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
         if fstat(&fd)?.st_mode & libc::S_IFMT != libc::S_IFREG {
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{} is not a regular file", leaf.display())));
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{} is not a regular file", leaf.display()),
+            ));
         }
         // A regular file never blocks a read; O_NONBLOCK stays, harmless.
         Ok(File::from(fd))
@@ -277,8 +278,8 @@ impl LogRoot {
 /// made below a directory that fails.
 fn trusted_dir_all(log_dir: &Path) -> Result<OwnedFd, LogDirError> {
     let io_err = |source| LogDirError::Io { path: log_dir.to_path_buf(), source };
-    let untrusted = |dir: &Path, st: &libc::stat| {
-        distrust(st.st_uid, st.st_mode).map(|why| LogDirError::Untrusted {
+    let untrusted = |dir: &Path, uid: u32, mode: u32| {
+        distrust(uid, mode).map(|why| LogDirError::Untrusted {
             path: log_dir.to_path_buf(),
             dir: dir.to_path_buf(),
             why,
@@ -290,8 +291,8 @@ fn trusted_dir_all(log_dir: &Path) -> Result<OwnedFd, LogDirError> {
         match std::fs::metadata(dir) {
             Ok(m) => {
                 use std::os::unix::fs::MetadataExt as _;
-                if let Some(why) = distrust(m.uid(), m.mode()) {
-                    return Err(LogDirError::Untrusted { path: log_dir.to_path_buf(), dir: dir.to_path_buf(), why });
+                if let Some(e) = untrusted(dir, m.uid(), m.mode()) {
+                    return Err(e);
                 }
             }
             Err(e) if e.kind() == io::ErrorKind::NotFound => break,
@@ -308,7 +309,7 @@ fn trusted_dir_all(log_dir: &Path) -> Result<OwnedFd, LogDirError> {
     let mut at = PathBuf::from("/");
     let mut cur = open_dir(libc::AT_FDCWD, &at, false).map_err(io_err)?;
     let st = fstat(&cur).map_err(io_err)?;
-    if let Some(e) = untrusted(&at, &st) {
+    if let Some(e) = untrusted(&at, st.st_uid, st.st_mode) {
         return Err(e);
     }
     let made = real.components().filter(|c| matches!(c, Component::Normal(_))).count();
@@ -324,7 +325,7 @@ fn trusted_dir_all(log_dir: &Path) -> Result<OwnedFd, LogDirError> {
         }
         cur = open_dir(cur.as_raw_fd(), name, false).map_err(|source| LogDirError::Io { path: at.clone(), source })?;
         let st = fstat(&cur).map_err(io_err)?;
-        if let Some(e) = untrusted(&at, &st) {
+        if let Some(e) = untrusted(&at, st.st_uid, st.st_mode) {
             return Err(e);
         }
     }
@@ -444,7 +445,7 @@ fn cstr(path: &Path) -> io::Result<CString> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    use std::os::unix::fs::PermissionsExt;
 
     /// The attack of issue 26: the run directory's parent belongs to someone who renames the
     /// run directory and puts a symlink to a victim directory in its place.
@@ -481,25 +482,61 @@ mod tests {
         assert_eq!(std::fs::read(moved.join("error.json")).unwrap(), b"{}");
     }
 
+    /// A root agent's rule for every directory at and above `--log-dir`.
     #[test]
-    fn a_log_dir_others_may_rename_entries_of_is_refused() {
+    fn a_root_agent_distrusts_a_directory_others_own_or_may_rename_entries_of() {
+        assert_eq!(distrust(0, libc::S_IFDIR | 0o755), None);
+        assert_eq!(distrust(0, libc::S_IFDIR | 0o1777), None, "sticky, as /tmp");
+        assert_eq!(distrust(0, libc::S_IFDIR | 0o3775), None, "a sticky setgid team directory");
+        assert_eq!(distrust(0, libc::S_IFDIR | 0o2775), Some(Distrust::Writable { mode: 0o2775 }));
+        assert_eq!(distrust(0, libc::S_IFDIR | 0o777), Some(Distrust::Writable { mode: 0o777 }));
+        assert_eq!(distrust(0, libc::S_IFDIR | 0o757), Some(Distrust::Writable { mode: 0o757 }));
+        assert_eq!(distrust(1000, libc::S_IFDIR | 0o755), Some(Distrust::Owner { uid: 1000 }));
+        assert_eq!(distrust(1000, libc::S_IFDIR | 0o1777), Some(Distrust::Owner { uid: 1000 }));
+    }
+
+    /// The refusal says what is wrong with which directory and what to do about it.
+    #[test]
+    fn a_refusal_says_the_reason_and_the_remedy() {
+        let team = PathBuf::from("/tmp/rv2/team");
+        let msg =
+            |path: &Path, why| LogDirError::Untrusted { path: path.to_path_buf(), dir: team.clone(), why }.to_string();
+        assert_eq!(
+            msg(&team, Distrust::Writable { mode: 0o2775 }),
+            "refusing log directory /tmp/rv2/team: it is writable by its group (mode 2775) without the sticky bit, so \
+             they could rename what this agent, running as root, makes below it and put their own files there; run \
+             `chmod +t /tmp/rv2/team` (as /tmp: they may then add entries but not rename root's) or use a \
+             subdirectory owned by root and writable only by it"
+        );
+        let below = team.join("logs");
+        let m = msg(&below, Distrust::Writable { mode: 0o777 });
+        assert!(m.starts_with("refusing log directory /tmp/rv2/team/logs: /tmp/rv2/team is writable by its group and others (mode 777)"), "{m}");
+        assert!(m.contains("`chmod +t /tmp/rv2/team`"), "{m}");
+        let m = msg(&below, Distrust::Writable { mode: 0o1757 & 0o757 });
+        assert!(m.contains("writable by others (mode 757)"), "{m}");
+        let m = msg(&below, Distrust::Owner { uid: 1000 });
+        assert!(
+            m.starts_with("refusing log directory /tmp/rv2/team/logs: /tmp/rv2/team belongs to uid 1000, who could"),
+            "{m}"
+        );
+        assert!(m.contains("use a directory owned by root"), "{m}");
+        assert!(!m.contains("uid 0"), "{m}");
+    }
+
+    /// A non-root agent takes what torchrun takes (a setgid team directory, an emptyDir): only
+    /// its own files are at stake. A root agent does not take them.
+    #[test]
+    fn only_a_root_agent_refuses_a_directory_others_may_write() {
         let base = tempfile::tempdir().unwrap();
-        let logs = base.path().join("logs");
-        std::fs::create_dir(&logs).unwrap();
-        std::fs::set_permissions(&logs, std::fs::Permissions::from_mode(0o777)).unwrap();
-        let err = LogRoot::create_in(&logs, "run").unwrap_err();
-        assert!(matches!(err, LogDirError::Untrusted { .. }), "{err}");
-        // Sticky, as /tmp: others cannot rename what is not theirs.
-        std::fs::set_permissions(&logs, std::fs::Permissions::from_mode(0o1777)).unwrap();
-        LogRoot::create_in(&logs, "run").unwrap();
-        if euid() == 0 {
-            // Owned by another user: they may rename entries whatever the mode.
-            let other = base.path().join("others");
-            std::fs::create_dir(&other).unwrap();
-            std::os::unix::fs::chown(&other, Some(65534), Some(65534)).unwrap();
-            assert_eq!(std::fs::metadata(&other).unwrap().uid(), 65534);
-            let err = LogRoot::create_in(&other, "run").unwrap_err();
-            assert!(matches!(err, LogDirError::Untrusted { owner: 65534, .. }), "{err}");
+        for mode in [0o2775, 0o777] {
+            let logs = base.path().join(format!("logs{mode:o}"));
+            std::fs::create_dir(&logs).unwrap();
+            std::fs::set_permissions(&logs, std::fs::Permissions::from_mode(mode)).unwrap();
+            LogRoot::create_in_as(&logs, "run", false).unwrap();
+            LogRoot::create_in_as(&logs.join("below"), "run", false).unwrap();
+            let err = LogRoot::create_in_as(&logs.join("new"), "run", true).unwrap_err();
+            assert!(matches!(err, LogDirError::Untrusted { .. }), "{err}");
+            assert!(!logs.join("new").exists(), "nothing made below it");
         }
     }
 

@@ -6,6 +6,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 pub use rlaunch::contract::{format_time, Exit, RootCause};
 
+use crate::logdir::LogRoot;
+
 /// The most of a worker's error file the agent reads.
 pub const ERROR_FILE_CAP: usize = 1 << 20;
 
@@ -19,23 +21,25 @@ pub struct ErrorFileData {
 
 /// Reads an error file in torchrun's schema:
 /// `{"message": {"message": "...", "extraInfo": {"py_callstack": "...", "timestamp": "..."}}}`
-/// or the older `{"message": "...", "timestamp": ...}`. `None` when absent or unreadable.
-pub fn read_error_file(path: &Path) -> Option<ErrorFileData> {
-    use std::io::Read as _;
+/// or the older `{"message": "...", "timestamp": ...}`. `None` when absent or unreadable, or not
+/// a regular file: `path` (under the run directory) is read through `root`, never following a
+/// symlink (to a file the worker could not read itself) nor waiting on a FIFO it put there.
+pub fn read_error_file(root: &LogRoot, path: &Path) -> Option<ErrorFileData> {
     // A worker may write anything there: read at most the cap, and treat a larger file as one
     // that says only that.
-    let mut text = String::new();
-    let file = std::fs::File::open(path).ok()?;
-    let read = file.take(ERROR_FILE_CAP as u64 + 1).read_to_string(&mut text);
-    if read.is_err() || text.len() > ERROR_FILE_CAP {
-        return Some(ErrorFileData {
-            message: format!(
-                "the worker's error file is larger than {ERROR_FILE_CAP} bytes or not UTF-8; see it on the host"
-            ),
-            traceback: None,
-            timestamp: None,
-        });
-    }
+    let bytes = root.read(path, ERROR_FILE_CAP + 1).ok()?;
+    let text = match String::from_utf8(bytes) {
+        Ok(t) if t.len() <= ERROR_FILE_CAP => t,
+        _ => {
+            return Some(ErrorFileData {
+                message: format!(
+                    "the worker's error file is larger than {ERROR_FILE_CAP} bytes or not UTF-8; see it on the host"
+                ),
+                traceback: None,
+                timestamp: None,
+            })
+        }
+    };
     let v: serde_json::Value = serde_json::from_str(&text).ok()?;
     let message = v.get("message")?;
     let as_u64 = |x: &serde_json::Value| x.as_u64().or_else(|| x.as_str().and_then(|s| s.trim().parse().ok()));
@@ -78,34 +82,70 @@ mod tests {
 
     #[test]
     fn reads_torch_record_schema_and_legacy_schema() {
-        let dir = tempfile_dir("schema");
-        let p = dir.join("error.json");
+        let base = tempfile::tempdir().unwrap();
+        let root = LogRoot::create_in_as(base.path(), "run", false).unwrap();
+        let p = root.path().join("error.json");
         std::fs::write(
             &p,
             r#"{"message": {"message": "RuntimeError: boom", "extraInfo": {"py_callstack": "Traceback...", "timestamp": "1700000000"}}}"#,
         )
         .unwrap();
-        let d = read_error_file(&p).expect("valid file");
+        let d = read_error_file(&root, &p).expect("valid file");
         assert_eq!(d.message, "RuntimeError: boom");
         assert_eq!(d.traceback.as_deref(), Some("Traceback..."));
         assert_eq!(d.timestamp, Some(1_700_000_000));
         std::fs::write(&p, r#"{"message": "plain", "timestamp": 5}"#).unwrap();
-        let d = read_error_file(&p).expect("legacy file");
+        let d = read_error_file(&root, &p).expect("legacy file");
         assert_eq!((d.message.as_str(), d.timestamp), ("plain", Some(5)));
         std::fs::write(&p, "not json").unwrap();
-        assert!(read_error_file(&p).is_none());
-        std::fs::remove_dir_all(dir).ok();
+        assert!(read_error_file(&root, &p).is_none());
     }
 
     #[test]
     fn a_huge_error_file_is_not_read_whole() {
-        let dir = tempfile_dir("huge");
-        let p = dir.join("error.json");
+        let base = tempfile::tempdir().unwrap();
+        let root = LogRoot::create_in_as(base.path(), "run", false).unwrap();
+        let p = root.path().join("error.json");
         let big = format!(r#"{{"message": "{}"}}"#, "x".repeat(ERROR_FILE_CAP + 10));
         std::fs::write(&p, big).unwrap();
-        let d = read_error_file(&p).expect("a message saying the file is too large");
+        let d = read_error_file(&root, &p).expect("a message saying the file is too large");
         assert!(d.message.contains("larger than"), "{}", d.message);
-        std::fs::remove_dir_all(dir).ok();
+    }
+
+    /// What a worker leaves where its error file goes is its own: a FIFO is not waited on (the
+    /// agent used to block there for good), a symlink to a file it could not read is not
+    /// followed (its text would have become the root cause), a link in a directory above it
+    /// neither.
+    #[test]
+    fn an_error_file_that_is_a_fifo_or_a_symlink_is_not_read() {
+        let base = tempfile::tempdir().unwrap();
+        let root = LogRoot::create_in_as(&base.path().join("logs"), "run", false).unwrap();
+        let worker = root.path().join("attempt_0/0");
+        root.create_dirs(&worker).unwrap();
+        let secret = base.path().join("secret.json");
+        std::fs::write(&secret, r#"{"message": "SECRET"}"#).unwrap();
+        let p = worker.join("error.json");
+        std::os::unix::fs::symlink(&secret, &p).unwrap();
+        assert_eq!(read_error_file(&root, &p), None, "a symlink is not followed");
+        std::fs::remove_file(&p).unwrap();
+        let c = std::ffi::CString::new(p.to_str().unwrap()).unwrap();
+        // SAFETY: mkfifo(3) on a NUL-terminated path in a private temporary directory.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let path = p.clone();
+        let root = std::sync::Arc::new(root);
+        let r = root.clone();
+        std::thread::spawn(move || tx.send(read_error_file(&r, &path)).unwrap());
+        let got =
+            rx.recv_timeout(std::time::Duration::from_secs(5)).expect("reading a FIFO does not wait for a writer");
+        assert_eq!(got, None);
+        // A directory above it swapped for a link to where the secret is.
+        let elsewhere = base.path().join("elsewhere/0");
+        std::fs::create_dir_all(&elsewhere).unwrap();
+        std::fs::copy(&secret, elsewhere.join("error.json")).unwrap();
+        std::fs::rename(root.path().join("attempt_0"), base.path().join("moved")).unwrap();
+        std::os::unix::fs::symlink(base.path().join("elsewhere"), root.path().join("attempt_0")).unwrap();
+        assert_eq!(read_error_file(&root, &p), None, "no link followed on the way");
     }
 
     #[test]
@@ -117,7 +157,7 @@ mod tests {
         std::os::unix::fs::symlink(&victim, dir.join("error.json.tmp")).unwrap();
         write_json_atomically(&dir.join("error.json"), &serde_json::json!({"message": "m"})).unwrap();
         assert_eq!(std::fs::read(&victim).unwrap(), b"keep me");
-        assert!(read_error_file(&dir.join("error.json")).is_some());
+        assert_eq!(std::fs::read_to_string(dir.join("error.json")).unwrap(), "{\n  \"message\": \"m\"\n}");
         std::fs::remove_dir_all(dir).ok();
     }
 

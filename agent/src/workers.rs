@@ -83,6 +83,8 @@ pub struct WorkerGroup {
     waiters: Vec<JoinHandle<()>>,
     host: String,
     stdin: Option<StdinRouter>,
+    /// The run's log directory: the workers' error files and heartbeats are read through it.
+    log_root: Arc<crate::logdir::LogRoot>,
     /// A failure taken from the exit channel whose report is not built yet: `wait` returns it
     /// even when the call that took it was cancelled (a `select!` on a sampling tick).
     pending: Option<(usize, Exit, u64)>,
@@ -106,6 +108,7 @@ impl WorkerGroup {
             waiters: Vec::new(),
             host: host.to_string(),
             stdin: io.stdin.clone(),
+            log_root: io.log_root.clone(),
             pending: None,
         };
         for (index, spec) in specs.into_iter().enumerate() {
@@ -223,6 +226,7 @@ impl WorkerGroup {
                 pid: w.pid,
                 written: w.written.clone(),
                 heartbeat: w.spec.heartbeat.clone(),
+                log_root: self.log_root.clone(),
             })
             .collect()
     }
@@ -327,7 +331,7 @@ impl WorkerGroup {
                 continue;
             }
             let w = &self.workers[i];
-            let data = w.spec.env.error_file.as_ref().map(PathBuf::from).as_deref().and_then(read_error_file);
+            let data = w.spec.env.error_file.as_ref().and_then(|p| read_error_file(&self.log_root, Path::new(p)));
             others.push(OtherFailure {
                 rank: w.spec.env.rank,
                 local_rank: w.spec.env.local_rank,
@@ -347,7 +351,7 @@ impl WorkerGroup {
             let _ = tokio::time::timeout(Duration::from_millis(500), p).await;
         }
         let error_file = w.spec.env.error_file.as_ref().map(PathBuf::from);
-        let data = error_file.as_deref().and_then(read_error_file);
+        let data = error_file.as_deref().and_then(|p| read_error_file(&self.log_root, p));
         let tail: Vec<String> = w.stderr_tail.lock().expect("tail lock is never poisoned").iter().cloned().collect();
         let timestamp = data.as_ref().and_then(|d| d.timestamp).unwrap_or(seen_at);
         let message = data
