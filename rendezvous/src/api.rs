@@ -416,8 +416,9 @@ pub fn router(state: AppState) -> Router {
 pub struct ServeLimits {
     /// Most connections open at once. At the bound, the oldest idle connection (no request
     /// in progress: a kept-alive one, or one still sending its headers) is closed to admit the
-    /// new one, else the one whose request body has been arriving the longest; when every
-    /// connection is serving a request (a long-poll), the new one is closed.
+    /// new one, else the one whose request body has been arriving the longest, else the
+    /// longest-waiting watch; when every connection is serving another request, the new one
+    /// is closed. One peer address holds at most a sixteenth (loopback excepted).
     pub max_connections: usize,
     /// A request's headers must arrive within this, and a kept-alive connection may sit idle
     /// this long (a half-sent request holds nothing for longer).
@@ -493,7 +494,7 @@ async fn serve_on(
                 // Out of file descriptors (EMFILE, ENFILE): free an idle connection and pause,
                 // rather than spin.
                 warn!(%error, "accept failed");
-                connections.make_room(0);
+                connections.make_room(0, std::net::Ipv4Addr::LOCALHOST.into()); // any peer's
                 tokio::time::sleep(Duration::from_millis(20)).await;
                 continue;
             }
@@ -503,19 +504,21 @@ async fn serve_on(
                 continue;
             }
         };
-        if !connections.make_room(limits.max_connections.max(1)) {
+        if !connections.make_room(limits.max_connections.max(1), peer.ip()) {
             debug!("connection refused: every connection is busy");
             continue;
         }
         let _ = stream.set_nodelay(true);
-        let (id, conn_state, close) = connections.add();
+        let (id, conn_state, close) = connections.add(peer.ip());
         let app = app.clone();
         let requests = connections.clone();
         let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
             let (mut parts, body) = req.into_parts();
             // Who sent it: a join may advertise only its own address (round::check_advertised).
             parts.extensions.insert(axum::extract::ConnectInfo(peer));
-            let (guard, body) = requests.request(&conn_state, body, limits.body_timeout);
+            // A watch only waits for news: closed first among handlers to admit a connection.
+            let long_poll = parts.uri.path().ends_with("/watch");
+            let (guard, body) = requests.request(&conn_state, body, limits.body_timeout, long_poll);
             let app = app.clone();
             async move {
                 let _guard = guard;

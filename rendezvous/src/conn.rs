@@ -2,10 +2,14 @@
 //! close to admit a new one at the bound, and the deadline on a request's body.
 //!
 //! A connection is idle (no request in progress: kept alive, or still sending its headers),
-//! receiving a body (headers in, body not yet), or busy (its handler runs: a long-poll). At the
-//! bound an idle one is closed first (the oldest), else the one whose body has been arriving the
-//! longest; busy ones are never closed, and when every connection is busy the new one is. So
-//! neither idle clients nor slowly sent bodies keep `/healthz` and the agents out.
+//! receiving a body (headers in, body not yet), or busy (its handler runs). At the bound an idle
+//! one is closed first (the oldest), else the one whose body has been arriving the longest, else
+//! the oldest watch long-poll (its client asks again, and "no change" is what it would have
+//! heard); other busy handlers (a heartbeat, a join being decided) are never closed, and when
+//! every connection is one of those the new one is. One peer address (loopback excepted: a
+//! proxy on this host) holds at most a sixteenth of the bound, its own oldest evictable
+//! connection closed to admit another. So neither idle clients, slowly sent bodies nor watches
+//! from a few addresses keep `/healthz` and the agents' heartbeats out.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -25,11 +29,21 @@ pub(crate) struct ConnState {
     requests: AtomicUsize,
     /// When the body being received started to arrive, as [`Connections::now`]; 0: none.
     body_since: AtomicU64,
+    /// When the watch long-poll in progress started, as [`Connections::now`]; 0: none.
+    long_poll_since: AtomicU64,
 }
 
-/// One open connection: its state, and how to close it.
+impl ConnState {
+    /// The request in progress is a watch long-poll (closed, if need be, to admit another).
+    pub(crate) fn long_poll(&self, since: u64) {
+        self.long_poll_since.store(since, Ordering::Relaxed);
+    }
+}
+
+/// One open connection: its state, its peer, and how to close it.
 struct Conn {
     state: Arc<ConnState>,
+    peer: std::net::IpAddr,
     close: Arc<Notify>,
 }
 
@@ -47,12 +61,15 @@ pub(crate) struct Seen {
     pub requests: usize,
     /// Since when its request's body has been arriving (0: no body pending).
     pub body_since: u64,
+    /// Since when its watch long-poll has been waiting (0: not one).
+    pub long_poll_since: u64,
 }
 
 /// Which connection to close to make room: the oldest idle one, else the one whose body has
-/// been arriving the longest, else none (every connection is serving a request).
+/// been arriving the longest, else the longest-waiting watch, else none (every connection is
+/// serving a request that must not be cut).
 pub(crate) fn victim(open: impl Iterator<Item = Seen>) -> Option<u64> {
-    let mut slowest: Option<Seen> = None;
+    let (mut slowest, mut watch): (Option<Seen>, Option<Seen>) = (None, None);
     for c in open {
         if c.requests == 0 {
             return Some(c.id);
@@ -60,8 +77,16 @@ pub(crate) fn victim(open: impl Iterator<Item = Seen>) -> Option<u64> {
         if c.body_since != 0 && !matches!(slowest, Some(s) if s.body_since <= c.body_since) {
             slowest = Some(c);
         }
+        if c.long_poll_since != 0 && !matches!(watch, Some(w) if w.long_poll_since <= c.long_poll_since) {
+            watch = Some(c);
+        }
     }
-    slowest.map(|c| c.id)
+    slowest.or(watch).map(|c| c.id)
+}
+
+/// Most connections one peer address may hold: a sixteenth of the bound (at least 16).
+pub(crate) fn per_peer(max: usize) -> usize {
+    (max / 16).max(16)
 }
 
 impl Connections {
@@ -74,17 +99,20 @@ impl Connections {
         u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX).max(1)
     }
 
-    /// Makes room for one more connection within `max`: closes an idle or slow one if needed
-    /// ([`victim`]). False when every connection is busy.
-    pub(crate) fn make_room(&self, max: usize) -> bool {
+    /// Makes room for one more connection from `peer` within `max`: closes an idle, slow or
+    /// watching one if needed ([`victim`]), of `peer`'s own when it holds [`per_peer`]. False
+    /// when none may be closed.
+    pub(crate) fn make_room(&self, max: usize, peer: std::net::IpAddr) -> bool {
         let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
-        if open.len() < max {
+        let crowded = !peer.is_loopback() && open.values().filter(|c| c.peer == peer).count() >= per_peer(max);
+        if open.len() < max && !crowded {
             return true;
         }
-        let seen = open.iter().map(|(id, c)| Seen {
+        let seen = open.iter().filter(|(_, c)| !crowded || c.peer == peer).map(|(id, c)| Seen {
             id: *id,
             requests: c.state.requests.load(Ordering::Relaxed),
             body_since: c.state.body_since.load(Ordering::Relaxed),
+            long_poll_since: c.state.long_poll_since.load(Ordering::Relaxed),
         });
         match victim(seen).and_then(|id| open.remove(&id)) {
             Some(Conn { close, .. }) => {
@@ -97,10 +125,10 @@ impl Connections {
     }
 
     /// Counts a new connection in; its id (for [`Connections::remove`]), state and close signal.
-    pub(crate) fn add(&self) -> (u64, Arc<ConnState>, Arc<Notify>) {
+    pub(crate) fn add(&self, peer: std::net::IpAddr) -> (u64, Arc<ConnState>, Arc<Notify>) {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (state, close) = (Arc::new(ConnState::default()), Arc::new(Notify::new()));
-        let conn = Conn { state: state.clone(), close: close.clone() };
+        let conn = Conn { state: state.clone(), peer, close: close.clone() };
         self.open.lock().unwrap_or_else(|p| p.into_inner()).insert(id, conn);
         (id, state, close)
     }
@@ -117,8 +145,12 @@ impl Connections {
         state: &Arc<ConnState>,
         body: Incoming,
         body_timeout: Duration,
+        long_poll: bool,
     ) -> (InProgress, DeadlineBody) {
         state.requests.fetch_add(1, Ordering::Relaxed);
+        if long_poll {
+            state.long_poll(self.now());
+        }
         if !body.is_end_stream() {
             state.body_since.store(self.now(), Ordering::Relaxed);
         }
@@ -134,6 +166,7 @@ pub(crate) struct InProgress(Arc<ConnState>);
 impl Drop for InProgress {
     fn drop(&mut self) {
         self.0.body_since.store(0, Ordering::Relaxed);
+        self.0.long_poll(0);
         self.0.requests.fetch_sub(1, Ordering::Relaxed);
     }
 }
@@ -210,7 +243,11 @@ mod tests {
     use super::*;
 
     fn seen(id: u64, requests: usize, body_since: u64) -> Seen {
-        Seen { id, requests, body_since }
+        Seen { id, requests, body_since, long_poll_since: 0 }
+    }
+
+    fn watching(id: u64, since: u64) -> Seen {
+        Seen { id, requests: 1, body_since: 0, long_poll_since: since }
     }
 
     #[test]
@@ -225,5 +262,44 @@ mod tests {
         assert_eq!(victim(open.into_iter()), Some(3));
         assert_eq!(victim([seen(1, 1, 0), seen(2, 1, 0)].into_iter()), None);
         assert_eq!(victim(std::iter::empty()), None);
+    }
+
+    #[test]
+    fn with_none_idle_or_slow_closes_the_longest_waiting_watch_never_another_handler() {
+        let open = [seen(1, 1, 0), watching(2, 900), watching(3, 40), seen(4, 1, 0)];
+        assert_eq!(victim(open.into_iter()), Some(3));
+        // A slow body still goes first, an idle connection before both.
+        assert_eq!(victim([watching(2, 10), seen(5, 1, 500)].into_iter()), Some(5));
+        assert_eq!(victim([watching(2, 10), seen(6, 0, 0)].into_iter()), Some(6));
+    }
+
+    #[test]
+    fn a_peer_holding_its_share_loses_its_own_oldest_closable_connection() {
+        let c = Connections::new();
+        let (attacker, agent): (std::net::IpAddr, std::net::IpAddr) =
+            ("10.0.0.66".parse().unwrap(), "10.0.0.5".parse().unwrap());
+        let max = 64; // a share of 16
+        let (agent_id, agent_state, _) = c.add(agent);
+        agent_state.requests.fetch_add(1, Ordering::Relaxed); // a heartbeat in progress
+        let mut ids = Vec::new();
+        for _ in 0..per_peer(max) {
+            assert!(c.make_room(max, attacker));
+            let (id, state, _) = c.add(attacker);
+            state.requests.fetch_add(1, Ordering::Relaxed);
+            state.long_poll(1 + id);
+            ids.push(id);
+        }
+        // Its 17th: one of its own watches goes (the oldest), not the agent's heartbeat.
+        assert!(c.make_room(max, attacker));
+        let open = c.open.lock().unwrap();
+        assert!(!open.contains_key(&ids[0]) && open.contains_key(&agent_id), "{:?}", open.keys().collect::<Vec<_>>());
+        drop(open);
+        // Loopback (a proxy on this host) is not limited.
+        let local: std::net::IpAddr = "127.0.0.1".parse().unwrap();
+        for _ in 0..per_peer(max) + 4 {
+            assert!(c.make_room(max, local));
+            c.add(local);
+        }
+        assert!(c.open.lock().unwrap().len() > per_peer(max) * 2);
     }
 }

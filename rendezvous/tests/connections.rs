@@ -198,3 +198,44 @@ fn healthz_answers_within_100ms_with_10000_idle_and_1000_slow_body_connections_o
     assert!(held >= IDLE + SLOW, "the service holds {held} sockets");
     assert!(max < Duration::from_millis(100), "healthz took {took:?}");
 }
+
+/// A request on a fresh connection, sent whole; the connection (the answer comes on it).
+fn post(addr: &str, path: &str, body: &str) -> TcpStream {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("send");
+    s
+}
+
+#[test]
+fn watches_filling_the_connection_bound_do_not_keep_healthz_out() {
+    let service = start(&["--max-connections", "20"]);
+    let join = r#"{"settings": {"min_nodes": 2, "max_nodes": 2, "join_timeout_ms": 600000, "last_call_timeout_ms": 1000,
+        "heartbeat_interval_ms": 500, "node_ttl_ms": 60000, "max_restarts": 0},
+        "node": {"node_id": "a", "local_world_size": 1, "store_addr": "127.0.0.1:29500"}, "wait_ms": 0}"#;
+    let mut answer = String::new();
+    let mut s = post(&service.addr, "/v1/jobs/w/join", join);
+    s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    let mut buf = [0u8; 4096];
+    let n = std::io::Read::read(&mut s, &mut buf).expect("the join's answer");
+    answer.push_str(&String::from_utf8_lossy(&buf[..n]));
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    drop(s);
+    // Twenty watches that wait a minute for a round 2 that does not come: every connection busy.
+    let watches: Vec<TcpStream> =
+        (0..20).map(|_| post(&service.addr, "/v1/jobs/w/watch", r#"{"after_round": 1, "wait_ms": 60000}"#)).collect();
+    std::thread::sleep(Duration::from_millis(500));
+    for _ in 0..5 {
+        let t = Instant::now();
+        assert_eq!(healthz(&service.addr), Some(200), "healthz with 20 watches at a bound of 20");
+        assert!(t.elapsed() < Duration::from_millis(500), "healthz took {:?}", t.elapsed());
+    }
+    // Each /healthz took the place of the longest-waiting watch.
+    std::thread::sleep(Duration::from_millis(200));
+    let gone = watches.iter().filter(|s| closed(s)).count();
+    assert!(gone >= 1, "no watch was closed to make room");
+}

@@ -72,7 +72,8 @@ struct Args {
     terminal_retention_s: u64,
     /// Most HTTP connections open at once (an agent holds one or two); at the bound, the
     /// oldest idle connection is closed to admit a new one, else the one whose request body has
-    /// been arriving the longest. Default: the open-file limit
+    /// been arriving the longest, else the longest-waiting watch; one peer address holds at
+    /// most a sixteenth of it (loopback excepted). Default: the open-file limit
     /// (raised to its hard limit at start) less 128.
     #[arg(long, env = "RLAUNCH_RDZV_MAX_CONNECTIONS")]
     max_connections: Option<usize>,
