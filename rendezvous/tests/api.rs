@@ -149,6 +149,30 @@ impl Server {
     }
 }
 
+/// `client` heartbeats for `node_id` every 100 ms until the task is aborted.
+fn keep_beating(client: &RendezvousClient, node_id: &'static str) -> tokio::task::JoinHandle<()> {
+    let client = client.clone();
+    tokio::spawn(async move {
+        loop {
+            let _ = client.heartbeat(node_id, Default::default()).await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+}
+
+/// The first watch event after `round` that is not "no change" (within the test's deadline).
+async fn next_event(client: &RendezvousClient, round: u64) -> WatchEvent {
+    within("watch", async {
+        loop {
+            match client.watch(None, round).await.expect("watch") {
+                WatchEvent::NoChange => continue,
+                ev => return ev,
+            }
+        }
+    })
+    .await
+}
+
 async fn http_client(endpoints: Vec<String>, run_id: &str, s: JobSettings) -> RendezvousClient {
     RendezvousClient::connect(Backend::Http { endpoints, token: None }, run_id, s).await.expect("client connects")
 }
@@ -409,25 +433,9 @@ async fn node_loss_is_seen_by_the_survivor_within_the_ttl() {
     let (ra, _) = within("joins", async { tokio::join!(a.join(node("a")), b.join(node("bb"))) }).await;
     let ra = ra.expect("a joins");
     // a keeps heartbeating; b goes silent (killed, or its link cut).
-    let beats = {
-        let a = a.clone();
-        tokio::spawn(async move {
-            loop {
-                let _ = a.heartbeat("a", Default::default()).await;
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        })
-    };
+    let beats = keep_beating(&a, "a");
     let started = tokio::time::Instant::now();
-    let ev = within("watch", async {
-        loop {
-            match a.watch(None, ra.round).await.expect("watch") {
-                WatchEvent::NoChange => continue,
-                ev => return ev,
-            }
-        }
-    })
-    .await;
+    let ev = next_event(&a, ra.round).await;
     let took = started.elapsed();
     assert_eq!(ev, WatchEvent::NewRound(ra.round + 1));
     // TTL plus the probe timeout (nobody to probe b but a, which does not) plus a 0.1 s tick;
@@ -457,31 +465,10 @@ async fn a_node_joining_a_running_job_scales_it_up() {
         tokio::spawn(async move { c.join(node("ccc")).await })
     };
     // Both heartbeat, as agents do; the scale-up comes once c has for two TTLs.
-    let beats = tokio::spawn(async move {
-        loop {
-            let _ = c.heartbeat("ccc", Default::default()).await;
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    });
-    let a_beat = {
-        let a = a.clone();
-        tokio::spawn(async move {
-            loop {
-                let _ = a.heartbeat("a", Default::default()).await;
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        })
-    };
+    let beats = keep_beating(&c, "ccc");
+    let a_beat = keep_beating(&a, "a");
     let started = tokio::time::Instant::now();
-    let ev = within("watch", async {
-        loop {
-            match a.watch(None, r1.round).await.expect("watch") {
-                WatchEvent::NoChange => continue,
-                ev => return ev,
-            }
-        }
-    })
-    .await;
+    let ev = next_event(&a, r1.round).await;
     assert_eq!(ev, WatchEvent::NewRound(r1.round + 1));
     assert!(started.elapsed() >= s.node_ttl * 2 - Duration::from_millis(200), "{:?}", started.elapsed());
     let r2 = within("a rejoins", a.join(node("a"))).await.expect("a rejoins");
