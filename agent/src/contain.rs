@@ -191,7 +191,7 @@ impl Containment {
 impl CgroupJob {
     fn create(ranks: u32) -> Result<CgroupJob, String> {
         let own = own_cgroup_dir().ok_or("no cgroup v2 hierarchy holds this process")?;
-        let dir = own.join(format!("rlaunch-{}-{:08x}", std::process::id(), crate::elastic::rand_u32()));
+        let dir = own.join(format!("rlaunch-{}-{:08x}", std::process::id(), crate::random::rand_u32()));
         std::fs::create_dir(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
         let remove_all = |upto: u32| {
             for r in 0..upto {

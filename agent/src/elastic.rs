@@ -88,7 +88,7 @@ pub(crate) async fn setup(
         }
     };
     let node = NodeInfo {
-        node_id: format!("{host}-{}-{:08x}", std::process::id(), rand_u32()),
+        node_id: format!("{host}-{}-{:08x}", std::process::id(), crate::random::rand_u32()),
         local_world_size: config.nproc_per_node,
         // Replaced by the first round's store before the first join.
         store_addr: HostPort::new(advertise.clone(), 0).map_err(|e| AgentError::Store {
@@ -399,14 +399,6 @@ fn advertise_addr(config: &AgentConfig, d: &DynamicRendezvous) -> String {
         }
     }
     "127.0.0.1".into()
-}
-
-pub(crate) fn rand_u32() -> u32 {
-    let mut b = [0u8; 4];
-    if std::fs::File::open("/dev/urandom").and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b)).is_err() {
-        return std::process::id() ^ 0x9e37_79b9;
-    }
-    u32::from_le_bytes(b)
 }
 
 #[cfg(test)]

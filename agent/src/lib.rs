@@ -18,6 +18,7 @@ pub mod logdir;
 pub mod numa;
 pub mod output;
 pub mod process;
+mod random;
 pub mod report;
 pub mod workers;
 
@@ -245,7 +246,7 @@ fn log_root(config: &AgentConfig) -> Result<(logdir::LogRoot, bool), AgentError>
         None => {
             let mut tries = 0;
             loop {
-                let random = (u64::from(elastic::rand_u32()) << 32) | u64::from(elastic::rand_u32());
+                let random = (u64::from(random::rand_u32()) << 32) | u64::from(random::rand_u32());
                 let root = std::env::temp_dir().join(format!("rlaunch_{name}_{random:016x}"));
                 match logdir::LogRoot::create_private(&root, 0o700) {
                     Ok(r) => return Ok((r, true)),
