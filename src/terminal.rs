@@ -35,31 +35,25 @@ fn written_out(c: char) -> String {
 /// `text` with every character a terminal acts on written out as `\xNN` (`\x1b` for ESC), so
 /// the reader sees that it was there and nothing happens. Unchanged text is not copied.
 pub fn sanitize(text: &str) -> Cow<'_, str> {
+    escape_unsafe(text, written_out)
+}
+
+/// JSON text (as `serde_json` writes it) with DEL, C1 and the bidirectional controls escaped as
+/// `\uNNNN` too: the same document, safe on a terminal. JSON already escapes the C0
+/// characters, and these can only be inside strings, where the escape means the same character.
+pub fn sanitize_json(json: &str) -> Cow<'_, str> {
+    escape_unsafe(json, |c| format!("\\u{:04x}", u32::from(c)))
+}
+
+/// `text` with each [`is_unsafe`] character replaced by `escape(c)`; borrowed when there is none.
+fn escape_unsafe(text: &str, escape: impl Fn(char) -> String) -> Cow<'_, str> {
     if !text.chars().any(is_unsafe) {
         return Cow::Borrowed(text);
     }
     let mut out = String::with_capacity(text.len() + 8);
     for c in text.chars() {
         if is_unsafe(c) {
-            out.push_str(&written_out(c));
-        } else {
-            out.push(c);
-        }
-    }
-    Cow::Owned(out)
-}
-
-/// JSON text (as `serde_json` writes it) with DEL and C1 escaped as `\u00NN` too: the same
-/// document, safe on a terminal. JSON already escapes the C0 characters, and these can only be
-/// inside strings, where the escape means the same character.
-pub fn sanitize_json(json: &str) -> Cow<'_, str> {
-    if !json.chars().any(is_unsafe) {
-        return Cow::Borrowed(json);
-    }
-    let mut out = String::with_capacity(json.len() + 8);
-    for c in json.chars() {
-        if is_unsafe(c) {
-            out.push_str(&format!("\\u{:04x}", u32::from(c)));
+            out.push_str(&escape(c));
         } else {
             out.push(c);
         }

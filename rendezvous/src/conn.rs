@@ -11,7 +11,7 @@
 //! connection closed to admit another. So neither idle clients, slowly sent bodies nor watches
 //! from a few addresses keep `/healthz` and the agents' heartbeats out.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -47,9 +47,35 @@ struct Conn {
     close: Arc<Notify>,
 }
 
-/// The open connections, by accept order.
+/// The open connections, by accept order, and how many each peer address holds (kept with
+/// them, so an accept counts nothing).
+#[derive(Default)]
+struct Open {
+    conns: BTreeMap<u64, Conn>,
+    per_peer: HashMap<std::net::IpAddr, usize>,
+}
+
+impl Open {
+    fn insert(&mut self, id: u64, conn: Conn) {
+        *self.per_peer.entry(conn.peer).or_default() += 1;
+        self.conns.insert(id, conn);
+    }
+
+    fn remove(&mut self, id: u64) -> Option<Conn> {
+        let conn = self.conns.remove(&id)?;
+        if let std::collections::hash_map::Entry::Occupied(mut n) = self.per_peer.entry(conn.peer) {
+            *n.get_mut() -= 1;
+            if *n.get() == 0 {
+                n.remove();
+            }
+        }
+        Some(conn)
+    }
+}
+
+/// The open connections.
 pub(crate) struct Connections {
-    open: Mutex<BTreeMap<u64, Conn>>,
+    open: Mutex<Open>,
     next_id: AtomicU64,
     epoch: Instant,
 }
@@ -91,7 +117,7 @@ pub(crate) fn per_peer(max: usize) -> usize {
 
 impl Connections {
     pub(crate) fn new() -> Self {
-        Connections { open: Mutex::new(BTreeMap::new()), next_id: AtomicU64::new(0), epoch: Instant::now() }
+        Connections { open: Mutex::new(Open::default()), next_id: AtomicU64::new(0), epoch: Instant::now() }
     }
 
     /// Milliseconds since this set was made, at least 1 (0 means "none" in [`ConnState`]).
@@ -104,17 +130,17 @@ impl Connections {
     /// when none may be closed.
     pub(crate) fn make_room(&self, max: usize, peer: std::net::IpAddr) -> bool {
         let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
-        let crowded = !peer.is_loopback() && open.values().filter(|c| c.peer == peer).count() >= per_peer(max);
-        if open.len() < max && !crowded {
+        let crowded = !peer.is_loopback() && open.per_peer.get(&peer).copied().unwrap_or(0) >= per_peer(max);
+        if open.conns.len() < max && !crowded {
             return true;
         }
-        let seen = open.iter().filter(|(_, c)| !crowded || c.peer == peer).map(|(id, c)| Seen {
+        let seen = open.conns.iter().filter(|(_, c)| !crowded || c.peer == peer).map(|(id, c)| Seen {
             id: *id,
             requests: c.state.requests.load(Ordering::Relaxed),
             body_since: c.state.body_since.load(Ordering::Relaxed),
             long_poll_since: c.state.long_poll_since.load(Ordering::Relaxed),
         });
-        match victim(seen).and_then(|id| open.remove(&id)) {
+        match victim(seen).and_then(|id| open.remove(id)) {
             Some(Conn { close, .. }) => {
                 // Out of the count at once; the connection closes when its task next runs.
                 close.notify_one();
@@ -134,7 +160,7 @@ impl Connections {
     }
 
     pub(crate) fn remove(&self, id: u64) {
-        self.open.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+        self.open.lock().unwrap_or_else(|p| p.into_inner()).remove(id);
     }
 
     /// A request has come in on a connection (its headers are read): counted in progress until
@@ -292,7 +318,12 @@ mod tests {
         // Its 17th: one of its own watches goes (the oldest), not the agent's heartbeat.
         assert!(c.make_room(max, attacker));
         let open = c.open.lock().unwrap();
-        assert!(!open.contains_key(&ids[0]) && open.contains_key(&agent_id), "{:?}", open.keys().collect::<Vec<_>>());
+        assert!(
+            !open.conns.contains_key(&ids[0]) && open.conns.contains_key(&agent_id),
+            "{:?}",
+            open.conns.keys().collect::<Vec<_>>()
+        );
+        assert_eq!(open.per_peer[&attacker], per_peer(max) - 1, "the closed one is out of its count");
         drop(open);
         // Loopback (a proxy on this host) is not limited.
         let local: std::net::IpAddr = "127.0.0.1".parse().unwrap();
@@ -300,6 +331,12 @@ mod tests {
             assert!(c.make_room(max, local));
             c.add(local);
         }
-        assert!(c.open.lock().unwrap().len() > per_peer(max) * 2);
+        assert!(c.open.lock().unwrap().conns.len() > per_peer(max) * 2);
+        // Removed connections leave no count behind.
+        for id in ids {
+            c.remove(id);
+        }
+        c.remove(agent_id);
+        assert!(!c.open.lock().unwrap().per_peer.contains_key(&attacker));
     }
 }
