@@ -2,9 +2,10 @@
 //! a symlink in its place (issue 26, item 1) gets nothing made or truncated where the link
 //! points; the agent goes on writing into the directory it made.
 
+use std::process::Command;
 use std::time::Duration;
 
-use integration_tests::{rlaunch, run_deadline, stderr_of, stdout_of, tempdir};
+use integration_tests::{bin, rlaunch, run_deadline, stderr_of, stdout_of, tempdir};
 
 const DEADLINE: Duration = Duration::from_secs(60);
 
@@ -178,6 +179,11 @@ fn a_non_root_agent_takes_a_group_or_world_writable_log_dir() {
     assert_root();
     let dir = tempdir();
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    // A copy of rlaunch that user 65534 can reach: the checkout may sit below a directory only
+    // root may enter (a clone in a `mktemp -d` folder, 0700).
+    let exe = dir.path().join("rlaunch");
+    std::fs::copy(bin("rlaunch"), &exe).expect("copy rlaunch");
+    std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
     // The team directory is root's, its group the agent's.
     for (name, mode) in [("team", 0o2775), ("emptydir", 0o777)] {
         let logs = dir.path().join(name);
@@ -185,7 +191,8 @@ fn a_non_root_agent_takes_a_group_or_world_writable_log_dir() {
         std::os::unix::fs::chown(&logs, Some(0), Some(65534)).unwrap();
         std::fs::set_permissions(&logs, std::fs::Permissions::from_mode(mode)).unwrap();
         let o = run_deadline(
-            rlaunch()
+            Command::new(&exe)
+                .env("RLAUNCH_LOG", "info")
                 .uid(65534)
                 .gid(65534)
                 .env("HOME", dir.path())
