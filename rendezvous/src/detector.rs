@@ -27,7 +27,8 @@ use std::collections::VecDeque;
 
 use serde::{Deserialize, Serialize};
 
-use crate::round::{HostPort, Millis};
+use crate::round::settings::Millis;
+use rlaunch::contract::HostPort;
 
 /// phi at which a node is suspected: the chance that a live node's heartbeat is this late is
 /// 10^-8 under the fitted model.

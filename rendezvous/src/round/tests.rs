@@ -1,9 +1,11 @@
 //! The round machine driven with made-up times: no clock, no I/O.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde_json::json;
 
+use super::machine::open_round;
 use super::*;
 use crate::detector::{ProbeReport, ProbeRequest, Sent};
 

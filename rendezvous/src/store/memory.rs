@@ -62,11 +62,8 @@ impl MemoryStore {
                 }
                 return Ok((view(&entry.job), decision));
             }
-            if let Some(settings) = create {
-                if !entry.job.settings.same_job(settings) {
-                    return Err(super::mismatch(run_id, &entry.job.settings, settings));
-                }
-            }
+            // The creation rule: a join must ask for the job's settings (it exists: nothing new).
+            super::existing_or_new(run_id, Some(&entry.job), create, now)?;
             let before = entry.job.version;
             let decision = round::apply_joining(&mut entry.job, create, ev, guard, now);
             if entry.job.version != before {
@@ -74,7 +71,8 @@ impl MemoryStore {
             }
             return Ok((view(&entry.job), decision));
         }
-        let mut job = super::existing_or_new(run_id, None, create, now)?;
+        // The creation rule: a join creates the job, any other event is refused.
+        let mut job = super::existing_or_new(run_id, None, create, now)?.into_owned();
         let max_jobs = self.max_jobs.load(Ordering::Relaxed);
         if jobs.len() >= max_jobs {
             return Err(super::too_many_jobs(jobs.len(), max_jobs));

@@ -8,6 +8,7 @@
 pub mod etcd;
 pub mod memory;
 
+use std::borrow::Cow;
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -39,7 +40,7 @@ pub(crate) fn outlived(job: &Job, now: Millis, retention: Duration) -> bool {
 }
 
 /// A join asking for other settings than the job was created with.
-pub(crate) fn mismatch(run_id: &str, job: &JobSettings, asked: &JobSettings) -> RdzvError {
+fn mismatch(run_id: &str, job: &JobSettings, asked: &JobSettings) -> RdzvError {
     RdzvError::SettingsMismatch {
         run_id: run_id.to_owned(),
         message: format!(
@@ -70,20 +71,23 @@ pub(crate) fn replacement(existing: &Job, create: Option<&JobSettings>, ev: &Eve
     }
 }
 
-/// Checks that a join's settings match the job's, or creates the job when there is none.
-pub(crate) fn existing_or_new(
+/// The creation rule of every store: a join (`create`: its settings) must ask for the settings
+/// of the job under `run_id` ([`JobSettings::same_job`]), and creates the job when there is
+/// none; any other event needs the job to exist. Answers the job the event goes to: `existing`,
+/// borrowed (never copied), or the new one. Each store bounds the jobs it creates itself.
+pub(crate) fn existing_or_new<'a>(
     run_id: &str,
-    existing: Option<Job>,
+    existing: Option<&'a Job>,
     create: Option<&JobSettings>,
     now: Millis,
-) -> Result<Job, RdzvError> {
+) -> Result<Cow<'a, Job>, RdzvError> {
     match (existing, create) {
         // The shutdown timeout is each node's own: the job keeps the first node's.
         (Some(job), Some(settings)) if !job.settings.same_job(settings) => {
             Err(mismatch(run_id, &job.settings, settings))
         }
-        (Some(job), _) => Ok(job),
-        (None, Some(settings)) => Ok(Job::new(settings.clone(), now)),
+        (Some(job), _) => Ok(Cow::Borrowed(job)),
+        (None, Some(settings)) => Ok(Cow::Owned(Job::new(settings.clone(), now))),
         (None, None) => Err(RdzvError::UnknownJob { run_id: run_id.to_owned() }),
     }
 }

@@ -19,37 +19,45 @@
 //!
 //! One background task per store watches the whole prefix: a `state` change wakes long-polls, an
 //! `alive` key deleted (lease expiry, revoke) nudges the ticker so loss is acted on at once.
+//!
+//! Files: `layout` (the keys, the state written in parts, what of a job is stored), `leases` (what
+//! this process knows of the alive keys it holds), `watch` (the watch on the prefix), `commit`
+//! (a job's batched update: queue, read, apply, compare-and-put); the store, its requests and
+//! the alive keys are here.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, DeleteOptions, EventType, GetOptions, LeaseKeepAliveStream,
-    LeaseKeeper, PutOptions, Txn, TxnOp, WatchOptions,
+    Client, Compare, CompareOp, ConnectOptions, DeleteOptions, GetOptions, LeaseKeepAliveStream, LeaseKeeper,
+    PutOptions, Txn, TxnOp,
 };
-use std::time::{SystemTime, UNIX_EPOCH};
-
-use tokio::sync::{oneshot, watch, Notify};
+use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
 use crate::detector::{ProbeReport, ProbeRequest};
 use crate::error::RdzvError;
-use crate::round::{self, Action, Decision, Event, Guard, Job, JobSettings, Millis};
+use crate::round::{self, Action, Decision, Event, Guard, Job, Millis};
 
-const PREFIX: &str = "/rlaunch/jobs/";
+mod commit;
+mod layout;
+mod leases;
+mod watch;
+
+use commit::JobQueue;
+use layout::{alive_key, alive_prefix, assemble, prefix_end, state_key, stored, PREFIX};
+use leases::{renew_every, renewed_within, ttl_seconds, Leases, SharedLease, Touch};
+use watch::{note_probing, watch_loop, Owed};
+
 /// Bound on every single etcd request (streams excepted), so a dead or partitioned member never
 /// hangs a caller for long: after it, the request goes to the next member.
 const OP_TIMEOUT: Duration = Duration::from_millis(1500);
-const MAX_ATTEMPTS: u32 = 64;
 /// Unary etcd requests one store has in flight at most (streams excepted).
 const MAX_IN_FLIGHT: usize = 256;
-/// Nodes dropped by one update whose keys are each compared (etcd's default bound on a
-/// transaction's compares is 128).
-const MAX_KEY_COMPARES: usize = 120;
 
 /// A handle on jobs kept in etcd; cheap to clone.
 #[derive(Clone)]
@@ -64,7 +72,7 @@ struct Inner {
     /// The client that answered last; tried first.
     current: AtomicUsize,
     /// Bumped on every change under the prefix (and after a watch reconnect).
-    changes: watch::Sender<u64>,
+    changes: tokio::sync::watch::Sender<u64>,
     /// Signalled when an `alive` key disappears.
     expired: Arc<Notify>,
     /// Latest job versions seen by the watch, so long-polls need not re-read whole jobs.
@@ -113,53 +121,6 @@ impl Drop for Inner {
         }
     }
 }
-
-/// One event waiting for its job's next batched update.
-struct Queued {
-    create: Option<JobSettings>,
-    ev: Event,
-    guard: Guard,
-    now: Millis,
-    reply: oneshot::Sender<Result<(Arc<Job>, Decision), RdzvError>>,
-}
-
-#[derive(Default)]
-struct JobQueue {
-    waiting: Vec<Queued>,
-    /// A task is draining this queue.
-    busy: bool,
-}
-
-fn reply_all(batch: Vec<Queued>, outcomes: Vec<Result<Decision, RdzvError>>, job: Option<Arc<Job>>) {
-    // One copy of the job shared by every caller of the batch.
-    for (q, outcome) in batch.into_iter().zip(outcomes) {
-        let answer = outcome.and_then(|d| match &job {
-            Some(j) => Ok((Arc::clone(j), d)),
-            // Only refused events reach here without a job; their answer needs no job state
-            // beyond "none" (a refused first join never creates one).
-            None => Err(match d.action {
-                Action::Rejected(r) => r.into(),
-                _ => RdzvError::Store { message: "no job state after the update".to_owned() },
-            }),
-        });
-        let _ = q.reply.send(answer);
-    }
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(cause) = src {
-        s.push_str(": ");
-        s.push_str(&cause.to_string());
-        src = cause.source();
-    }
-    s
-}
-
-mod leases;
-
-use leases::{renew_every, renewed_within, ttl_seconds, Leases, SharedLease, Touch};
 
 /// Whether a request failed because its lease is gone (revoked or expired).
 fn lease_gone(e: &RdzvError) -> bool {
@@ -246,129 +207,10 @@ struct Snapshot {
     alive: Vec<String>,
 }
 
-/// Largest value written in one request: etcd refuses requests over 1.5 MiB by default, so a
-/// larger job state is written as parts of this size first, each its own request, under a new
-/// generation; then the transaction that commits the update puts a small header naming that
-/// generation in `state` (and deletes the previous generation's parts). Readers see either the
-/// old header with the old parts or the new header with the new parts.
-const PART_BYTES: usize = 512 * 1024;
-/// Most parts of one state: 50 MiB of state, a job of about 200,000 nodes.
-const MAX_PARTS: usize = 100;
-
-/// The `state` value of a job written in parts: what the watch needs (version, suspects), the
-/// generation and how many parts it has under `part/{gen}/`.
-#[derive(serde::Serialize, serde::Deserialize)]
-struct PartsHeader {
-    version: u64,
-    /// The first suspected node, if any: the watch only asks whether any is (a list of
-    /// thousands would make the header as large as what it stands for).
-    #[serde(default)]
-    suspects: Vec<String>,
-    parts: usize,
-    generation: String,
-}
-
-/// Past this size a `state` value is a whole job, never a header.
-const HEADER_BYTES: usize = 64 * 1024;
-
-impl PartsHeader {
-    fn of(job: &Job, parts: usize, generation: String) -> Self {
-        PartsHeader {
-            version: job.version,
-            suspects: job.suspects.iter().take(1).cloned().collect(),
-            parts,
-            generation,
-        }
-    }
-}
-
-fn part_prefix(run_id: &str, generation: &str) -> String {
-    format!("{PREFIX}{run_id}/part/{generation}/")
-}
-
-/// Where every generation's parts of job `run_id` are.
-fn parts_prefix(run_id: &str) -> String {
-    format!("{PREFIX}{run_id}/part/")
-}
-
-fn part_key(run_id: &str, generation: &str, i: usize) -> String {
-    format!("{PREFIX}{run_id}/part/{generation}/{i:04}")
-}
-
-/// A job's state from its `state` value and the part keys read with it: the value itself, or
-/// the parts of the generation its header names (and that generation).
-fn assemble(
-    run_id: &str,
-    state: &etcd_client::KeyValue,
-    parts: &[&etcd_client::KeyValue],
-) -> Result<(Job, Option<String>), RdzvError> {
-    let corrupt = |source| RdzvError::Corrupt { run_id: run_id.to_owned(), source };
-    // A header is small; a whole state (not one) is not mistaken for it, as it has no `parts`.
-    let header =
-        (state.value().len() < HEADER_BYTES).then(|| serde_json::from_slice::<PartsHeader>(state.value()).ok());
-    let header = match header {
-        Some(Some(header)) => header,
-        _ => match serde_json::from_slice(state.value()) {
-            Ok(job) => return Ok((job, None)),
-            // A large header (written by an older version, with every suspect in it).
-            Err(e) => serde_json::from_slice::<PartsHeader>(state.value()).map_err(|_| corrupt(e))?,
-        },
-    };
-    let prefix = part_prefix(run_id, &header.generation);
-    let mine: Vec<&&etcd_client::KeyValue> =
-        parts.iter().filter(|kv| kv.key().starts_with(prefix.as_bytes())).collect();
-    if mine.len() != header.parts {
-        return Err(RdzvError::Store {
-            message: format!("job `{run_id}`: {} of its {} state parts found", mine.len(), header.parts),
-        });
-    }
-    let mut bytes = Vec::with_capacity(header.parts * PART_BYTES);
-    for kv in mine {
-        bytes.extend_from_slice(kv.value());
-    }
-    serde_json::from_slice(&bytes).map(|job| (job, Some(header.generation))).map_err(corrupt)
-}
-
 /// Keys per page when listing every job, and the answer size that allows (values are at most
 /// etcd's 1.5 MiB request limit each).
 const PAGE_KEYS: i64 = 64;
 const PAGE_BYTES: usize = 128 << 20;
-
-/// The first key after every key that starts with `prefix`.
-fn prefix_end(prefix: &str) -> Vec<u8> {
-    let mut end = prefix.as_bytes().to_vec();
-    while let Some(last) = end.pop() {
-        if last < 0xff {
-            end.push(last + 1);
-            return end;
-        }
-    }
-    vec![0]
-}
-
-fn state_key(run_id: &str) -> String {
-    format!("{PREFIX}{run_id}/state")
-}
-
-fn alive_prefix(run_id: &str) -> String {
-    format!("{PREFIX}{run_id}/alive/")
-}
-
-fn alive_key(run_id: &str, node_id: &str) -> String {
-    format!("{PREFIX}{run_id}/alive/{node_id}")
-}
-
-/// The job as stored: heartbeat times are derived from leases, never persisted.
-fn stored(job: &Job) -> Job {
-    let mut j = job.clone();
-    j.last_seen.clear();
-    for h in j.health.values_mut() {
-        h.arrivals.clear();
-    }
-    // Only what the detector must remember across processes: suspicions and probe counts.
-    j.health.retain(|_, h| h.suspicion.is_some() || h.probes_reached + h.probes_missed > 0);
-    j
-}
 
 /// Whether another member might answer where this one failed.
 fn is_unavailable(e: &etcd_client::Error) -> bool {
@@ -406,7 +248,7 @@ impl EtcdStore {
         if clients.is_empty() {
             return Err(RdzvError::BadRequest { message: "no etcd endpoint given".to_owned() });
         }
-        let (changes, _) = watch::channel(0u64);
+        let (changes, _) = tokio::sync::watch::channel(0u64);
         let expired = Arc::new(Notify::new());
         let versions = Arc::new(std::sync::Mutex::new(HashMap::new()));
         let probing = Arc::new(std::sync::Mutex::new(Owed::new()));
@@ -479,63 +321,6 @@ impl EtcdStore {
         Err(last)
     }
 
-    /// The transaction operations that make `value` job `run_id`'s state: a put of it under
-    /// `state` when small; else its parts are written now, each on its own, and the operations
-    /// put a header naming their generation. Every other generation's parts are deleted: the
-    /// previous one's, and any a writer killed in the middle of a large write left behind,
-    /// which no header names. (A concurrent writer whose parts this deletes loses its race
-    /// anyway: this transaction changes the state it compared, so it reads again and writes a
-    /// new generation.)
-    async fn state_ops(
-        &self,
-        run_id: &str,
-        job: &Job,
-        value: Vec<u8>,
-    ) -> Result<(Vec<TxnOp>, Option<String>), RdzvError> {
-        let parts = parts_prefix(run_id);
-        if value.len() <= PART_BYTES {
-            let ops = vec![
-                TxnOp::delete(parts, Some(DeleteOptions::new().with_prefix())),
-                TxnOp::put(state_key(run_id), value, None),
-            ];
-            return Ok((ops, None));
-        }
-        let chunks: Vec<Vec<u8>> = value.chunks(PART_BYTES).map(<[u8]>::to_vec).collect();
-        if chunks.len() > MAX_PARTS {
-            return Err(RdzvError::Store {
-                message: format!(
-                    "job `{run_id}`: a state of {} bytes is over the bound of {} bytes",
-                    value.len(),
-                    PART_BYTES * MAX_PARTS
-                ),
-            });
-        }
-        let generation = format!("{:016x}", rand::random::<u64>());
-        for (i, chunk) in chunks.iter().enumerate() {
-            let key = part_key(run_id, &generation, i);
-            let written = self
-                .run("put state part", |mut c| {
-                    let (key, chunk) = (key.clone(), chunk.clone());
-                    async move { c.put(key, chunk, None).await }
-                })
-                .await;
-            if let Err(e) = written {
-                self.drop_parts(run_id, Some(&generation)).await;
-                return Err(e);
-            }
-        }
-        let header = PartsHeader::of(job, chunks.len(), generation.clone());
-        let header = serde_json::to_vec(&header).map_err(|e| RdzvError::Store { message: e.to_string() })?;
-        // Every generation but the new one: the keys before its prefix and after it.
-        let mine = part_prefix(run_id, &generation);
-        let ops = vec![
-            TxnOp::delete(parts.clone(), Some(DeleteOptions::new().with_range(mine.clone()))),
-            TxnOp::delete(prefix_end(&mine), Some(DeleteOptions::new().with_range(prefix_end(&parts)))),
-            TxnOp::put(state_key(run_id), header, None),
-        ];
-        Ok((ops, Some(generation)))
-    }
-
     /// Deletes every key under `prefix`; a failure is logged as `what` (the next pass retries).
     async fn delete_prefix(&self, run_id: &str, prefix: String, what: &'static str) {
         let deleted = self
@@ -546,14 +331,6 @@ impl EtcdStore {
             .await;
         if let Err(error) = deleted {
             warn!(run_id, %error, "{what}");
-        }
-    }
-
-    /// Deletes the parts of a generation no header names (an update that lost its race).
-    async fn drop_parts(&self, run_id: &str, generation: Option<&str>) {
-        if let Some(generation) = generation {
-            let what = "could not delete the parts of an update that did not commit";
-            self.delete_prefix(run_id, part_prefix(run_id, generation), what).await;
         }
     }
 
@@ -797,207 +574,6 @@ impl EtcdStore {
             }
         }
         Err(RdzvError::Store { message: format!("could not renew the alive key of {node_id}: the job kept changing") })
-    }
-
-    /// Applies `ev` to the job in etcd. Concurrent callers in this process are grouped: one
-    /// task reads the job once, applies every queued event in arrival order and writes once
-    /// (compare mod revision, then put), so a thousand agents joining at once cost a handful of
-    /// transactions, not a thousand conflicting ones.
-    pub async fn apply(
-        &self,
-        run_id: &str,
-        create: Option<&JobSettings>,
-        ev: Event,
-        guard: Guard,
-        now: Millis,
-    ) -> Result<(Arc<Job>, Decision), RdzvError> {
-        let (tx, rx) = oneshot::channel();
-        let queued = Queued { create: create.cloned(), ev, guard, now, reply: tx };
-        let lead = {
-            let mut queues = self.inner.queues.lock().unwrap_or_else(|p| p.into_inner());
-            let q = queues.entry(run_id.to_owned()).or_default();
-            q.waiting.push(queued);
-            !std::mem::replace(&mut q.busy, true)
-        };
-        if lead {
-            // On its own task: a caller that gives up (a dropped HTTP request) must not strand
-            // the callers queued behind it.
-            tokio::spawn(self.clone().drain(run_id.to_owned()));
-        }
-        rx.await
-            .unwrap_or_else(|_| Err(RdzvError::Store { message: "the update task ended without an answer".to_owned() }))
-    }
-
-    async fn drain(self, run_id: String) {
-        loop {
-            let batch = {
-                let mut queues = self.inner.queues.lock().unwrap_or_else(|p| p.into_inner());
-                let Some(q) = queues.get_mut(&run_id) else { return };
-                if q.waiting.is_empty() {
-                    queues.remove(&run_id);
-                    return;
-                }
-                std::mem::take(&mut q.waiting)
-            };
-            self.commit(&run_id, batch).await;
-        }
-    }
-
-    /// Read, apply a batch of events, compare-and-put; retried from the read on conflict.
-    async fn commit(&self, run_id: &str, batch: Vec<Queued>) {
-        let key = state_key(run_id);
-        let mut failure: Option<String> = None;
-        let mut unconfirmed: Option<String> = None;
-        for attempt in 1..=MAX_ATTEMPTS {
-            if attempt > 1 {
-                // Someone else wrote first: back off a little, with jitter, before re-reading.
-                let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
-                let jitter = u64::from(nanos % 20);
-                tokio::time::sleep(Duration::from_millis(jitter + 2 * u64::from(attempt.min(10)))).await;
-            }
-            let snap = match self.read(run_id).await {
-                Ok(snap) => snap,
-                Err(e) => {
-                    failure = Some(error_chain(&e));
-                    break;
-                }
-            };
-            if let Some(generation) = unconfirmed.take() {
-                if snap.generation.as_deref() != Some(generation.as_str()) {
-                    self.drop_parts(run_id, Some(&generation)).await;
-                }
-            }
-            let created = snap.job.is_none();
-            let now = batch.first().map(|q| q.now).unwrap_or(0);
-            let mut job: Option<Job> = snap.job.as_deref().cloned().map(|j| Self::with_liveness(j, &snap.alive, now));
-            let mut outcomes: Vec<Result<Decision, RdzvError>> = Vec::with_capacity(batch.len());
-            for q in &batch {
-                // The job under this run id is over and its nodes quiet: this join starts anew.
-                if let Some(mut next) =
-                    job.as_ref().and_then(|j| super::replacement(j, q.create.as_ref(), &q.ev, q.now))
-                {
-                    let d = round::apply_joining(&mut next, q.create.as_ref(), q.ev.clone(), &q.guard, q.now);
-                    if !matches!(d.action, Action::Rejected(_)) {
-                        job = Some(next);
-                    }
-                    outcomes.push(Ok(d));
-                    continue;
-                }
-                // Settings checks and creation as in `existing_or_new`, without copying the job.
-                let fresh = job.is_none();
-                match (&job, q.create.as_ref()) {
-                    (Some(j), Some(settings)) if !j.settings.same_job(settings) => {
-                        outcomes.push(Err(super::mismatch(run_id, &j.settings, settings)));
-                        continue;
-                    }
-                    (Some(_), _) => {}
-                    (None, Some(_))
-                        if self.inner.job_count.load(Ordering::Relaxed)
-                            >= self.inner.max_jobs.load(Ordering::Relaxed) =>
-                    {
-                        let (n, max) =
-                            (self.inner.job_count.load(Ordering::Relaxed), self.inner.max_jobs.load(Ordering::Relaxed));
-                        outcomes.push(Err(super::too_many_jobs(n, max)));
-                        continue;
-                    }
-                    (None, Some(settings)) => {
-                        job = Some(Self::with_liveness(Job::new(settings.clone(), q.now), &snap.alive, q.now));
-                    }
-                    (None, None) => {
-                        outcomes.push(Err(RdzvError::UnknownJob { run_id: run_id.to_owned() }));
-                        continue;
-                    }
-                }
-                let j = job.as_mut().expect("the job exists or was just created");
-                let d = round::apply_joining(j, q.create.as_ref(), q.ev.clone(), &q.guard, q.now);
-                if fresh && matches!(d.action, Action::Rejected(_)) {
-                    // A refused first join creates nothing.
-                    job = None;
-                }
-                outcomes.push(Ok(d));
-            }
-            let Some(next) = job else {
-                // Nothing created (every event refused): answer without writing.
-                return reply_all(batch, outcomes, None);
-            };
-            let to_store = stored(&next);
-            let unchanged = !created && snap.job.as_deref().map(stored).as_ref() == Some(&to_store);
-            if unchanged {
-                return reply_all(batch, outcomes, Some(Arc::new(next)));
-            }
-            let value = match serde_json::to_vec(&to_store) {
-                Ok(v) => v,
-                Err(e) => {
-                    failure = Some(format!("cannot encode job state: {e}"));
-                    break;
-                }
-            };
-            let mut cmps = vec![if created {
-                Compare::version(key.clone(), CompareOp::Equal, 0)
-            } else {
-                Compare::mod_revision(key.clone(), CompareOp::Equal, snap.mod_revision)
-            }];
-            // A node dropped because its key was missing must still have none: a lease renewed
-            // meanwhile (renew_if_tracked) makes this update read the job again. Past a rack of
-            // such nodes one compare covers them all: no alive key of the job written since the
-            // read (etcd takes at most 128 compares; that one also fails on a join or a key taken
-            // over by another replica, so it is the last resort).
-            if let Some(before) = &snap.job {
-                let alive: HashSet<&str> = snap.alive.iter().map(String::as_str).collect();
-                let dropped: Vec<&str> =
-                    before.watched().into_iter().filter(|id| !alive.contains(id) && !next.tracks(id)).collect();
-                if dropped.len() <= MAX_KEY_COMPARES {
-                    cmps.extend(dropped.iter().map(|id| Compare::version(alive_key(run_id, id), CompareOp::Equal, 0)));
-                } else {
-                    let since = Compare::mod_revision(alive_prefix(run_id), CompareOp::Less, snap.revision + 1);
-                    cmps.push(since.with_prefix());
-                }
-            }
-            let (ops, new_generation) = match self.state_ops(run_id, &to_store, value).await {
-                Ok(ops) => ops,
-                Err(e) => {
-                    failure = Some(error_chain(&e));
-                    break;
-                }
-            };
-            let txn = Txn::new().when(cmps).and_then(ops);
-            match self
-                .run("transaction", |mut c| {
-                    let txn = txn.clone();
-                    async move { c.txn(txn).await }
-                })
-                .await
-            {
-                Ok(resp) if resp.succeeded() => {
-                    if created {
-                        self.inner.job_count.fetch_add(1, Ordering::Relaxed);
-                    }
-                    if let Some(v) = self.inner.versions.lock().unwrap_or_else(|p| p.into_inner()).get_mut(run_id) {
-                        *v = (*v).max(next.version);
-                    }
-                    self.note_keys(run_id, &next);
-                    let next = Arc::new(next);
-                    self.note_latest(run_id, &next);
-                    return reply_all(batch, outcomes, Some(next));
-                }
-                // The transaction may have committed after all (an answer lost, then the same
-                // transaction retried on another member, whose compare fails): its parts are
-                // dropped only once a read shows the state does not name them.
-                Ok(_) => {
-                    unconfirmed = new_generation;
-                    debug!(run_id, attempt, "lost a concurrent update of the job; retrying")
-                }
-                Err(e) => {
-                    failure = Some(error_chain(&e));
-                    break;
-                }
-            }
-        }
-        let message = failure.unwrap_or_else(|| format!("gave up after {MAX_ATTEMPTS} conflicting concurrent updates"));
-        warn!(run_id, message = %message, "job update failed");
-        for q in batch {
-            let _ = q.reply.send(Err(RdzvError::Store { message: message.clone() }));
-        }
     }
 
     pub async fn load(&self, run_id: &str, now: Millis) -> Result<Option<Job>, RdzvError> {
@@ -1378,167 +954,4 @@ enum Hold {
     /// It exists on another lease, and was left there.
     Elsewhere,
     Absent,
-}
-
-/// Probes owed, by job and prober.
-type Owed = HashMap<String, HashMap<String, Vec<ProbeRequest>>>;
-
-/// Records the probes `job` (None: none suspected) asks of each of its nodes.
-fn note_probing(probing: &std::sync::Mutex<Owed>, run_id: &str, job: Option<&Job>) {
-    let owed: HashMap<String, Vec<ProbeRequest>> = job
-        .filter(|j| !j.suspects.is_empty())
-        .map(|j| {
-            let probers: HashSet<&String> = j
-                .suspects
-                .iter()
-                .filter_map(|id| j.health.get(id)?.suspicion.as_ref())
-                .flat_map(|s| s.asked.iter())
-                .collect();
-            probers.into_iter().map(|p| (p.clone(), j.probes_for(p))).filter(|(_, v)| !v.is_empty()).collect()
-        })
-        .unwrap_or_default();
-    let mut probing = probing.lock().unwrap_or_else(|p| p.into_inner());
-    if owed.is_empty() {
-        probing.remove(run_id);
-    } else {
-        probing.insert(run_id.to_owned(), owed);
-    }
-}
-
-/// Watches the whole prefix for as long as the store lives; reconnects after errors.
-async fn watch_loop(
-    clients: Vec<Client>,
-    changes: watch::Sender<u64>,
-    expired: Arc<Notify>,
-    versions: Arc<std::sync::Mutex<HashMap<String, u64>>>,
-    probing: Arc<std::sync::Mutex<Owed>>,
-    leases: Arc<std::sync::Mutex<Leases>>,
-) {
-    let mut next_revision: i64 = 0;
-    let mut member = 0usize;
-    loop {
-        // After any failure, the next attempt goes to the next member.
-        member = (member + 1) % clients.len();
-        let mut client = clients[member].clone();
-        let mut opts = WatchOptions::new().with_prefix();
-        if next_revision > 0 {
-            opts = opts.with_start_revision(next_revision);
-        }
-        let mut stream = match client.watch(PREFIX, Some(opts)).await {
-            Ok(stream) => stream,
-            Err(error) => {
-                debug!(error = %error, "etcd watch failed to start; retrying");
-                tokio::time::sleep(Duration::from_millis(200)).await;
-                continue;
-            }
-        };
-        // Whatever happened while the watch was down, waiters must re-read; keys we hold are
-        // read again unless the watch resumed where it stopped.
-        leases.lock().unwrap_or_else(|p| p.into_inner()).on_watch_start(next_revision > 0);
-        changes.send_modify(|v| *v += 1);
-        loop {
-            match stream.message().await {
-                Ok(Some(resp)) => {
-                    if resp.canceled() {
-                        // Compacted past our revision: start again from now.
-                        next_revision = 0;
-                        break;
-                    }
-                    // An answer without events (created, progress) vouches for everything up
-                    // to its header's revision; one with events, for its events only.
-                    if resp.events().is_empty() {
-                        if let Some(h) = resp.header() {
-                            next_revision = next_revision.max(h.revision() + 1);
-                        }
-                    }
-                    let mut any = false;
-                    for ev in resp.events() {
-                        let Some(kv) = ev.kv() else { continue };
-                        next_revision = next_revision.max(kv.mod_revision() + 1);
-                        any = true;
-                        let deleted = ev.event_type() == EventType::Delete;
-                        if kv.key().windows(7).any(|w| w == b"/alive/") {
-                            // A key deleted, or put on another replica's lease, after our put is
-                            // no longer ours to answer heartbeats for from memory.
-                            let key = String::from_utf8_lossy(kv.key());
-                            let mut leases = leases.lock().unwrap_or_else(|p| p.into_inner());
-                            leases.on_event(&key, kv.mod_revision(), kv.lease(), deleted, Instant::now());
-                            if deleted {
-                                expired.notify_one();
-                            }
-                        }
-                        if ev.event_type() == EventType::Put {
-                            note_watched_version(&versions, &probing, kv.key(), kv.value());
-                        }
-                    }
-                    if any {
-                        changes.send_modify(|v| *v += 1);
-                    }
-                }
-                Ok(None) => break,
-                Err(error) => {
-                    debug!(error = %error, "etcd watch stream broke; reconnecting");
-                    break;
-                }
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-/// Records the version of a job state seen in a watch event.
-fn note_watched_version(
-    versions: &std::sync::Mutex<HashMap<String, u64>>,
-    probing: &std::sync::Mutex<Owed>,
-    key: &[u8],
-    value: &[u8],
-) {
-    #[derive(serde::Deserialize)]
-    struct VersionOnly {
-        version: u64,
-        #[serde(default)]
-        suspects: Vec<serde::de::IgnoredAny>,
-    }
-    let key = String::from_utf8_lossy(key);
-    let Some(run_id) = key.strip_prefix(PREFIX).and_then(|k| k.strip_suffix("/state")) else { return };
-    let Ok(VersionOnly { version, suspects }) = serde_json::from_slice(value) else { return };
-    // The whole job is parsed only while some node is suspected; a job written in parts has
-    // only its header here, and its probes are noted by the next read (the ticker's, at most a
-    // tick away).
-    if suspects.is_empty() {
-        note_probing(probing, run_id, None);
-    } else if let Ok(job) = serde_json::from_slice::<Job>(value) {
-        note_probing(probing, run_id, Some(&job));
-    }
-    let mut versions = versions.lock().unwrap_or_else(|p| p.into_inner());
-    let v = versions.entry(run_id.to_owned()).or_insert(version);
-    *v = (*v).max(version);
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_parts_header_stays_small_however_many_nodes_are_suspected() {
-        let settings = JobSettings {
-            min_nodes: 1,
-            max_nodes: 20_000,
-            join_timeout: Duration::from_secs(60),
-            last_call_timeout: Duration::from_secs(1),
-            heartbeat_interval: Duration::from_secs(5),
-            node_ttl: Duration::from_secs(30),
-            probe_timeout: Duration::from_secs(10),
-            max_restarts: 0,
-            stop_grace: Duration::ZERO,
-            hang_timeout: None,
-            fingerprint: None,
-        };
-        let mut job = Job::new(settings, 0);
-        job.suspects = (0..10_000).map(|i| format!("node-{i:05}-of-a-large-job")).collect();
-        let header = serde_json::to_vec(&PartsHeader::of(&job, 3, "0123456789abcdef".to_owned())).unwrap();
-        assert!(header.len() < HEADER_BYTES / 16, "{} bytes", header.len());
-        let read: PartsHeader = serde_json::from_slice(&header).unwrap();
-        assert_eq!(read.suspects, ["node-00000-of-a-large-job"], "the watch still sees that some are suspected");
-    }
 }
