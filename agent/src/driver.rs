@@ -16,11 +16,11 @@ use rlaunch_rendezvous::{RdzvError, RendezvousClient, WatchEvent};
 use crate::core::{
     Action, CallError, Core, Event, Membership, Outcome, Placement, Report, ReportKind, Watch, WorkersEnd,
 };
-use crate::elastic::{self, ElasticSetup};
-use crate::hang::{self, Detector};
+use crate::elastic::{self, call_error, store_bind, ElasticSetup};
 use crate::hangwatch;
 use crate::output::DupFilter;
-use crate::workers::{GroupIo, GroupOutcome, WorkerGroup};
+use crate::supervisor::{Action as SupAction, Event as SupEvent, HangPolicy, Supervisor};
+use crate::workers::{GroupIo, WorkerGroup};
 use crate::{process, start_store, worker_specs, AgentConfig, AgentError, Ctx, RendezvousConfig, RunOutcome, Signals};
 
 /// How often the core's clock ticks (fencing, retries).
@@ -107,6 +107,9 @@ enum GroupCmd {
     Stacks(tokio::sync::oneshot::Sender<Vec<String>>),
 }
 
+/// The effects of [`Supervisor`]'s decisions for one group, on a task of its own: exits, the
+/// driver's commands, samples and stacks (read on tasks of their own, so a slow py-spy never
+/// holds up an exit or a stop) go in as events; what the supervisor returns is carried out.
 fn supervise(
     mut group: WorkerGroup,
     grace: Duration,
@@ -116,150 +119,136 @@ fn supervise(
 ) -> UnboundedSender<GroupCmd> {
     let (cmd_tx, mut cmds) = unbounded_channel();
     tokio::spawn(async move {
-        let mut ended = false;
         let start = tokio::time::Instant::now();
         let clock = move || u64::try_from(start.elapsed().as_millis()).unwrap_or(u64::MAX);
-        let mut detector = hang.as_ref().map(|h| Detector::new(h.timeout, group.size(), hangwatch::ticks_per_s(), 0));
-        let mut samples = tokio::time::interval(hangwatch::SAMPLE_EVERY);
-        samples.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        // A verdict held until then (`hang::hold_verdict`).
-        let mut hold_until: Option<u64> = None;
-        // The stacks read when the group ended (a verdict, a failure's survivors): what a
-        // `Stacks` command racing that end gets.
-        let mut last_lines: Vec<String> = Vec::new();
-        // Once the group is over its ranks' waits are the last round's: heartbeats stop carrying them.
-        let forget_steps = |steps: &Option<crate::elastic::StepsShared>| {
-            if let Some(s) = steps {
-                s.lock().unwrap_or_else(|p| p.into_inner()).clear();
-            }
-        };
+        let policy = hang.as_ref().map(|h| HangPolicy {
+            timeout: h.timeout,
+            nodes: h.nodes,
+            ticks_per_s: hangwatch::ticks_per_s(),
+        });
+        let py_spy = hang.and_then(|h| h.py_spy);
+        let mut sup = Supervisor::new(group.ranks(), policy, steps.is_some(), clock());
+        // Samples and stacks read on tasks of their own come back here.
+        let (done_tx, mut done) = unbounded_channel::<SupEvent>();
+        let mut replies: Vec<tokio::sync::oneshot::Sender<Vec<String>>> = Vec::new();
+        let mut waiters_gone = false;
         loop {
-            tokio::select! {
-                outcome = group.wait(), if !ended => {
-                    ended = true;
-                    forget_steps(&steps);
-                    let end = match outcome {
-                        GroupOutcome::Succeeded => {
-                            group.reap_stragglers().await;
-                            WorkersEnd::Succeeded
-                        }
-                        GroupOutcome::Failed(mut rc) => {
-                            // Where the survivors stood when it failed, before anyone stops them.
-                            if let Some(h) = &hang {
-                                let survivors = group.watched();
-                                if !survivors.is_empty() {
-                                    let stacks = hangwatch::stacks(h.py_spy.as_deref(), &survivors).await;
-                                    rc.stacks = hang::report_lines(&stacks);
-                                    last_lines = rc.stacks.clone();
-                                }
-                            }
-                            WorkersEnd::Failed(rc)
-                        }
-                    };
-                    let _ = events.send(Event::WorkersEnded(end));
-                }
-                _ = samples.tick(), if (detector.is_some() || steps.is_some()) && !ended => {
-                    if let Some(shared) = &steps {
-                        *shared.lock().unwrap_or_else(|p| p.into_inner()) = hangwatch::rank_waits(&group.watched());
+            let wake = sup.next_wakeup().map(|at| start + Duration::from_millis(at));
+            let event = tokio::select! {
+                biased;
+                exit = group.next_exit(), if group.any_running() && !waiters_gone => match exit {
+                    Some((index, exit, seen_at)) => SupEvent::Exited { index, exit, seen_at },
+                    None => {
+                        // Every waiter is gone without reporting (cannot happen while each
+                        // sends once): a failure of the group.
+                        waiters_gone = true;
+                        let index = group.first_running().unwrap_or(0);
+                        SupEvent::Exited { index, exit: rlaunch::contract::Exit::Code(1), seen_at: crate::report::now_unix() }
                     }
-                    let (Some(d), Some(h)) = (detector.as_mut(), hang.as_ref()) else { continue };
-                    if group.take_exits() {
-                        // A failure the next `wait` reports: no hang to judge.
-                        continue;
-                    }
-                    let now = clock();
-                    let watched = group.watched();
-                    let quiet: Vec<&hangwatch::Watched> = watched.iter().filter(|w| d.wants_stack(w.index, now)).collect();
-                    let digests = if quiet.is_empty() {
-                        Default::default()
-                    } else {
-                        hangwatch::stack_digests(h.py_spy.as_deref(), &quiet).await
-                    };
-                    let samples = hangwatch::samples(&watched, &digests);
-                    for i in 0..group.size() {
-                        match samples.get(&i) {
-                            Some(s) => {
-                                d.observe(i, *s, now);
-                            }
-                            None => d.retire(i),
-                        }
-                    }
-                    let Some(verdict) = d.verdict(now) else {
-                        hold_until = None;
-                        continue;
-                    };
-                    if group.take_exits() || hold_until.is_some_and(|t| now < t) {
-                        continue;
-                    }
-                    let watched = group.watched();
-                    let stacks = hangwatch::stacks(h.py_spy.as_deref(), &watched).await;
-                    if hold_until.is_none() {
-                        let hold = hang::hold_verdict(&hang::group(&stacks), h.nodes, verdict.threshold);
-                        if !hold.is_zero() {
-                            info!(
-                                hold_s = hold.as_secs_f64(),
-                                "no progress here, every rank waits in a collective: holding the verdict for the node where the odd one out stands"
-                            );
-                            hold_until = Some(now.saturating_add(u64::try_from(hold.as_millis()).unwrap_or(u64::MAX)));
-                            continue;
-                        }
-                    }
-                    let ranks: Vec<u32> =
-                        verdict.stalled.iter().filter_map(|i| watched.iter().find(|w| w.index == *i)).map(|w| w.rank).collect();
-                    let lines = hang::report_lines(&stacks);
-                    let message = format!(
-                        "hang: no progress from rank(s) {} for {:.0} s (--hang-timeout {:.0} s); where each rank stood, the odd one out first: {}",
-                        hang::ranges(&ranks),
-                        verdict.quiet_for.as_secs_f64(),
-                        verdict.threshold.as_secs_f64(),
-                        lines.first().map(String::as_str).unwrap_or("no stacks"),
-                    );
-                    warn!("{message}");
-                    for l in &lines {
-                        warn!("  {l}");
-                    }
-                    // The root cause is the odd one out (quiet or not: a rank spinning in a loop
-                    // while the others wait is the culprit), else the longest quiet.
-                    let odd = hang::group(&stacks).first().and_then(|(ranks, _)| ranks.first().copied());
-                    let culprit = odd
-                        .and_then(|r| watched.iter().find(|w| w.rank == r))
-                        .map_or(verdict.stalled[0], |w| w.index);
-                    last_lines = lines.clone();
-                    let rc = group.hang_root_cause(culprit, message, lines);
-                    ended = true;
-                    forget_steps(&steps);
-                    let _ = events.send(Event::WorkersEnded(WorkersEnd::Hung(Box::new(rc))));
-                }
+                },
                 cmd = cmds.recv() => match cmd {
-                    Some(GroupCmd::Signal(sig)) => {
-                        info!(signal = %process::signal_name(sig), "relaying signal to workers");
-                        group.signal_all(sig);
-                    }
+                    Some(GroupCmd::Signal(sig)) => SupEvent::Signal(sig),
+                    Some(GroupCmd::Stop { first }) => SupEvent::Stop { first },
                     Some(GroupCmd::Stacks(reply)) => {
-                        let lines = match (&hang, ended) {
-                            (Some(h), false) => {
-                                let watched = group.watched();
-                                hang::report_lines(&hangwatch::stacks(h.py_spy.as_deref(), &watched).await)
-                            }
-                            (Some(_), true) => last_lines.clone(),
-                            (None, _) => Vec::new(),
-                        };
-                        let _ = reply.send(lines);
-                    }
-                    Some(GroupCmd::Stop { first }) => {
-                        group.stop(grace, first).await;
-                        // The group is over: no `WorkersEnded` may follow the stop.
-                        ended = true;
-                        forget_steps(&steps);
-                        let _ = events.send(Event::WorkersStopped);
+                        replies.push(reply);
+                        SupEvent::StacksWanted
                     }
                     // The driver let go of the group: `WorkerGroup`'s drop kills what is left.
                     None => return,
                 },
+                Some(e) = done.recv() => e,
+                _ = sleep_until_or_never(wake) => SupEvent::Tick,
+            };
+            // Exits already noticed come first: one that happened while a sample was taken is
+            // never judged a hang.
+            let mut queue: std::collections::VecDeque<SupEvent> = std::collections::VecDeque::new();
+            if !matches!(event, SupEvent::Exited { .. }) {
+                while let Some((index, exit, seen_at)) = group.try_next_exit() {
+                    queue.push_back(SupEvent::Exited { index, exit, seen_at });
+                }
+            }
+            queue.push_back(event);
+            while let Some(event) = queue.pop_front() {
+                for action in sup.step(event, clock()) {
+                    match action {
+                        SupAction::Sample { stacks_of } => {
+                            let watched = group.watched();
+                            let (py_spy, tx) = (py_spy.clone(), done_tx.clone());
+                            tokio::spawn(async move {
+                                let quiet: Vec<&hangwatch::Watched> =
+                                    watched.iter().filter(|w| stacks_of.contains(&w.index)).collect();
+                                let digests = if quiet.is_empty() {
+                                    Default::default()
+                                } else {
+                                    hangwatch::stack_digests(py_spy.as_deref(), &quiet).await
+                                };
+                                let _ = tx.send(SupEvent::Sampled(hangwatch::samples(&watched, &digests)));
+                            });
+                        }
+                        SupAction::PublishSteps => {
+                            if let Some(shared) = &steps {
+                                *shared.lock().unwrap_or_else(|p| p.into_inner()) =
+                                    hangwatch::rank_waits(&group.watched());
+                            }
+                        }
+                        SupAction::ForgetSteps => {
+                            // Once the group is over its ranks' waits are the last round's.
+                            if let Some(s) = &steps {
+                                s.lock().unwrap_or_else(|p| p.into_inner()).clear();
+                            }
+                        }
+                        SupAction::ReadStacks { id } => {
+                            let watched = group.watched();
+                            let (py_spy, tx) = (py_spy.clone(), done_tx.clone());
+                            tokio::spawn(async move {
+                                let stacks = hangwatch::stacks(py_spy.as_deref(), &watched).await;
+                                let _ = tx.send(SupEvent::StacksRead { id, stacks });
+                            });
+                        }
+                        SupAction::ReplyStacks(lines) => {
+                            for r in replies.drain(..) {
+                                let _ = r.send(lines.clone());
+                            }
+                        }
+                        SupAction::Signal(sig) => {
+                            info!(signal = %process::signal_name(sig), "relaying signal to workers");
+                            group.signal_all(sig);
+                        }
+                        SupAction::Stop { first } => {
+                            group.stop(grace, first).await;
+                            queue.push_back(SupEvent::Stopped);
+                        }
+                        SupAction::Stopped => {
+                            let _ = events.send(Event::WorkersStopped);
+                        }
+                        SupAction::Succeeded => {
+                            group.reap_stragglers().await;
+                            let _ = events.send(Event::WorkersEnded(WorkersEnd::Succeeded));
+                        }
+                        SupAction::Failed(failure) => {
+                            let rc = group.failure_report(failure).await;
+                            let _ = events.send(Event::WorkersEnded(WorkersEnd::Failed(Box::new(rc))));
+                        }
+                        SupAction::Hung(h) => {
+                            let rc = group.hang_root_cause(h.culprit, h.message, h.stacks);
+                            let _ = events.send(Event::WorkersEnded(WorkersEnd::Hung(Box::new(rc))));
+                        }
+                        SupAction::Info(m) => info!("{m}"),
+                        SupAction::Warn(m) => warn!("{m}"),
+                    }
+                }
             }
         }
     });
     cmd_tx
+}
+
+/// Sleeps until `at`, or forever.
+async fn sleep_until_or_never(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
 }
 
 /// Everything the driver acts on.
@@ -589,36 +578,4 @@ impl Io<'_> {
             let _ = tx.send(Event::Reported { kind, result: seen(&slot, result) });
         });
     }
-}
-
-/// How the core sees a rendezvous error.
-pub(crate) fn call_error(e: &RdzvError) -> CallError {
-    match e {
-        // A rendezvous that lost the job (a memory store restarted) knows this node no more:
-        // rejoining creates the job again. A node whose id another agent now holds (forbidden)
-        // is no member either: it stops its workers and joins again.
-        RdzvError::UnknownNode { .. }
-        | RdzvError::NotMember { .. }
-        | RdzvError::UnknownJob { .. }
-        | RdzvError::Forbidden { .. } => CallError::NotMember,
-        RdzvError::JobFinished => CallError::JobFinished,
-        RdzvError::JobFailed { reason } | RdzvError::JoinTimeout { reason } => CallError::JobFailed(reason.clone()),
-        e if e.is_transient() => CallError::Transient(e.to_string()),
-        e => CallError::Refused(e.to_string()),
-    }
-}
-
-/// Where this node's stores (and its probe endpoint) listen: where they are advertised
-/// (`--store-bind` for setups that need more). A host name may resolve here to another address
-/// than other nodes see (Debian's 127.0.1.1 in /etc/hosts): then every address, as an address
-/// literal cannot mislead.
-pub(crate) fn store_bind(config: &crate::AgentConfig, advertise: &str) -> String {
-    let bind = config.store_bind.clone().unwrap_or_else(|| {
-        let literal = advertise.trim_start_matches('[').trim_end_matches(']');
-        match literal.parse::<std::net::IpAddr>() {
-            Ok(_) => literal.to_owned(),
-            Err(_) => "0.0.0.0".to_owned(),
-        }
-    });
-    HostPort::new(bind.trim_start_matches('[').trim_end_matches(']'), 0).map(|h| h.to_string()).unwrap_or(bind)
 }

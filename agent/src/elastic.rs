@@ -1,11 +1,12 @@
 //! The elastic edges of the agent: where the rendezvous runs (a server, etcd, or one this agent
 //! hosts), this node's identity and address, and heartbeats on a task of their own. The
-//! decisions are the core's (`core.rs`); the loop is the driver's (`driver.rs`).
+//! decisions are the core's (`core.rs`) and, for heartbeats and probes, `beats.rs`'s; the loop
+//! is the driver's (`driver.rs`).
 
 use std::net::{SocketAddr, ToSocketAddrs, UdpSocket};
 use std::time::Duration;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::task::{JoinHandle, JoinSet};
@@ -13,11 +14,11 @@ use tracing::{info, warn};
 
 use rlaunch::contract::{HostPort, NodeInfo};
 use rlaunch_rendezvous::api::{serve as serve_api, AppState};
-use rlaunch_rendezvous::detector::{ProbeReport, ProbeRequest, Sent};
+use rlaunch_rendezvous::detector::{ProbeReport, ProbeRequest};
 use rlaunch_rendezvous::{Backend, Beat, HeartbeatAnswer, RdzvError, Rendezvous, RendezvousClient};
 
-use crate::core::Event;
-use crate::driver::call_error;
+use crate::beats::{self, Beats, PROBE_ATTEMPTS};
+use crate::core::{CallError, Event};
 use crate::{AgentConfig, AgentError, DynamicBackend, DynamicRendezvous};
 
 /// Aborts a background task when dropped (heartbeats, an agent-hosted server).
@@ -77,7 +78,7 @@ pub(crate) async fn setup(
         })?;
     // Other members probe this agent here while it lives (the round's store comes and goes):
     // a store of its own that holds nothing and only answers pings.
-    let probe = crate::start_store(&crate::driver::store_bind(config, &advertise), PROBE_STORE_BYTES).await?;
+    let probe = crate::start_store(&store_bind(config, &advertise), PROBE_STORE_BYTES).await?;
     let probe_addr = HostPort::new(advertise.clone(), probe.local_addr().port()).ok();
     // And a UDP echo on the same port, which loss delays far less than a TCP handshake.
     let udp = match tokio::net::UdpSocket::bind(probe.local_addr()).await {
@@ -141,56 +142,21 @@ pub(crate) async fn setup(
 
 /// The probe endpoint's store holds nothing: a set beyond this closes the connection.
 const PROBE_STORE_BYTES: usize = 1024;
-/// Most probes under way at once: a mass suspicion must not exhaust this agent's descriptors.
-const MAX_PROBES: usize = 16;
-/// Most heartbeats in flight at once: a heartbeat held up by a retransmission does not hold up
-/// the next (each takes its own kept-alive connection), yet a rendezvous that answers nothing
-/// is not sent an unbounded pile.
-const MAX_IN_FLIGHT: usize = 6;
-/// TCP probe attempts per probed node, started this far apart (a lost SYN costs a second; a
-/// second attempt on another connection does not wait for it), beside UDP datagrams sent every
-/// `PROBE_UDP_EVERY`.
-const PROBE_ATTEMPTS: u32 = 3;
+/// A probe's TCP attempts ([`PROBE_ATTEMPTS`]) start this far apart (a lost SYN costs a second;
+/// a second attempt on another connection does not wait for it), beside UDP datagrams sent
+/// every `PROBE_UDP_EVERY`.
 const PROBE_STAGGER: Duration = Duration::from_millis(150);
 const PROBE_UDP_EVERY: Duration = Duration::from_millis(40);
 
-/// A heartbeat answered this much over the fastest recent round trip was held up by a
-/// retransmission (Linux waits at least 200 ms before resending a lost segment).
-const SLOW_MARGIN: Duration = Duration::from_millis(150);
-/// Round trips remembered to find the fastest.
-const RTT_WINDOW: usize = 64;
-
 enum Done {
-    /// A heartbeat's answer and round trip, with the probe outcomes it carried (kept for the
-    /// next one when this one did not get through).
-    Beat(Result<HeartbeatAnswer, RdzvError>, Duration, Vec<ProbeReport>),
+    /// Heartbeat `seq`'s answer and round trip.
+    Beat(u64, Result<HeartbeatAnswer, RdzvError>, Duration),
     Probe(ProbeReport),
 }
 
-/// Which heartbeat answers were late: the node's own view of its link, sent along so the
-/// rendezvous can show each node's loss (over TCP a lost packet is a late answer, not a gap).
-#[derive(Default)]
-struct RoundTrips {
-    recent: std::collections::VecDeque<Duration>,
-    slow: u64,
-}
-
-impl RoundTrips {
-    fn answered(&mut self, rtt: Duration) {
-        let fastest = self.recent.iter().min().copied();
-        if fastest.is_some_and(|f| rtt > f + SLOW_MARGIN) {
-            self.slow += 1;
-        }
-        if self.recent.len() == RTT_WINDOW {
-            self.recent.pop_front();
-        }
-        self.recent.push_back(rtt);
-    }
-}
-
-/// Sends a heartbeat every `every` without waiting for the previous answer, makes the probes
-/// the rendezvous asks for (and sends their outcomes at once), and tells the core of each
-/// answer. Every task it starts ends with it.
+/// Carries out the heartbeat decisions of [`Beats`]: sends a heartbeat every `every` without
+/// waiting for the previous answer, makes the probes the rendezvous asks for, and tells the
+/// core of each answer. Every task it starts ends with it.
 async fn heartbeat_loop(
     client: RendezvousClient,
     node_id: String,
@@ -203,81 +169,70 @@ async fn heartbeat_loop(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut tasks: JoinSet<Done> = JoinSet::new();
     // What each task is, so that one that panicked still frees its slot.
-    let mut kinds: HashMap<tokio::task::Id, Option<String>> = HashMap::new();
-    let (mut seq, mut nonce, mut in_flight) = (0u64, 0u32, 0usize);
-    let mut rtts = RoundTrips::default();
-    // The latest outcome per probed node, to go with the next heartbeat.
-    let mut reports: HashMap<String, bool> = HashMap::new();
-    let mut probing: HashSet<String> = HashSet::new();
+    let mut kinds: HashMap<tokio::task::Id, Result<u64, String>> = HashMap::new();
+    let mut beats = Beats::default();
+    // The error of the answer being stepped, for the core's view of it.
+    let mut last_error: Option<RdzvError> = None;
     loop {
-        let send_now = tokio::select! {
-            _ = tick.tick() => true,
+        let event = tokio::select! {
+            _ = tick.tick() => beats::Event::Tick,
             Some(done) = tasks.join_next_with_id() => {
-                let kind = kinds.remove(&match &done { Ok((id, _)) => *id, Err(e) => e.id() }).flatten();
-                match done {
-                    Ok((_, Done::Beat(result, rtt, carried))) => {
-                        in_flight -= 1;
-                        match &result {
-                            Ok(answer) => {
-                                rtts.answered(rtt);
-                                for req in &answer.probe {
-                                    if probing.len() < MAX_PROBES && probing.insert(req.node_id.clone()) {
-                                        nonce = nonce.wrapping_add(PROBE_ATTEMPTS + 1);
-                                        let task = tasks.spawn(probe_node(req.clone(), nonce, probe_within));
-                                        kinds.insert(task.id(), Some(req.node_id.clone()));
-                                    }
-                                }
-                            }
-                            Err(e) => {
-                                tracing::debug!(error = %e, "heartbeat failed");
-                                if e.is_transient() {
-                                    // Sent again, unless a newer outcome came meanwhile.
-                                    for r in carried {
-                                        reports.entry(r.node_id).or_insert(r.reached);
-                                    }
-                                }
-                            }
-                        }
-                        if events.send(Event::Heartbeat(result.map(|_| ()).map_err(|e| call_error(&e)))).is_err() {
-                            return;
-                        }
-                        false
+                let kind = kinds.remove(&match &done { Ok((id, _)) => *id, Err(e) => e.id() });
+                match (done, kind) {
+                    (Ok((_, Done::Beat(seq, result, rtt))), _) => {
+                        let result = result.map(|a| a.probe).map_err(|e| {
+                            tracing::debug!(error = %e, "heartbeat failed");
+                            let transient = e.is_transient();
+                            last_error = Some(e);
+                            beats::Failed { transient }
+                        });
+                        beats::Event::Answered { seq, result, rtt }
                     }
-                    Ok((_, Done::Probe(report))) => {
-                        probing.remove(&report.node_id);
-                        if !report.reached {
-                            info!(node = %report.node_id, "probe: could not reach the suspected node");
-                        }
-                        reports.insert(report.node_id, report.reached);
-                        true
-                    }
-                    Err(e) => {
+                    (Ok((_, Done::Probe(report))), _) => beats::Event::Probed(report),
+                    (Err(e), kind) => {
                         warn!(error = %e, "a heartbeat or probe task failed");
                         match kind {
-                            Some(node) => {
-                                probing.remove(&node);
-                            }
-                            None => in_flight -= 1,
+                            Some(Ok(seq)) => beats::Event::BeatLost { seq },
+                            Some(Err(node_id)) => beats::Event::ProbeLost { node_id },
+                            None => continue,
                         }
-                        false
                     }
                 }
             }
         };
-        if send_now && in_flight < MAX_IN_FLIGHT {
-            seq += 1;
-            let probes = reports.drain().map(|(node_id, reached)| ProbeReport { node_id, reached }).collect();
-            let steps = steps.lock().unwrap_or_else(|p| p.into_inner()).clone();
-            let beat = Beat { sent: Some(Sent { seq, slow: rtts.slow }), probes, steps };
-            let (client, node_id) = (client.clone(), node_id.clone());
-            in_flight += 1;
-            let task = tasks.spawn(async move {
-                let carried = beat.probes.clone();
-                let started = tokio::time::Instant::now();
-                let result = client.heartbeat(&node_id, beat).await;
-                Done::Beat(result, started.elapsed(), carried)
-            });
-            kinds.insert(task.id(), None);
+        for action in beats.step(event) {
+            match action {
+                beats::Action::Send { sent, probes } => {
+                    let steps = steps.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                    let seq = sent.seq;
+                    let beat = Beat { sent: Some(sent), probes, steps };
+                    let (client, node_id) = (client.clone(), node_id.clone());
+                    let task = tasks.spawn(async move {
+                        let started = tokio::time::Instant::now();
+                        let result = client.heartbeat(&node_id, beat).await;
+                        Done::Beat(seq, result, started.elapsed())
+                    });
+                    kinds.insert(task.id(), Ok(seq));
+                }
+                beats::Action::Probe { req, nonce } => {
+                    let node = req.node_id.clone();
+                    let task = tasks.spawn(probe_node(req, nonce, probe_within));
+                    kinds.insert(task.id(), Err(node));
+                }
+                beats::Action::Heard(result) => {
+                    let heard = match result {
+                        Ok(()) => Ok(()),
+                        Err(_) => Err(last_error
+                            .take()
+                            .map(|e| call_error(&e))
+                            .unwrap_or(CallError::Transient("the heartbeat was not answered".into()))),
+                    };
+                    if events.send(Event::Heartbeat(heard)).is_err() {
+                        return;
+                    }
+                }
+                beats::Action::Info(m) => info!("{m}"),
+            }
         }
     }
 }
@@ -401,20 +356,34 @@ fn advertise_addr(config: &AgentConfig, d: &DynamicRendezvous) -> String {
     "127.0.0.1".into()
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn answers_well_over_the_fastest_round_trip_count_as_slow() {
-        let mut r = RoundTrips::default();
-        for ms in [3, 2, 4, 2, 210, 3, 2, 420, 150] {
-            r.answered(Duration::from_millis(ms));
-        }
-        // 210 and 420 waited for a retransmission; 150 is within the margin of 2 ms + 150 ms.
-        assert_eq!(r.slow, 2);
-        let mut first = RoundTrips::default();
-        first.answered(Duration::from_millis(900));
-        assert_eq!(first.slow, 0, "nothing to compare the first answer with");
+/// How the core sees a rendezvous error.
+pub(crate) fn call_error(e: &RdzvError) -> CallError {
+    match e {
+        // A rendezvous that lost the job (a memory store restarted) knows this node no more:
+        // rejoining creates the job again. A node whose id another agent now holds (forbidden)
+        // is no member either: it stops its workers and joins again.
+        RdzvError::UnknownNode { .. }
+        | RdzvError::NotMember { .. }
+        | RdzvError::UnknownJob { .. }
+        | RdzvError::Forbidden { .. } => CallError::NotMember,
+        RdzvError::JobFinished => CallError::JobFinished,
+        RdzvError::JobFailed { reason } | RdzvError::JoinTimeout { reason } => CallError::JobFailed(reason.clone()),
+        e if e.is_transient() => CallError::Transient(e.to_string()),
+        e => CallError::Refused(e.to_string()),
     }
+}
+
+/// Where this node's stores (and its probe endpoint) listen: where they are advertised
+/// (`--store-bind` for setups that need more). A host name may resolve here to another address
+/// than other nodes see (Debian's 127.0.1.1 in /etc/hosts): then every address, as an address
+/// literal cannot mislead.
+pub(crate) fn store_bind(config: &crate::AgentConfig, advertise: &str) -> String {
+    let bind = config.store_bind.clone().unwrap_or_else(|| {
+        let literal = advertise.trim_start_matches('[').trim_end_matches(']');
+        match literal.parse::<std::net::IpAddr>() {
+            Ok(_) => literal.to_owned(),
+            Err(_) => "0.0.0.0".to_owned(),
+        }
+    });
+    HostPort::new(bind.trim_start_matches('[').trim_end_matches(']'), 0).map(|h| h.to_string()).unwrap_or(bind)
 }

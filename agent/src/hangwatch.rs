@@ -19,9 +19,6 @@ pub use rlaunch::heartbeat::HEARTBEAT_ENV;
 /// The pseudo-file of frames that are a thread's kernel wait channel.
 const NATIVE_FILE: &str = "[kernel]";
 
-/// How often running workers are sampled.
-pub const SAMPLE_EVERY: Duration = Duration::from_secs(1);
-
 /// Bound on one stack dump (py-spy reads the process's memory; a stuck one must not stall us).
 const DUMP_TIMEOUT: Duration = Duration::from_secs(10);
 

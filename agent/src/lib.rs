@@ -6,6 +6,7 @@
 //! `run(config)` returns a [`RunOutcome`]; [`RunOutcome::exit_code`] is the one place that maps
 //! outcomes to the launcher's exit code.
 
+pub mod beats;
 pub mod config;
 pub mod contain;
 pub mod core;
@@ -20,6 +21,7 @@ pub mod output;
 pub mod process;
 mod random;
 pub mod report;
+pub mod supervisor;
 pub mod workers;
 
 use std::collections::BTreeMap;

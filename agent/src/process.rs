@@ -722,15 +722,18 @@ fn kill_children_once(keep: &[u32]) -> bool {
         unsafe { libc::kill(pid, libc::SIGKILL) };
     }
     let any = !children.is_empty();
-    for pid in children {
-        for _ in 0..100 {
+    // Reaped as they die, looking again after 0.5 ms doubling to 10 ms, for at most 1 s.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(1);
+    let mut pause = std::time::Duration::from_micros(500);
+    while !children.is_empty() && std::time::Instant::now() < deadline {
+        children.retain(|pid| {
             // SAFETY: waitpid on an own child with a valid status pointer.
             let mut status = 0;
-            let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
-            if r != 0 {
-                break;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(10));
+            unsafe { libc::waitpid(*pid, &mut status, libc::WNOHANG) == 0 }
+        });
+        if !children.is_empty() {
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(std::time::Duration::from_millis(10));
         }
     }
     any

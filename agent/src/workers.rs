@@ -69,13 +69,6 @@ struct Running {
     written: Arc<std::sync::atomic::AtomicU64>,
 }
 
-/// The result of waiting on a group.
-#[derive(Debug)]
-pub enum GroupOutcome {
-    Succeeded,
-    Failed(Box<RootCause>),
-}
-
 pub struct WorkerGroup {
     containment: Arc<Containment>,
     workers: Vec<Running>,
@@ -85,9 +78,6 @@ pub struct WorkerGroup {
     stdin: Option<StdinRouter>,
     /// The run's log directory: the workers' error files and heartbeats are read through it.
     log_root: Arc<crate::logdir::LogRoot>,
-    /// A failure taken from the exit channel whose report is not built yet: `wait` returns it
-    /// even when the call that took it was cancelled (a `select!` on a sampling tick).
-    pending: Option<(usize, Exit, u64)>,
 }
 
 impl WorkerGroup {
@@ -109,7 +99,6 @@ impl WorkerGroup {
             host: host.to_string(),
             stdin: io.stdin.clone(),
             log_root: io.log_root.clone(),
-            pending: None,
         };
         for (index, spec) in specs.into_iter().enumerate() {
             if let Err(e) = group.spawn_one(index, program, spec, agent_env, io, tx.clone()) {
@@ -274,73 +263,59 @@ impl WorkerGroup {
         self.workers.iter().map(|w| w.pid).collect()
     }
 
-    /// Waits until every worker succeeded or one failed. Cancel-safe: exits already seen are
-    /// remembered, so this can sit in a `select!` with signals and rendezvous events.
-    pub async fn wait(&mut self) -> GroupOutcome {
-        loop {
-            if let Some((index, exit, seen_at)) = self.pending {
-                let mut rc = self.root_cause(index, exit, seen_at).await;
-                rc.other_failures = self.failing_along().await;
-                self.pending = None;
-                return GroupOutcome::Failed(Box::new(rc));
-            }
-            if self.workers.iter().all(|w| w.exit == Some(Exit::Code(0))) {
-                return GroupOutcome::Succeeded;
-            }
-            let Some((index, exit, seen_at)) = self.exits.recv().await else {
-                // Every waiter task is gone without reporting: cannot happen while we hold the
-                // receiver and each waiter sends once; treat as a failure of the group.
-                return GroupOutcome::Failed(Box::new(self.root_cause(0, Exit::Code(1), now_unix()).await));
-            };
-            self.note_exit(index, exit, seen_at);
-        }
-    }
-
-    fn note_exit(&mut self, index: usize, exit: Exit, seen_at: u64) {
+    /// The next worker exit, recorded here (a reaped worker is never signalled again); `None`
+    /// once every waiter is gone. Cancel-safe: it can sit in a `select!`.
+    pub async fn next_exit(&mut self) -> Option<(usize, Exit, u64)> {
+        let (index, exit, seen_at) = self.exits.recv().await?;
         self.workers[index].exit = Some(exit);
-        let w = &self.workers[index];
-        if exit.success() {
-            debug!(local_rank = w.spec.env.local_rank, "worker finished");
-        } else if self.pending.is_none() {
-            warn!(local_rank = w.spec.env.local_rank, rank = w.spec.env.rank, exit = %exit.describe(), "worker failed");
-            self.pending = Some((index, exit, seen_at));
-        }
+        Some((index, exit, seen_at))
     }
 
-    /// Takes the exits already reported without waiting; returns whether a worker failed (the
-    /// next `wait` reports it). Hang detection calls this before judging, so an exit it has not
-    /// seen yet is never taken for a hang.
-    pub fn take_exits(&mut self) -> bool {
-        while self.pending.is_none() {
-            match self.exits.try_recv() {
-                Ok((index, exit, seen_at)) => self.note_exit(index, exit, seen_at),
-                Err(_) => break,
-            }
-        }
-        self.pending.is_some()
+    /// An exit already noticed, without waiting.
+    pub fn try_next_exit(&mut self) -> Option<(usize, Exit, u64)> {
+        let (index, exit, seen_at) = self.exits.try_recv().ok()?;
+        self.workers[index].exit = Some(exit);
+        Some((index, exit, seen_at))
     }
 
-    /// Workers that fail by themselves in the same moment as the first (within torchrun's
-    /// default monitor interval, 0.1 s), before anyone stops them.
-    async fn failing_along(&mut self) -> Vec<OtherFailure> {
-        let until = tokio::time::Instant::now() + Duration::from_millis(100);
-        let mut others = Vec::new();
-        while let Ok(Some((i, exit, _))) = tokio::time::timeout_at(until, self.exits.recv()).await {
-            self.workers[i].exit = Some(exit);
-            if exit.success() {
-                continue;
-            }
-            let w = &self.workers[i];
-            let data = w.spec.env.error_file.as_ref().and_then(|p| read_error_file(&self.log_root, Path::new(p)));
-            others.push(OtherFailure {
-                rank: w.spec.env.rank,
-                local_rank: w.spec.env.local_rank,
-                pid: w.pid,
-                exit,
-                message: data.map(|d| d.message).unwrap_or_else(|| format!("worker exited with {}", exit.describe())),
-            });
-        }
-        others
+    /// Whether a worker has not been seen to exit.
+    pub fn any_running(&self) -> bool {
+        self.workers.iter().any(|w| w.exit.is_none())
+    }
+
+    /// The first worker not seen to exit.
+    pub fn first_running(&self) -> Option<usize> {
+        self.workers.iter().position(|w| w.exit.is_none())
+    }
+
+    /// Each worker's global rank, by index.
+    pub fn ranks(&self) -> Vec<u32> {
+        self.workers.iter().map(|w| w.spec.env.rank).collect()
+    }
+
+    /// The report of a failure the supervisor settled: the first failure's root cause (its error
+    /// file, else its stderr tail), the others that failed with it, where the survivors stood.
+    pub async fn failure_report(&mut self, failure: crate::supervisor::Failure) -> RootCause {
+        let mut rc = self.root_cause(failure.index, failure.exit, failure.seen_at).await;
+        rc.other_failures = failure
+            .others
+            .iter()
+            .map(|(i, exit)| {
+                let w = &self.workers[*i];
+                let data = w.spec.env.error_file.as_ref().and_then(|p| read_error_file(&self.log_root, Path::new(p)));
+                OtherFailure {
+                    rank: w.spec.env.rank,
+                    local_rank: w.spec.env.local_rank,
+                    pid: w.pid,
+                    exit: *exit,
+                    message: data
+                        .map(|d| d.message)
+                        .unwrap_or_else(|| format!("worker exited with {}", exit.describe())),
+                }
+            })
+            .collect();
+        rc.stacks = failure.stacks;
+        rc
     }
 
     async fn root_cause(&mut self, index: usize, exit: Exit, seen_at: u64) -> RootCause {
@@ -419,9 +394,8 @@ impl WorkerGroup {
         match &*self.containment {
             Containment::Cgroup(_) => {
                 // The whole tree of each worker, whatever process group or session it is in.
-                for w in &self.workers {
-                    self.containment.kill_rest(w.spec.env.local_rank, &[]).await;
-                }
+                let ranks: Vec<u32> = self.workers.iter().map(|w| w.spec.env.local_rank).collect();
+                self.containment.kill_rest(&ranks, &[]).await;
             }
             Containment::ProcessGroups(_) => {
                 // Groups whose leader is reaped are not signalled (their number may name
@@ -432,7 +406,7 @@ impl WorkerGroup {
                 }
                 // Descendants that left the groups were orphaned to this subreaper.
                 let unreaped: Vec<u32> = self.workers.iter().filter(|w| !w.proc.is_reaped()).map(|w| w.pid).collect();
-                self.containment.kill_rest(0, &unreaped).await;
+                self.containment.kill_rest(&[], &unreaped).await;
             }
         }
         for w in self.workers.iter_mut() {

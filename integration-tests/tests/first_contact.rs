@@ -131,11 +131,18 @@ fn a_python_file_without_py_and_without_the_execute_bit_runs_under_python() {
 
 #[test]
 fn the_failure_report_lists_every_failed_rank_the_root_cause_first() {
-    let script = "case $RANK in 1) exit 7;; 2) exit 9;; *) sleep 30;; esac";
+    // Ranks 1 and 2 fail in the same moment: each waits, spinning, until both have started.
+    let script = r#"case $RANK in
+        1|2) touch "$1/up.$RANK"; until [ -e "$1/up.1" ] && [ -e "$1/up.2" ]; do :; done
+             [ "$RANK" = 1 ] && exit 7; exit 9;;
+        *) sleep 30;;
+    esac"#;
+    let dir = tempdir();
+    let d = dir.path().to_str().unwrap();
     let o = run_deadline(
         &mut rlaunch(
             &[],
-            &["--standalone", "--nproc-per-node", "3", "--shutdown-timeout", "2", "/bin/sh", "-c", script],
+            &["--standalone", "--nproc-per-node", "3", "--shutdown-timeout", "2", "/bin/sh", "-c", script, "sh", d],
         ),
         DEADLINE,
     );
