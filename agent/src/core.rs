@@ -88,14 +88,40 @@ pub enum Membership {
     Elastic { node_ttl: Duration, join_timeout: Duration },
 }
 
+/// The rendezvous error behind a [`CallError`], carried whole to the outcome it may end in (the
+/// `source` of the agent's error): no text in its place, no side channel. Shared, so events
+/// stay cheap to clone; equal when they say the same (tests compare events).
+#[derive(Debug, Clone)]
+pub struct Cause(pub std::sync::Arc<rlaunch_rendezvous::RdzvError>);
+
+impl Cause {
+    pub fn new(e: rlaunch_rendezvous::RdzvError) -> Cause {
+        Cause(std::sync::Arc::new(e))
+    }
+}
+
+impl PartialEq for Cause {
+    fn eq(&self, other: &Cause) -> bool {
+        std::sync::Arc::ptr_eq(&self.0, &other.0) || self.0.to_string() == other.0.to_string()
+    }
+}
+
+impl Eq for Cause {}
+
+impl std::fmt::Display for Cause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
 /// A rendezvous call that did not succeed, as the core needs to tell them apart.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CallError {
     /// Unreachable, a 5xx, an etcd election: the same call may succeed later.
-    Transient(String),
+    Transient(Cause),
     /// The rendezvous refused the call (a 4xx other than the ones below): sending it again
     /// cannot help.
-    Refused(String),
+    Refused(Cause),
     /// This node is unknown to the job or not a member of the round (declared lost).
     NotMember,
     JobFinished,
@@ -188,7 +214,7 @@ pub enum Outcome {
     Run(RunOutcome),
     /// The rendezvous could not be used (unreachable for the whole join timeout, a join
     /// refused, a job that failed without a root cause): the agent's own failure.
-    Rendezvous { message: String },
+    Rendezvous { message: String, source: Option<Cause> },
 }
 
 /// How a job ended on this node.
@@ -573,7 +599,7 @@ impl Core {
                         "the rendezvous has been unreachable for the whole join timeout ({:?}): {e}",
                         self.join_timeout()
                     );
-                    self.exit(Outcome::Rendezvous { message }, out);
+                    self.exit(Outcome::Rendezvous { message, source: Some(e) }, out);
                 } else {
                     out.push(Action::Note(format!("cannot reach the rendezvous ({e}); joining again")));
                     self.phase = Phase::Joining { retry_at: Some(now.saturating_add(ms(RETRY_DELAY))) };
@@ -583,12 +609,12 @@ impl Core {
             // Slurm job, a re-created Kubernetes job), never this run's success.
             Err(CallError::JobFinished) if !self.ever_joined => {
                 let message = "the job with this run id has already finished; give this run its own --rdzv-id".into();
-                self.exit(Outcome::Rendezvous { message }, out);
+                self.exit(Outcome::Rendezvous { message, source: None }, out);
             }
             Err(CallError::JobFailed(reason)) if !self.ever_joined => {
                 let message =
                     format!("the job with this run id has already failed ({reason}); give this run its own --rdzv-id");
-                self.exit(Outcome::Rendezvous { message }, out);
+                self.exit(Outcome::Rendezvous { message, source: None }, out);
             }
             Err(CallError::JobFinished) => {
                 let restarts = self.restarts;
@@ -596,8 +622,9 @@ impl Core {
             }
             Err(CallError::JobFailed(reason)) => self.job_failed(reason, out),
             Err(CallError::NotMember) => self.join(out),
-            Err(CallError::Refused(message)) => {
-                self.exit(Outcome::Rendezvous { message: format!("the rendezvous refused the join: {message}") }, out)
+            Err(CallError::Refused(e)) => {
+                let message = format!("the rendezvous refused the join: {e}");
+                self.exit(Outcome::Rendezvous { message, source: Some(e) }, out)
             }
         }
     }
@@ -787,7 +814,7 @@ impl Core {
                 if now >= outbox.deadline {
                     let waited = now.saturating_sub(outbox.first_sent);
                     self.outbox = None;
-                    self.undeliverable(report, format!("no answer for {waited} ms ({e})"), out);
+                    self.undeliverable(report, format!("no answer for {waited} ms ({e})"), Some(e), out);
                 } else {
                     outbox.retry_at = Some(now.saturating_add(ms(outbox.backoff)));
                     outbox.backoff = (outbox.backoff * 2).min(REPORT_BACKOFF_MAX);
@@ -824,9 +851,9 @@ impl Core {
                     _ => self.job_failed(reason, out),
                 }
             }
-            Err(CallError::Refused(message)) => {
+            Err(CallError::Refused(e)) => {
                 self.outbox = None;
-                self.undeliverable(report, format!("refused: {message}"), out);
+                self.undeliverable(report, format!("refused: {e}"), Some(e), out);
             }
         }
     }
@@ -849,7 +876,7 @@ impl Core {
     }
 
     /// A report that can never arrive: the run ends with what this node knows.
-    fn undeliverable(&mut self, report: Report, why: String, out: &mut Vec<Action>) {
+    fn undeliverable(&mut self, report: Report, why: String, source: Option<Cause>, out: &mut Vec<Action>) {
         match report {
             Report::Failure { .. } => {
                 self.end_with_local_failure(Some(format!("the failure report could not be delivered ({why})")), out)
@@ -857,7 +884,7 @@ impl Core {
             Report::Success { .. } => {
                 let message =
                     format!("this node's workers succeeded, but the rendezvous did not take the report ({why})");
-                self.exit(Outcome::Rendezvous { message }, out);
+                self.exit(Outcome::Rendezvous { message, source }, out);
             }
             Report::Leave => {
                 out.push(Action::Note(format!("could not leave the job ({why}); its heartbeats lapse instead")));
@@ -878,7 +905,8 @@ impl Core {
                 let restarts = self.restarts;
                 self.exit(Outcome::Run(RunOutcome::Failed { root_cause, restarts }), out);
             }
-            None => self.exit(Outcome::Rendezvous { message: "the job ended without a root cause".into() }, out),
+            None => self
+                .exit(Outcome::Rendezvous { message: "the job ended without a root cause".into(), source: None }, out),
         }
     }
 
@@ -929,7 +957,7 @@ impl Core {
                 let restarts = root_cause.restart_count.max(self.restarts);
                 self.exit(Outcome::Run(RunOutcome::Failed { root_cause, restarts }), out);
             }
-            None => self.exit(Outcome::Rendezvous { message: format!("the job failed: {reason}") }, out),
+            None => self.exit(Outcome::Rendezvous { message: format!("the job failed: {reason}"), source: None }, out),
         }
     }
 

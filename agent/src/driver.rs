@@ -41,7 +41,6 @@ pub(crate) async fn run(config: &AgentConfig, ctx: &Ctx<'_>, signals: &mut Signa
         elastic: None,
         calls: JoinSet::new(),
         join: None,
-        last_error: LastError::default(),
         watching_hangs: false,
     };
     let membership = io.setup().await?;
@@ -266,22 +265,13 @@ struct Io<'a> {
     /// Rendezvous calls in flight (watch, reports, status).
     calls: JoinSet<()>,
     join: Option<AbortHandle>,
-    /// The last rendezvous error, kept as the source of an `AgentError`.
-    last_error: LastError,
     /// The running group reads stacks (`--hang-timeout`, the job's).
     watching_hangs: bool,
 }
 
-/// Where call tasks leave the rendezvous error behind the `CallError` they post.
-type LastError = std::sync::Arc<std::sync::Mutex<Option<RdzvError>>>;
-
-/// The core's view of a call's result; the error itself is kept in `slot`.
-fn seen<T>(slot: &LastError, result: Result<T, RdzvError>) -> Result<T, CallError> {
-    result.map_err(|e| {
-        let ce = call_error(&e);
-        *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
-        ce
-    })
+/// The core's view of a call's result.
+fn seen<T>(result: Result<T, RdzvError>) -> Result<T, CallError> {
+    result.map_err(call_error)
 }
 
 impl Io<'_> {
@@ -348,9 +338,9 @@ impl Io<'_> {
             Action::Relay(sig) => self.command(GroupCmd::Signal(sig)),
             Action::Watch { round } => {
                 let (client, node) = self.client();
-                let (tx, slot) = (self.tx.clone(), self.last_error.clone());
+                let tx = self.tx.clone();
                 self.calls.spawn(async move {
-                    let answer = seen(&slot, client.watch(Some(&node.node_id), round).await);
+                    let answer = seen(client.watch(Some(&node.node_id), round).await);
                     let answer = answer.map(|w| match w {
                         WatchEvent::NoChange => Watch::NoChange,
                         WatchEvent::NewRound(n) => Watch::NewRound(n),
@@ -385,9 +375,8 @@ impl Io<'_> {
                         }
                         Ok(run)
                     }
-                    Outcome::Rendezvous { message } => {
-                        let source = self.last_error.lock().unwrap_or_else(|p| p.into_inner()).take();
-                        Err(AgentError::Rendezvous { message, source: source.map(Box::new) })
+                    Outcome::Rendezvous { message, source } => {
+                        Err(AgentError::Rendezvous { message, source: source.map(|c| c.0) })
                     }
                 }));
             }
@@ -458,9 +447,9 @@ impl Io<'_> {
         self.store = Some(store);
         let (client, node) = (e.client.clone(), e.node.clone());
         info!(node_id = %node.node_id, store = %node.store_addr, "joining the rendezvous");
-        let (tx, slot) = (self.tx.clone(), self.last_error.clone());
+        let tx = self.tx.clone();
         let handle = self.calls.spawn(async move {
-            let answer = seen(&slot, client.join(node).await);
+            let answer = seen(client.join(node).await);
             let _ = tx.send(Event::Joined(answer));
         });
         self.join = Some(handle);
@@ -557,7 +546,7 @@ impl Io<'_> {
 
     fn send(&mut self, report: Report) {
         let (client, node) = self.client();
-        let (tx, slot) = (self.tx.clone(), self.last_error.clone());
+        let tx = self.tx.clone();
         if report == Report::Leave {
             // A join still waiting would register this node again after it left.
             if let Some(j) = self.join.take() {
@@ -575,7 +564,7 @@ impl Io<'_> {
             if let Err(e) = &result {
                 warn!(error = %e, ?kind, "report not acknowledged");
             }
-            let _ = tx.send(Event::Reported { kind, result: seen(&slot, result) });
+            let _ = tx.send(Event::Reported { kind, result: seen(result) });
         });
     }
 }

@@ -18,7 +18,7 @@ use rlaunch_rendezvous::detector::{ProbeReport, ProbeRequest};
 use rlaunch_rendezvous::{Backend, Beat, HeartbeatAnswer, RdzvError, Rendezvous, RendezvousClient};
 
 use crate::beats::{self, Beats, PROBE_ATTEMPTS};
-use crate::core::{CallError, Event};
+use crate::core::{CallError, Cause, Event};
 use crate::{AgentConfig, AgentError, DynamicBackend, DynamicRendezvous};
 
 /// Aborts a background task when dropped (heartbeats, an agent-hosted server).
@@ -74,7 +74,10 @@ pub(crate) async fn setup(
     let tls = rlaunch_rendezvous::ClientTls { ca_file: d.tls_ca.clone() };
     let client =
         RendezvousClient::connect_with(backend, &config.run_id, d.settings.clone(), &tls).await.map_err(|e| {
-            AgentError::Rendezvous { message: "cannot connect to the rendezvous".into(), source: Some(Box::new(e)) }
+            AgentError::Rendezvous {
+                message: "cannot connect to the rendezvous".into(),
+                source: Some(std::sync::Arc::new(e)),
+            }
         })?;
     // Other members probe this agent here while it lives (the round's store comes and goes):
     // a store of its own that holds nothing and only answers pings.
@@ -220,12 +223,11 @@ async fn heartbeat_loop(
                     kinds.insert(task.id(), Err(node));
                 }
                 beats::Action::Heard(result) => {
-                    let heard = match result {
-                        Ok(()) => Ok(()),
-                        Err(_) => Err(last_error
-                            .take()
-                            .map(|e| call_error(&e))
-                            .unwrap_or(CallError::Transient("the heartbeat was not answered".into()))),
+                    // The error of the answer just stepped (an `Answered` gives one `Heard`).
+                    let heard = match (result, last_error.take()) {
+                        (Ok(()), _) => Ok(()),
+                        (Err(_), Some(e)) => Err(call_error(e)),
+                        (Err(_), None) => continue,
                     };
                     if events.send(Event::Heartbeat(heard)).is_err() {
                         return;
@@ -356,8 +358,9 @@ fn advertise_addr(config: &AgentConfig, d: &DynamicRendezvous) -> String {
     "127.0.0.1".into()
 }
 
-/// How the core sees a rendezvous error.
-pub(crate) fn call_error(e: &RdzvError) -> CallError {
+/// How the core sees a rendezvous error (the error itself goes along, as the cause of what
+/// it may end in).
+pub(crate) fn call_error(e: RdzvError) -> CallError {
     match e {
         // A rendezvous that lost the job (a memory store restarted) knows this node no more:
         // rejoining creates the job again. A node whose id another agent now holds (forbidden)
@@ -367,9 +370,9 @@ pub(crate) fn call_error(e: &RdzvError) -> CallError {
         | RdzvError::UnknownJob { .. }
         | RdzvError::Forbidden { .. } => CallError::NotMember,
         RdzvError::JobFinished => CallError::JobFinished,
-        RdzvError::JobFailed { reason } | RdzvError::JoinTimeout { reason } => CallError::JobFailed(reason.clone()),
-        e if e.is_transient() => CallError::Transient(e.to_string()),
-        e => CallError::Refused(e.to_string()),
+        RdzvError::JobFailed { reason } | RdzvError::JoinTimeout { reason } => CallError::JobFailed(reason),
+        e if e.is_transient() => CallError::Transient(Cause::new(e)),
+        e => CallError::Refused(Cause::new(e)),
     }
 }
 

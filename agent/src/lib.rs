@@ -72,7 +72,7 @@ pub enum AgentError {
     Rendezvous {
         message: String,
         #[source]
-        source: Option<Box<rlaunch_rendezvous::RdzvError>>,
+        source: Option<std::sync::Arc<rlaunch_rendezvous::RdzvError>>,
     },
 }
 

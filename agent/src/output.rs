@@ -392,7 +392,7 @@ impl DupFilter {
         if !self.needles.iter().any(|n| text.contains(n.as_str())) {
             return;
         }
-        let mut file = self.file.lock().expect("the filter's lock is never poisoned");
+        let mut file = self.file.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(f) = file.as_mut() {
             let r = f.write_all(prefix).and_then(|()| f.write_all(line)).and_then(|()| f.write_all(b"\n"));
             if let Err(e) = r.and_then(|()| f.flush()) {
@@ -458,7 +458,7 @@ impl StdinRouter {
             loop {
                 match stdin.read(&mut buf) {
                     Ok(0) => {
-                        let mut st = state.lock().expect("the router's lock is never poisoned");
+                        let mut st = state.lock().unwrap_or_else(|p| p.into_inner());
                         if let Some((_, f)) = st.target.as_mut() {
                             write_input(f, &[EOF_CHAR]);
                         }
@@ -475,7 +475,7 @@ impl StdinRouter {
                         if tty && buf[..n].contains(&b'\n') {
                             console.typed();
                         }
-                        let mut st = state.lock().expect("the router's lock is never poisoned");
+                        let mut st = state.lock().unwrap_or_else(|p| p.into_inner());
                         if let Some((_, f)) = st.target.as_mut() {
                             write_input(f, &buf[..n]);
                         }
@@ -496,7 +496,7 @@ impl StdinRouter {
 
     /// From now on stdin goes to `terminal` (the worker's, named by `id`).
     pub fn set(&self, id: u64, mut terminal: File) {
-        let mut st = self.state.lock().expect("the router's lock is never poisoned");
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         if st.ended {
             write_input(&mut terminal, &[EOF_CHAR]);
         }
@@ -505,7 +505,7 @@ impl StdinRouter {
 
     /// The worker `id` is gone: its terminal gets no more input.
     pub fn clear(&self, id: u64) {
-        let mut st = self.state.lock().expect("the router's lock is never poisoned");
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         if st.target.as_ref().is_some_and(|(t, _)| *t == id) {
             st.target = None;
         }
@@ -638,7 +638,7 @@ impl LineState {
                 dup.line(&self.prefix, &whole);
             }
             if let Some(tail) = &sink.tail {
-                let mut t = tail.lock().expect("tail lock is never poisoned");
+                let mut t = tail.lock().unwrap_or_else(|p| p.into_inner());
                 if t.len() == TAIL_LINES {
                     t.pop_front();
                 }

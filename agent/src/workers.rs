@@ -229,8 +229,7 @@ impl WorkerGroup {
     /// progress; `stacks` says where every rank stood, the odd one out first. The agent stops
     /// it (SIGTERM).
     pub fn hang_root_cause(&self, index: usize, message: String, stacks: Vec<String>) -> RootCause {
-        let tail =
-            self.workers[index].stderr_tail.lock().expect("tail lock is never poisoned").iter().cloned().collect();
+        let tail = self.workers[index].stderr_tail.lock().unwrap_or_else(|p| p.into_inner()).iter().cloned().collect();
         RootCause {
             stderr_tail: tail,
             stacks,
@@ -327,7 +326,7 @@ impl WorkerGroup {
         }
         let error_file = w.spec.env.error_file.as_ref().map(PathBuf::from);
         let data = error_file.as_deref().and_then(|p| read_error_file(&self.log_root, p));
-        let tail: Vec<String> = w.stderr_tail.lock().expect("tail lock is never poisoned").iter().cloned().collect();
+        let tail: Vec<String> = w.stderr_tail.lock().unwrap_or_else(|p| p.into_inner()).iter().cloned().collect();
         let timestamp = data.as_ref().and_then(|d| d.timestamp).unwrap_or(seen_at);
         let message = data
             .as_ref()

@@ -10,6 +10,16 @@ const STOP: Action = Action::StopWorkers { first: libc::SIGTERM };
 const TTL: Duration = Duration::from_secs(2);
 const JOIN_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// A call error as the client gives it: a transient one (the service busy).
+fn transient(message: &str) -> CallError {
+    CallError::Transient(Cause::new(rlaunch_rendezvous::RdzvError::Busy { message: message.into() }))
+}
+
+/// A refusal (a 4xx).
+fn refused(message: &str) -> CallError {
+    CallError::Refused(Cause::new(rlaunch_rendezvous::RdzvError::BadRequest { message: message.into() }))
+}
+
 fn elastic() -> Core {
     Core::new(Membership::Elastic { node_ttl: TTL, join_timeout: JOIN_TIMEOUT })
 }
@@ -325,10 +335,7 @@ fn a_refused_failure_report_ends_the_run_with_the_workers_exit_and_one_start() {
     assert!(serde_json::to_vec(root_cause).unwrap().len() <= rlaunch::contract::caps::WIRE_BYTES);
     // The round goes on without us meanwhile (our own report opened it): no restart yet.
     assert!(s.ev(Event::Watched { round: 1, answer: Ok(Watch::NewRound(2)) }).is_empty());
-    let a = s.at(100).ev(Event::Reported {
-        kind: ReportKind::Failure,
-        result: Err(CallError::Refused("413 payload too large".into())),
-    });
+    let a = s.at(100).ev(Event::Reported { kind: ReportKind::Failure, result: Err(refused("413 payload too large")) });
     assert!(
         matches!(a.last(), Some(Action::Exit(Outcome::Run(RunOutcome::Failed { root_cause, .. }))) if root_cause.exit == Exit::Code(3)),
         "{a:?}"
@@ -344,10 +351,7 @@ fn an_acknowledged_failure_report_rejoins_and_the_next_round_restarts_the_worker
     s.ev(Event::WorkersEnded(failure(3)));
     s.ev(Event::WorkersStopped);
     // The reply was lost: the report goes again after a backoff, and again...
-    assert!(s
-        .at(10)
-        .ev(Event::Reported { kind: ReportKind::Failure, result: Err(CallError::Transient("reset".into())) })
-        .is_empty());
+    assert!(s.at(10).ev(Event::Reported { kind: ReportKind::Failure, result: Err(transient("reset")) }).is_empty());
     assert!(s.tick(100).is_empty(), "not before the backoff");
     assert!(sends(&s.tick(250), ReportKind::Failure));
     // ...and the repeat is acknowledged (the service takes it as the same report).
@@ -380,8 +384,7 @@ fn a_failure_report_that_never_arrives_ends_with_the_local_failure_after_the_joi
     let mut t = 0;
     loop {
         t += 500;
-        let a =
-            s.at(t).ev(Event::Reported { kind: ReportKind::Failure, result: Err(CallError::Transient("down".into())) });
+        let a = s.at(t).ev(Event::Reported { kind: ReportKind::Failure, result: Err(transient("down")) });
         if let Some(Action::Exit(o)) = a.last() {
             assert!(
                 matches!(o, Outcome::Run(RunOutcome::Failed { root_cause, .. }) if root_cause.exit == Exit::Code(9)),
@@ -403,12 +406,9 @@ fn a_success_report_that_failed_once_is_sent_again_and_the_job_ends() {
     let mut s = Sim::new(elastic());
     s.joined_running(round(1, 0));
     s.ev(Event::WorkersEnded(WorkersEnd::Succeeded));
-    assert!(s
-        .at(5)
-        .ev(Event::Reported { kind: ReportKind::Success, result: Err(CallError::Transient("refused".into())) })
-        .is_empty());
+    assert!(s.at(5).ev(Event::Reported { kind: ReportKind::Success, result: Err(transient("refused")) }).is_empty());
     // The watch also fails while the replica restarts: retried, no exit.
-    assert!(s.ev(Event::Watched { round: 1, answer: Err(CallError::Transient("refused".into())) }).is_empty());
+    assert!(s.ev(Event::Watched { round: 1, answer: Err(transient("refused")) }).is_empty());
     let a = s.tick(400);
     assert!(sends(&a, ReportKind::Success) && a.contains(&Action::Watch { round: 1 }), "{a:?}");
     assert!(s.ev(Event::Reported { kind: ReportKind::Success, result: Ok(()) }).is_empty());
@@ -422,7 +422,7 @@ fn after_an_acknowledged_success_a_vanished_rendezvous_ends_the_run_successfully
     s.joined_running(round(1, 0));
     s.ev(Event::WorkersEnded(WorkersEnd::Succeeded));
     s.ev(Event::Reported { kind: ReportKind::Success, result: Ok(()) });
-    let gone = || Event::Watched { round: 1, answer: Err(CallError::Transient("refused".into())) };
+    let gone = || Event::Watched { round: 1, answer: Err(transient("refused")) };
     let mut t = 1_000;
     while t < 10_900 {
         assert!(s.at(t).ev(gone()).is_empty(), "still waiting at {t}");
@@ -438,7 +438,7 @@ fn a_success_report_never_taken_is_the_agents_failure_not_a_hang() {
     let mut s = Sim::new(elastic());
     s.joined_running(round(1, 0));
     s.ev(Event::WorkersEnded(WorkersEnd::Succeeded));
-    let a = s.at(5).ev(Event::Reported { kind: ReportKind::Success, result: Err(CallError::Refused("400".into())) });
+    let a = s.at(5).ev(Event::Reported { kind: ReportKind::Success, result: Err(refused("400")) });
     assert!(matches!(a.last(), Some(Action::Exit(Outcome::Rendezvous { .. }))), "{a:?}");
 }
 
@@ -467,7 +467,7 @@ fn a_new_round_stops_the_workers_before_rejoining_and_stale_answers_are_ignored(
 fn a_node_cut_off_past_the_ttl_fences_itself_and_rejoins() {
     let mut s = Sim::new(elastic());
     s.joined_running(round(1, 0));
-    let down = || Event::Heartbeat(Err(CallError::Transient("timeout".into())));
+    let down = || Event::Heartbeat(Err(transient("timeout")));
     s.at(500).ev(Event::Heartbeat(Ok(())));
     for t in (1_000..=4_500).step_by(500) {
         s.at(t).ev(down());
@@ -497,7 +497,7 @@ fn a_node_declared_lost_stops_its_workers_and_rejoins() {
 fn a_rendezvous_gone_for_a_while_and_back_is_joined_and_gone_for_the_join_timeout_ends_the_run() {
     let mut s = Sim::new(elastic());
     s.ev(Event::Start);
-    let down = || Event::Joined(Err(CallError::Transient("connection refused".into())));
+    let down = || Event::Joined(Err(transient("connection refused")));
     let mut t = 0;
     while t < 20_000 {
         let a = s.at(t).ev(down());
@@ -515,7 +515,10 @@ fn a_rendezvous_gone_for_a_while_and_back_is_joined_and_gone_for_the_join_timeou
     loop {
         let a = s.at(t).ev(down());
         if let Some(Action::Exit(o)) = a.last() {
-            assert!(matches!(o, Outcome::Rendezvous { message } if message.contains("join timeout")));
+            assert!(
+                matches!(o, Outcome::Rendezvous { message, source: Some(c) } if message.contains("join timeout") && c.to_string().contains("connection refused")),
+                "the last transient error is the outcome's cause: {o:?}"
+            );
             break;
         }
         s.tick(t + 400);
@@ -554,15 +557,17 @@ fn a_job_that_failed_ends_with_the_rendezvous_root_cause_else_the_local_one() {
 fn a_join_refused_or_a_finished_job_ends_the_run() {
     let mut s = Sim::new(elastic());
     s.ev(Event::Start);
-    let a = s.ev(Event::Joined(Err(CallError::Refused("settings differ".into()))));
-    assert!(matches!(&a[..], [Action::Exit(Outcome::Rendezvous { message })] if message.contains("settings differ")));
+    let a = s.ev(Event::Joined(Err(refused("settings differ"))));
+    assert!(
+        matches!(&a[..], [Action::Exit(Outcome::Rendezvous { message, source: Some(c) })] if message.contains("settings differ") && *c == match refused("settings differ") { CallError::Refused(c) => c, _ => unreachable!() })
+    );
     // A job over before this node ever ran in it is another run's: an error, never a success.
     for over in [CallError::JobFinished, CallError::JobFailed("spent".into())] {
         let mut s = Sim::new(elastic());
         s.ev(Event::Start);
         let a = s.ev(Event::Joined(Err(over)));
         assert!(
-            matches!(&a[..], [Action::Exit(Outcome::Rendezvous { message })] if message.contains("its own --rdzv-id")),
+            matches!(&a[..], [Action::Exit(Outcome::Rendezvous { message, source: None })] if message.contains("its own --rdzv-id")),
             "{a:?}"
         );
     }
@@ -674,7 +679,7 @@ fn leaving_gives_up_after_the_ttl_and_still_ends_interrupted() {
     let mut t = 10;
     loop {
         t += 300;
-        let a = s.at(t).ev(Event::Reported { kind: ReportKind::Leave, result: Err(CallError::Transient("x".into())) });
+        let a = s.at(t).ev(Event::Reported { kind: ReportKind::Leave, result: Err(transient("x")) });
         if let Some(Action::Exit(o)) = a.last() {
             assert_eq!(*o, Outcome::Run(RunOutcome::Interrupted { signal: libc::SIGHUP }));
             break;

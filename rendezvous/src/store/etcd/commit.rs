@@ -323,10 +323,14 @@ impl EtcdStore {
                 }
             }
         }
-        let message = failure.unwrap_or_else(|| format!("gave up after {MAX_ATTEMPTS} conflicting concurrent updates"));
-        warn!(run_id, message = %message, "job update failed");
+        // Every attempt lost to another writer: contention (transient, as a store failure is).
+        let error = || match &failure {
+            Some(message) => RdzvError::Store { message: message.clone() },
+            None => RdzvError::Contention { run_id: run_id.to_owned(), attempts: MAX_ATTEMPTS },
+        };
+        warn!(run_id, error = %error(), "job update failed");
         for q in batch {
-            let _ = q.reply.send(Err(RdzvError::Store { message: message.clone() }));
+            let _ = q.reply.send(Err(error()));
         }
     }
 }

@@ -59,6 +59,11 @@ const OP_TIMEOUT: Duration = Duration::from_millis(1500);
 /// Unary etcd requests one store has in flight at most (streams excepted).
 const MAX_IN_FLIGHT: usize = 256;
 
+/// Attempts at putting a node's alive key back, and at holding one, before giving up on a key
+/// that keeps changing under them (`RdzvError::Contention`).
+const RENEW_ATTEMPTS: u32 = 3;
+const HOLD_ATTEMPTS: u32 = 4;
+
 /// A handle on jobs kept in etcd; cheap to clone.
 #[derive(Clone)]
 pub struct EtcdStore {
@@ -549,7 +554,7 @@ impl EtcdStore {
     /// not written).
     async fn renew_if_tracked(&self, run_id: &str, node_id: &str) -> Result<bool, RdzvError> {
         let key = alive_key(run_id, node_id);
-        for _ in 0..3 {
+        for _ in 0..RENEW_ATTEMPTS {
             let snap = self.read(run_id).await?;
             let Some(job) = snap.job.as_ref().filter(|j| j.tracks(node_id)) else { return Ok(false) };
             let ttl = job.settings.node_ttl;
@@ -573,7 +578,8 @@ impl EtcdStore {
                 Err(e) => return Err(e),
             }
         }
-        Err(RdzvError::Store { message: format!("could not renew the alive key of {node_id}: the job kept changing") })
+        // Every attempt met a newer key (another lease, a node's new registration).
+        Err(RdzvError::Contention { run_id: run_id.to_owned(), attempts: RENEW_ATTEMPTS })
     }
 
     pub async fn load(&self, run_id: &str, now: Millis) -> Result<Option<Job>, RdzvError> {
@@ -834,7 +840,7 @@ impl EtcdStore {
         take_over: bool,
     ) -> Result<Hold, RdzvError> {
         let key = alive_key(run_id, node_id);
-        for _ in 0..4 {
+        for _ in 0..HOLD_ATTEMPTS {
             let lease = self.lease_for(ttl_seconds(ttl)).await?;
             let put = TxnOp::put(key.clone(), node_id.as_bytes().to_vec(), Some(PutOptions::new().with_lease(lease)));
             // Absent: created when asked (else nothing). Present: read, then taken over.
@@ -888,7 +894,7 @@ impl EtcdStore {
                 Err(e) => return Err(e),
             }
         }
-        Err(RdzvError::Store { message: format!("could not hold the alive key of {node_id}: it kept changing") })
+        Err(RdzvError::Contention { run_id: run_id.to_owned(), attempts: HOLD_ATTEMPTS })
     }
 
     /// Deletes the node's alive key (only the key: the lease is this process's, shared).
