@@ -214,8 +214,8 @@ fn numa_binding(
 ) -> Result<Option<Vec<libc::cpu_set_t>>, AgentError> {
     let Some(mode) = config.numa_binding else { return Ok(None) };
     let root = PathBuf::from(agent_env.get("RLAUNCH_SYSFS").map(String::as_str).unwrap_or("/sys"));
-    let fail = |reason: String| AgentError::NumaBinding { mode: mode.as_str(), reason };
-    let allowed = numa::allowed_cpus().map_err(|e| fail(format!("cannot read this process's CPUs: {e}")))?;
+    let fail = |e: numa::NumaError| AgentError::NumaBinding { mode: mode.as_str(), reason: e.to_string() };
+    let allowed = numa::allowed_cpus().map_err(fail)?;
     let topology = numa::Topology::read(&root, &allowed).map_err(fail)?;
     let visible = agent_env.get("CUDA_VISIBLE_DEVICES").map(String::as_str);
     let topology = topology.with_visible_devices(visible).map_err(fail)?;

@@ -20,6 +20,9 @@
 //!
 //! The sysfs reading ([`Topology::read`]) is separate from the policies ([`cpus_for`]), which are pure, so the
 //! policies can be tested against made-up sysfs trees.
+//!
+//! Failures are [`NumaError`]s (and [`CpuListError`]s for a malformed CPU list); each one's message is a
+//! sentence naming the file, GPU or value at fault, which the agent shows as is.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet};
@@ -28,6 +31,7 @@ use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
+use std::sync::Arc;
 
 /// How many CPUs a `libc::cpu_set_t` holds (`CPU_SETSIZE`, 1024 with glibc).
 const CPU_SET_CAPACITY: usize = 8 * std::mem::size_of::<libc::cpu_set_t>();
@@ -35,6 +39,114 @@ const CPU_SET_CAPACITY: usize = 8 * std::mem::size_of::<libc::cpu_set_t>();
 /// Largest number [`parse_cpu_list`] accepts. Linux has at most 8192 CPUs and 1024 NUMA nodes; the bound
 /// keeps a corrupt range such as `0-4294967295` from building a set of billions of entries.
 const MAX_LIST_VALUE: u32 = 65_535;
+
+/// Why a `--numa-binding` policy cannot be applied on this node.
+///
+/// Cloneable (the I/O errors are shared), because a [`Topology`] keeps the errors of the per-CPU and per-node
+/// files it could not read and hands them out only to the modes that need those files.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum NumaError {
+    /// A mode torch does not know (not one of [`NumaMode::ALL`]).
+    #[error("invalid --numa-binding mode {given:?}; choose one of: {}", NumaMode::ALL.map(NumaMode::as_str).join(", "))]
+    BadMode { given: String },
+    /// `sched_getaffinity` failed: the CPUs this process may run on are unknown.
+    #[error("cannot read this process's CPUs: {source}")]
+    Affinity { source: Arc<io::Error> },
+    /// A sysfs file or directory could not be read.
+    #[error("cannot read {}: {source}", path.display())]
+    Unreadable { path: PathBuf, source: Arc<io::Error> },
+    /// A sysfs file that holds a CPU list (`cpulist`, `possible`, `thread_siblings_list`, `shared_cpu_list`)
+    /// holds something else.
+    #[error("{}: {source}", path.display())]
+    BadCpuList { path: PathBuf, source: CpuListError },
+    /// A sysfs file that holds an integer (`physical_package_id`, `level`, `numa_node`) holds something else.
+    #[error("{}: expected an integer, found {found:?}", path.display())]
+    NotAnInteger { path: PathBuf, found: String },
+    /// A GPU's `numa_node` beyond what a node number can be.
+    #[error("{}: NUMA node {node} is too large", path.display())]
+    NodeTooLarge { path: PathBuf, node: i64 },
+    /// A CPU list that names at least one CPU on any real machine (`thread_siblings_list`, a cache's
+    /// `shared_cpu_list`) is empty.
+    #[error("{} is empty", path.display())]
+    EmptyList { path: PathBuf },
+    /// A CPU's `cache` directory has no Unified or Data cache, so its core complex is unknown.
+    #[error("{} lists no Unified or Data cache", dir.display())]
+    NoCache { dir: PathBuf },
+    /// A CPU of a node that has no entry in the topology (the two are read together, so this is a bug).
+    #[error("CPU {cpu} is missing from the topology read from sysfs")]
+    CpuMissing { cpu: u32 },
+    /// No NVIDIA or AMD GPU under `bus/pci/devices` (`devices`).
+    #[error("--numa-binding needs a GPU: none found under {}", devices.display())]
+    NoGpu { devices: PathBuf },
+    /// A device index beyond the GPUs found.
+    #[error("device index {index} but this machine has {gpus} GPUs under {}", devices.display())]
+    NoSuchGpu { index: usize, gpus: usize, devices: PathBuf },
+    /// `CUDA_VISIBLE_DEVICES` lists a device index beyond the GPUs found.
+    #[error(
+        "CUDA_VISIBLE_DEVICES={list:?} lists device {index} but this machine has {gpus} GPUs under {}",
+        devices.display()
+    )]
+    NoSuchVisibleGpu { list: String, index: usize, gpus: usize, devices: PathBuf },
+    /// The `cpulist` of the GPU's NUMA node could not be read (`source`).
+    #[error("GPU {index} ({address}) is on NUMA node {node}, but {source}")]
+    GpuNodeUnreadable { index: usize, address: String, node: u32, source: Box<NumaError> },
+    /// The GPU's NUMA node is not among the `possible` nodes.
+    #[error("GPU {index} ({address}) is on NUMA node {node}, which {} does not list", possible.display())]
+    GpuNodeUnlisted { index: usize, address: String, node: u32, possible: PathBuf },
+    /// The GPU's NUMA node has no CPU this process may run on.
+    #[error("GPU {index} ({address}) is on NUMA node {node}, which has no CPU this process may run on")]
+    NoCpusOnGpuNode { index: usize, address: String, node: u32 },
+    /// `exclusive`: fewer allowed physical cores on the node than GPUs to share them.
+    #[error(
+        "--numa-binding=exclusive: NUMA node {node} has only {cores} physical cores this process may run on, \
+         for its {gpus} GPUs"
+    )]
+    TooFewCores { node: u32, cores: usize, gpus: usize },
+    /// The policy chose no CPU for the GPU.
+    #[error("--numa-binding={mode} found no CPU for GPU {index} (NUMA node {node})")]
+    NoCpuChosen { mode: NumaMode, index: usize, node: u32 },
+    /// The policy chose a CPU that a `cpu_set_t` cannot hold.
+    #[error(
+        "--numa-binding={mode} chose CPU {cpu} for GPU {index}, but only CPUs below {} can be bound",
+        CPU_SET_CAPACITY
+    )]
+    CpuBeyondSet { mode: NumaMode, cpu: u32, index: usize },
+    /// `CUDA_VISIBLE_DEVICES` is set to nothing.
+    #[error("CUDA_VISIBLE_DEVICES is set but empty, so no GPU is visible")]
+    NoVisibleDevices,
+    /// A `CUDA_VISIBLE_DEVICES` entry that is not a device index (a UUID, a MIG name, a negative number).
+    #[error(
+        "CUDA_VISIBLE_DEVICES entry {entry:?} is not a device index; --numa-binding needs a list of integers \
+         (GPU UUIDs and MIG names are not supported)"
+    )]
+    NotADeviceIndex { entry: String },
+    /// `CUDA_VISIBLE_DEVICES` lists a device twice.
+    #[error("CUDA_VISIBLE_DEVICES={list:?} lists device {index} twice")]
+    DuplicateDevice { list: String, index: usize },
+    /// `CUDA_VISIBLE_DEVICES` lists fewer devices than the local rank needs.
+    #[error("local rank {local_rank} has no GPU: CUDA_VISIBLE_DEVICES={list:?} lists {listed} devices")]
+    RankWithoutGpu { local_rank: u32, list: String, listed: usize },
+}
+
+impl NumaError {
+    fn unreadable(path: &Path, source: io::Error) -> NumaError {
+        NumaError::Unreadable { path: path.to_path_buf(), source: Arc::new(source) }
+    }
+}
+
+/// Why [`parse_cpu_list`] refused a CPU list (`list`, as given).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum CpuListError {
+    /// An item or range end that is not a plain decimal number.
+    #[error("CPU list {list:?}: {item:?} is not a number")]
+    NotANumber { list: String, item: String },
+    /// A number above 65535.
+    #[error("CPU list {list:?}: {item} is larger than {}", MAX_LIST_VALUE)]
+    TooLarge { list: String, item: String },
+    /// A range `a-b` with `a > b`.
+    #[error("CPU list {list:?}: range {range:?} is descending")]
+    Descending { list: String, range: String },
+}
 
 /// A `--numa-binding` policy: which CPUs the worker using a given GPU is pinned to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -84,14 +196,14 @@ impl fmt::Display for NumaMode {
 }
 
 impl FromStr for NumaMode {
-    type Err = String;
+    type Err = NumaError;
 
     /// Accepts exactly the names torch accepts: `node`, `socket`, `exclusive`, `core-complex`.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        NumaMode::ALL.into_iter().find(|mode| mode.as_str() == s).ok_or_else(|| {
-            let choices: Vec<&str> = NumaMode::ALL.iter().map(|mode| mode.as_str()).collect();
-            format!("invalid --numa-binding mode {s:?}; choose one of: {}", choices.join(", "))
-        })
+        NumaMode::ALL
+            .into_iter()
+            .find(|mode| mode.as_str() == s)
+            .ok_or_else(|| NumaError::BadMode { given: s.to_string() })
     }
 }
 
@@ -106,15 +218,15 @@ pub struct Gpu {
 }
 
 /// What sysfs says about one allowed CPU. Each field is read eagerly but only needed by some modes, so a
-/// missing file is kept as its error message and reported only by a mode that needs it.
+/// missing file is kept as its error and reported only by a mode that needs it.
 #[derive(Clone, Debug)]
 struct CpuInfo {
     /// The physical core: the lowest CPU of `topology/thread_siblings_list`.
-    core: Result<u32, String>,
+    core: Result<u32, NumaError>,
     /// The socket: `topology/physical_package_id`.
-    package: Result<i64, String>,
+    package: Result<i64, NumaError>,
     /// The last-level cache: the lowest CPU sharing the highest-level Unified/Data cache.
-    cache: Result<u32, String>,
+    cache: Result<u32, NumaError>,
 }
 
 /// The machine as the `--numa-binding` policies see it: NUMA nodes with their allowed CPUs, per-CPU core,
@@ -125,7 +237,7 @@ pub struct Topology {
     sysfs_root: PathBuf,
     /// Each node of `devices/system/node/possible` with its CPUs intersected with the allowed CPUs, or the
     /// error reading its `cpulist` (a possible node need not exist).
-    nodes: BTreeMap<u32, Result<BTreeSet<u32>, String>>,
+    nodes: BTreeMap<u32, Result<BTreeSet<u32>, NumaError>>,
     /// Every allowed CPU that belongs to a node.
     cpus: BTreeMap<u32, CpuInfo>,
     /// NVIDIA and AMD GPUs, in device-index order.
@@ -146,18 +258,19 @@ impl Topology {
     /// Fails when the node list or a GPU's NUMA node cannot be read, or a file is malformed. Per-CPU files
     /// that are missing only fail the modes needing them, in [`cpus_for`]. Finding no GPU is not an error
     /// here either.
-    pub fn read(sysfs_root: &Path, allowed: &BTreeSet<u32>) -> Result<Topology, String> {
+    pub fn read(sysfs_root: &Path, allowed: &BTreeSet<u32>) -> Result<Topology, NumaError> {
         let node_dir = sysfs_root.join("devices/system/node");
         let mut nodes = BTreeMap::new();
         for node in read_list(&node_dir.join("possible"))? {
             let path = node_dir.join(format!("node{node}/cpulist"));
             let cpus = match fs::read_to_string(&path) {
                 Ok(text) => {
-                    let cpus = parse_cpu_list(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+                    let cpus =
+                        parse_cpu_list(&text).map_err(|source| NumaError::BadCpuList { path: path.clone(), source })?;
                     Ok(&cpus & allowed)
                 }
-                Err(e) if e.kind() == io::ErrorKind::NotFound => Err(format!("cannot read {}: {e}", path.display())),
-                Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => Err(NumaError::unreadable(&path, e)),
+                Err(e) => return Err(NumaError::unreadable(&path, e)),
             };
             nodes.insert(node, cpus);
         }
@@ -191,27 +304,27 @@ impl Topology {
     /// [`cpus_for`] on the result. (Mapping the local rank with [`visible_device_index`] and using the full
     /// topology picks the same NUMA node, but `exclusive` and `core-complex` then also count the GPUs on the
     /// node that are not visible.)
-    pub fn with_visible_devices(&self, visible: Option<&str>) -> Result<Topology, String> {
+    pub fn with_visible_devices(&self, visible: Option<&str>) -> Result<Topology, NumaError> {
         let Some(list) = visible else {
             return Ok(self.clone());
         };
         let gpus = parse_visible_devices(list)?
             .into_iter()
             .map(|index| {
-                self.gpus.get(index).cloned().ok_or_else(|| {
-                    format!(
-                        "CUDA_VISIBLE_DEVICES={list:?} lists device {index} but this machine has {} GPUs{}",
-                        self.gpus.len(),
-                        self.gpu_location()
-                    )
+                self.gpus.get(index).cloned().ok_or_else(|| NumaError::NoSuchVisibleGpu {
+                    list: list.to_string(),
+                    index,
+                    gpus: self.gpus.len(),
+                    devices: self.gpu_devices(),
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Topology { gpus, ..self.clone() })
     }
 
-    fn gpu_location(&self) -> String {
-        format!(" under {}", self.sysfs_root.join("bus/pci/devices").display())
+    /// Where the GPUs were looked for.
+    fn gpu_devices(&self) -> PathBuf {
+        self.sysfs_root.join("bus/pci/devices")
     }
 
     /// `cpus` grouped by what they share (a physical core, a last-level cache), each group named
@@ -219,8 +332,8 @@ impl Topology {
     fn group(
         &self,
         cpus: &BTreeSet<u32>,
-        key: impl Fn(&CpuInfo) -> &Result<u32, String>,
-    ) -> Result<BTreeMap<u32, BTreeSet<u32>>, String> {
+        key: impl Fn(&CpuInfo) -> &Result<u32, NumaError>,
+    ) -> Result<BTreeMap<u32, BTreeSet<u32>>, NumaError> {
         let mut groups: BTreeMap<u32, BTreeSet<u32>> = BTreeMap::new();
         for &cpu in cpus {
             let k = key(self.cpu(cpu)?).clone()?;
@@ -229,46 +342,41 @@ impl Topology {
         Ok(groups)
     }
 
-    fn cpu(&self, cpu: u32) -> Result<&CpuInfo, String> {
-        self.cpus.get(&cpu).ok_or_else(|| format!("CPU {cpu} is missing from the topology read from sysfs"))
+    fn cpu(&self, cpu: u32) -> Result<&CpuInfo, NumaError> {
+        self.cpus.get(&cpu).ok_or(NumaError::CpuMissing { cpu })
     }
 
-    fn package(&self, cpu: u32) -> Result<i64, String> {
+    fn package(&self, cpu: u32) -> Result<i64, NumaError> {
         self.cpu(cpu)?.package.clone()
     }
 
     /// The NUMA node of a GPU.
-    fn gpu_node(&self, device_index: usize) -> Result<u32, String> {
+    fn gpu_node(&self, device_index: usize) -> Result<u32, NumaError> {
         match self.gpus.get(device_index) {
             Some(gpu) => Ok(gpu.numa_node),
-            None if self.gpus.is_empty() => {
-                Err(format!("--numa-binding needs a GPU: none found{}", self.gpu_location()))
+            None if self.gpus.is_empty() => Err(NumaError::NoGpu { devices: self.gpu_devices() }),
+            None => {
+                Err(NumaError::NoSuchGpu { index: device_index, gpus: self.gpus.len(), devices: self.gpu_devices() })
             }
-            None => Err(format!(
-                "device index {device_index} but this machine has {} GPUs{}",
-                self.gpus.len(),
-                self.gpu_location()
-            )),
         }
     }
 
     /// The allowed CPUs of the GPU's NUMA node; an error if there are none.
-    fn gpu_node_cpus(&self, device_index: usize, node: u32) -> Result<&BTreeSet<u32>, String> {
-        let address = &self.gpus[device_index].pci_address;
+    fn gpu_node_cpus(&self, device_index: usize, node: u32) -> Result<&BTreeSet<u32>, NumaError> {
+        let address = self.gpus[device_index].pci_address.clone();
         let cpus = match self.nodes.get(&node) {
             Some(Ok(cpus)) => cpus,
-            Some(Err(e)) => return Err(format!("GPU {device_index} ({address}) is on NUMA node {node}, but {e}")),
+            Some(Err(e)) => {
+                let source = Box::new(e.clone());
+                return Err(NumaError::GpuNodeUnreadable { index: device_index, address, node, source });
+            }
             None => {
-                return Err(format!(
-                    "GPU {device_index} ({address}) is on NUMA node {node}, which {} does not list",
-                    self.sysfs_root.join("devices/system/node/possible").display()
-                ))
+                let possible = self.sysfs_root.join("devices/system/node/possible");
+                return Err(NumaError::GpuNodeUnlisted { index: device_index, address, node, possible });
             }
         };
         if cpus.is_empty() {
-            return Err(format!(
-                "GPU {device_index} ({address}) is on NUMA node {node}, which has no CPU this process may run on"
-            ));
+            return Err(NumaError::NoCpusOnGpuNode { index: device_index, address, node });
         }
         Ok(cpus)
     }
@@ -280,7 +388,7 @@ impl Topology {
         (position, on_node.len())
     }
 
-    fn socket_cpus(&self, node_cpus: &BTreeSet<u32>) -> Result<BTreeSet<u32>, String> {
+    fn socket_cpus(&self, node_cpus: &BTreeSet<u32>) -> Result<BTreeSet<u32>, NumaError> {
         let Some(&lowest) = node_cpus.first() else {
             return Ok(BTreeSet::new());
         };
@@ -303,17 +411,13 @@ impl Topology {
         device_index: usize,
         node: u32,
         node_cpus: &BTreeSet<u32>,
-    ) -> Result<BTreeSet<u32>, String> {
+    ) -> Result<BTreeSet<u32>, NumaError> {
         let cores = self.group(node_cpus, |c| &c.core)?;
         let (position, gpus) = self.position_on_node(device_index, node);
         let per_gpu = cores.len() / gpus;
         let extra = cores.len() % gpus;
         if per_gpu == 0 {
-            return Err(format!(
-                "--numa-binding=exclusive: NUMA node {node} has only {} physical cores this process may run on, \
-                 for its {gpus} GPUs",
-                cores.len()
-            ));
+            return Err(NumaError::TooFewCores { node, cores: cores.len(), gpus });
         }
         let start = position * per_gpu + position.min(extra);
         let count = per_gpu + usize::from(position < extra);
@@ -325,7 +429,7 @@ impl Topology {
         device_index: usize,
         node: u32,
         node_cpus: &BTreeSet<u32>,
-    ) -> Result<BTreeSet<u32>, String> {
+    ) -> Result<BTreeSet<u32>, NumaError> {
         let mut caches: Vec<(u32, BTreeSet<u32>)> = self.group(node_cpus, |c| &c.cache)?.into_iter().collect();
         caches.sort_by_key(|(cache, cpus)| (Reverse(cpus.len()), *cache));
         let (position, _) = self.position_on_node(device_index, node);
@@ -339,7 +443,7 @@ impl Topology {
 /// Fails with a sentence saying why when there is no such GPU, the GPU's NUMA node is unknown or has no
 /// allowed CPU, a sysfs file the mode needs could not be read, `exclusive` has fewer cores than GPUs, or the
 /// result would be empty or hold a CPU beyond what [`to_cpu_set`] can represent.
-pub fn cpus_for(topology: &Topology, mode: NumaMode, device_index: usize) -> Result<BTreeSet<u32>, String> {
+pub fn cpus_for(topology: &Topology, mode: NumaMode, device_index: usize) -> Result<BTreeSet<u32>, NumaError> {
     let node = topology.gpu_node(device_index)?;
     let node_cpus = topology.gpu_node_cpus(device_index, node)?;
     let cpus = match mode {
@@ -349,11 +453,10 @@ pub fn cpus_for(topology: &Topology, mode: NumaMode, device_index: usize) -> Res
         NumaMode::CoreComplex => topology.core_complex_cpus(device_index, node, node_cpus)?,
     };
     match cpus.last() {
-        None => Err(format!("--numa-binding={mode} found no CPU for GPU {device_index} (NUMA node {node})")),
-        Some(&last) if last as usize >= CPU_SET_CAPACITY => Err(format!(
-            "--numa-binding={mode} chose CPU {last} for GPU {device_index}, but only CPUs below \
-             {CPU_SET_CAPACITY} can be bound"
-        )),
+        None => Err(NumaError::NoCpuChosen { mode, index: device_index, node }),
+        Some(&last) if last as usize >= CPU_SET_CAPACITY => {
+            Err(NumaError::CpuBeyondSet { mode, cpu: last, index: device_index })
+        }
         Some(_) => Ok(cpus),
     }
 }
@@ -364,33 +467,34 @@ pub fn cpus_for(topology: &Topology, mode: NumaMode, device_index: usize) -> Res
 /// Without a list, local rank `r` uses GPU `r`; with one, it uses the r-th listed GPU. Only lists of
 /// integer indices can be mapped: a UUID (`GPU-…`) or MIG entry, a negative or duplicate index, an empty
 /// list, or a list shorter than `local_rank + 1` is an error.
-pub fn visible_device_index(local_rank: u32, visible: Option<&str>) -> Result<usize, String> {
+pub fn visible_device_index(local_rank: u32, visible: Option<&str>) -> Result<usize, NumaError> {
     let rank = local_rank as usize;
     let Some(list) = visible else {
         return Ok(rank);
     };
     let devices = parse_visible_devices(list)?;
-    devices.get(rank).copied().ok_or_else(|| {
-        format!("local rank {local_rank} has no GPU: CUDA_VISIBLE_DEVICES={list:?} lists {} devices", devices.len())
+    devices.get(rank).copied().ok_or_else(|| NumaError::RankWithoutGpu {
+        local_rank,
+        list: list.to_string(),
+        listed: devices.len(),
     })
 }
 
 /// Parses a `CUDA_VISIBLE_DEVICES`-style list of device indices.
-fn parse_visible_devices(list: &str) -> Result<Vec<usize>, String> {
+fn parse_visible_devices(list: &str) -> Result<Vec<usize>, NumaError> {
     if list.trim().is_empty() {
-        return Err("CUDA_VISIBLE_DEVICES is set but empty, so no GPU is visible".to_string());
+        return Err(NumaError::NoVisibleDevices);
     }
     let mut devices = Vec::new();
     for entry in list.split(',').map(str::trim) {
         let is_index = !entry.is_empty() && entry.bytes().all(|b| b.is_ascii_digit());
-        let index = entry.parse::<usize>().ok().filter(|_| is_index).ok_or_else(|| {
-            format!(
-                "CUDA_VISIBLE_DEVICES entry {entry:?} is not a device index; --numa-binding needs a list of integers \
-                 (GPU UUIDs and MIG names are not supported)"
-            )
-        })?;
+        let index = entry
+            .parse::<usize>()
+            .ok()
+            .filter(|_| is_index)
+            .ok_or_else(|| NumaError::NotADeviceIndex { entry: entry.to_string() })?;
         if devices.contains(&index) {
-            return Err(format!("CUDA_VISIBLE_DEVICES={list:?} lists device {index} twice"));
+            return Err(NumaError::DuplicateDevice { list: list.to_string(), index });
         }
         devices.push(index);
     }
@@ -401,15 +505,14 @@ fn parse_visible_devices(list: &str) -> Result<Vec<usize>, String> {
 /// `numactl --physcpubind`). Whitespace around items and empty items are ignored, so an empty string is the
 /// empty set. Fails on anything else that is not a number or an ascending `a-b` range, and on numbers above
 /// 65535.
-pub fn parse_cpu_list(s: &str) -> Result<BTreeSet<u32>, String> {
-    let number = |text: &str| -> Result<u32, String> {
+pub fn parse_cpu_list(s: &str) -> Result<BTreeSet<u32>, CpuListError> {
+    let number = |text: &str| -> Result<u32, CpuListError> {
         let text = text.trim();
+        let (list, item) = (s.to_string(), text.to_string());
         match text.parse::<u32>() {
             Ok(n) if text.bytes().all(|b| b.is_ascii_digit()) && n <= MAX_LIST_VALUE => Ok(n),
-            Ok(_) if text.bytes().all(|b| b.is_ascii_digit()) => {
-                Err(format!("CPU list {s:?}: {text} is larger than {MAX_LIST_VALUE}"))
-            }
-            _ => Err(format!("CPU list {s:?}: {text:?} is not a number")),
+            Ok(_) if text.bytes().all(|b| b.is_ascii_digit()) => Err(CpuListError::TooLarge { list, item }),
+            _ => Err(CpuListError::NotANumber { list, item }),
         }
     };
     let mut cpus = BTreeSet::new();
@@ -418,7 +521,7 @@ pub fn parse_cpu_list(s: &str) -> Result<BTreeSet<u32>, String> {
             Some((first, last)) => {
                 let (first, last) = (number(first)?, number(last)?);
                 if first > last {
-                    return Err(format!("CPU list {s:?}: range {item:?} is descending"));
+                    return Err(CpuListError::Descending { list: s.to_string(), range: item.to_string() });
                 }
                 cpus.extend(first..=last);
             }
@@ -449,8 +552,8 @@ pub fn format_cpu_list(cpus: &BTreeSet<u32>) -> String {
 /// The CPUs the calling thread may run on (`sched_getaffinity(0, …)`).
 ///
 /// Starts with a 1024-CPU mask and doubles it while the kernel answers `EINVAL` (machines configured for more
-/// CPUs than the mask holds).
-pub fn allowed_cpus() -> io::Result<BTreeSet<u32>> {
+/// CPUs than the mask holds). Fails with [`NumaError::Affinity`].
+pub fn allowed_cpus() -> Result<BTreeSet<u32>, NumaError> {
     let word_bytes = std::mem::size_of::<libc::c_ulong>();
     let word_bits = 8 * word_bytes;
     let mut words = CPU_SET_CAPACITY / word_bits;
@@ -471,7 +574,7 @@ pub fn allowed_cpus() -> io::Result<BTreeSet<u32>> {
         }
         let error = io::Error::last_os_error();
         if error.raw_os_error() != Some(libc::EINVAL) || words * word_bits >= 1 << 20 {
-            return Err(error);
+            return Err(NumaError::Affinity { source: Arc::new(error) });
         }
         words *= 2;
     }
@@ -496,7 +599,7 @@ impl CpuInfo {
         let siblings = dir.join("topology/thread_siblings_list");
         CpuInfo {
             core: read_list(&siblings)
-                .and_then(|cpus| cpus.first().copied().ok_or_else(|| format!("{} is empty", siblings.display()))),
+                .and_then(|cpus| cpus.first().copied().ok_or_else(|| NumaError::EmptyList { path: siblings.clone() })),
             package: read_int(&dir.join("topology/physical_package_id")),
             cache: read_max_level_cache(&dir.join("cache")),
         }
@@ -505,8 +608,8 @@ impl CpuInfo {
 
 /// The identifier (lowest sharing CPU) of a CPU's highest-level Unified or Data cache, from its `cache`
 /// directory. Caches are visited in `index<N>` order and the first one of the highest level wins.
-fn read_max_level_cache(dir: &Path) -> Result<u32, String> {
-    let entries = fs::read_dir(dir).map_err(|e| format!("cannot read {}: {e}", dir.display()))?;
+fn read_max_level_cache(dir: &Path) -> Result<u32, NumaError> {
+    let entries = fs::read_dir(dir).map_err(|e| NumaError::unreadable(dir, e))?;
     let mut indices: Vec<(u64, PathBuf)> = entries
         .filter_map(|entry| {
             let entry = entry.ok()?;
@@ -534,22 +637,22 @@ fn read_max_level_cache(dir: &Path) -> Result<u32, String> {
         best = Some((level, shared, cpus));
     }
     match best {
-        Some((_, path, cpus)) => cpus.first().copied().ok_or_else(|| format!("{} is empty", path.display())),
-        None => Err(format!("{} lists no Unified or Data cache", dir.display())),
+        Some((_, path, cpus)) => cpus.first().copied().ok_or(NumaError::EmptyList { path }),
+        None => Err(NumaError::NoCache { dir: dir.to_path_buf() }),
     }
 }
 
 /// The NVIDIA and AMD GPUs under `{root}/bus/pci/devices` (`dir`), ordered by PCI address. A missing
 /// directory means no GPU.
-fn read_gpus(dir: &Path) -> Result<Vec<Gpu>, String> {
+fn read_gpus(dir: &Path) -> Result<Vec<Gpu>, NumaError> {
     let entries = match fs::read_dir(dir) {
         Ok(entries) => entries,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(format!("cannot read {}: {e}", dir.display())),
+        Err(e) => return Err(NumaError::unreadable(dir, e)),
     };
     let mut gpus = Vec::new();
     for entry in entries {
-        let entry = entry.map_err(|e| format!("cannot read {}: {e}", dir.display()))?;
+        let entry = entry.map_err(|e| NumaError::unreadable(dir, e))?;
         let path = entry.path();
         let (Ok(vendor), Ok(class)) = (fs::read_to_string(path.join("vendor")), fs::read_to_string(path.join("class")))
         else {
@@ -563,7 +666,7 @@ fn read_gpus(dir: &Path) -> Result<Vec<Gpu>, String> {
         let numa_path = path.join("numa_node");
         let numa_node = read_int(&numa_path)?.max(0);
         let numa_node = u32::try_from(numa_node)
-            .map_err(|_| format!("{}: NUMA node {numa_node} is too large", numa_path.display()))?;
+            .map_err(|_| NumaError::NodeTooLarge { path: numa_path.clone(), node: numa_node })?;
         gpus.push(Gpu { pci_address: entry.file_name().to_string_lossy().into_owned(), numa_node });
     }
     gpus.sort_by(|a, b| {
@@ -588,17 +691,18 @@ fn pci_sort_key(address: &str) -> (bool, [u64; 4]) {
     }
 }
 
-fn read_file(path: &Path) -> Result<String, String> {
-    fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))
+fn read_file(path: &Path) -> Result<String, NumaError> {
+    fs::read_to_string(path).map_err(|e| NumaError::unreadable(path, e))
 }
 
-fn read_list(path: &Path) -> Result<BTreeSet<u32>, String> {
-    parse_cpu_list(&read_file(path)?).map_err(|e| format!("{}: {e}", path.display()))
+fn read_list(path: &Path) -> Result<BTreeSet<u32>, NumaError> {
+    parse_cpu_list(&read_file(path)?).map_err(|source| NumaError::BadCpuList { path: path.to_path_buf(), source })
 }
 
-fn read_int(path: &Path) -> Result<i64, String> {
+fn read_int(path: &Path) -> Result<i64, NumaError> {
     let text = read_file(path)?;
-    text.trim().parse().map_err(|_| format!("{}: expected an integer, found {:?}", path.display(), text.trim()))
+    let found = text.trim();
+    found.parse().map_err(|_| NumaError::NotAnInteger { path: path.to_path_buf(), found: found.to_string() })
 }
 
 #[cfg(test)]
@@ -737,11 +841,11 @@ mod tests {
     #[test]
     fn mode_names_parse_exactly() {
         for mode in NumaMode::ALL {
-            assert_eq!(mode.to_string().parse::<NumaMode>(), Ok(mode));
+            assert_eq!(mode.to_string().parse::<NumaMode>().unwrap(), mode);
         }
-        assert_eq!("core-complex".parse::<NumaMode>(), Ok(NumaMode::CoreComplex));
+        assert_eq!("core-complex".parse::<NumaMode>().unwrap(), NumaMode::CoreComplex);
         for bad in ["Node", "core_complex", "numa", "", " node"] {
-            let error = bad.parse::<NumaMode>().unwrap_err();
+            let error = bad.parse::<NumaMode>().unwrap_err().to_string();
             assert!(error.contains("node, socket, exclusive, core-complex"), "{error}");
         }
     }
@@ -841,7 +945,7 @@ mod tests {
         let m =
             Machine { sockets: 1, nodes_per_socket: 2, cores_per_node: 2, smt: true, l3_per_node: 1, gpus_per_node: 4 };
         let topology = FakeSys::machine(&m).read_all();
-        let error = cpus_for(&topology, NumaMode::Exclusive, 5).unwrap_err();
+        let error = cpus_for(&topology, NumaMode::Exclusive, 5).unwrap_err().to_string();
         assert!(error.contains("NUMA node 1 has only 2 physical cores"), "{error}");
         assert!(error.contains("for its 4 GPUs"), "{error}");
         // The other modes still work there.
@@ -907,7 +1011,7 @@ mod tests {
         assert_eq!(format_cpu_list(&cpus_for(&topology, NumaMode::CoreComplex, 3).unwrap()), "8-9,40-41");
         // Node 2 has no allowed CPU at all.
         for mode in NumaMode::ALL {
-            let error = cpus_for(&topology, mode, 4).unwrap_err();
+            let error = cpus_for(&topology, mode, 4).unwrap_err().to_string();
             assert!(error.contains("NUMA node 2, which has no CPU this process may run on"), "{error}");
         }
     }
@@ -961,21 +1065,21 @@ mod tests {
     #[test]
     fn no_gpu_is_an_error() {
         let sys = FakeSys::machine(&Machine { gpus_per_node: 0, ..BIG });
-        let error = cpus_for(&sys.read_all(), NumaMode::Node, 0).unwrap_err();
+        let error = cpus_for(&sys.read_all(), NumaMode::Node, 0).unwrap_err().to_string();
         assert!(error.starts_with("--numa-binding needs a GPU: none found under "), "{error}");
         assert!(error.ends_with("bus/pci/devices"), "{error}");
 
         sys.pci("0000:03:00.0", "0x10de", "0x068000", 0);
-        assert!(cpus_for(&sys.read_all(), NumaMode::Node, 0).unwrap_err().contains("needs a GPU"));
+        assert!(cpus_for(&sys.read_all(), NumaMode::Node, 0).unwrap_err().to_string().contains("needs a GPU"));
 
         fs::remove_dir_all(sys.root().join("bus")).unwrap();
-        assert!(cpus_for(&sys.read_all(), NumaMode::Node, 0).unwrap_err().contains("needs a GPU"));
+        assert!(cpus_for(&sys.read_all(), NumaMode::Node, 0).unwrap_err().to_string().contains("needs a GPU"));
     }
 
     #[test]
     fn device_index_beyond_the_gpus_is_an_error() {
         let topology = FakeSys::machine(&BIG).read_all();
-        let error = cpus_for(&topology, NumaMode::Node, 8).unwrap_err();
+        let error = cpus_for(&topology, NumaMode::Node, 8).unwrap_err().to_string();
         assert!(error.starts_with("device index 8 but this machine has 8 GPUs under "), "{error}");
     }
 
@@ -983,12 +1087,12 @@ mod tests {
     fn gpu_on_an_unlisted_node_is_an_error() {
         let sys = FakeSys::machine(&BIG);
         sys.gpu("0000:f0:00.0", 7);
-        let error = cpus_for(&sys.read_all(), NumaMode::Node, 8).unwrap_err();
+        let error = cpus_for(&sys.read_all(), NumaMode::Node, 8).unwrap_err().to_string();
         assert!(error.contains("is on NUMA node 7, which"), "{error}");
         assert!(error.ends_with("devices/system/node/possible does not list"), "{error}");
 
         sys.remove("devices/system/node/node3/cpulist");
-        let error = cpus_for(&sys.read_all(), NumaMode::Node, 6).unwrap_err();
+        let error = cpus_for(&sys.read_all(), NumaMode::Node, 6).unwrap_err().to_string();
         assert!(error.contains("is on NUMA node 3, but cannot read "), "{error}");
         assert!(error.contains("node3/cpulist"), "{error}");
     }
@@ -1000,24 +1104,40 @@ mod tests {
         sys.remove("devices/system/cpu/cpu9/topology/physical_package_id");
         sys.write("devices/system/cpu/cpu10/cache/index3/level", "three\n");
         let topology = sys.read_all();
-        let error = cpus_for(&topology, NumaMode::Exclusive, 2).unwrap_err();
+        let error = cpus_for(&topology, NumaMode::Exclusive, 2).unwrap_err().to_string();
         assert!(error.contains("cpu8/topology/thread_siblings_list"), "{error}");
-        let error = cpus_for(&topology, NumaMode::CoreComplex, 2).unwrap_err();
+        let error = cpus_for(&topology, NumaMode::CoreComplex, 2).unwrap_err().to_string();
         assert!(error.contains("cpu10/cache/index3/level: expected an integer"), "{error}");
         // Socket mode only reads the package of each node's lowest CPU (8 here), so CPU 9's is not needed.
         assert_eq!(format_cpu_list(&cpus_for(&topology, NumaMode::Socket, 2).unwrap()), "0-15,32-47");
         assert_eq!(format_cpu_list(&cpus_for(&topology, NumaMode::Exclusive, 0).unwrap()), "0-3,32-35");
 
         sys.write("devices/system/node/node1/cpulist", "8-x\n");
-        let error = Topology::read(sys.root(), &cpus("0-63")).unwrap_err();
+        let error = Topology::read(sys.root(), &cpus("0-63")).unwrap_err().to_string();
         assert!(error.contains("node1/cpulist: CPU list"), "{error}");
         sys.write("bus/pci/devices/0000:10:00.0/numa_node", "\n");
         sys.write("devices/system/node/node1/cpulist", "8-15,40-47\n");
-        let error = Topology::read(sys.root(), &cpus("0-63")).unwrap_err();
+        let error = Topology::read(sys.root(), &cpus("0-63")).unwrap_err().to_string();
         assert!(error.contains("0000:10:00.0/numa_node: expected an integer"), "{error}");
         sys.remove("devices/system/node/possible");
-        let error = Topology::read(sys.root(), &cpus("0-63")).unwrap_err();
+        let error = Topology::read(sys.root(), &cpus("0-63")).unwrap_err().to_string();
         assert!(error.starts_with("cannot read ") && error.contains("node/possible"), "{error}");
+    }
+
+    #[test]
+    fn errors_say_what_kind_of_failure_they_are() {
+        let sys = FakeSys::machine(&Machine { gpus_per_node: 0, ..BIG });
+        assert!(matches!(cpus_for(&sys.read_all(), NumaMode::Node, 0), Err(NumaError::NoGpu { .. })));
+        assert!(matches!("numa".parse::<NumaMode>(), Err(NumaError::BadMode { given }) if given == "numa"));
+        sys.remove("devices/system/node/node1/cpulist");
+        sys.gpu("0000:10:00.0", 1);
+        let error = cpus_for(&sys.read_all(), NumaMode::Node, 0).unwrap_err();
+        let NumaError::GpuNodeUnreadable { node: 1, source, .. } = &error else { panic!("{error:?}") };
+        assert!(matches!(**source, NumaError::Unreadable { .. }), "{source:?}");
+        assert!(std::error::Error::source(&error).is_some());
+        sys.write("devices/system/node/possible", "0-x\n");
+        let error = Topology::read(sys.root(), &cpus("0-63")).unwrap_err();
+        assert!(matches!(error, NumaError::BadCpuList { source: CpuListError::NotANumber { .. }, .. }), "{error:?}");
     }
 
     #[test]
@@ -1029,7 +1149,7 @@ mod tests {
         }
         sys.gpu("0000:01:00.0", 0);
         let topology = sys.read(&cpus("0-2047"));
-        let error = cpus_for(&topology, NumaMode::Node, 0).unwrap_err();
+        let error = cpus_for(&topology, NumaMode::Node, 0).unwrap_err().to_string();
         assert!(error.contains("CPU 1025"), "{error}");
     }
 
@@ -1049,32 +1169,32 @@ mod tests {
             lists(&topology.with_visible_devices(None).unwrap(), NumaMode::Node),
             lists(&topology, NumaMode::Node)
         );
-        let error = topology.with_visible_devices(Some("1,8")).unwrap_err();
+        let error = topology.with_visible_devices(Some("1,8")).unwrap_err().to_string();
         assert!(error.contains("lists device 8 but this machine has 8 GPUs"), "{error}");
         assert!(topology.with_visible_devices(Some("GPU-1234")).is_err());
     }
 
     #[test]
     fn visible_device_index_maps_local_ranks() {
-        assert_eq!(visible_device_index(0, None), Ok(0));
-        assert_eq!(visible_device_index(5, None), Ok(5));
-        assert_eq!(visible_device_index(0, Some("4,5,6,7")), Ok(4));
-        assert_eq!(visible_device_index(3, Some("4,5,6,7")), Ok(7));
-        assert_eq!(visible_device_index(1, Some(" 2, 0 \n")), Ok(0));
+        assert_eq!(visible_device_index(0, None).unwrap(), 0);
+        assert_eq!(visible_device_index(5, None).unwrap(), 5);
+        assert_eq!(visible_device_index(0, Some("4,5,6,7")).unwrap(), 4);
+        assert_eq!(visible_device_index(3, Some("4,5,6,7")).unwrap(), 7);
+        assert_eq!(visible_device_index(1, Some(" 2, 0 \n")).unwrap(), 0);
     }
 
     #[test]
     fn visible_device_index_rejects_what_it_cannot_map() {
-        let error = visible_device_index(2, Some("0,1")).unwrap_err();
+        let error = visible_device_index(2, Some("0,1")).unwrap_err().to_string();
         assert!(error.contains("local rank 2 has no GPU") && error.contains("lists 2 devices"), "{error}");
-        let error = visible_device_index(0, Some("GPU-8f1b2c3d-aaaa-bbbb-cccc-0123456789ab")).unwrap_err();
+        let error = visible_device_index(0, Some("GPU-8f1b2c3d-aaaa-bbbb-cccc-0123456789ab")).unwrap_err().to_string();
         assert!(error.contains("is not a device index"), "{error}");
         assert!(visible_device_index(0, Some("MIG-1234")).is_err());
         assert!(visible_device_index(0, Some("0,-1")).is_err());
         assert!(visible_device_index(0, Some("0,,1")).is_err());
         assert!(visible_device_index(0, Some("+1")).is_err());
-        assert!(visible_device_index(0, Some("1,1")).unwrap_err().contains("twice"));
-        assert!(visible_device_index(0, Some("")).unwrap_err().contains("empty"));
+        assert!(visible_device_index(0, Some("1,1")).unwrap_err().to_string().contains("twice"));
+        assert!(visible_device_index(0, Some("")).unwrap_err().to_string().contains("empty"));
     }
 
     #[test]
@@ -1104,7 +1224,7 @@ mod tests {
         {
             assert!(parse_cpu_list(bad).is_err(), "{bad:?} parsed");
         }
-        assert_eq!(parse_cpu_list("3-1").unwrap_err(), "CPU list \"3-1\": range \"3-1\" is descending");
+        assert_eq!(parse_cpu_list("3-1").unwrap_err().to_string(), "CPU list \"3-1\": range \"3-1\" is descending");
     }
 
     /// The members of a `cpu_set_t`, read from its `Debug` output (the words of its bit array), which keeps
@@ -1145,7 +1265,7 @@ mod tests {
             assert!(cpu.core.is_ok() && cpu.package.is_ok(), "{cpu:?}");
         }
         if topology.gpus().is_empty() {
-            let error = cpus_for(&topology, NumaMode::Node, 0).unwrap_err();
+            let error = cpus_for(&topology, NumaMode::Node, 0).unwrap_err().to_string();
             assert_eq!(error, "--numa-binding needs a GPU: none found under /sys/bus/pci/devices");
         } else {
             for mode in NumaMode::ALL {
