@@ -3,6 +3,7 @@
 
 mod cli;
 mod config_file;
+mod slurm;
 mod status;
 
 use std::process::ExitCode;
