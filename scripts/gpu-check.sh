@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks in one command, on a machine with an NVIDIA GPU (driver >= 580, CUDA 13):
-#   1. the ignored test `gpu_check` (integration-tests/tests/kernels_nvrtc.rs ->
+#   1. the ignored test `kernels_nvrtc::gpu_check` (integration-tests/tests/kernels_nvrtc.rs in
+#      the test binary `integration` ->
 #      rlaunch::gpu::check::run): every kernel in kernels/cu/*.cu against its CPU reference;
 #      GPU training (fp32 and bf16) against the CPU model through a 1-rank NCCL group; an NCCL
 #      all-reduce bootstrapped through a real TCPStore; rlaunch's NCCL group against raw
@@ -53,13 +54,13 @@ build() {
     cargo build "${flags[@]}" "${PROFILE[@]}" -p rlaunch --features cuda --example train || { say "build failed"; exit 1; }
   fi
   cargo build "${flags[@]}" "${PROFILE[@]}" -p rlaunch-launcher --bin rlaunch || { say "build of rlaunch failed"; exit 1; }
-  msg=$(cargo test "${flags[@]}" "${PROFILE[@]}" -p integration-tests --test kernels_nvrtc --no-run --message-format=json) \
+  msg=$(cargo test "${flags[@]}" "${PROFILE[@]}" -p integration-tests --test integration --no-run --message-format=json) \
     || { say "build of the check failed"; exit 1; }
   CHECK=$(printf '%s\n' "$msg" | python3 -c '
 import json, sys
 for line in sys.stdin:
     m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "kernels_nvrtc" and m.get("executable"):
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "integration" and m.get("executable"):
         print(m["executable"])')
   local tdir=target/debug; [ ${#PROFILE[@]} -gt 0 ] && tdir=target/release
   RLAUNCH=$tdir/rlaunch TRAIN=$tdir/examples/train
@@ -67,14 +68,14 @@ for line in sys.stdin:
 }
 
 if [ -n "$PREBUILT" ] && [ "$MODE" = run ]; then
-  RLAUNCH=$PREBUILT/bin/rlaunch TRAIN=$PREBUILT/bin/train CHECK=$PREBUILT/bin/kernels_nvrtc
+  RLAUNCH=$PREBUILT/bin/rlaunch TRAIN=$PREBUILT/bin/train CHECK=$PREBUILT/bin/integration
   for f in "$RLAUNCH" "$TRAIN" "$CHECK"; do [ -x "$f" ] || { say "prebuilt binary missing: $f"; exit 1; }; done
 else
   build
 fi
 if [ "$MODE" = pack ]; then
   mkdir -p "$PREBUILT/bin"
-  cp "$RLAUNCH" "$PREBUILT/bin/rlaunch"; cp "$TRAIN" "$PREBUILT/bin/train"; cp "$CHECK" "$PREBUILT/bin/kernels_nvrtc"
+  cp "$RLAUNCH" "$PREBUILT/bin/rlaunch"; cp "$TRAIN" "$PREBUILT/bin/train"; cp "$CHECK" "$PREBUILT/bin/integration"
   strip "$PREBUILT"/bin/* 2>/dev/null || true
   du -sh "$PREBUILT"/bin/* >&2
   say "packed into $PREBUILT/bin; on the GPU machine: scripts/gpu-check.sh --prebuilt $PREBUILT"
@@ -115,12 +116,12 @@ say "extra library directories: ${RLAUNCH_CUDA_LIB_DIRS:-none}"
 say "running the checks and benchmarks (gpu_check)"
 rm -f "$OUT"
 RUST_BACKTRACE=0 RUST_LIB_BACKTRACE=0 RLAUNCH_GPU_CHECK_OUT="$OUT" RLAUNCH_GPU_CHECK_DATE="$DATE" \
-  timeout 240 "$CHECK" --ignored gpu_check --nocapture --test-threads 1 2>&1 | tee "$LOG/gpu_check.txt"
+  timeout 240 "$CHECK" --ignored --exact kernels_nvrtc::gpu_check --nocapture --test-threads 1 2>&1 | tee "$LOG/gpu_check.txt"
 check_rc=${PIPESTATUS[0]}
 if [ ! -s "$OUT" ]; then
   { echo "# GPU checks and benchmarks"; echo; echo "- date: $DATE"; echo
     echo "gpu_check did not produce a report (exit $check_rc); its output:"; echo; echo '```'
-    sed -n '/^test gpu_check/,$p' "$LOG/gpu_check.txt" | head -60; echo '```'; } > "$OUT"
+    sed -n '/^test kernels_nvrtc::gpu_check/,$p' "$LOG/gpu_check.txt" | head -60; echo '```'; } > "$OUT"
 fi
 { echo; echo "## Versions"; echo; echo '```'
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
