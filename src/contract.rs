@@ -412,6 +412,99 @@ impl From<HostPort> for String {
     }
 }
 
+/// A host without a port: a name or an address literal (an IPv6 literal without brackets; given
+/// with them, they are taken off once, here).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Host(String);
+
+impl Host {
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The address literal, if it is one.
+    pub fn ip(&self) -> Option<std::net::IpAddr> {
+        self.0.parse().ok()
+    }
+
+    pub fn with_port(&self, port: u16) -> HostPort {
+        HostPort { host: self.0.clone(), port }
+    }
+}
+
+impl FromStr for Host {
+    type Err = HostPortError;
+
+    fn from_str(s: &str) -> Result<Host, HostPortError> {
+        let bare = s.strip_prefix('[').and_then(|v| v.strip_suffix(']')).unwrap_or(s);
+        let checked =
+            HostPort::new(bare, 0).map_err(|e| HostPortError { input: s.chars().take(300).collect(), why: e.why })?;
+        Ok(Host(checked.host))
+    }
+}
+
+impl From<&HostPort> for Host {
+    fn from(h: &HostPort) -> Host {
+        Host(h.host.clone())
+    }
+}
+
+/// The host as `host:port` would show it (IPv6 literals bare: `::1`).
+impl fmt::Display for Host {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// A rendezvous endpoint: `host:port`, `http://host:port` or `https://host:port`, parsed once
+/// (nothing after the port).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Endpoint {
+    pub scheme: Scheme,
+    pub addr: HostPort,
+}
+
+/// How an endpoint was written: without a scheme (plain HTTP), `http://` or `https://`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Scheme {
+    None,
+    Http,
+    Https,
+}
+
+impl Endpoint {
+    pub fn is_tls(&self) -> bool {
+        self.scheme == Scheme::Https
+    }
+}
+
+impl FromStr for Endpoint {
+    type Err = HostPortError;
+
+    fn from_str(s: &str) -> Result<Endpoint, HostPortError> {
+        let (scheme, rest) = match (s.strip_prefix("http://"), s.strip_prefix("https://")) {
+            (Some(r), _) => (Scheme::Http, r),
+            (_, Some(r)) => (Scheme::Https, r),
+            _ => (Scheme::None, s),
+        };
+        let addr = rest
+            .parse()
+            .map_err(|e: HostPortError| HostPortError { input: s.chars().take(300).collect(), why: e.why })?;
+        Ok(Endpoint { scheme, addr })
+    }
+}
+
+/// As given: the scheme kept, nothing added.
+impl fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.scheme {
+            Scheme::None => write!(f, "{}", self.addr),
+            Scheme::Http => write!(f, "http://{}", self.addr),
+            Scheme::Https => write!(f, "https://{}", self.addr),
+        }
+    }
+}
+
 /// What an agent tells the rendezvous about its node when it joins.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NodeInfo {
@@ -599,6 +692,30 @@ mod tests {
         let s = "é".repeat(10);
         assert!(cut_end(&s, 5).starts_with("éé [… "));
         assert!(cut_start(&s, 5).ends_with("] éé"));
+    }
+
+    #[test]
+    fn hosts_and_endpoints_parse_once_and_print_as_given() {
+        let h: Host = "[fe80::1]".parse().unwrap();
+        assert_eq!((h.as_str(), h.with_port(7).to_string()), ("fe80::1", "[fe80::1]:7".to_owned()));
+        assert!(h.ip().is_some());
+        let n: Host = "node-a".parse().unwrap();
+        assert_eq!((n.to_string(), n.ip()), ("node-a".to_owned(), None));
+        for bad in ["", "a b", "x/y", "[::1", "a@b"] {
+            assert!(bad.parse::<Host>().is_err(), "{bad:?} must be refused");
+        }
+        for (given, scheme, addr) in [
+            ("node0:29400", Scheme::None, "node0:29400"),
+            ("http://[::1]:2379", Scheme::Http, "[::1]:2379"),
+            ("https://rdzv.example:443", Scheme::Https, "rdzv.example:443"),
+        ] {
+            let e: Endpoint = given.parse().unwrap();
+            assert_eq!((e.scheme, e.addr.to_string(), e.to_string()), (scheme, addr.to_owned(), given.to_owned()));
+            assert_eq!(e.is_tls(), scheme == Scheme::Https);
+        }
+        for bad in ["node0", "http://node0", "https://:1", "ftp://a:1", "a:1/path", "[::1]"] {
+            assert!(bad.parse::<Endpoint>().is_err(), "{bad:?} must be refused");
+        }
     }
 
     #[test]

@@ -5,6 +5,7 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use rlaunch::contract::{Endpoint, Host, HostPort};
 use rlaunch_rendezvous::JobSettings;
 
 use crate::output::StdSet;
@@ -38,8 +39,8 @@ pub enum RendezvousConfig {
     /// One node, no service: the agent is the whole job.
     Standalone,
     /// Fixed membership (`--rdzv-backend static`): node `node_rank` of `nnodes`; group rank 0
-    /// hosts the workers' store on `master_addr:master_port` (0: the OS picks, single node only).
-    Static { node_rank: u32, nnodes: u32, master_addr: String, master_port: u16 },
+    /// hosts the workers' store at `master` (port 0: the OS picks, single node only).
+    Static { node_rank: u32, nnodes: u32, master: HostPort },
     /// A rendezvous service or etcd decides membership, rounds and restarts.
     Dynamic(DynamicRendezvous),
 }
@@ -48,14 +49,12 @@ pub enum RendezvousConfig {
 #[derive(Debug, Clone)]
 pub struct DynamicRendezvous {
     pub backend: DynamicBackend,
-    pub endpoints: Vec<String>,
+    /// Never empty.
+    pub endpoints: Vec<Endpoint>,
     pub token: Option<String>,
     /// `--rdzv-conf tls_ca=PATH`: a private CA bundle (PEM) that `https://` endpoints'
     /// certificates are verified against (none: the system's roots).
     pub tls_ca: Option<std::path::PathBuf>,
-    /// The job's settings, as every node of the job must give them (validated once, by the
-    /// launcher, with [`JobSettings::validate`]).
-    pub settings: JobSettings,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,23 +75,25 @@ pub struct AgentConfig {
     pub nproc_per_node: u32,
     pub role: String,
     pub run_id: String,
-    pub max_restarts: u32,
-    /// SIGTERM to SIGKILL when stopping workers.
-    pub stop_grace: Duration,
+    /// The job's settings, the one place of each: the restart budget (`--max-restarts`), the
+    /// stop grace (SIGTERM to SIGKILL, `--shutdown-timeout`) and the hang timeout in every
+    /// mode; an elastic job's also go to the rendezvous, as every node of the job must give them
+    /// (validated once, by the launcher, with [`JobSettings::validate`]).
+    pub job: JobSettings,
     pub log_dir: Option<PathBuf>,
     pub redirects: PerRank<StdSet>,
     pub tee: PerRank<StdSet>,
     pub local_ranks_filter: Option<BTreeSet<u32>>,
     pub log_line_prefix_template: String,
     /// The address other nodes reach this one at (`--local-addr`).
-    pub local_addr: Option<String>,
+    pub local_addr: Option<Host>,
     pub rendezvous: RendezvousConfig,
     /// Contain workers with process groups only, even where a cgroup v2 is writable
     /// (`RLAUNCH_CONTAINMENT=process-group`).
     pub process_groups_only: bool,
     /// Where an elastic agent's workers' store listens (`--store-bind`); by default the
     /// address it advertises.
-    pub store_bind: Option<String>,
+    pub store_bind: Option<Host>,
     /// Bytes of keys and values the workers' store holds at most (`--store-max-bytes`).
     pub store_max_bytes: usize,
     /// torchrun's `--virtual-local-rank`: `LOCAL_RANK=0` and one visible GPU per worker.
@@ -109,9 +110,6 @@ pub struct AgentConfig {
     pub duplicate_stdout_filters: Vec<String>,
     /// The same for stderr (`filtered_stderr.log`).
     pub duplicate_stderr_filters: Vec<String>,
-    /// `--hang-timeout`: a worker without progress for this long is hung (its group fails, with
-    /// where every rank stood).
-    pub hang_timeout: Option<crate::hang::HangTimeout>,
 }
 
 impl AgentConfig {
@@ -122,8 +120,7 @@ impl AgentConfig {
             nproc_per_node,
             role: "default".into(),
             run_id: "none".into(),
-            max_restarts: 0,
-            stop_grace: Duration::from_secs(5),
+            job: JobSettings { max_restarts: 0, stop_grace: Duration::from_secs(5), ..JobSettings::default() },
             log_dir: None,
             redirects: PerRank::default(),
             tee: PerRank::default(),
@@ -140,7 +137,6 @@ impl AgentConfig {
             numa_binding: None,
             duplicate_stdout_filters: Vec::new(),
             duplicate_stderr_filters: Vec::new(),
-            hang_timeout: None,
         }
     }
 }

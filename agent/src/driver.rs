@@ -9,7 +9,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::task::{AbortHandle, JoinSet};
 use tracing::{info, warn};
 
-use rlaunch::contract::{HostPort, NodeInfo};
+use rlaunch::contract::{Host, HostPort, NodeInfo};
 use rlaunch::store::StoreHandle;
 use rlaunch_rendezvous::{RdzvError, RendezvousClient, WatchEvent};
 
@@ -286,39 +286,32 @@ impl Io<'_> {
             world_size: group_world_size * config.nproc_per_node,
             master,
             restart_count: 0,
-            hang_timeout: config.hang_timeout,
+            hang_timeout: config.job.hang_timeout,
             fingerprint_diff: Vec::new(),
         };
         match &config.rendezvous {
             RendezvousConfig::Standalone => {
-                Ok(Membership::Fixed { placement: placement(0, 1, None), max_restarts: config.max_restarts })
+                Ok(Membership::Fixed { placement: placement(0, 1, None), max_restarts: config.job.max_restarts })
             }
-            RendezvousConfig::Static { node_rank, nnodes, master_addr, master_port } => {
-                let mut port = *master_port;
+            RendezvousConfig::Static { node_rank, nnodes, master } => {
+                let mut master = master.clone();
                 if *node_rank == 0 {
-                    let bind = if *nnodes == 1 {
-                        format!("{master_addr}:{master_port}")
-                    } else {
-                        format!("0.0.0.0:{master_port}")
-                    };
+                    let bind = if *nnodes == 1 { master.to_string() } else { format!("0.0.0.0:{}", master.port()) };
                     let store = start_store(&bind, config.store_max_bytes).await?;
-                    port = store.local_addr().port();
+                    // Port 0: the one the OS picked.
+                    master = Host::from(&master).with_port(store.local_addr().port());
                     self.store = Some(store);
                     self.fixed_store = true;
                 }
-                let master = HostPort::new(master_addr.clone(), port).map_err(|e| AgentError::Store {
-                    addr: master_addr.clone(),
-                    source: std::io::Error::new(std::io::ErrorKind::InvalidInput, e),
-                })?;
                 Ok(Membership::Fixed {
                     placement: placement(*node_rank, *nnodes, Some(master)),
-                    max_restarts: config.max_restarts,
+                    max_restarts: config.job.max_restarts,
                 })
             }
             RendezvousConfig::Dynamic(d) => {
                 let setup = elastic::setup(config, d, self.ctx.host, self.tx.clone()).await?;
                 self.elastic = Some(setup);
-                Ok(Membership::Elastic { node_ttl: d.settings.node_ttl, join_timeout: d.settings.join_timeout })
+                Ok(Membership::Elastic { node_ttl: config.job.node_ttl, join_timeout: config.job.join_timeout })
             }
         }
     }
@@ -438,12 +431,8 @@ impl Io<'_> {
         self.store = None; // closes the previous round's store and every connection to it
         let e = self.elastic.as_mut().expect("joins come only from an elastic core");
         let bind = store_bind(self.config, &e.advertise);
-        let store = start_store(&bind, self.config.store_max_bytes).await?;
-        e.node.store_addr =
-            HostPort::new(e.advertise.clone(), store.local_addr().port()).map_err(|err| AgentError::Store {
-                addr: e.advertise.clone(),
-                source: std::io::Error::new(std::io::ErrorKind::InvalidInput, err),
-            })?;
+        let store = start_store(&bind.to_string(), self.config.store_max_bytes).await?;
+        e.node.store_addr = e.advertise.with_port(store.local_addr().port());
         self.store = Some(store);
         let (client, node) = (e.client.clone(), e.node.clone());
         info!(node_id = %node.node_id, store = %node.store_addr, "joining the rendezvous");
@@ -524,7 +513,7 @@ impl Io<'_> {
         if let Some(s) = &steps {
             s.lock().unwrap_or_else(|p| p.into_inner()).clear(); // the last round's ranks
         }
-        self.group = Some(supervise(group, self.config.stop_grace, self.tx.clone(), hang, steps));
+        self.group = Some(supervise(group, self.config.job.stop_grace, self.tx.clone(), hang, steps));
         Ok(())
     }
 

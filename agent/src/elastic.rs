@@ -12,7 +12,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use tokio::task::{JoinHandle, JoinSet};
 use tracing::{info, warn};
 
-use rlaunch::contract::{HostPort, NodeInfo};
+use rlaunch::contract::{Host, HostPort, NodeInfo};
 use rlaunch_rendezvous::api::{serve as serve_api, AppState};
 use rlaunch_rendezvous::detector::{ProbeReport, ProbeRequest};
 use rlaunch_rendezvous::{Backend, Beat, HeartbeatAnswer, RdzvError, Rendezvous, RendezvousClient};
@@ -36,7 +36,7 @@ pub(crate) struct ElasticSetup {
     /// This node as it joins; the store address changes with every round.
     pub node: NodeInfo,
     /// The address other nodes reach this one at.
-    pub advertise: String,
+    pub advertise: Host,
     heartbeat_interval: Duration,
     _heartbeats: AbortOnDrop,
     /// The probe endpoint (TCP and UDP), served while this node takes part.
@@ -68,12 +68,11 @@ pub(crate) async fn setup(
     host: &str,
     events: UnboundedSender<Event>,
 ) -> Result<ElasticSetup, AgentError> {
-    // `[v6]` as given on the command line is the bare address inside.
-    let advertise = advertise_addr(config, d).trim_start_matches('[').trim_end_matches(']').to_owned();
-    let (backend, hosted) = backend(d).await?;
+    let advertise = advertise_addr(config, d);
+    let (backend, hosted) = backend(d, config.job.join_timeout).await?;
     let tls = rlaunch_rendezvous::ClientTls { ca_file: d.tls_ca.clone() };
     let client =
-        RendezvousClient::connect_with(backend, &config.run_id, d.settings.clone(), &tls).await.map_err(|e| {
+        RendezvousClient::connect_with(backend, &config.run_id, config.job.clone(), &tls).await.map_err(|e| {
             AgentError::Rendezvous {
                 message: "cannot connect to the rendezvous".into(),
                 source: Some(std::sync::Arc::new(e)),
@@ -81,8 +80,8 @@ pub(crate) async fn setup(
         })?;
     // Other members probe this agent here while it lives (the round's store comes and goes):
     // a store of its own that holds nothing and only answers pings.
-    let probe = crate::start_store(&store_bind(config, &advertise), PROBE_STORE_BYTES).await?;
-    let probe_addr = HostPort::new(advertise.clone(), probe.local_addr().port()).ok();
+    let probe = crate::start_store(&store_bind(config, &advertise).to_string(), PROBE_STORE_BYTES).await?;
+    let probe_addr = Some(advertise.with_port(probe.local_addr().port()));
     // And a UDP echo on the same port, which loss delays far less than a TCP handshake.
     let udp = match tokio::net::UdpSocket::bind(probe.local_addr()).await {
         Ok(socket) => Some(AbortOnDrop(tokio::spawn(rlaunch::store::serve_udp_probes(socket)))),
@@ -95,10 +94,7 @@ pub(crate) async fn setup(
         node_id: format!("{host}-{}-{:08x}", std::process::id(), crate::random::rand_u32()),
         local_world_size: config.nproc_per_node,
         // Replaced by the first round's store before the first join.
-        store_addr: HostPort::new(advertise.clone(), 0).map_err(|e| AgentError::Store {
-            addr: advertise.clone(),
-            source: std::io::Error::new(std::io::ErrorKind::InvalidInput, e),
-        })?,
+        store_addr: advertise.with_port(0),
         probe_addr,
         fingerprint: Some(crate::fingerprint::collect(&config.program).await),
     };
@@ -113,20 +109,17 @@ pub(crate) async fn setup(
             if short.is_empty() { "no Python or GPU".to_owned() } else { short.join(", ") }
         );
     }
-    info!(node_id = %node.node_id, endpoints = ?d.endpoints, min = d.settings.min_nodes, max = d.settings.max_nodes, "elastic rendezvous");
+    let job = &config.job;
+    info!(node_id = %node.node_id, endpoints = %endpoint_list(d), min = job.min_nodes, max = job.max_nodes, "elastic rendezvous");
     // A prober learns of a suspicion from its next heartbeat's answer (up to an interval after
     // it began), and its outcome must reach the rendezvous before the probe timeout.
-    let probe_within = d
-        .settings
-        .probe_timeout
-        .saturating_sub(d.settings.heartbeat_interval)
-        .mul_f64(0.8)
-        .max(Duration::from_millis(200));
+    let probe_within =
+        job.probe_timeout.saturating_sub(job.heartbeat_interval).mul_f64(0.8).max(Duration::from_millis(200));
     let steps = StepsShared::default();
     let heartbeats = AbortOnDrop(tokio::spawn(heartbeat_loop(
         client.clone(),
         node.node_id.clone(),
-        d.settings.heartbeat_interval,
+        job.heartbeat_interval,
         probe_within,
         events,
         steps.clone(),
@@ -135,7 +128,7 @@ pub(crate) async fn setup(
         client,
         node,
         advertise,
-        heartbeat_interval: d.settings.heartbeat_interval,
+        heartbeat_interval: job.heartbeat_interval,
         _heartbeats: heartbeats,
         _probe: (probe, udp),
         hosted,
@@ -268,25 +261,27 @@ async fn probe_node(req: ProbeRequest, nonce: u32, within: Duration) -> Done {
 
 /// Where the rendezvous runs. For `--rdzv-backend rlaunch`, if no server answers and the first
 /// endpoint is an address of this host, this agent hosts one (as torchrun's c10d does).
-async fn backend(d: &DynamicRendezvous) -> Result<(Backend, Option<AbortOnDrop>), AgentError> {
+async fn backend(d: &DynamicRendezvous, join_timeout: Duration) -> Result<(Backend, Option<AbortOnDrop>), AgentError> {
+    // The rendezvous client takes endpoints as written.
+    let endpoints: Vec<String> = d.endpoints.iter().map(ToString::to_string).collect();
     if d.backend == DynamicBackend::Etcd {
-        return Ok((Backend::Etcd { endpoints: d.endpoints.clone() }, None));
+        return Ok((Backend::Etcd { endpoints }, None));
     }
-    let http = Backend::Http { endpoints: d.endpoints.clone(), token: d.token.clone() };
-    let first = strip_scheme(&d.endpoints[0]).to_string();
+    let http = Backend::Http { endpoints, token: d.token.clone() };
+    let first = d.endpoints[0].addr.to_string();
     // The server may come up after this agent (the hosting agent starting later, a service
     // restarting): wait for it as long as a join may wait, as torchrun's agents do.
-    let deadline = tokio::time::Instant::now() + d.settings.join_timeout;
+    let deadline = tokio::time::Instant::now() + join_timeout;
     let mut announced = false;
     loop {
         for e in &d.endpoints {
-            if answers(e).await {
+            if answers(&e.addr).await {
                 return Ok((http, None));
             }
         }
         let addr = tokio::net::lookup_host(first.as_str()).await.ok().and_then(|mut a| a.next());
         // An agent-hosted server speaks plain HTTP: never in place of an https:// endpoint.
-        if let Some(addr) = addr.filter(|_| !d.endpoints[0].starts_with("https://")) {
+        if let Some(addr) = addr.filter(|_| !d.endpoints[0].is_tls()) {
             match tokio::net::TcpListener::bind(addr).await {
                 Ok(listener) => {
                     info!(%addr, "no rendezvous server answered; this agent hosts one (memory store)");
@@ -318,8 +313,8 @@ async fn backend(d: &DynamicRendezvous) -> Result<(Backend, Option<AbortOnDrop>)
             return Err(AgentError::Rendezvous {
                 message: format!(
                     "no rendezvous server answered at {} within the join timeout ({:?}), and it is not an address of this host to serve one on",
-                    d.endpoints.join(","),
-                    d.settings.join_timeout
+                    endpoint_list(d),
+                    join_timeout
                 ),
                 source: None,
             });
@@ -328,34 +323,34 @@ async fn backend(d: &DynamicRendezvous) -> Result<(Backend, Option<AbortOnDrop>)
     }
 }
 
-async fn answers(endpoint: &str) -> bool {
-    let e = strip_scheme(endpoint).to_string();
+async fn answers(addr: &HostPort) -> bool {
+    let e = addr.to_string();
     matches!(tokio::time::timeout(Duration::from_millis(700), tokio::net::TcpStream::connect(e)).await, Ok(Ok(_)))
 }
 
-fn strip_scheme(e: &str) -> &str {
-    e.strip_prefix("http://").or_else(|| e.strip_prefix("https://")).unwrap_or(e)
+fn endpoint_list(d: &DynamicRendezvous) -> String {
+    d.endpoints.iter().map(ToString::to_string).collect::<Vec<_>>().join(",")
 }
 
 /// The address other nodes reach this one at: `--local-addr`, else the source address this host
 /// uses towards the first rendezvous endpoint (never loopback unless the endpoint is).
-fn advertise_addr(config: &AgentConfig, d: &DynamicRendezvous) -> String {
+fn advertise_addr(config: &AgentConfig, d: &DynamicRendezvous) -> Host {
     if let Some(a) = &config.local_addr {
         return a.clone();
     }
-    let target: Option<SocketAddr> = strip_scheme(&d.endpoints[0]).to_socket_addrs().ok().and_then(|mut a| a.next());
+    let target: Option<SocketAddr> = d.endpoints[0].addr.to_string().to_socket_addrs().ok().and_then(|mut a| a.next());
     if let Some(t) = target {
         let bind = if t.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" };
         if let Ok(sock) = UdpSocket::bind(bind) {
             // connect() on UDP sends nothing; it only picks the route and source address.
             if sock.connect(t).is_ok() {
                 if let Ok(local) = sock.local_addr() {
-                    return local.ip().to_string();
+                    return local.ip().to_string().parse().expect("an address literal is a host");
                 }
             }
         }
     }
-    "127.0.0.1".into()
+    "127.0.0.1".parse().expect("an address literal is a host")
 }
 
 /// How the core sees a rendezvous error (the error itself goes along, as the cause of what
@@ -380,13 +375,11 @@ pub(crate) fn call_error(e: RdzvError) -> CallError {
 /// (`--store-bind` for setups that need more). A host name may resolve here to another address
 /// than other nodes see (Debian's 127.0.1.1 in /etc/hosts): then every address, as an address
 /// literal cannot mislead.
-pub(crate) fn store_bind(config: &crate::AgentConfig, advertise: &str) -> String {
-    let bind = config.store_bind.clone().unwrap_or_else(|| {
-        let literal = advertise.trim_start_matches('[').trim_end_matches(']');
-        match literal.parse::<std::net::IpAddr>() {
-            Ok(_) => literal.to_owned(),
-            Err(_) => "0.0.0.0".to_owned(),
-        }
-    });
-    HostPort::new(bind.trim_start_matches('[').trim_end_matches(']'), 0).map(|h| h.to_string()).unwrap_or(bind)
+pub(crate) fn store_bind(config: &crate::AgentConfig, advertise: &Host) -> HostPort {
+    let host = match (&config.store_bind, advertise.ip()) {
+        (Some(bind), _) => bind.clone(),
+        (None, Some(_)) => advertise.clone(),
+        (None, None) => "0.0.0.0".parse().expect("an address literal is a host"),
+    };
+    host.with_port(0)
 }

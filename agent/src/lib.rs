@@ -323,7 +323,7 @@ pub(crate) fn worker_specs(
                     master_addr: master.host().to_owned(),
                     master_port: master.port(),
                     restart_count,
-                    max_restarts: config.max_restarts,
+                    max_restarts: config.job.max_restarts,
                     run_id: config.run_id.clone(),
                     use_agent_store: true,
                     error_file: Some(dir.join("error.json").to_string_lossy().into_owned()),

@@ -1,5 +1,5 @@
 //! Starting worker processes so that none outlives its agent, and signalling their process
-//! groups. The only module of the agent with `unsafe`.
+//! groups. One of the agent's four modules with `unsafe` (ARCHITECTURE.md lists each block).
 
 use std::ffi::CString;
 use std::io;

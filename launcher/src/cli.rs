@@ -10,6 +10,7 @@ use clap::builder::BoolishValueParser;
 use clap::parser::ValueSource;
 use clap::{CommandFactory, FromArgMatches, Parser};
 
+use rlaunch::contract::{Endpoint, Host};
 use rlaunch_agent::config::DEFAULT_PREFIX_TEMPLATE;
 use rlaunch_agent::output::StdSet;
 use rlaunch_agent::{AgentConfig, DynamicBackend, DynamicRendezvous, PerRank, RendezvousConfig};
@@ -503,7 +504,7 @@ impl Args {
         // The job's settings, checked once here: timeouts must nest (heartbeat interval < node
         // TTL < shutdown timeout < join timeout; the shutdown timeout only matters to elastic
         // rounds, which wait for survivors still stopping their workers).
-        let settings = JobSettings {
+        let mut job = JobSettings {
             min_nodes,
             max_nodes,
             max_restarts: self.max_restarts,
@@ -512,7 +513,9 @@ impl Args {
             fingerprint: self.fingerprint,
             ..conf.settings.clone()
         };
-        settings.validate().map_err(|e| UsageError(format!("--rdzv-conf / --shutdown-timeout: {e}")))?;
+        job.validate().map_err(|e| UsageError(format!("--rdzv-conf / --shutdown-timeout: {e}")))?;
+        // The agent stops its workers with this grace in every mode.
+        job.stop_grace = stop_grace;
         let program = worker_program(&self, python)?;
         if self.virtual_local_rank {
             for var in ["HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"] {
@@ -534,11 +537,13 @@ impl Args {
                 ));
             }
         }
-        let endpoints: Vec<String> =
-            self.rdzv_endpoint.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
-        for e in &endpoints {
-            validate_endpoint(e)?;
-        }
+        let endpoints: Vec<Endpoint> = self
+            .rdzv_endpoint
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(parse_endpoint)
+            .collect::<Result<_, _>>()?;
         let mut run_id = self.rdzv_id.clone().unwrap_or_else(|| "none".into());
         let rendezvous = if self.standalone {
             if max_nodes > 1 {
@@ -574,12 +579,12 @@ impl Args {
                              its agent hosts one) and --rdzv-id",
                         );
                     }
-                    RendezvousConfig::Static {
-                        node_rank,
-                        nnodes: max_nodes,
-                        master_addr: self.master_addr.clone().unwrap_or_else(|| "127.0.0.1".into()),
-                        master_port: self.master_port.unwrap_or(0),
-                    }
+                    let master_addr = self.master_addr.as_deref().unwrap_or("127.0.0.1");
+                    let master = master_addr
+                        .parse::<Host>()
+                        .map_err(|e| UsageError(format!("--master-addr: {e}")))?
+                        .with_port(self.master_port.unwrap_or(0));
+                    RendezvousConfig::Static { node_rank, nnodes: max_nodes, master }
                 }
                 "rlaunch" | "c10d" | "etcd" | "etcd-v3" => {
                     if endpoints.is_empty() {
@@ -590,7 +595,7 @@ impl Args {
                         if backend_name.starts_with("etcd") { DynamicBackend::Etcd } else { DynamicBackend::Server };
                     if backend == DynamicBackend::Etcd {
                         // The agent's etcd client speaks plain gRPC: say so rather than fail to connect.
-                        if let Some(e) = endpoints.iter().find(|e| e.starts_with("https://")) {
+                        if let Some(e) = endpoints.iter().find(|e| e.is_tls()) {
                             return usage(format!(
                                 "--rdzv-backend {backend_name}: `{e}`: etcd over TLS is not supported by the agent's \
                                  etcd client; use a rlaunch-rendezvous service with --tls-cert/--tls-key (its own etcd \
@@ -609,7 +614,6 @@ impl Args {
                         endpoints,
                         token: self.token(&conf)?,
                         tls_ca: conf.tls_ca.clone(),
-                        settings: settings.clone(),
                     })
                 }
                 "etcd-v2" => {
@@ -630,17 +634,16 @@ impl Args {
             nproc_per_node,
             role: self.role,
             run_id,
-            max_restarts: self.max_restarts,
-            stop_grace,
+            job,
             log_dir: self.log_dir,
             redirects,
             tee,
             local_ranks_filter,
             log_line_prefix_template: self.log_line_prefix_template,
-            local_addr: self.local_addr,
+            local_addr: host_flag("--local-addr", self.local_addr.as_deref())?,
             rendezvous,
             process_groups_only: self.containment.as_deref() == Some("process-group"),
-            store_bind: self.store_bind,
+            store_bind: host_flag("--store-bind", self.store_bind.as_deref())?,
             store_max_bytes: self.store_max_bytes,
             virtual_local_rank: self.virtual_local_rank,
             handled_signals,
@@ -648,7 +651,6 @@ impl Args {
             numa_binding: self.numa_binding.as_deref().map(|m| m.parse().expect("clap checked the choice")),
             duplicate_stdout_filters: comma_separated_list(&self.duplicate_stdout_filters),
             duplicate_stderr_filters: comma_separated_list(&self.duplicate_stderr_filters),
-            hang_timeout: self.hang_timeout,
         })
     }
 }
@@ -853,17 +855,20 @@ impl Args {
     }
 }
 
-fn validate_endpoint(given: &str) -> Result<(), UsageError> {
-    let e = given.strip_prefix("http://").or_else(|| given.strip_prefix("https://")).unwrap_or(given);
-    let ok = match e.rsplit_once(':') {
-        Some((host, port)) => !host.is_empty() && port.parse::<u16>().is_ok(),
-        None => false,
-    };
-    if ok {
-        Ok(())
-    } else {
-        usage(format!("--rdzv-endpoint {given}: expected host:port, http://host:port or https://host:port"))
-    }
+fn parse_endpoint(given: &str) -> Result<Endpoint, UsageError> {
+    given.parse().map_err(|e: rlaunch::contract::HostPortError| {
+        UsageError(format!(
+            "--rdzv-endpoint {given}: expected host:port, http://host:port or https://host:port ({})",
+            e.why
+        ))
+    })
+}
+
+/// An address flag without a port (`--local-addr`, `--store-bind`), parsed once.
+fn host_flag(flag: &str, given: Option<&str>) -> Result<Option<Host>, UsageError> {
+    given
+        .map(|h| h.parse().map_err(|e: rlaunch::contract::HostPortError| UsageError(format!("{flag}: {e}"))))
+        .transpose()
 }
 
 #[cfg(test)]
@@ -910,11 +915,11 @@ mod tests {
     fn https_endpoints_and_a_private_ca_are_taken() {
         assert_eq!(parse_rdzv_conf("tls_ca=/etc/rlaunch/ca.pem").unwrap().tls_ca, Some("/etc/rlaunch/ca.pem".into()));
         assert!(parse_rdzv_conf("tls_ca=").is_err());
-        for ok in ["https://rdzv.cluster:29400", "http://h:1", "h:1"] {
-            assert!(validate_endpoint(ok).is_ok(), "{ok}");
+        for ok in ["https://rdzv.cluster:29400", "http://h:1", "h:1", "[::1]:29400"] {
+            assert_eq!(parse_endpoint(ok).map(|e| e.to_string()).ok().as_deref(), Some(ok));
         }
-        for bad in ["https://rdzv.cluster", "https://:1", "ftp://h"] {
-            let e = validate_endpoint(bad).unwrap_err().0;
+        for bad in ["https://rdzv.cluster", "https://:1", "ftp://h", "h:1/x"] {
+            let e = parse_endpoint(bad).unwrap_err().0;
             assert!(e.contains(bad) && e.contains("https://host:port"), "{e}");
         }
     }

@@ -1,5 +1,5 @@
 //! The GPU checks and benchmarks that `scripts/gpu-check.sh` runs on a machine with a GPU
-//! (through the ignored test `gpu_check` in `integration-tests/tests/kernels_nvrtc.rs`):
+//! (through the ignored test `kernels_nvrtc::gpu_check` in `integration-tests/tests/kernels_nvrtc.rs`):
 //!
 //! 1. every kernel against its CPU reference (`rlaunch_kernels::reference`) on fresh random
 //!    inputs, within a relative-error bound per precision;
