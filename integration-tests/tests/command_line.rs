@@ -114,6 +114,15 @@ fn every_error_path_of_the_command_line_says_what_would_fix_it() {
             ],
             "--rdzv-token-file /nonexistent/t",
         ),
+        // Addresses are parsed once, at start: a bad one is a usage error, not a failure later.
+        (vec![], vec!["--local-addr", "a b", "x"], "--local-addr a b: not a host name or address (host has whitespace"),
+        (vec![], vec!["--store-bind", "[::1", "x"], "--store-bind [::1: not a host name or address"),
+        (
+            vec![],
+            vec!["--master-addr", "x/y", "--master-port", "1", "x"],
+            "--master-addr x/y: not a host name or address",
+        ),
+        (vec![], vec!["--nnodes", "2", "--rdzv-endpoint", "h:1/p", "--rdzv-id", "j", "x"], "--rdzv-endpoint h:1/p"),
     ];
     for (env, args, needle) in cases {
         let o = rlaunch_clean(home, &env, &args);

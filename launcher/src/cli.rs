@@ -580,9 +580,8 @@ impl Args {
                         );
                     }
                     let master_addr = self.master_addr.as_deref().unwrap_or("127.0.0.1");
-                    let master = master_addr
-                        .parse::<Host>()
-                        .map_err(|e| UsageError(format!("--master-addr: {e}")))?
+                    let master = host_flag("--master-addr", Some(master_addr))?
+                        .expect("given")
                         .with_port(self.master_port.unwrap_or(0));
                     RendezvousConfig::Static { node_rank, nnodes: max_nodes, master }
                 }
@@ -867,7 +866,11 @@ fn parse_endpoint(given: &str) -> Result<Endpoint, UsageError> {
 /// An address flag without a port (`--local-addr`, `--store-bind`), parsed once.
 fn host_flag(flag: &str, given: Option<&str>) -> Result<Option<Host>, UsageError> {
     given
-        .map(|h| h.parse().map_err(|e: rlaunch::contract::HostPortError| UsageError(format!("{flag}: {e}"))))
+        .map(|h| {
+            h.parse().map_err(|e: rlaunch::contract::HostPortError| {
+                UsageError(format!("{flag} {h}: not a host name or address ({})", e.why))
+            })
+        })
         .transpose()
 }
 
