@@ -66,12 +66,17 @@ def main():
     ap.add_argument("--torchrun", default=os.path.join(os.path.dirname(sys.executable), "torchrun"))
     ap.add_argument("--containment", default="auto", choices=["auto", "process-group"], help="auto: a cgroup per job where it can")
     ap.add_argument("--workers", default="1,2,4,8")
+    ap.add_argument("--baseline", help="an older rlaunch binary, measured in the same run (a column of its own)")
+    ap.add_argument("--baseline-label", default="baseline")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench/restart/RESULTS.md"), help="'' for none")
     args = ap.parse_args()
 
     def rl(n, script, d):
         return [args.rlaunch, "--standalone", "--nproc-per-node", str(n), "--max-restarts", "1",
                 "--containment", args.containment, script, d]
+
+    def base(n, script, d):
+        return [args.baseline, *rl(n, script, d)[1:]]
 
     def tr(n, script, d):
         return [args.torchrun, "--standalone", "--nproc-per-node", str(n), "--max-restarts", "1",
@@ -80,24 +85,26 @@ def main():
     rows = []
     for n in [int(x) for x in args.workers.split(",")]:
         r = measure(rl, n, args.reps)
+        b = measure(base, n, args.reps) if args.baseline else None
         t = measure(tr, n, max(3, args.reps // 2))
-        rows.append((n, r, t))
+        rows.append((n, r, b, t))
         print(f"{n} workers: rlaunch {r[0]:.1f} ms, torchrun {t[0]:.1f} ms", file=sys.stderr)
     lines = [
         "# A worker crashes -> every worker running again, rlaunch vs torchrun",
         "",
         f"Measured {datetime.date.today()} on this project's machine (2 cores, 24 GiB), "
-        f"`{os.path.relpath(__file__, ROOT)}` with `{os.path.relpath(args.rlaunch, ROOT)}`, "
+        f"`{os.path.relpath(__file__, ROOT)}`, "
         f"`--containment {args.containment}`: from rank 0's crash (exit 1) to the last worker of the "
         f"second attempt started; median of {args.reps} runs (torchrun: {max(3, args.reps // 2)}), min-max "
         "in brackets.",
         "",
-        "| workers | rlaunch | torchrun | torchrun / rlaunch |",
-        "|---|---|---|---|",
+        f"| workers | rlaunch |{f' {args.baseline_label} |' if args.baseline else ''} torchrun | torchrun / rlaunch |",
+        "|---|---|---|---|" + ("---|" if args.baseline else ""),
     ]
-    for n, r, t in rows:
+    for n, r, b, t in rows:
+        base_cell = f" {b[0]:.1f} ms ({b[1]:.1f}-{b[2]:.1f}) |" if b else ""
         lines.append(
-            f"| {n} | {r[0]:.1f} ms ({r[1]:.1f}-{r[2]:.1f}) | {t[0]:.0f} ms ({t[1]:.0f}-{t[2]:.0f}) | {t[0] / r[0]:.1f}x |"
+            f"| {n} | {r[0]:.1f} ms ({r[1]:.1f}-{r[2]:.1f}) |{base_cell} {t[0]:.0f} ms ({t[1]:.0f}-{t[2]:.0f}) | {t[0] / r[0]:.1f}x |"
         )
     text = "\n".join(lines) + "\n"
     print(text)
