@@ -21,6 +21,7 @@ pub mod output;
 pub mod process;
 mod random;
 pub mod report;
+pub mod snapshots;
 pub mod supervisor;
 pub mod workers;
 
