@@ -130,8 +130,13 @@ fn supervise(
         // Samples and stacks read on tasks of their own come back here.
         let (done_tx, mut done) = unbounded_channel::<SupEvent>();
         let mut replies: Vec<tokio::sync::oneshot::Sender<Vec<String>>> = Vec::new();
+        // Samples and stack reads under way: aborted when the group is stopped or let go (a
+        // py-spy of a group that is gone must not pause or signal anything later).
+        let mut reads: JoinSet<()> = JoinSet::new();
         let mut waiters_gone = false;
         loop {
+            // Forget finished reads (one a second for days adds up).
+            while reads.try_join_next().is_some() {}
             let wake = sup.next_wakeup().map(|at| start + Duration::from_millis(at));
             let event = tokio::select! {
                 biased;
@@ -173,7 +178,7 @@ fn supervise(
                         SupAction::Sample { stacks_of } => {
                             let watched = group.watched();
                             let (py_spy, tx) = (py_spy.clone(), done_tx.clone());
-                            tokio::spawn(async move {
+                            reads.spawn(async move {
                                 let quiet: Vec<&hangwatch::Watched> =
                                     watched.iter().filter(|w| stacks_of.contains(&w.index)).collect();
                                 let digests = if quiet.is_empty() {
@@ -199,7 +204,7 @@ fn supervise(
                         SupAction::ReadStacks { id } => {
                             let watched = group.watched();
                             let (py_spy, tx) = (py_spy.clone(), done_tx.clone());
-                            tokio::spawn(async move {
+                            reads.spawn(async move {
                                 let stacks = hangwatch::stacks(py_spy.as_deref(), &watched).await;
                                 let _ = tx.send(SupEvent::StacksRead { id, stacks });
                             });
@@ -214,6 +219,7 @@ fn supervise(
                             group.signal_all(sig);
                         }
                         SupAction::Stop { first } => {
+                            reads.abort_all();
                             group.stop(grace, first).await;
                             queue.push_back(SupEvent::Stopped);
                         }

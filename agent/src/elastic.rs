@@ -110,7 +110,9 @@ pub(crate) async fn setup(
         );
     }
     let job = &config.job;
-    info!(node_id = %node.node_id, endpoints = %endpoint_list(d), min = job.min_nodes, max = job.max_nodes, "elastic rendezvous");
+    // As written, quoted (`endpoints=["a:29400"]`): scripts and tests read it off the log.
+    let written: Vec<String> = d.endpoints.iter().map(ToString::to_string).collect();
+    info!(node_id = %node.node_id, endpoints = ?written, min = job.min_nodes, max = job.max_nodes, "elastic rendezvous");
     // A prober learns of a suspicion from its next heartbeat's answer (up to an interval after
     // it began), and its outcome must reach the rendezvous before the probe timeout.
     let probe_within =

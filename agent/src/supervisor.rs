@@ -123,10 +123,11 @@ enum Phase {
         failure: Failure,
         until: Millis,
     },
-    /// The survivors' stacks are being read (read `id`) for the failure's report.
+    /// The survivors' stacks are read for the failure's report: by read `id`, or (`None`) by
+    /// the next one, once the read already in flight is back.
     FailureStacks {
         failure: Failure,
-        id: u64,
+        id: Option<u64>,
     },
     /// Reported (succeeded, failed or hung): the driver decides what comes next.
     Ended,
@@ -149,10 +150,11 @@ pub struct Supervisor {
     sampling: bool,
     /// A verdict held until then (a node whose ranks all wait: `hang::hold_verdict`).
     hold_until: Option<Millis>,
-    /// The stacks read for a verdict (read `id`).
-    verdict_read: Option<(u64, Verdict)>,
-    /// Reads in flight, and the last id given.
-    reads: Vec<u64>,
+    /// A verdict waiting for its stacks: read `id`, or (`None`) the next one.
+    verdict_read: Option<(Option<u64>, Verdict)>,
+    /// The read in flight: one at a time, since py-spy pauses a process and a second dump of a
+    /// paused process fails (EPERM), and the last id given.
+    reading: Option<u64>,
     last_id: u64,
     /// A `StacksWanted` waits for the next read.
     wanted: bool,
@@ -178,7 +180,7 @@ impl Supervisor {
             sampling: false,
             hold_until: None,
             verdict_read: None,
-            reads: Vec::new(),
+            reading: None,
             last_id: 0,
             wanted: false,
             last_lines: Vec::new(),
@@ -207,11 +209,15 @@ impl Supervisor {
         self.exits.iter().enumerate().filter(|(_, e)| e.is_none()).map(|(i, _)| i)
     }
 
-    fn read(&mut self, out: &mut Vec<Action>) -> u64 {
+    /// Starts a read unless one is in flight; its id, if started.
+    fn read(&mut self, out: &mut Vec<Action>) -> Option<u64> {
+        if self.reading.is_some() {
+            return None;
+        }
         self.last_id += 1;
-        self.reads.push(self.last_id);
+        self.reading = Some(self.last_id);
         out.push(Action::ReadStacks { id: self.last_id });
-        self.last_id
+        Some(self.last_id)
     }
 
     pub fn step(&mut self, event: Event, now: Millis) -> Vec<Action> {
@@ -361,37 +367,42 @@ impl Supervisor {
             (None, _) => out.push(Action::ReplyStacks(Vec::new())),
             (Some(_), Phase::Running | Phase::Failing { .. } | Phase::FailureStacks { .. }) => {
                 self.wanted = true;
-                if self.reads.is_empty() {
-                    self.read(out);
-                }
+                self.read(out);
             }
             (Some(_), _) => out.push(Action::ReplyStacks(self.last_lines.clone())),
         }
     }
 
     fn on_stacks(&mut self, id: u64, stacks: BTreeMap<u32, Stack>, now: Millis, out: &mut Vec<Action>) {
-        let Some(at) = self.reads.iter().position(|r| *r == id) else { return };
-        self.reads.remove(at);
+        if self.reading != Some(id) {
+            return;
+        }
+        self.reading = None;
         let lines = hang::report_lines(&stacks);
         if std::mem::take(&mut self.wanted) {
             out.push(Action::ReplyStacks(lines.clone()));
         }
         match std::mem::replace(&mut self.phase, Phase::Running) {
-            Phase::FailureStacks { mut failure, id: wanted } if wanted == id => {
+            Phase::FailureStacks { mut failure, id: Some(wanted) } if wanted == id => {
                 self.last_lines = lines.clone();
                 failure.stacks = lines;
                 self.end(out);
                 out.push(Action::Failed(failure));
             }
-            Phase::Running => {
-                if let Some((vid, verdict)) = self.verdict_read.take() {
-                    if vid == id {
-                        self.judge(verdict, &stacks, lines, now, out);
-                    } else {
-                        self.verdict_read = Some((vid, verdict));
-                    }
-                }
+            // A read begun before the failure settled: the survivors' own comes next.
+            Phase::FailureStacks { failure, id: None } => {
+                let id = self.read(out);
+                self.phase = Phase::FailureStacks { failure, id };
             }
+            Phase::Running => match self.verdict_read.take() {
+                Some((Some(vid), verdict)) if vid == id => self.judge(verdict, &stacks, lines, now, out),
+                // A verdict that waited for this read to be back gets its own.
+                Some((None, verdict)) => {
+                    let id = self.read(out);
+                    self.verdict_read = Some((id, verdict));
+                }
+                other => self.verdict_read = other,
+            },
             other => self.phase = other,
         }
     }
@@ -441,8 +452,10 @@ impl Supervisor {
         // The root cause is the odd one out (quiet or not: a rank spinning in a loop while the
         // others wait is the culprit), else the longest quiet.
         let running = |i: &usize| self.exits.get(*i).is_some_and(Option::is_none);
+        // With every rank at the same place there is no odd one out: the longest quiet it is.
         let culprit = groups
             .first()
+            .filter(|_| groups.len() > 1)
             .and_then(|(ranks, _)| ranks.first().copied())
             .and_then(|r| (0..self.ranks.len()).filter(running).find(|i| self.ranks[*i] == r))
             .unwrap_or(verdict.stalled[0]);

@@ -236,6 +236,78 @@ fn an_exited_rank_is_never_hung_while_the_others_progress() {
     assert!(s.running());
 }
 
+#[test]
+fn a_failure_during_a_verdicts_read_waits_for_it_then_reads_the_survivors_once() {
+    // py-spy pauses a process: a second dump of it while the first runs fails (EPERM).
+    let mut s = Supervisor::new(vec![0, 1, 2], Some(policy(5, 1)), false, 0);
+    let mut now = 0;
+    let first = loop {
+        let _ = step(&mut s, Event::Tick, now);
+        if let Some(id) = read_id(&step(&mut s, Event::Sampled(still(0..3)), now)) {
+            break id;
+        }
+        now = s.next_wakeup().unwrap();
+    };
+    let _ = step(&mut s, exited(2, code(1)), now + 1);
+    let a = step(&mut s, Event::Tick, now + 1 + ms(FAILING_ALONG));
+    assert_eq!(read_id(&a), None, "no second read while the verdict's runs: {a:?}");
+    let a = step(
+        &mut s,
+        Event::StacksRead { id: first, stacks: BTreeMap::from([(0, waiting()), (1, waiting())]) },
+        now + 500,
+    );
+    let second = read_id(&a).expect("the survivors' own read once the first is back");
+    assert!(reports(&a).is_empty());
+    let a = step(
+        &mut s,
+        Event::StacksRead { id: second, stacks: BTreeMap::from([(0, waiting()), (1, waiting())]) },
+        now + 900,
+    );
+    assert!(matches!(reports(&a).as_slice(), [Action::Failed(f)] if f.index == 2 && !f.stacks.is_empty()), "{a:?}");
+}
+
+#[test]
+fn a_request_in_the_failing_moment_is_answered_and_the_failure_gets_a_read_of_its_own_after() {
+    let mut s = Supervisor::new(vec![0, 1], Some(policy(60, 1)), false, 0);
+    let _ = step(&mut s, exited(0, code(1)), 10);
+    let asked = read_id(&step(&mut s, Event::StacksWanted, 12)).expect("a read for the request");
+    assert_eq!(read_id(&step(&mut s, Event::Tick, 10 + ms(FAILING_ALONG))), None, "one read at a time");
+    let a = step(&mut s, Event::StacksRead { id: asked, stacks: BTreeMap::from([(1, waiting())]) }, 30);
+    assert!(matches!(a.first(), Some(Action::ReplyStacks(l)) if l.len() == 1), "{a:?}");
+    let own = read_id(&a).expect("then the failure's own");
+    let a = step(&mut s, Event::StacksRead { id: own, stacks: BTreeMap::from([(1, waiting())]) }, 40);
+    assert!(matches!(reports(&a).as_slice(), [Action::Failed(f)] if f.index == 0), "{a:?}");
+}
+
+#[test]
+fn with_every_rank_at_the_same_place_the_culprit_is_the_longest_quiet_not_the_first_rank() {
+    // Rank 0 prints (progress), rank 1 sleeps: both stand in the same frames when read.
+    let mut s = Supervisor::new(vec![0, 1], Some(policy(3, 1)), false, 0);
+    let mut now = 0;
+    let mut out = 0u64;
+    let hung = loop {
+        assert!(now < 20 * T, "a verdict within 20 s");
+        if s.step(Event::Tick, now).iter().any(|a| matches!(a, Action::Sample { .. })) {
+            out += 100;
+            let samples =
+                BTreeMap::from([(0, Sample { output_bytes: out, ..Sample::default() }), (1, Sample::default())]);
+            if let Some(id) = read_id(&step(&mut s, Event::Sampled(samples), now)) {
+                let a = step(
+                    &mut s,
+                    Event::StacksRead { id, stacks: BTreeMap::from([(0, computing()), (1, computing())]) },
+                    now,
+                );
+                if let Some(Action::Hung(h)) = reports(&a).first() {
+                    break (*h).clone();
+                }
+            }
+        }
+        now = s.next_wakeup().unwrap_or(now + T);
+    };
+    assert_eq!(hung.culprit, 1, "{hung:?}");
+    assert!(hung.message.contains("rank(s) 1 "), "{}", hung.message);
+}
+
 // The simulated world: random events with invariants checked after every step.
 
 struct Rng(u64);
@@ -258,11 +330,17 @@ struct Seen {
     stop_asked: bool,
     stopped: usize,
     reads: Vec<u64>,
+    in_flight: Option<u64>,
     exits: Vec<Option<Exit>>,
     sampling: bool,
 }
 
 fn check(seen: &mut Seen, event: &Event, actions: &[Action], s: &Supervisor) {
+    if let Event::StacksRead { id, .. } = event {
+        if seen.in_flight == Some(*id) {
+            seen.in_flight = None;
+        }
+    }
     for a in actions {
         match a {
             Action::Succeeded => {
@@ -279,7 +357,9 @@ fn check(seen: &mut Seen, event: &Event, actions: &[Action], s: &Supervisor) {
             Action::Hung(h) => assert!(seen.exits[h.culprit].is_none(), "the culprit is running: {h:?}"),
             Action::ReadStacks { id } => {
                 assert!(!seen.reads.contains(id), "read ids are unique");
+                assert_eq!(seen.in_flight, None, "one read at a time (py-spy pauses the process)");
                 seen.reads.push(*id);
+                seen.in_flight = Some(*id);
             }
             Action::Sample { stacks_of } => {
                 assert!(!seen.sampling, "one sample at a time");
