@@ -9,3 +9,22 @@ pub(crate) fn rand_u32() -> u32 {
     }
     u32::from_le_bytes(b)
 }
+
+/// A tiny deterministic generator for the simulated worlds of the pure cores' tests
+/// (`supervisor`, `snapshots`): a run is reproducible from its seed.
+#[cfg(test)]
+pub(crate) struct XorShift(pub u64);
+
+#[cfg(test)]
+impl XorShift {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}

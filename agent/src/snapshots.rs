@@ -153,15 +153,7 @@ mod tests {
             .collect()
     }
 
-    struct Rng(u64);
-    impl Rng {
-        fn below(&mut self, n: u64) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0 % n
-        }
-    }
+    use crate::random::XorShift as Rng;
 
     #[test]
     fn buddies_form_a_ring_and_a_lone_node_has_none() {

@@ -310,19 +310,7 @@ fn with_every_rank_at_the_same_place_the_culprit_is_the_longest_quiet_not_the_fi
 
 // The simulated world: random events with invariants checked after every step.
 
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
+use crate::random::XorShift as Rng;
 
 #[derive(Default)]
 struct Seen {
