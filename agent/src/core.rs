@@ -88,6 +88,17 @@ pub enum Membership {
     Elastic { node_ttl: Duration, join_timeout: Duration },
 }
 
+/// Whether this node's stacks are read and shared before its workers are stopped for a round
+/// that ended elsewhere: only when that round ended by a failure (a node lost or a scale-up
+/// pauses no worker for nothing). `failed_round` is the rendezvous' last failed round, `None`
+/// when it could not say: then they are read anyway.
+pub fn stacks_worth_sharing(round: u64, failed_round: Option<Option<u64>>) -> bool {
+    match failed_round {
+        Some(last) => last == Some(round),
+        None => true,
+    }
+}
+
 /// The rendezvous error behind a [`CallError`], carried whole to the outcome it may end in (the
 /// `source` of the agent's error): no text in its place, no side channel. Shared, so events
 /// stay cheap to clone; equal when they say the same (tests compare events).

@@ -390,13 +390,13 @@ impl Io<'_> {
         if self.group.is_none() || !self.watching_hangs {
             return;
         }
-        // Only a round that ended by a failure takes stacks (a node lost, a scale-up: the
-        // workers are not paused for nothing). If the rendezvous cannot say, read them anyway.
         let (client, _) = self.client();
-        if let Ok(Ok(status)) = tokio::time::timeout(Duration::from_secs(1), client.status()).await {
-            if status.last_failure_round != Some(round) {
-                return;
-            }
+        let failed_round = match tokio::time::timeout(Duration::from_secs(1), client.status()).await {
+            Ok(Ok(status)) => Some(status.last_failure_round),
+            _ => None,
+        };
+        if !crate::core::stacks_worth_sharing(round, failed_round) {
+            return;
         }
         let Some(g) = &self.group else { return };
         let (tx, rx) = tokio::sync::oneshot::channel();

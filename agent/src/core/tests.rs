@@ -774,3 +774,11 @@ fn a_hang_alone_is_a_failure_like_any_other() {
     s.ev(Event::Start);
     assert_eq!(s.ev(Event::WorkersEnded(hung())), vec![STOP]);
 }
+
+#[test]
+fn stacks_are_shared_only_for_a_round_that_ended_by_a_failure_or_when_the_rendezvous_cannot_say() {
+    assert!(stacks_worth_sharing(4, Some(Some(4))), "round 4 failed");
+    assert!(!stacks_worth_sharing(4, Some(Some(3))), "an earlier failure: round 4 ended otherwise");
+    assert!(!stacks_worth_sharing(4, Some(None)), "no failure at all: a node lost or a scale-up");
+    assert!(stacks_worth_sharing(4, None), "the rendezvous did not answer");
+}
