@@ -710,3 +710,23 @@ mod run_id_tests {
         }
     }
 }
+
+/// Secrets pass through the round machine's guard and the join's answer: neither prints them.
+#[cfg(test)]
+mod secret_tests {
+    #[test]
+    fn no_debug_print_of_a_request_guard_or_answer_shows_a_secret() {
+        let s = crate::identity::mint();
+        let guard = crate::round::Guard { secret: Some(s.clone()), minted: Some(s.clone()), max_pending: Some(3) };
+        let joined = crate::service::Joined {
+            answer: crate::service::JoinAnswer::Wait { round: 1, state: "forming".into() },
+            secret: s.clone(),
+        };
+        for printed in
+            [format!("{guard:?}"), format!("{joined:?}"), format!("{:?}", crate::identity::Secret(s.clone()))]
+        {
+            assert!(!printed.contains(&s), "{printed}");
+            assert!(printed.contains("redacted"), "{printed}");
+        }
+    }
+}
