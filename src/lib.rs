@@ -12,6 +12,7 @@ pub mod gpu;
 pub mod heartbeat;
 pub mod model;
 pub mod sampler;
+pub mod snapshot;
 pub mod stacks;
 pub mod store;
 pub mod terminal;

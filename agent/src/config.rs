@@ -110,6 +110,9 @@ pub struct AgentConfig {
     pub duplicate_stdout_filters: Vec<String>,
     /// The same for stderr (`filtered_stderr.log`).
     pub duplicate_stderr_filters: Vec<String>,
+    /// The node's memory for snapshots (`--snapshot-memory`, bytes): the parts its workers save
+    /// and the copies it keeps for another node. 0: no snapshots (`save` and `load` do nothing).
+    pub snapshot_memory: u64,
 }
 
 impl AgentConfig {
@@ -137,6 +140,7 @@ impl AgentConfig {
             numa_binding: None,
             duplicate_stdout_filters: Vec::new(),
             duplicate_stderr_filters: Vec::new(),
+            snapshot_memory: crate::snapstore::default_cap(),
         }
     }
 }

@@ -76,6 +76,11 @@ async fn drive(
         if matches!(event, Event::WorkersStopped) {
             io.ctx.console.flush();
         }
+        if matches!(event, Event::WorkersStopped | Event::WorkersEnded(_)) {
+            if let Some(snap) = io.ctx.snapshots {
+                snap.end_round();
+            }
+        }
         let now = u64::try_from(start.elapsed().as_millis()).unwrap_or(u64::MAX);
         for action in core.step(event, now) {
             if let Some(outcome) = io.perform(action).await? {
@@ -492,6 +497,10 @@ impl Io<'_> {
             for l in &p.fingerprint_diff {
                 warn!("  {l}");
             }
+        }
+        if let Some(snap) = self.ctx.snapshots {
+            let ranks = p.rank_offset..p.rank_offset.saturating_add(self.config.nproc_per_node);
+            snap.begin_local_round(p.round, p.world_size, ranks);
         }
         let specs = worker_specs(self.config, &p, &master, self.ctx);
         let io = self.group_io(p.restart_count)?;

@@ -22,6 +22,7 @@ pub mod process;
 mod random;
 pub mod report;
 pub mod snapshots;
+pub mod snapstore;
 pub mod supervisor;
 pub mod workers;
 
@@ -164,7 +165,13 @@ async fn run_inner(config: AgentConfig) -> Result<RunOutcome, AgentError> {
     let cpus = numa_binding(&config, &agent_env)?;
     let choice = if config.process_groups_only { Some("process-group") } else { None };
     let containment = std::sync::Arc::new(contain::Containment::detect(config.nproc_per_node, choice));
+    // Snapshots in this agent's memory (`--snapshot-memory 0`: none). A store that cannot start
+    // leaves the job running without them, said once.
+    let snapshots = (config.snapshot_memory > 0)
+        .then(|| snapstore::SnapStore::start(config.snapshot_memory))
+        .and_then(|r| r.map_err(|e| warn!(error = %e, "cannot start the snapshot store: snapshots are off")).ok());
     let ctx = Ctx {
+        snapshots: snapshots.as_ref(),
         containment: &containment,
         host: &host,
         agent_env: &agent_env,
@@ -193,6 +200,8 @@ async fn run_inner(config: AgentConfig) -> Result<RunOutcome, AgentError> {
 
 /// What every way of running a node shares: where it runs, its environment, console and logs.
 pub(crate) struct Ctx<'a> {
+    /// The node's snapshot store, when snapshots are on.
+    pub snapshots: Option<&'a snapstore::SnapStore>,
     pub containment: &'a std::sync::Arc<contain::Containment>,
     pub host: &'a str,
     pub agent_env: &'a BTreeMap<String, String>,
@@ -338,10 +347,14 @@ pub(crate) fn worker_specs(
                 heartbeat: (p.hang_timeout.is_some() || matches!(config.rendezvous, RendezvousConfig::Dynamic(_)))
                     .then(|| dir.join("heartbeat")),
                 heartbeat_env: p.hang_timeout.is_some(),
-                overrides: if config.virtual_local_rank {
-                    virtual_local_rank(local_rank, ctx.agent_env)
-                } else {
-                    Vec::new()
+                overrides: {
+                    let mut o = if config.virtual_local_rank {
+                        virtual_local_rank(local_rank, ctx.agent_env)
+                    } else {
+                        Vec::new()
+                    };
+                    o.extend(ctx.snapshots.map(|s| s.worker_env(ctx.agent_env)).unwrap_or_default());
+                    o
                 },
                 dir,
                 files,

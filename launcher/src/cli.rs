@@ -177,6 +177,13 @@ pub struct Args {
     #[arg(long = "store-max-bytes", env = "RLAUNCH_STORE_MAX_BYTES", default_value_t = 1 << 30)]
     pub store_max_bytes: usize,
 
+    /// MiB of this node's memory for snapshots (`rlaunch.snapshot.save`): its workers' parts of
+    /// the last committed step and of the steps in progress, and the copies it keeps for another
+    /// node. A save that does not fit is refused and the last committed step stays. 0: no
+    /// snapshots. Default: a quarter of the node's memory.
+    #[arg(long = "snapshot-memory", env = "RLAUNCH_SNAPSHOT_MEMORY", value_name = "MIB")]
+    pub snapshot_memory: Option<u64>,
+
     /// Signals that stop the job and reach the workers first, then SIGTERM and SIGKILL after
     /// the grace (torchrun's list). SIGTERM, SIGINT, SIGHUP and SIGQUIT stop the job even when
     /// not listed; SIGUSR1 and SIGUSR2, when not listed, are relayed to the workers.
@@ -644,6 +651,12 @@ impl Args {
             process_groups_only: self.containment.as_deref() == Some("process-group"),
             store_bind: host_flag("--store-bind", self.store_bind.as_deref())?,
             store_max_bytes: self.store_max_bytes,
+            snapshot_memory: match self.snapshot_memory {
+                Some(mib) => mib
+                    .checked_mul(1 << 20)
+                    .ok_or_else(|| UsageError(format!("--snapshot-memory {mib}: more MiB than any machine has")))?,
+                None => rlaunch_agent::snapstore::default_cap(),
+            },
             virtual_local_rank: self.virtual_local_rank,
             handled_signals,
             stdin_rank: self.stdin_rank,

@@ -1,0 +1,325 @@
+//! What one node's agent holds, and which step a new round restores, pure.
+//!
+//! A part is known by [`Key`]: the round it was saved in (its *tag*), its step and its rank. Two
+//! saves of step 10 in two rounds (a step computed again after a restore) are two snapshots,
+//! never mixed. [`Holdings`] decides what a node keeps under its memory cap: the **base** (the
+//! newest committed step, or the one this round restored) and the steps in progress after it;
+//! everything else may go. [`plan`] picks, from every member's inventory, the snapshot a round
+//! restores: the newest step whose every rank's part is held, whole, by some member, and for
+//! each rank the member to read it from. Every member computes it from the same inventories, so
+//! every rank gets the same step.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::NodeId;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
+pub struct Key {
+    pub tag: u64,
+    pub step: u64,
+    pub rank: u32,
+}
+
+/// One entry of a node's inventory: a whole part it holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+pub struct Have {
+    #[serde(flatten)]
+    pub key: Key,
+    /// The world size the step was saved in.
+    pub world: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Part {
+    pub world: u32,
+    pub len: u64,
+    /// Written and committed (a reserved part is being written and is no part yet).
+    pub whole: bool,
+}
+
+/// A granted reservation: parts to free first, and one whose buffer may be reused (its pages
+/// are already there: a save into it costs a copy, not a fault per page).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Grant {
+    pub free: Vec<Key>,
+    pub reuse: Option<Key>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct Holdings {
+    pub cap: u64,
+    parts: BTreeMap<Key, Part>,
+    /// The snapshot kept whatever else happens: (tag, step).
+    base: Option<(u64, u64)>,
+    /// The round saving now: its steps after the base are in progress.
+    tag: u64,
+}
+
+impl Holdings {
+    pub fn new(cap: u64) -> Holdings {
+        Holdings { cap, ..Holdings::default() }
+    }
+
+    pub fn used(&self) -> u64 {
+        self.parts.values().map(|p| p.len).sum()
+    }
+
+    pub fn get(&self, key: &Key) -> Option<&Part> {
+        self.parts.get(key)
+    }
+
+    /// The whole parts held, for a round's plan.
+    pub fn inventory(&self) -> Vec<Have> {
+        self.parts.iter().filter(|(_, p)| p.whole).map(|(k, p)| Have { key: *k, world: p.world }).collect()
+    }
+
+    /// A new round saves under `tag`, restoring `base` (or nothing). Returns what may go now:
+    /// parts of steps after the base, which the round computes again, and everything that is
+    /// neither the base nor the round's.
+    pub fn begin_round(&mut self, tag: u64, base: Option<(u64, u64)>) -> Vec<Key> {
+        self.tag = tag;
+        self.base = base;
+        self.droppable()
+    }
+
+    /// Whether a part may go: not the base's, not a step in progress in this round.
+    fn may_go(&self, k: &Key) -> bool {
+        if self.base.is_some_and(|(t, s)| k.tag == t && k.step == s) {
+            return false;
+        }
+        !(k.tag == self.tag && self.base.is_none_or(|(_, s)| k.step > s))
+    }
+
+    fn droppable(&self) -> Vec<Key> {
+        self.parts.keys().filter(|k| self.may_go(k)).copied().collect()
+    }
+
+    /// Room for `key`'s part of `len` bytes. Frees what may go (and a part this one replaces),
+    /// and refuses, changing nothing, when the cap is still too small.
+    pub fn reserve(&mut self, key: Key, world: u32, len: u64) -> Result<Grant, String> {
+        let mut free: Vec<Key> = self.droppable();
+        if self.parts.contains_key(&key) && !free.contains(&key) {
+            free.push(key);
+        }
+        let kept: u64 = self.parts.iter().filter(|(k, _)| !free.contains(k)).map(|(_, p)| p.len).sum();
+        if kept.saturating_add(len) > self.cap {
+            return Err(format!(
+                "rank {}'s part of step {} ({} MiB) does not fit in this node's snapshot memory \
+                 (--snapshot-memory {} MiB, {} MiB of it holding the last committed step and the \
+                 steps in progress): this step is not snapshotted, the last committed one stays",
+                key.rank,
+                key.step,
+                mib(len),
+                mib(self.cap),
+                mib(kept)
+            ));
+        }
+        // Reuse the buffer of a part of the same rank, else any.
+        let reuse = free.iter().find(|k| k.rank == key.rank).or(free.first()).copied();
+        for k in &free {
+            self.parts.remove(k);
+        }
+        self.parts.insert(key, Part { world, len, whole: false });
+        Ok(Grant { free: free.into_iter().filter(|k| Some(*k) != reuse).collect(), reuse })
+    }
+
+    /// The reserved part is written.
+    pub fn commit(&mut self, key: &Key) -> bool {
+        match self.parts.get_mut(key) {
+            Some(p) => {
+                p.whole = true;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// A reservation abandoned (its writer gone): nothing of it is held.
+    pub fn abandon(&mut self, key: &Key) {
+        if self.parts.get(key).is_some_and(|p| !p.whole) {
+            self.parts.remove(key);
+        }
+    }
+
+    /// `step` of this round is committed everywhere: it is the base now. Returns what may go.
+    pub fn committed(&mut self, tag: u64, step: u64) -> Vec<Key> {
+        if tag != self.tag || self.base.is_some_and(|(t, s)| t == tag && s >= step) {
+            return Vec::new();
+        }
+        self.base = Some((tag, step));
+        let free = self.droppable();
+        for k in &free {
+            self.parts.remove(k);
+        }
+        free
+    }
+}
+
+fn mib(b: u64) -> u64 {
+    b.div_ceil(1 << 20)
+}
+
+/// The snapshot a round restores.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    pub tag: u64,
+    pub step: u64,
+    pub world: u32,
+    /// Each rank's part: the member to read it from.
+    pub from: BTreeMap<u32, NodeId>,
+}
+
+/// The newest step whose every rank's part (same tag, same world) some member holds, preferring
+/// for each rank the member that runs that rank now (`runs`), else the first holder by node id.
+/// Ties between tags of the same step go to the newest round. `None`: nothing is whole.
+pub fn plan(inventories: &BTreeMap<NodeId, Vec<Have>>, runs: &BTreeMap<u32, NodeId>) -> Option<Plan> {
+    // (tag, step, world) -> rank -> holders
+    let mut sets: BTreeMap<(u64, u64, u32), BTreeMap<u32, BTreeSet<&NodeId>>> = BTreeMap::new();
+    for (node, haves) in inventories {
+        for h in haves {
+            if h.key.rank < h.world {
+                sets.entry((h.key.tag, h.key.step, h.world)).or_default().entry(h.key.rank).or_default().insert(node);
+            }
+        }
+    }
+    sets.iter()
+        .filter(|((_, _, world), ranks)| ranks.len() == *world as usize && *world > 0)
+        .max_by_key(|((tag, step, _), _)| (*step, *tag))
+        .map(|((tag, step, world), ranks)| Plan {
+            tag: *tag,
+            step: *step,
+            world: *world,
+            from: ranks
+                .iter()
+                .map(|(rank, holders)| {
+                    let here = runs.get(rank).filter(|n| holders.contains(n));
+                    let node = here.or_else(|| holders.iter().next().copied()).expect("a set's ranks have holders");
+                    (*rank, node.clone())
+                })
+                .collect(),
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(tag: u64, step: u64, rank: u32) -> Key {
+        Key { tag, step, rank }
+    }
+
+    fn have(tag: u64, step: u64, rank: u32, world: u32) -> Have {
+        Have { key: key(tag, step, rank), world }
+    }
+
+    #[test]
+    fn the_base_and_steps_in_progress_stay_and_the_rest_goes_under_the_cap() {
+        let mut h = Holdings::new(300);
+        assert!(h.begin_round(1, None).is_empty());
+        h.reserve(key(1, 1, 0), 1, 100).unwrap();
+        h.commit(&key(1, 1, 0));
+        // Step 1 not committed yet: step 2 is in progress beside it.
+        let g = h.reserve(key(1, 2, 0), 1, 100).unwrap();
+        assert_eq!(g, Grant::default());
+        h.commit(&key(1, 2, 0));
+        assert_eq!(h.committed(1, 1), vec![]);
+        assert_eq!(h.committed(1, 2), vec![key(1, 1, 0)], "step 1 goes once 2 is committed");
+        // Step 3 reuses what may go; nothing may go, so it is new memory.
+        h.reserve(key(1, 3, 0), 1, 100).unwrap();
+        assert_eq!(h.used(), 200);
+        // A fourth part that does not fit is refused and changes nothing.
+        h.reserve(key(1, 4, 0), 1, 100).unwrap();
+        let e = h.reserve(key(1, 5, 0), 1, 100).unwrap_err();
+        assert!(e.contains("--snapshot-memory"), "{e}");
+        assert_eq!(h.used(), 300);
+        assert!(h.get(&key(1, 2, 0)).is_some_and(|p| p.whole), "the last committed step stays");
+    }
+
+    #[test]
+    fn a_new_round_lets_go_of_steps_after_its_base_and_of_other_rounds() {
+        let mut h = Holdings::new(1000);
+        h.begin_round(1, None);
+        for step in [5, 6, 7] {
+            h.reserve(key(1, step, 0), 2, 10).unwrap();
+            h.commit(&key(1, step, 0));
+        }
+        h.committed(1, 6);
+        // The round restores step 6 of round 1: step 7 is computed again, under tag 2.
+        let gone = h.begin_round(2, Some((1, 6)));
+        assert_eq!(gone, vec![key(1, 7, 0)]);
+        let g = h.reserve(key(2, 7, 0), 2, 10).unwrap();
+        assert_eq!(g.reuse, Some(key(1, 7, 0)), "the old buffer of the same rank is reused");
+        assert!(h.get(&key(1, 6, 0)).is_some(), "the base stays until a newer step commits");
+        h.commit(&key(2, 7, 0));
+        assert_eq!(h.committed(2, 7), vec![key(1, 6, 0)]);
+    }
+
+    #[test]
+    fn an_abandoned_reservation_is_no_part_and_is_in_no_inventory() {
+        let mut h = Holdings::new(100);
+        h.begin_round(3, None);
+        h.reserve(key(3, 1, 0), 1, 10).unwrap();
+        assert!(h.inventory().is_empty(), "reserved is not held");
+        h.abandon(&key(3, 1, 0));
+        assert_eq!(h.used(), 0);
+        h.reserve(key(3, 1, 0), 1, 10).unwrap();
+        h.commit(&key(3, 1, 0));
+        h.abandon(&key(3, 1, 0));
+        assert_eq!(h.inventory(), vec![have(3, 1, 0, 1)], "a whole part is never abandoned");
+    }
+
+    #[test]
+    fn a_plan_takes_the_newest_whole_step_the_same_for_everyone_never_a_mix() {
+        let n = |s: &str| s.to_string();
+        let mut inv: BTreeMap<NodeId, Vec<Have>> = BTreeMap::new();
+        // Step 9 whole (ranks 0..4); step 10 of round 1 half saved; step 10 of round 2 (computed
+        // again after a restore) whole on other nodes.
+        inv.insert(n("a"), vec![have(1, 9, 0, 4), have(1, 9, 1, 4), have(1, 10, 0, 4), have(1, 9, 3, 4)]);
+        inv.insert(n("b"), vec![have(1, 9, 2, 4), have(1, 9, 3, 4), have(1, 10, 2, 4), have(2, 10, 2, 4)]);
+        inv.insert(n("c"), vec![have(2, 10, 0, 4), have(2, 10, 1, 4), have(2, 10, 3, 4)]);
+        let runs: BTreeMap<u32, NodeId> = [(0, n("a")), (1, n("a")), (2, n("b")), (3, n("b"))].into();
+        let p = plan(&inv, &runs).unwrap();
+        assert_eq!((p.tag, p.step, p.world), (2, 10, 4));
+        assert_eq!(p.from[&2], "b", "the rank's own node when it holds the part");
+        assert_eq!(p.from[&0], "c");
+        // Without c, round 2's step 10 is not whole and round 1's never was: step 9.
+        inv.remove("c");
+        let p = plan(&inv, &runs).unwrap();
+        assert_eq!((p.tag, p.step), (1, 9));
+        assert_eq!(p.from[&3], "b");
+        // A part claiming a rank outside its world, or a world of another size, completes nothing.
+        let lying: BTreeMap<NodeId, Vec<Have>> =
+            [(n("x"), vec![have(1, 20, 0, 2), have(1, 20, 5, 2), have(1, 20, 1, 3)])].into();
+        assert_eq!(plan(&lying, &runs), None);
+    }
+
+    #[test]
+    fn random_inventories_plan_only_steps_whose_every_part_is_held_where_it_says() {
+        use crate::random::XorShift as Rng;
+        for seed in 1..300u64 {
+            let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+            let mut inv: BTreeMap<NodeId, Vec<Have>> = BTreeMap::new();
+            for _ in 0..rng.below(40) {
+                let node = format!("n{}", rng.below(4));
+                let world = 1 + rng.below(4) as u32;
+                inv.entry(node).or_default().push(have(rng.below(3), rng.below(5), rng.below(5) as u32, world));
+            }
+            if let Some(p) = plan(&inv, &BTreeMap::new()) {
+                assert_eq!(p.from.len(), p.world as usize, "seed {seed}");
+                for (rank, node) in &p.from {
+                    assert!(inv[node].contains(&have(p.tag, p.step, *rank, p.world)), "seed {seed}");
+                }
+                // No whole set is newer.
+                for haves in inv.values() {
+                    for h in haves {
+                        if h.key.step > p.step {
+                            let whole = (0..h.world)
+                                .all(|r| inv.values().any(|v| v.contains(&have(h.key.tag, h.key.step, r, h.world))));
+                            assert!(!whole, "seed {seed}: {h:?} was whole and newer");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

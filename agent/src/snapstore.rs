@@ -1,0 +1,335 @@
+//! The node's snapshot store: the Unix socket the workers save to and load from
+//! (`rlaunch::snapshot`'s wire), the memfds that hold the parts, and the round's plan. What to
+//! keep, what to free and which step a round restores are decided by the pure
+//! [`crate::snapshots`]; this file only carries those decisions out.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use rlaunch::snapshot::{recv_frame, send_frame, Answer, Request, SOCKET_ENV};
+use tracing::{info, warn};
+
+use crate::snapshots::holdings::{self, Holdings, Key, Plan};
+use crate::snapshots::{Event, Ledger, NodeId};
+
+/// The Python package (`import rlaunch`), written beside the socket and put on the workers'
+/// `PYTHONPATH`, so a job started by an `rlaunch` installed any way finds it.
+const PY_INIT: &str = include_str!("../../python/rlaunch/__init__.py");
+const PY_SNAPSHOT: &str = include_str!("../../python/rlaunch/snapshot.py");
+
+/// How long a save or load waits for the round's plan before it is refused.
+const PLAN_WAIT: Duration = Duration::from_secs(120);
+
+/// The node's default cap: a quarter of its memory.
+pub fn default_cap() -> u64 {
+    let total = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1).and_then(|kb| kb.parse::<u64>().ok()))
+        })
+        .unwrap_or(4 << 20);
+    total * 1024 / 4
+}
+
+pub struct SnapStore {
+    shared: Arc<Shared>,
+    dir: PathBuf,
+    socket: PathBuf,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+struct State {
+    holdings: Holdings,
+    /// Each part's buffer (whole or being written).
+    buffers: BTreeMap<Key, Arc<std::fs::File>>,
+    /// Parts handed to a worker by `load`: it maps them, so their buffers are never written again.
+    lent: BTreeSet<Key>,
+    round: Option<Round>,
+}
+
+struct Round {
+    tag: u64,
+    world: u32,
+    ranks: std::ops::Range<u32>,
+    me: NodeId,
+    ledger: Ledger,
+    /// `None` while the members' inventories are gathered.
+    plan: Option<Option<Plan>>,
+}
+
+impl SnapStore {
+    /// A store holding at most `cap` bytes, its socket in a new directory only this user enters.
+    pub fn start(cap: u64) -> std::io::Result<SnapStore> {
+        let dir =
+            std::env::temp_dir().join(format!("rlaunch-snap-{}-{:08x}", std::process::id(), crate::random::rand_u32()));
+        std::os::unix::fs::DirBuilderExt::mode(&mut std::fs::DirBuilder::new(), 0o700).create(&dir)?;
+        let py = dir.join("python").join("rlaunch");
+        std::fs::create_dir_all(&py)?;
+        std::fs::write(py.join("__init__.py"), PY_INIT)?;
+        std::fs::write(py.join("snapshot.py"), PY_SNAPSHOT)?;
+        let socket = dir.join("agent.sock");
+        let listener = UnixListener::bind(&socket)?;
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                holdings: Holdings::new(cap),
+                buffers: BTreeMap::new(),
+                lent: BTreeSet::new(),
+                round: None,
+            }),
+            changed: Condvar::new(),
+        });
+        let s = shared.clone();
+        std::thread::Builder::new().name("snapshots".into()).spawn(move || accept(listener, s))?;
+        Ok(SnapStore { shared, dir, socket })
+    }
+
+    /// What every worker's environment gets: the socket, and the package on `PYTHONPATH` (after
+    /// what the agent's environment has there).
+    pub fn worker_env(&self, agent_env: &BTreeMap<String, String>) -> Vec<(&'static str, String)> {
+        let py = self.dir.join("python").to_string_lossy().into_owned();
+        let path = match agent_env.get("PYTHONPATH").filter(|p| !p.is_empty()) {
+            Some(p) => format!("{p}:{py}"),
+            None => py,
+        };
+        vec![(SOCKET_ENV, self.socket.to_string_lossy().into_owned()), ("PYTHONPATH", path)]
+    }
+
+    /// A round (or fixed attempt) `tag` starts with `world` ranks, `ranks` of them here, this node
+    /// alone in it: the plan comes from what this node holds.
+    pub fn begin_local_round(&self, tag: u64, world: u32, ranks: std::ops::Range<u32>) {
+        let me: NodeId = "local".into();
+        let mut st = self.shared.lock();
+        let runs: BTreeMap<u32, NodeId> = ranks.clone().map(|r| (r, me.clone())).collect();
+        let inventories = BTreeMap::from([(me.clone(), st.holdings.inventory())]);
+        let plan = holdings::plan(&inventories, &runs);
+        let free = st.holdings.begin_round(tag, plan.as_ref().map(|p| (p.tag, p.step)));
+        st.release(&free);
+        match &plan {
+            Some(p) => {
+                info!(step = p.step, saved_in_round = p.tag, "this round restores the snapshot of step {}", p.step)
+            }
+            None => tracing::debug!("no snapshot to restore"),
+        }
+        let home = (0..world).map(|r| (r, me.clone())).collect();
+        st.round = Some(Round { tag, world, ranks, me, ledger: Ledger::new(home), plan: Some(plan) });
+        drop(st);
+        self.shared.changed.notify_all();
+    }
+
+    /// The workers are stopped: nothing is saved until the next round begins.
+    pub fn end_round(&self) {
+        self.shared.lock().round = None;
+    }
+}
+
+impl Drop for SnapStore {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Waits (bounded) for a round whose plan is known.
+    fn planned(&self) -> Result<std::sync::MutexGuard<'_, State>, String> {
+        let deadline = Instant::now() + PLAN_WAIT;
+        let mut st = self.lock();
+        loop {
+            if st.round.as_ref().is_some_and(|r| r.plan.is_some()) {
+                return Ok(st);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err("no round is running on this node (the workers are being stopped or started)".into());
+            }
+            st = self.changed.wait_timeout(st, left).unwrap_or_else(PoisonError::into_inner).0;
+        }
+    }
+}
+
+impl State {
+    fn release(&mut self, keys: &[Key]) {
+        for k in keys {
+            self.buffers.remove(k);
+            self.lent.remove(k);
+        }
+    }
+}
+
+fn accept(listener: UnixListener, shared: Arc<Shared>) {
+    for conn in listener.incoming() {
+        match conn {
+            Ok(sock) => {
+                let s = shared.clone();
+                if let Err(e) = std::thread::Builder::new().name("snapshot-conn".into()).spawn(move || serve(sock, s)) {
+                    warn!(error = %e, "cannot serve a worker's snapshot connection");
+                }
+            }
+            Err(e) => {
+                warn!(error = %e, "snapshot socket");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+}
+
+/// One worker's connection: requests in order; reservations it leaves unwritten are abandoned
+/// when it goes.
+fn serve(sock: UnixStream, shared: Arc<Shared>) {
+    let mut reserved: BTreeSet<Key> = BTreeSet::new();
+    loop {
+        let (body, fd) = match recv_frame(&sock) {
+            Ok(Some(frame)) => frame,
+            Ok(None) => break,
+            Err(e) => {
+                warn!(error = %e, "a worker's snapshot connection");
+                break;
+            }
+        };
+        drop(fd); // a worker never passes one
+        let (answer, fd) = match serde_json::from_slice::<Request>(&body) {
+            Ok(req) => handle(&shared, req, &mut reserved),
+            Err(e) => (Answer::refused(format!("not a snapshot request: {e}")), None),
+        };
+        let body = serde_json::to_vec(&answer).expect("an answer serializes");
+        if let Err(e) = send_frame(&sock, &body, fd.as_ref().map(|f| f.as_fd())) {
+            tracing::debug!(error = %e, "a worker went before its answer");
+            break;
+        }
+    }
+    if !reserved.is_empty() {
+        let mut st = shared.lock();
+        for k in &reserved {
+            st.holdings.abandon(k);
+            if st.holdings.get(k).is_none() {
+                st.release(&[*k]);
+            }
+            warn!(rank = k.rank, step = k.step, "a worker went while saving its snapshot: that part was never held");
+        }
+    }
+}
+
+fn handle(shared: &Shared, req: Request, reserved: &mut BTreeSet<Key>) -> (Answer, Option<OwnedFd>) {
+    let result = match req {
+        Request::Reserve { step, rank, world, len } => reserve(shared, step, rank, world, len, reserved),
+        Request::Commit { step, rank } => commit(shared, step, rank, reserved).map(|()| (Answer::default(), None)),
+        Request::Load { rank } => load(shared, rank),
+    };
+    match result {
+        Ok((mut a, fd)) => {
+            a.ok = true;
+            (a, fd)
+        }
+        Err(why) => (Answer::refused(why), None),
+    }
+}
+
+type Reply = Result<(Answer, Option<OwnedFd>), String>;
+
+fn reserve(shared: &Shared, step: u64, rank: u32, world: u32, len: u64, reserved: &mut BTreeSet<Key>) -> Reply {
+    let mut st = shared.planned()?;
+    let round = st.round.as_ref().expect("planned");
+    if !round.ranks.contains(&rank) || world != round.world {
+        return Err(format!(
+            "rank {rank} of a world of {world}: this node runs ranks {}..{} of {} in this round",
+            round.ranks.start, round.ranks.end, round.world
+        ));
+    }
+    let key = Key { tag: round.tag, step, rank };
+    let grant = st.holdings.reserve(key, world, len)?;
+    let reused = grant.reuse.and_then(|k| {
+        let lent = st.lent.contains(&k);
+        let buf = st.buffers.remove(&k);
+        st.lent.remove(&k);
+        // A lent buffer is mapped by a worker, one being copied elsewhere is read: never rewrite.
+        buf.filter(|b| !lent && Arc::strong_count(b) == 1)
+    });
+    st.release(&grant.free);
+    let file = match reused {
+        Some(f) => f,
+        None => Arc::new(memfd().map_err(|e| {
+            st.holdings.abandon(&key);
+            format!("cannot make a buffer for the snapshot: {e}")
+        })?),
+    };
+    if let Err(e) = file.set_len(len) {
+        st.holdings.abandon(&key);
+        return Err(format!("cannot size the snapshot buffer to {len} bytes: {e}"));
+    }
+    let fd = file.as_fd().try_clone_to_owned().map_err(|e| e.to_string())?;
+    st.buffers.insert(key, file);
+    reserved.insert(key);
+    Ok((Answer::default(), Some(fd)))
+}
+
+fn commit(shared: &Shared, step: u64, rank: u32, reserved: &mut BTreeSet<Key>) -> Result<(), String> {
+    let mut st = shared.lock();
+    let Some(round) = st.round.as_ref() else {
+        return Err("the round ended while the snapshot was written: it is not held".into());
+    };
+    let (tag, me) = (round.tag, round.me.clone());
+    let key = Key { tag, step, rank };
+    if !reserved.remove(&key) || !st.holdings.commit(&key) {
+        return Err(format!("rank {rank}'s part of step {step} was never reserved in this round"));
+    }
+    let round = st.round.as_mut().expect("checked above");
+    let before = round.ledger.last_committed();
+    round.ledger.apply(Event::Held { step, rank, node: me });
+    let after = round.ledger.last_committed();
+    if after != before {
+        if let Some(c) = after {
+            let free = st.holdings.committed(tag, c);
+            st.release(&free);
+        }
+    }
+    Ok(())
+}
+
+fn load(shared: &Shared, rank: Option<u32>) -> Reply {
+    let mut st = shared.planned()?;
+    let round = st.round.as_ref().expect("planned");
+    let Some(plan) = round.plan.clone().flatten() else { return Ok((Answer::default(), None)) };
+    let rank = rank.ok_or("a load names the rank whose part it wants")?;
+    let Some(from) = plan.from.get(&rank) else {
+        return Err(format!("step {} was saved by {} ranks: there is no rank {rank}", plan.step, plan.world));
+    };
+    if *from != round.me {
+        return Err(format!("rank {rank}'s part of step {} is held by node {from}, not here", plan.step));
+    }
+    let key = Key { tag: plan.tag, step: plan.step, rank };
+    let (Some(file), Some(part)) = (st.buffers.get(&key).cloned(), st.holdings.get(&key).copied()) else {
+        return Err(format!("rank {rank}'s part of step {} is no longer held here", plan.step));
+    };
+    let fd = read_only(&file).map_err(|e| format!("cannot reopen the snapshot buffer: {e}"))?;
+    st.lent.insert(key);
+    Ok((Answer { step: Some(plan.step), world: Some(plan.world), len: Some(part.len), ..Answer::default() }, Some(fd)))
+}
+
+fn memfd() -> std::io::Result<std::fs::File> {
+    // SAFETY: a C string literal; the returned descriptor is new and owned by the File.
+    let fd = unsafe { libc::memfd_create(c"rlaunch-snapshot".as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: fd was just returned by memfd_create and is owned by nobody else.
+    Ok(std::fs::File::from(unsafe { OwnedFd::from_raw_fd(fd) }))
+}
+
+/// The same buffer, opened again read-only: a worker can map it privately, never write it.
+fn read_only(file: &std::fs::File) -> std::io::Result<OwnedFd> {
+    let path = Path::new("/proc/self/fd").join(file.as_raw_fd().to_string());
+    Ok(OwnedFd::from(std::fs::File::open(path)?))
+}

@@ -1,0 +1,241 @@
+"""Each step's state in the memory of the node's rlaunch agent, replicated to another node.
+
+``save(step, state)`` hands this rank's ``state`` (a nested structure of tensors, numpy arrays and
+small picklable values) to the agent: the agent answers a buffer it owns (a memfd), the tensors'
+bytes are written into it once (CUDA tensors copied to host memory on the way), and a commit makes
+the agent hold it. The process may die the instant ``save`` returns: the part is the agent's.
+
+``load()`` answers ``(step, state)`` for the step the agent chose for this round (the newest step
+whose every rank's part is still held somewhere, the same on every rank) or ``None``. Tensors come
+back on the CPU as copy-on-write views of the agent's buffer: nothing is copied until written.
+``load(rank=k)`` reads another rank's part of that step (resharding to a new world size).
+
+Outside rlaunch (``RLAUNCH_SNAPSHOT`` unset) ``save`` returns False and ``load`` None, after one
+line on stderr.
+"""
+
+import io
+import json
+import mmap
+import os
+import pickle
+import socket
+import struct
+import sys
+import threading
+
+SOCKET_ENV = "RLAUNCH_SNAPSHOT"
+_MAGIC = b"RLSNAPPY"
+_ALIGN = 64
+_CHUNK = 1 << 30
+
+_lock = threading.Lock()
+_conn = None
+_said = False
+
+
+class SnapshotError(RuntimeError):
+    """The agent refused a save or load, or could not be reached."""
+
+
+def enabled():
+    """Whether this process was started by an rlaunch agent that holds snapshots."""
+    return bool(os.environ.get(SOCKET_ENV))
+
+
+def _connection():
+    global _conn, _said
+    if _conn is not None:
+        return _conn
+    path = os.environ.get(SOCKET_ENV)
+    if not path:
+        if not _said:
+            _said = True
+            print(f"rlaunch.snapshot: not started by rlaunch ({SOCKET_ENV} unset): "
+                  "snapshots are neither saved nor loaded", file=sys.stderr, flush=True)
+        return None
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+    except OSError as e:
+        s.close()
+        raise SnapshotError(f"the agent's snapshot socket {path}: {e}") from e
+    _conn = s
+    return s
+
+
+def _recv_exact(s, n):
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        if not chunk:
+            raise SnapshotError("the agent closed the snapshot connection")
+        buf += chunk
+    return bytes(buf)
+
+
+def _call(s, req):
+    body = json.dumps(req).encode()
+    s.sendall(struct.pack("<I", len(body)) + body)
+    fds = []
+    head = b""
+    while len(head) < 4:
+        data, anc, _flags, _addr = s.recvmsg(4 - len(head), socket.CMSG_SPACE(4 * 4))
+        for level, kind, payload in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                usable = len(payload) - len(payload) % 4
+                fds.extend(struct.unpack(f"{usable // 4}i", payload[:usable]))
+        if not data:
+            for fd in fds:
+                os.close(fd)
+            raise SnapshotError("the agent closed the snapshot connection")
+        head += data
+    (length,) = struct.unpack("<I", head)
+    answer = json.loads(_recv_exact(s, length))
+    for extra in fds[1:]:
+        os.close(extra)
+    fd = fds[0] if fds else None
+    if not answer.get("ok"):
+        if fd is not None:
+            os.close(fd)
+        raise SnapshotError(f"the agent refused: {answer.get('error')}")
+    return answer, fd
+
+
+def _env_int(name):
+    try:
+        return int(os.environ[name])
+    except (KeyError, ValueError):
+        raise SnapshotError(f"{name} is not set to a number") from None
+
+
+def _align(n):
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles the structure; tensors and arrays become references to byte ranges."""
+
+    def __init__(self, file):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.arrays = []  # (bytes to write, nbytes, what keeps them alive)
+        self.cursor = 0  # where the next array starts, from the data's start
+        self._torch = sys.modules.get("torch")
+        self._numpy = sys.modules.get("numpy")
+
+    def persistent_id(self, obj):
+        torch, np = self._torch, self._numpy
+        if torch is not None and isinstance(obj, torch.Tensor):
+            t = obj.detach()
+            if t.device.type != "cpu":
+                t = t.to("cpu")
+            flat = t.reshape(-1).contiguous()
+            raw = flat.view(torch.uint8) if flat.numel() else flat
+            nbytes = flat.numel() * flat.element_size()
+            return ("t", self._place(raw.numpy() if nbytes else None, nbytes, flat),
+                    str(t.dtype).split(".")[-1], tuple(t.shape), nbytes)
+        if np is not None and isinstance(obj, np.ndarray) and obj.dtype != object:
+            a = np.ascontiguousarray(obj)
+            return ("n", self._place(a.reshape(-1).view(np.uint8) if a.nbytes else None, a.nbytes, a),
+                    a.dtype.str, tuple(a.shape), a.nbytes)
+        return None
+
+    def _place(self, data, nbytes, keep):
+        at = self.cursor
+        self.arrays.append((data, nbytes, keep, at))
+        self.cursor = _align(at + nbytes)
+        return at
+
+
+def save(step, state):
+    """Hands this rank's ``state`` for ``step`` to the agent. Returns True once the agent holds
+    it, False outside rlaunch. Raises SnapshotError when the agent refuses (its memory cap)."""
+    if not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, not {step!r}")
+    with _lock:
+        s = _connection()
+        if s is None:
+            return False
+        buf = io.BytesIO()
+        p = _Pickler(buf)
+        p.dump(state)
+        header = buf.getvalue()
+        start = _align(16 + len(header))
+        total = start + p.cursor
+        rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+        _, fd = _call(s, {"op": "reserve", "step": step, "rank": rank, "world": world, "len": total})
+        if fd is None:
+            raise SnapshotError("no buffer came with the reservation")
+        try:
+            _pwrite_all(fd, _MAGIC + struct.pack("<Q", len(header)) + header, 0)
+            for arr, nbytes, _keep, at in p.arrays:
+                if nbytes:
+                    _pwrite_all(fd, memoryview(arr), start + at)
+        finally:
+            os.close(fd)
+        _call(s, {"op": "commit", "step": step, "rank": rank})
+        return True
+
+
+def _pwrite_all(fd, data, at):
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        n = os.pwrite(fd, view[done:done + _CHUNK], at + done)
+        if n <= 0:
+            raise SnapshotError("writing the snapshot buffer failed")
+        done += n
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file, mm, start):
+        super().__init__(file)
+        self.mm = mm
+        self.start = start
+
+    def persistent_load(self, pid):
+        kind, at, dtype, shape, nbytes = pid
+        off = self.start + at
+        if off + nbytes > len(self.mm):
+            raise SnapshotError("a snapshot part is shorter than its header says")
+        if kind == "t":
+            import torch
+            dt = getattr(torch, dtype)
+            if nbytes == 0:
+                return torch.empty(shape, dtype=dt)
+            count = nbytes // torch.empty((), dtype=dt).element_size()
+            return torch.frombuffer(self.mm, dtype=dt, count=count, offset=off).view(shape)
+        import numpy as np
+        dt = np.dtype(dtype)
+        if nbytes == 0:
+            return np.empty(shape, dtype=dt)
+        return np.frombuffer(self.mm, dtype=dt, count=nbytes // dt.itemsize, offset=off).reshape(shape)
+
+
+def load(rank=None):
+    """``(step, state)`` of the step this round restores, this rank's part (or ``rank``'s), or
+    None when there is none, or outside rlaunch. Every rank of a round gets the same step."""
+    with _lock:
+        s = _connection()
+        if s is None:
+            return None
+        if rank is None:
+            rank = _env_int("RANK")
+        answer, fd = _call(s, {"op": "load", "rank": int(rank)})
+        if answer.get("step") is None:
+            if fd is not None:
+                os.close(fd)
+            return None
+        if fd is None:
+            raise SnapshotError("no part came with the answer")
+        length = int(answer["len"])
+        try:
+            mm = mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+    if mm[:8] != _MAGIC:
+        raise SnapshotError(f"rank {rank}'s part of step {answer['step']} is not a Python snapshot")
+    (hlen,) = struct.unpack("<Q", mm[8:16])
+    header = mm[16:16 + hlen]
+    state = _Unpickler(io.BytesIO(header), mm, _align(16 + hlen)).load()
+    return answer["step"], state
