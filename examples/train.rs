@@ -29,6 +29,8 @@ struct Args {
     checkpoint_dir: Option<String>,
     no_checkpoint: bool,
     checkpoint_every: u64,
+    /// Hand the state to the agent's memory every this many steps (0: never).
+    snapshot_every: u64,
     seed: u64,
     samples: usize,
     dim: usize,
@@ -60,6 +62,7 @@ fn parse_args() -> Result<Args> {
         checkpoint_dir: None,
         no_checkpoint: false,
         checkpoint_every: 50,
+        snapshot_every: 1,
         seed: 0,
         samples: 16384,
         dim: 32,
@@ -91,6 +94,7 @@ fn parse_args() -> Result<Args> {
             "--checkpoint-dir" => a.checkpoint_dir = Some(val()?),
             "--no-checkpoint" => a.no_checkpoint = true,
             "--checkpoint-every" => a.checkpoint_every = val()?.parse()?,
+            "--snapshot-every" => a.snapshot_every = val()?.parse()?,
             "--seed" => a.seed = val()?.parse()?,
             "--samples" => a.samples = val()?.parse()?,
             "--dim" => a.dim = val()?.parse()?,
@@ -106,7 +110,7 @@ fn parse_args() -> Result<Args> {
             "--device" => a.device = val()?,
             "--precision" => a.precision = val()?,
             "--help" | "-h" => {
-                println!("train [--epochs 3] [--steps N] [--batch-size 64] [--lr 0.05] [--momentum 0.9] [--checkpoint-dir DIR | --no-checkpoint] [--checkpoint-every 50] [--seed 0] [--samples 16384] [--dim 32] [--hidden 256] [--classes 8] [--log-every 20] [--save-final FILE]");
+                println!("train [--epochs 3] [--steps N] [--batch-size 64] [--lr 0.05] [--momentum 0.9] [--checkpoint-dir DIR | --no-checkpoint] [--checkpoint-every 50] [--snapshot-every 1] [--seed 0] [--samples 16384] [--dim 32] [--hidden 256] [--classes 8] [--log-every 20] [--save-final FILE]");
                 std::process::exit(0);
             }
             other => bail!("unknown flag {other} (try --help)"),
@@ -192,6 +196,22 @@ fn main() -> Result<()> {
     ddp.all_reduce(&mut counters, ReduceOp::Max)?;
     ddp.broadcast_params(&mut model.params)?;
     ddp.broadcast_params(&mut opt.velocity)?;
+    // A snapshot in the agents' memory newer than the checkpoint wins: every rank gets the same
+    // step (the agents agree on it), its own part.
+    let mut resumed_from_snapshot = false;
+    if args.snapshot_every > 0 {
+        if let Some(snap) = rlaunch::snapshot::load()? {
+            let counters_of = snap.get("counters").context("snapshot lacks counters")?;
+            let (params, momentum) = (snap.get("params"), snap.get("momentum"));
+            if snap.step as i64 > counters[1] && counters_of.len() == 16 {
+                rlaunch::snapshot::read_f32s(params.context("snapshot lacks params")?, &mut model.params)?;
+                rlaunch::snapshot::read_f32s(momentum.context("snapshot lacks momentum")?, &mut opt.velocity)?;
+                let word = |i: usize| u64::from_le_bytes(counters_of[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
+                counters = [1, snap.step as i64, word(0) as i64, word(1) as i64];
+                resumed_from_snapshot = true;
+            }
+        }
+    }
     let (mut step, start_epoch, start_pos) = (counters[1] as u64, counters[2] as u64, counters[3] as usize);
     let mut gpu = gpu_trainer(&args, &worker, &model, &opt)?;
     if rank == 0 {
@@ -200,7 +220,9 @@ fn main() -> Result<()> {
             worker.restart_count,
             model.params.len(),
             ckpath.as_ref().map_or("off".to_string(), |p| p.display().to_string()),
-            if counters[0] == 1 {
+            if resumed_from_snapshot {
+                format!("resumed at step {step} (epoch {start_epoch}, batch {start_pos}) from the agents' snapshot")
+            } else if counters[0] == 1 {
                 format!("resumed at step {step} (epoch {start_epoch}, batch {start_pos})")
             } else {
                 "fresh start".into()
@@ -271,6 +293,23 @@ fn main() -> Result<()> {
                     );
                 }
                 window = (Instant::now(), 0, 0.0);
+            }
+            if args.snapshot_every > 0 && step % args.snapshot_every == 0 {
+                if let Some(g) = gpu.as_ref() {
+                    g.download(&mut model, &mut opt)?;
+                }
+                let (e, p) = if pos + 1 == per_epoch { (epoch + 1, 0) } else { (epoch, pos + 1) };
+                let mut next = [0u8; 16];
+                next[..8].copy_from_slice(&e.to_le_bytes());
+                next[8..].copy_from_slice(&(p as u64).to_le_bytes());
+                rlaunch::snapshot::save(
+                    step,
+                    &[
+                        ("params", rlaunch::snapshot::f32_bytes(&model.params)),
+                        ("momentum", rlaunch::snapshot::f32_bytes(&opt.velocity)),
+                        ("counters", &next),
+                    ],
+                )?;
             }
             if let (Some(dir), 0) = (&ckdir, rank) {
                 if step % args.checkpoint_every == 0 {

@@ -523,7 +523,30 @@ pub struct NodeInfo {
     /// rendezvous keeps each distinct one once and reports how nodes differ.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fingerprint: Option<crate::fingerprint::Fingerprint>,
+    /// Where the other members reach this node's agent for snapshots (copies to keep, parts to
+    /// fetch, steps committed), for the agent's whole life.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot_addr: Option<HostPort>,
+    /// The whole snapshot parts this node's agent holds as it joins: what the round restores is
+    /// decided from every member's, alike on every node ([`SnapshotSet`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub snapshots: Vec<SnapshotSet>,
 }
+
+/// Parts of one snapshot a node holds: saved in round `tag`, at `step`, by a world of `world`
+/// ranks; the ranks as half-open ranges.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotSet {
+    pub tag: u64,
+    pub step: u64,
+    pub world: u32,
+    pub ranks: Vec<(u32, u32)>,
+}
+
+/// Most snapshot sets a node may list, and most rank ranges in one: a node holds the last
+/// committed step and those in progress, of its own ranks and of one other node's.
+pub const MAX_SNAPSHOT_SETS: usize = 64;
+pub const MAX_SNAPSHOT_RANGES: usize = 64;
 
 /// A member of a closed round.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -537,6 +560,12 @@ pub struct Member {
     /// As in [`NodeInfo::probe_addr`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub probe_addr: Option<HostPort>,
+    /// As in [`NodeInfo::snapshot_addr`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot_addr: Option<HostPort>,
+    /// As in [`NodeInfo::snapshots`], as the node joined this round.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub snapshots: Vec<SnapshotSet>,
 }
 
 impl Member {
@@ -643,6 +672,10 @@ pub struct RoundInfo {
     /// How the round's nodes differ in their fingerprints (empty when they do not).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub fingerprint_diff: Vec<String>,
+    /// The key the round's members prove themselves with to each other's agents (snapshots):
+    /// derived from the members' credentials, answered only to a member.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peer_key: Option<String>,
 }
 
 #[cfg(test)]

@@ -52,6 +52,10 @@ pub struct Answer {
     /// `load`: the part's length (the descriptor may be longer).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub len: Option<u64>,
+    /// `reserve` refused for the node's snapshot memory: the step is not snapshotted, training
+    /// goes on, the last committed step stays.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub full: bool,
 }
 
 impl Answer {
@@ -196,6 +200,8 @@ pub enum SnapshotError {
     Io(#[from] io::Error),
     #[error("the agent refused: {0}")]
     Refused(String),
+    #[error("{0}")]
+    Full(String),
     #[error("the agent's answer: {0}")]
     Protocol(String),
     #[error("part {0}: not a snapshot of the Rust runtime's layout")]
@@ -230,7 +236,8 @@ fn call(sock: &UnixStream, req: &Request) -> Result<(Answer, Option<OwnedFd>), S
         recv_frame(sock)?.ok_or_else(|| SnapshotError::Protocol("the agent closed the connection".into()))?;
     let answer: Answer = serde_json::from_slice(&body).map_err(|e| SnapshotError::Protocol(e.to_string()))?;
     if !answer.ok {
-        return Err(SnapshotError::Refused(answer.error.unwrap_or_default()));
+        let why = answer.error.unwrap_or_default();
+        return Err(if answer.full { SnapshotError::Full(why) } else { SnapshotError::Refused(why) });
     }
     Ok((answer, fd))
 }
@@ -254,8 +261,10 @@ struct Entry {
 }
 
 /// Hands this rank's state for `step` to the agent: named byte slices (parameters, optimizer
-/// state, the sampler's position, ...). `Ok(false)`: not started by rlaunch, nothing saved. When
-/// it returns `Ok(true)` the agent holds the part, whatever becomes of this process.
+/// state, the sampler's position, ...). `Ok(false)`: nothing saved, because this process was not
+/// started by rlaunch or because the part does not fit in the node's snapshot memory (said once;
+/// the last committed step stays). When it returns `Ok(true)` the agent holds the part, whatever
+/// becomes of this process.
 pub fn save(step: u64, entries: &[(&str, &[u8])]) -> Result<bool, SnapshotError> {
     let Some(conn) = connection()? else { return Ok(false) };
     let (rank, world) = (env_u32(crate::env::RANK)?, env_u32(crate::env::WORLD_SIZE)?);
@@ -269,7 +278,14 @@ pub fn save(step: u64, entries: &[(&str, &[u8])]) -> Result<bool, SnapshotError>
     let start = 16 + header.len() as u64;
     let len = start + offset;
     let sock = conn.lock().unwrap_or_else(PoisonError::into_inner);
-    let (_, fd) = call(&sock, &Request::Reserve { step, rank, world, len })?;
+    let (_, fd) = match call(&sock, &Request::Reserve { step, rank, world, len }) {
+        Err(SnapshotError::Full(why)) => {
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| eprintln!("rlaunch.snapshot: {why}"));
+            return Ok(false);
+        }
+        other => other?,
+    };
     let fd = fd.ok_or_else(|| SnapshotError::Protocol("no buffer came with the reservation".into()))?;
     let file = std::fs::File::from(fd);
     let mut prefix = Vec::with_capacity(start as usize);
@@ -289,6 +305,24 @@ pub fn save(step: u64, entries: &[(&str, &[u8])]) -> Result<bool, SnapshotError>
 
 fn write_all_at(file: &std::fs::File, bytes: &[u8], at: u64) -> io::Result<()> {
     std::os::unix::fs::FileExt::write_all_at(file, bytes, at)
+}
+
+/// The bytes of `values` as they lie in memory (what [`read_f32s`] reads back), without a copy.
+pub fn f32_bytes(values: &[f32]) -> &[u8] {
+    // SAFETY: any f32 is 4 initialized bytes and u8 has no alignment: the same memory, read as
+    // bytes, for as long as `values` is borrowed.
+    unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values)) }
+}
+
+/// Fills `out` from bytes written by [`f32_bytes`]; an entry of another length is an error.
+pub fn read_f32s(bytes: &[u8], out: &mut [f32]) -> Result<(), SnapshotError> {
+    if bytes.len() != std::mem::size_of_val(out) {
+        return Err(SnapshotError::Layout(format!("an entry of {} bytes for {} values", bytes.len(), out.len())));
+    }
+    for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+        *o = f32::from_le_bytes(b.try_into().expect("4 bytes"));
+    }
+    Ok(())
 }
 
 /// A restored part: its step, the world it was saved in, and its named entries (mapped, not

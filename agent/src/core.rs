@@ -60,6 +60,10 @@ pub struct Placement {
     pub hang_timeout: Option<HangTimeout>,
     /// How the round's nodes differ in their fingerprints (elastic; empty when they do not).
     pub fingerprint_diff: Vec<String>,
+    /// The round's members (elastic, when the join asked for them: snapshots).
+    pub members: Vec<rlaunch::contract::Member>,
+    /// The key members prove themselves with to each other (elastic).
+    pub peer_key: Option<String>,
 }
 
 impl Placement {
@@ -75,6 +79,8 @@ impl Placement {
             restart_count: r.restart_count,
             hang_timeout: r.hang_timeout,
             fingerprint_diff: r.fingerprint_diff.clone(),
+            members: r.members.clone(),
+            peer_key: r.peer_key.clone(),
         }
     }
 }

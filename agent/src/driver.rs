@@ -299,6 +299,8 @@ impl Io<'_> {
             restart_count: 0,
             hang_timeout: config.job.hang_timeout,
             fingerprint_diff: Vec::new(),
+            members: Vec::new(),
+            peer_key: None,
         };
         match &config.rendezvous {
             RendezvousConfig::Standalone => {
@@ -320,7 +322,7 @@ impl Io<'_> {
                 })
             }
             RendezvousConfig::Dynamic(d) => {
-                let setup = elastic::setup(config, d, self.ctx.host, self.tx.clone()).await?;
+                let setup = elastic::setup(config, d, self.ctx.host, self.ctx.snapshots, self.tx.clone()).await?;
                 self.elastic = Some(setup);
                 Ok(Membership::Elastic { node_ttl: config.job.node_ttl, join_timeout: config.job.join_timeout })
             }
@@ -444,6 +446,8 @@ impl Io<'_> {
         let bind = store_bind(self.config, &e.advertise);
         let store = start_store(&bind.to_string(), self.config.store_max_bytes).await?;
         e.node.store_addr = e.advertise.with_port(store.local_addr().port());
+        // The parts held now decide, with every other member's, what the next round restores.
+        e.node.snapshots = self.ctx.snapshots.map(|s| s.inventory()).unwrap_or_default();
         self.store = Some(store);
         let (client, node) = (e.client.clone(), e.node.clone());
         info!(node_id = %node.node_id, store = %node.store_addr, "joining the rendezvous");
@@ -500,7 +504,12 @@ impl Io<'_> {
         }
         if let Some(snap) = self.ctx.snapshots {
             let ranks = p.rank_offset..p.rank_offset.saturating_add(self.config.nproc_per_node);
-            snap.begin_local_round(p.round, p.world_size, ranks);
+            match (&p.peer_key, &self.elastic) {
+                (Some(key), Some(e)) if p.group_world_size > 1 && !p.members.is_empty() => {
+                    snap.begin_peer_round(p.round, &e.node.node_id, &p.members, key.clone())
+                }
+                _ => snap.begin_local_round(p.round, p.world_size, ranks),
+            }
         }
         let specs = worker_specs(self.config, &p, &master, self.ctx);
         let io = self.group_io(p.restart_count)?;

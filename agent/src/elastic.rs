@@ -66,6 +66,7 @@ pub(crate) async fn setup(
     config: &AgentConfig,
     d: &DynamicRendezvous,
     host: &str,
+    snapshots: Option<&crate::snapstore::SnapStore>,
     events: UnboundedSender<Event>,
 ) -> Result<ElasticSetup, AgentError> {
     let advertise = advertise_addr(config, d);
@@ -77,7 +78,9 @@ pub(crate) async fn setup(
                 message: "cannot connect to the rendezvous".into(),
                 source: Some(std::sync::Arc::new(e)),
             }
-        })?;
+        })?
+        // Snapshots need every member's ranks, address and parts.
+        .asking_members(snapshots.is_some());
     // Other members probe this agent here while it lives (the round's store comes and goes):
     // a store of its own that holds nothing and only answers pings.
     let probe = crate::start_store(&store_bind(config, &advertise).to_string(), PROBE_STORE_BYTES).await?;
@@ -90,7 +93,18 @@ pub(crate) async fn setup(
             None
         }
     };
+    // The other members' agents reach this one here for snapshot copies and fetches.
+    let snapshot_addr = match snapshots.map(|s| s.serve_peers(&store_bind(config, &advertise).to_string())) {
+        Some(Ok(port)) => Some(advertise.with_port(port)),
+        Some(Err(e)) => {
+            warn!(error = %e, "cannot serve snapshots to other nodes: snapshots stay on this node");
+            None
+        }
+        None => None,
+    };
     let node = NodeInfo {
+        snapshot_addr,
+        snapshots: Vec::new(),
         node_id: format!("{host}-{}-{:08x}", std::process::id(), crate::random::rand_u32()),
         local_world_size: config.nproc_per_node,
         // Replaced by the first round's store before the first join.

@@ -10,10 +10,11 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use rlaunch::contract::{HostPort, Member, SnapshotSet};
 use rlaunch::snapshot::{recv_frame, send_frame, Answer, Request, SOCKET_ENV};
 use tracing::{info, warn};
 
-use crate::snapshots::holdings::{self, Holdings, Key, Plan};
+use crate::snapshots::holdings::{self, Have, Holdings, Key, Plan};
 use crate::snapshots::{Event, Ledger, NodeId};
 
 /// The Python package (`import rlaunch`), written beside the socket and put on the workers'
@@ -37,15 +38,19 @@ pub fn default_cap() -> u64 {
     total * 1024 / 4
 }
 
+mod peers;
+
 pub struct SnapStore {
     shared: Arc<Shared>,
     dir: PathBuf,
     socket: PathBuf,
 }
 
-struct Shared {
+pub(crate) struct Shared {
     state: Mutex<State>,
     changed: Condvar,
+    /// Copies to send and commits to announce, in order (the replicator thread).
+    outbox: std::sync::mpsc::Sender<peers::Job>,
 }
 
 struct State {
@@ -65,6 +70,38 @@ struct Round {
     ledger: Ledger,
     /// `None` while the members' inventories are gathered.
     plan: Option<Option<Plan>>,
+    /// The other members, when the round has any.
+    peers: Option<Peers>,
+    /// Per step of this round: this node's ranks whose part the buddy acknowledged.
+    acked: BTreeMap<u64, BTreeSet<u32>>,
+}
+
+/// A round's members as the snapshot store sees them.
+#[derive(Clone)]
+pub(crate) struct Peers {
+    pub key: String,
+    pub members: Vec<PeerMember>,
+    /// Index of this node's buddy in `members`.
+    pub buddy: usize,
+}
+
+#[derive(Clone)]
+pub(crate) struct PeerMember {
+    pub id: NodeId,
+    pub addr: Option<HostPort>,
+    pub ranks: std::ops::Range<u32>,
+}
+
+impl Peers {
+    fn member(&self, id: &str) -> Option<&PeerMember> {
+        self.members.iter().find(|m| m.id == id)
+    }
+
+    /// Whose parts a member's copies are: the member before it in the ring.
+    fn buddy_of(&self, id: &str) -> Option<&PeerMember> {
+        let i = self.members.iter().position(|m| m.id == id)?;
+        self.members.get((i + 1) % self.members.len())
+    }
 }
 
 impl SnapStore {
@@ -79,6 +116,7 @@ impl SnapStore {
         std::fs::write(py.join("snapshot.py"), PY_SNAPSHOT)?;
         let socket = dir.join("agent.sock");
         let listener = UnixListener::bind(&socket)?;
+        let (outbox, jobs) = std::sync::mpsc::channel();
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 holdings: Holdings::new(cap),
@@ -87,9 +125,12 @@ impl SnapStore {
                 round: None,
             }),
             changed: Condvar::new(),
+            outbox,
         });
         let s = shared.clone();
         std::thread::Builder::new().name("snapshots".into()).spawn(move || accept(listener, s))?;
+        let s = Arc::downgrade(&shared);
+        std::thread::Builder::new().name("snapshot-copies".into()).spawn(move || peers::replicate(jobs, s))?;
         Ok(SnapStore { shared, dir, socket })
     }
 
@@ -121,9 +162,90 @@ impl SnapStore {
             None => tracing::debug!("no snapshot to restore"),
         }
         let home = (0..world).map(|r| (r, me.clone())).collect();
-        st.round = Some(Round { tag, world, ranks, me, ledger: Ledger::new(home), plan: Some(plan) });
+        st.round = Some(Round {
+            tag,
+            world,
+            ranks,
+            me,
+            ledger: Ledger::new(home),
+            plan: Some(plan),
+            peers: None,
+            acked: BTreeMap::new(),
+        });
         drop(st);
         self.shared.changed.notify_all();
+    }
+
+    /// A round `tag` of several members starts: the plan comes from the parts every member
+    /// listed as it joined (the same list on every node, so the same plan), each part is
+    /// copied to this node's buddy (the next member), and the members tell each other which
+    /// steps are whole on their node and its buddy.
+    pub fn begin_peer_round(&self, tag: u64, me: &str, members: &[Member], key: String) {
+        let mut inventories: BTreeMap<NodeId, Vec<Have>> = BTreeMap::new();
+        let mut runs: BTreeMap<u32, NodeId> = BTreeMap::new();
+        let mut home: BTreeMap<u32, NodeId> = BTreeMap::new();
+        for m in members {
+            inventories.insert(m.node_id.clone(), from_sets(&m.snapshots));
+            for r in m.rank_offset..m.rank_offset.saturating_add(m.local_world_size) {
+                runs.insert(r, m.node_id.clone());
+                home.insert(r, m.node_id.clone());
+            }
+        }
+        let plan = holdings::plan(&inventories, &runs);
+        let peer_members: Vec<PeerMember> = members
+            .iter()
+            .map(|m| PeerMember {
+                id: m.node_id.clone(),
+                addr: m.snapshot_addr.clone(),
+                ranks: m.rank_offset..m.rank_offset.saturating_add(m.local_world_size),
+            })
+            .collect();
+        let Some(i) = peer_members.iter().position(|m| m.id == me) else {
+            warn!("this node is not among the round's members: snapshots are not restored");
+            return;
+        };
+        let world = home.len() as u32;
+        let ranks = peer_members[i].ranks.clone();
+        let buddy = (i + 1) % peer_members.len();
+        let mut st = self.shared.lock();
+        let free = st.holdings.begin_round(tag, plan.as_ref().map(|p| (p.tag, p.step)));
+        st.release(&free);
+        match &plan {
+            Some(p) => info!(
+                step = p.step,
+                saved_in_round = p.tag,
+                from = ?p.from.values().collect::<BTreeSet<_>>(),
+                "this round restores the snapshot of step {}",
+                p.step
+            ),
+            None => tracing::debug!("no snapshot to restore"),
+        }
+        st.round = Some(Round {
+            tag,
+            world,
+            ranks,
+            me: me.to_owned(),
+            ledger: Ledger::new(home),
+            plan: Some(plan),
+            peers: Some(Peers { key, members: peer_members, buddy }),
+            acked: BTreeMap::new(),
+        });
+        drop(st);
+        self.shared.changed.notify_all();
+    }
+
+    /// What this node holds, as it joins a round.
+    pub fn inventory(&self) -> Vec<SnapshotSet> {
+        to_sets(&self.shared.lock().holdings.inventory())
+    }
+
+    /// Serves the other members (copies, fetches, commits) on `bind`; answers the port.
+    pub fn serve_peers(&self, bind: &str) -> std::io::Result<u16> {
+        let listener = std::net::TcpListener::bind(bind)?;
+        let port = listener.local_addr()?.port();
+        let s = self.shared.clone();
+        std::thread::Builder::new().name("snapshot-peers".into()).spawn(move || peers::accept(listener, s))?;
+        Ok(port)
     }
 
     /// The workers are stopped: nothing is saved until the next round begins.
@@ -167,6 +289,58 @@ impl State {
             self.lent.remove(k);
         }
     }
+
+    /// Feeds round `tag`'s ledger; a newly committed step becomes the base and frees what
+    /// it makes obsolete.
+    fn heard(&mut self, tag: u64, events: impl IntoIterator<Item = Event>) {
+        let Some(round) = self.round.as_mut().filter(|r| r.tag == tag) else { return };
+        let before = round.ledger.last_committed();
+        for e in events {
+            round.ledger.apply(e);
+        }
+        let after = round.ledger.last_committed();
+        if let (Some(c), true) = (after, after != before) {
+            tracing::debug!(step = c, "snapshot committed");
+            let free = self.holdings.committed(tag, c);
+            self.release(&free);
+        }
+    }
+}
+
+/// An inventory in the wire's compact form: ranks as ranges, per (tag, step, world).
+pub(crate) fn to_sets(haves: &[Have]) -> Vec<SnapshotSet> {
+    let mut sets: BTreeMap<(u64, u64, u32), Vec<u32>> = BTreeMap::new();
+    for h in haves {
+        sets.entry((h.key.tag, h.key.step, h.world)).or_default().push(h.key.rank);
+    }
+    sets.into_iter()
+        .map(|((tag, step, world), mut ranks)| {
+            ranks.sort_unstable();
+            let mut ranges: Vec<(u32, u32)> = Vec::new();
+            for r in ranks {
+                match ranges.last_mut() {
+                    Some((_, hi)) if *hi == r => *hi = r + 1,
+                    _ => ranges.push((r, r + 1)),
+                }
+            }
+            SnapshotSet { tag, step, world, ranks: ranges }
+        })
+        .rev() // the newest sets, where there are too many
+        .take(rlaunch::contract::MAX_SNAPSHOT_SETS)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .rev()
+        .collect()
+}
+
+pub(crate) fn from_sets(sets: &[SnapshotSet]) -> Vec<Have> {
+    sets.iter()
+        .flat_map(|s| {
+            s.ranks.iter().flat_map(move |(lo, hi)| {
+                (*lo..(*hi).min(s.world)).map(move |rank| Have { key: Key { tag: s.tag, step: s.step, rank }, world: s.world })
+            })
+        })
+        .collect()
 }
 
 fn accept(listener: UnixListener, shared: Arc<Shared>) {
@@ -210,15 +384,9 @@ fn serve(sock: UnixStream, shared: Arc<Shared>) {
             break;
         }
     }
-    if !reserved.is_empty() {
-        let mut st = shared.lock();
-        for k in &reserved {
-            st.holdings.abandon(k);
-            if st.holdings.get(k).is_none() {
-                st.release(&[*k]);
-            }
-            warn!(rank = k.rank, step = k.step, "a worker went while saving its snapshot: that part was never held");
-        }
+    for k in reserved {
+        abandon(&shared, k);
+        warn!(rank = k.rank, step = k.step, "a worker went while saving its snapshot: that part was never held");
     }
 }
 
@@ -233,46 +401,85 @@ fn handle(shared: &Shared, req: Request, reserved: &mut BTreeSet<Key>) -> (Answe
             a.ok = true;
             (a, fd)
         }
-        Err(why) => (Answer::refused(why), None),
+        Err(why) => {
+            let full = why.contains("--snapshot-memory");
+            (Answer { full, ..Answer::refused(why) }, None)
+        }
     }
 }
 
 type Reply = Result<(Answer, Option<OwnedFd>), String>;
 
 fn reserve(shared: &Shared, step: u64, rank: u32, world: u32, len: u64, reserved: &mut BTreeSet<Key>) -> Reply {
-    let mut st = shared.planned()?;
-    let round = st.round.as_ref().expect("planned");
-    if !round.ranks.contains(&rank) || world != round.world {
-        return Err(format!(
-            "rank {rank} of a world of {world}: this node runs ranks {}..{} of {} in this round",
-            round.ranks.start, round.ranks.end, round.world
-        ));
-    }
-    let key = Key { tag: round.tag, step, rank };
+    let key = {
+        let st = shared.planned()?;
+        let round = st.round.as_ref().expect("planned");
+        if !round.ranks.contains(&rank) || world != round.world {
+            return Err(format!(
+                "rank {rank} of a world of {world}: this node runs ranks {}..{} of {} in this round",
+                round.ranks.start, round.ranks.end, round.world
+            ));
+        }
+        Key { tag: round.tag, step, rank }
+    };
+    let file = buffer_for(shared, key, world, len)?;
+    let fd = file.as_fd().try_clone_to_owned().map_err(|e| e.to_string())?;
+    reserved.insert(key);
+    Ok((Answer::default(), Some(fd)))
+}
+
+/// Room and a buffer of `len` bytes for `key`'s part, reserved (not held until committed):
+/// the buffer of a part that may go is reused when nobody maps or reads it.
+pub(crate) fn buffer_for(shared: &Shared, key: Key, world: u32, len: u64) -> Result<Arc<std::fs::File>, String> {
+    let mut st = shared.lock();
     let grant = st.holdings.reserve(key, world, len)?;
     let reused = grant.reuse.and_then(|k| {
-        let lent = st.lent.contains(&k);
+        let lent = st.lent.remove(&k);
         let buf = st.buffers.remove(&k);
-        st.lent.remove(&k);
         // A lent buffer is mapped by a worker, one being copied elsewhere is read: never rewrite.
         buf.filter(|b| !lent && Arc::strong_count(b) == 1)
     });
     st.release(&grant.free);
     let file = match reused {
         Some(f) => f,
-        None => Arc::new(memfd().map_err(|e| {
-            st.holdings.abandon(&key);
-            format!("cannot make a buffer for the snapshot: {e}")
-        })?),
+        None => match memfd() {
+            Ok(f) => Arc::new(f),
+            Err(e) => {
+                st.holdings.abandon(&key);
+                return Err(format!("cannot make a buffer for the snapshot: {e}"));
+            }
+        },
     };
     if let Err(e) = file.set_len(len) {
         st.holdings.abandon(&key);
         return Err(format!("cannot size the snapshot buffer to {len} bytes: {e}"));
     }
-    let fd = file.as_fd().try_clone_to_owned().map_err(|e| e.to_string())?;
-    st.buffers.insert(key, file);
-    reserved.insert(key);
-    Ok((Answer::default(), Some(fd)))
+    st.buffers.insert(key, file.clone());
+    Ok(file)
+}
+
+/// A reservation whose writer went: nothing of it is held.
+pub(crate) fn abandon(shared: &Shared, key: Key) {
+    let mut st = shared.lock();
+    st.holdings.abandon(&key);
+    if st.holdings.get(&key).is_none() {
+        st.release(&[key]);
+    }
+}
+
+/// A copy for another node arrived whole: held here, and the ledger hears it.
+pub(crate) fn commit_copy(shared: &Shared, key: Key, _from: &str) -> bool {
+    let mut st = shared.lock();
+    let Some(me) = st.round.as_ref().filter(|r| r.tag == key.tag).map(|r| r.me.clone()) else {
+        drop(st);
+        abandon(shared, key);
+        return false;
+    };
+    if !st.holdings.commit(&key) {
+        return false;
+    }
+    st.heard(key.tag, [Event::Held { step: key.step, rank: key.rank, node: me }]);
+    true
 }
 
 fn commit(shared: &Shared, step: u64, rank: u32, reserved: &mut BTreeSet<Key>) -> Result<(), String> {
@@ -285,14 +492,15 @@ fn commit(shared: &Shared, step: u64, rank: u32, reserved: &mut BTreeSet<Key>) -
     if !reserved.remove(&key) || !st.holdings.commit(&key) {
         return Err(format!("rank {rank}'s part of step {step} was never reserved in this round"));
     }
-    let round = st.round.as_mut().expect("checked above");
-    let before = round.ledger.last_committed();
-    round.ledger.apply(Event::Held { step, rank, node: me });
-    let after = round.ledger.last_committed();
-    if after != before {
-        if let Some(c) = after {
-            let free = st.holdings.committed(tag, c);
-            st.release(&free);
+    st.heard(tag, [Event::Held { step, rank, node: me }]);
+    // A copy for the buddy, sent in the background.
+    let round = st.round.as_ref().expect("checked above");
+    if let Some(p) = &round.peers {
+        let buddy = p.members[p.buddy].clone();
+        let (world, len) = st.holdings.get(&key).map(|p| (p.world, p.len)).unwrap_or_default();
+        if let (Some(addr), Some(file)) = (buddy.addr.clone(), st.buffers.get(&key).cloned()) {
+            let hello = peers::Hello::new(round.tag, &round.me, &p.key);
+            let _ = shared.outbox.send(peers::Job::Copy { key, world, len, file, to: (buddy.id, addr), hello });
         }
     }
     Ok(())
@@ -303,22 +511,43 @@ fn load(shared: &Shared, rank: Option<u32>) -> Reply {
     let round = st.round.as_ref().expect("planned");
     let Some(plan) = round.plan.clone().flatten() else { return Ok((Answer::default(), None)) };
     let rank = rank.ok_or("a load names the rank whose part it wants")?;
-    let Some(from) = plan.from.get(&rank) else {
+    let Some(from) = plan.from.get(&rank).cloned() else {
         return Err(format!("step {} was saved by {} ranks: there is no rank {rank}", plan.step, plan.world));
     };
-    if *from != round.me {
-        return Err(format!("rank {rank}'s part of step {} is held by node {from}, not here", plan.step));
-    }
     let key = Key { tag: plan.tag, step: plan.step, rank };
+    let held = st.holdings.get(&key).is_some_and(|p| p.whole) && st.buffers.contains_key(&key);
+    if !held {
+        // On another member: fetched (without the lock), then held here like a copy.
+        let peers = round.peers.clone().ok_or_else(|| format!("rank {rank}'s part of step {} is not here", plan.step))?;
+        let addr = peers
+            .member(&from)
+            .and_then(|m| m.addr.clone())
+            .ok_or_else(|| format!("node {from}, which holds rank {rank}'s part of step {}, has no address", plan.step))?;
+        let hello = peers::Hello::new(round.tag, &round.me, &peers.key);
+        drop(st);
+        let (world, len, file) = peers::fetch(&addr, &hello, key)
+            .map_err(|e| format!("fetching rank {rank}'s part of step {} from node {from} ({addr}): {e}", plan.step))?;
+        info!(rank, step = plan.step, from = %from, mib = len >> 20, "fetched a snapshot part from another node");
+        st = shared.lock();
+        if !(st.holdings.get(&key).is_some_and(|p| p.whole) && st.buffers.contains_key(&key)) {
+            let grant = st.holdings.reserve(key, world, len)?;
+            st.release(&grant.free);
+            if let Some(k) = grant.reuse {
+                st.release(&[k]);
+            }
+            st.holdings.commit(&key);
+            st.buffers.insert(key, Arc::new(file));
+        }
+    }
     let (Some(file), Some(part)) = (st.buffers.get(&key).cloned(), st.holdings.get(&key).copied()) else {
         return Err(format!("rank {rank}'s part of step {} is no longer held here", plan.step));
     };
     let fd = read_only(&file).map_err(|e| format!("cannot reopen the snapshot buffer: {e}"))?;
     st.lent.insert(key);
-    Ok((Answer { step: Some(plan.step), world: Some(plan.world), len: Some(part.len), ..Answer::default() }, Some(fd)))
+    Ok((Answer { step: Some(plan.step), world: Some(part.world), len: Some(part.len), ..Answer::default() }, Some(fd)))
 }
 
-fn memfd() -> std::io::Result<std::fs::File> {
+pub(crate) fn memfd() -> std::io::Result<std::fs::File> {
     // SAFETY: a C string literal; the returned descriptor is new and owned by the File.
     let fd = unsafe { libc::memfd_create(c"rlaunch-snapshot".as_ptr(), libc::MFD_CLOEXEC) };
     if fd < 0 {

@@ -226,6 +226,8 @@ mod tests {
             local_world_size: 2,
             store_addr: format!("{id}:29500").parse().unwrap(),
             probe_addr: None,
+            snapshot_addr: None,
+            snapshots: Vec::new(),
             fingerprint: None,
         }
     }

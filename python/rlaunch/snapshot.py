@@ -38,6 +38,13 @@ class SnapshotError(RuntimeError):
     """The agent refused a save or load, or could not be reached."""
 
 
+class _Full(Exception):
+    """The node's snapshot memory (--snapshot-memory) has no room for this part."""
+
+
+_said_full = False
+
+
 def enabled():
     """Whether this process was started by an rlaunch agent that holds snapshots."""
     return bool(os.environ.get(SOCKET_ENV))
@@ -98,6 +105,8 @@ def _call(s, req):
     if not answer.get("ok"):
         if fd is not None:
             os.close(fd)
+        if answer.get("full"):
+            raise _Full(answer.get("error"))
         raise SnapshotError(f"the agent refused: {answer.get('error')}")
     return answer, fd
 
@@ -149,7 +158,9 @@ class _Pickler(pickle.Pickler):
 
 def save(step, state):
     """Hands this rank's ``state`` for ``step`` to the agent. Returns True once the agent holds
-    it, False outside rlaunch. Raises SnapshotError when the agent refuses (its memory cap)."""
+    it; False outside rlaunch, or when the part does not fit in the node's snapshot memory
+    (``--snapshot-memory``; said once, training goes on and the last committed step stays).
+    Raises SnapshotError when the agent cannot be reached or refuses otherwise."""
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, not {step!r}")
     with _lock:
@@ -163,7 +174,14 @@ def save(step, state):
         start = _align(16 + len(header))
         total = start + p.cursor
         rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
-        _, fd = _call(s, {"op": "reserve", "step": step, "rank": rank, "world": world, "len": total})
+        try:
+            _, fd = _call(s, {"op": "reserve", "step": step, "rank": rank, "world": world, "len": total})
+        except _Full as full:
+            global _said_full
+            if not _said_full:
+                _said_full = True
+                print(f"rlaunch.snapshot: {full}", file=sys.stderr, flush=True)
+            return False
         if fd is None:
             raise SnapshotError("no buffer came with the reservation")
         try:

@@ -99,6 +99,8 @@ async fn one(service: &Service, n: u32, run_id: &str) -> Result<Run> {
         local_world_size: 8,
         store_addr: format!("10.0.{}.{}:29500", i / 250, i % 250 + 1).parse().expect("a valid address"),
         probe_addr: None,
+        snapshot_addr: None,
+        snapshots: Vec::new(),
         fingerprint: None,
     };
     let mut joins: Vec<tokio::task::JoinHandle<Result<_, rlaunch_rendezvous::RdzvError>>> = Vec::new();

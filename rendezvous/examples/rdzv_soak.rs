@@ -112,6 +112,8 @@ fn node(job: &str, i: u32) -> NodeInfo {
         local_world_size: 8,
         store_addr: format!("10.1.{}.{}:29500", i / 250, i % 250 + 1).parse().expect("a valid address"),
         probe_addr: None,
+        snapshot_addr: None,
+        snapshots: Vec::new(),
         fingerprint: None,
     }
 }

@@ -57,6 +57,8 @@ pub struct ClientTls {
 pub struct RendezvousClient {
     run_id: Arc<str>,
     settings: JobSettings,
+    /// Whether joins ask for the member list ([`RendezvousClient::asking_members`]).
+    members: bool,
     inner: Arc<Inner>,
 }
 
@@ -247,6 +249,7 @@ impl RendezvousClient {
         Ok(Self {
             run_id: Arc::from(run_id),
             settings,
+            members: false,
             inner: Arc::new(Inner {
                 transport,
                 secrets: Arc::new(Mutex::new(HashMap::new())),
@@ -257,6 +260,13 @@ impl RendezvousClient {
 
     pub fn run_id(&self) -> &str {
         &self.run_id
+    }
+
+    /// Joins answer the round's whole member list (an agent holding snapshots needs every
+    /// member's ranks, address and parts).
+    pub fn asking_members(mut self, members: bool) -> Self {
+        self.members = members;
+        self
     }
 
     pub fn settings(&self) -> &JobSettings {
@@ -286,13 +296,13 @@ impl RendezvousClient {
                     settings: self.settings.clone(),
                     node: node.clone(),
                     secret,
-                    members: false,
+                    members: self.members,
                     wait_ms: Some(wait.as_millis() as u64),
                 };
                 h.call(Method::POST, &self.path("join"), Some(json(&body)), wait + POLL_SLACK).await?
             }
             Transport::Local { rdzv, .. } => {
-                rdzv.join(&self.run_id, &self.settings, node.clone(), secret.as_deref(), false, wait).await?
+                rdzv.join(&self.run_id, &self.settings, node.clone(), secret.as_deref(), self.members, wait).await?
             }
         };
         if !joined.secret.is_empty() {

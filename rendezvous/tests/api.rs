@@ -81,6 +81,8 @@ fn node(id: &str) -> NodeInfo {
         local_world_size: 2,
         store_addr: format!("127.0.0.1:{}", 29500 + id.len()).parse().unwrap(),
         probe_addr: None,
+        snapshot_addr: None,
+        snapshots: Vec::new(),
         fingerprint: None,
     }
 }
@@ -1051,6 +1053,8 @@ async fn a_join_may_advertise_only_the_address_it_came_from_unless_the_service_t
     let own = |id: &str, probe: &str| NodeInfo {
         store_addr: "10.0.0.5:29500".parse().unwrap(),
         probe_addr: Some(probe.parse().unwrap()),
+        snapshot_addr: None,
+        snapshots: Vec::new(),
         ..node(id)
     };
     // A node at 10.0.0.5 pointing others' probes at their own loopback: refused, nothing kept.
@@ -1080,6 +1084,8 @@ fn body_of(id: &str) -> Value {
     let n = NodeInfo {
         store_addr: "10.0.0.5:29500".parse().unwrap(),
         probe_addr: Some("10.0.0.5:29400".parse().unwrap()),
+        snapshot_addr: None,
+        snapshots: Vec::new(),
         ..node(id)
     };
     json!({"settings": calm(2, 2), "node": n, "wait_ms": 0})

@@ -199,6 +199,8 @@ fn node(id: &str) -> NodeInfo {
         local_world_size: 1,
         store_addr: format!("127.0.0.1:{}", 30000 + id.len()).parse().unwrap(),
         probe_addr: None,
+        snapshot_addr: None,
+        snapshots: Vec::new(),
         fingerprint: None,
     }
 }

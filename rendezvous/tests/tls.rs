@@ -72,6 +72,8 @@ fn node(id: &str) -> NodeInfo {
         local_world_size: 1,
         store_addr: format!("{id}:29500").parse().expect("store address"),
         probe_addr: None,
+        snapshot_addr: None,
+        snapshots: Vec::new(),
         fingerprint: None,
     }
 }

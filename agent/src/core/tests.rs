@@ -35,6 +35,8 @@ fn fixed(max_restarts: u32) -> Core {
         restart_count: 0,
         hang_timeout: None,
         fingerprint_diff: Vec::new(),
+        members: Vec::new(),
+        peer_key: None,
     };
     Core::new(Membership::Fixed { placement, max_restarts })
 }
@@ -52,6 +54,8 @@ fn round(n: u64, restart_count: u32) -> RoundInfo {
             rank_offset: 0,
             store_addr: addr.clone(),
             probe_addr: None,
+            snapshot_addr: None,
+            snapshots: Vec::new(),
         }],
         members_digest: String::new(),
         master_store_addr: addr,
@@ -62,6 +66,7 @@ fn round(n: u64, restart_count: u32) -> RoundInfo {
         local_world_size: 4,
         hang_timeout: None,
         fingerprint_diff: Vec::new(),
+        peer_key: None,
     }
 }
 

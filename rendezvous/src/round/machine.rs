@@ -589,6 +589,8 @@ fn close_round(job: &mut Job, now: Millis, reason: String) -> Decision {
                 rank_offset: offset,
                 store_addr: p.node.store_addr,
                 probe_addr: p.node.probe_addr,
+                snapshot_addr: p.node.snapshot_addr,
+                snapshots: p.node.snapshots,
             };
             offset = offset.saturating_add(m.local_world_size);
             m

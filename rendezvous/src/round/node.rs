@@ -23,6 +23,17 @@ pub fn validate_node(node: &NodeInfo) -> Result<(), Rejection> {
     if let Some(fp) = &node.fingerprint {
         fp.check().map_err(|m| Rejection::InvalidNode { message: m })?;
     }
+    use rlaunch::contract::{MAX_SNAPSHOT_RANGES, MAX_SNAPSHOT_SETS};
+    if node.snapshots.len() > MAX_SNAPSHOT_SETS {
+        return invalid(&format!("at most {MAX_SNAPSHOT_SETS} snapshot sets"));
+    }
+    for set in &node.snapshots {
+        if set.ranks.len() > MAX_SNAPSHOT_RANGES || set.ranks.iter().any(|(lo, hi)| lo >= hi || *hi > set.world) {
+            return invalid(&format!(
+                "a snapshot set holds at most {MAX_SNAPSHOT_RANGES} rank ranges, each non-empty and within its world"
+            ));
+        }
+    }
     Ok(())
 }
 
@@ -86,11 +97,18 @@ pub fn pin_advertised_names(node: &mut NodeInfo, peer: std::net::IpAddr) {
     if let Some(probe) = node.probe_addr.as_mut() {
         pin(probe);
     }
+    if let Some(snap) = node.snapshot_addr.as_mut() {
+        pin(snap);
+    }
 }
 
 /// The addresses a node asks others to reach it at, named by their field.
 pub fn advertised(node: &NodeInfo) -> impl Iterator<Item = (&'static str, &HostPort)> {
-    [("store_addr", Some(&node.store_addr)), ("probe_addr", node.probe_addr.as_ref())]
+    [
+        ("store_addr", Some(&node.store_addr)),
+        ("probe_addr", node.probe_addr.as_ref()),
+        ("snapshot_addr", node.snapshot_addr.as_ref()),
+    ]
         .into_iter()
         .filter_map(|(what, addr)| Some((what, addr?)))
 }

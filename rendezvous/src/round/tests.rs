@@ -35,6 +35,8 @@ fn node(id: &str) -> NodeInfo {
         local_world_size: 2,
         store_addr: format!("{id}:29500").parse().unwrap(),
         probe_addr: None,
+        snapshot_addr: None,
+        snapshots: Vec::new(),
         fingerprint: None,
     }
 }
@@ -170,6 +172,8 @@ fn ranks_are_contiguous_with_prefix_sum_offsets() {
             local_world_size: lws,
             store_addr: format!("{id}:1").parse().unwrap(),
             probe_addr: None,
+            snapshot_addr: None,
+            snapshots: Vec::new(),
             fingerprint: None,
         };
         job = step(&job, Event::Join(n), i as u64).0;
@@ -244,6 +248,8 @@ fn join_with_bad_details_is_rejected_and_leaves_the_job_untouched() {
             local_world_size: 1,
             store_addr: "h:1".parse().unwrap(),
             probe_addr: None,
+            snapshot_addr: None,
+            snapshots: Vec::new(),
             fingerprint: None,
         },
         NodeInfo {
@@ -251,6 +257,8 @@ fn join_with_bad_details_is_rejected_and_leaves_the_job_untouched() {
             local_world_size: 1,
             store_addr: "h:1".parse().unwrap(),
             probe_addr: None,
+            snapshot_addr: None,
+            snapshots: Vec::new(),
             fingerprint: None,
         },
         NodeInfo {
@@ -258,6 +266,8 @@ fn join_with_bad_details_is_rejected_and_leaves_the_job_untouched() {
             local_world_size: 0,
             store_addr: "h:1".parse().unwrap(),
             probe_addr: None,
+            snapshot_addr: None,
+            snapshots: Vec::new(),
             fingerprint: None,
         },
     ] {
@@ -630,6 +640,8 @@ fn a_node_may_advertise_only_the_address_its_join_came_from() {
     let at = |store: &str, probe: Option<&str>| NodeInfo {
         store_addr: store.parse().unwrap(),
         probe_addr: probe.map(|p| p.parse().unwrap()),
+        snapshot_addr: None,
+        snapshots: Vec::new(),
         ..node("n")
     };
     let none = BTreeMap::new();
@@ -676,6 +688,8 @@ fn advertised_host_names_are_pinned_to_the_address_the_join_came_from() {
     let mut n = NodeInfo {
         store_addr: "node-5:29500".parse().unwrap(),
         probe_addr: Some("node-5:29400".parse().unwrap()),
+        snapshot_addr: None,
+        snapshots: Vec::new(),
         ..node("n")
     };
     pin_advertised_names(&mut n, "::ffff:10.0.0.5".parse().unwrap());

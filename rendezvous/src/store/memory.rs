@@ -141,6 +141,8 @@ mod tests {
             local_world_size: 1,
             store_addr: "h:1".parse().unwrap(),
             probe_addr: None,
+            snapshot_addr: None,
+            snapshots: Vec::new(),
             fingerprint: None,
         };
         let g = Guard::default();
