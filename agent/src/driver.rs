@@ -322,7 +322,14 @@ impl Io<'_> {
                 })
             }
             RendezvousConfig::Dynamic(d) => {
-                let setup = elastic::setup(config, d, self.ctx.host, self.ctx.snapshots, self.tx.clone()).await?;
+                let setup = elastic::setup(
+                    config,
+                    d,
+                    self.ctx.host,
+                    self.ctx.snapshots.filter(|s| s.enabled()),
+                    self.tx.clone(),
+                )
+                .await?;
                 self.elastic = Some(setup);
                 Ok(Membership::Elastic { node_ttl: config.job.node_ttl, join_timeout: config.job.join_timeout })
             }
@@ -447,7 +454,7 @@ impl Io<'_> {
         let store = start_store(&bind.to_string(), self.config.store_max_bytes).await?;
         e.node.store_addr = e.advertise.with_port(store.local_addr().port());
         // The parts held now decide, with every other member's, what the next round restores.
-        e.node.snapshots = self.ctx.snapshots.map(|s| s.inventory()).unwrap_or_default();
+        e.node.snapshots = self.ctx.snapshots.filter(|s| s.enabled()).map(|s| s.inventory()).unwrap_or_default();
         self.store = Some(store);
         let (client, node) = (e.client.clone(), e.node.clone());
         info!(node_id = %node.node_id, store = %node.store_addr, "joining the rendezvous");
@@ -502,7 +509,7 @@ impl Io<'_> {
                 warn!("  {l}");
             }
         }
-        if let Some(snap) = self.ctx.snapshots {
+        if let Some(snap) = self.ctx.snapshots.filter(|s| s.enabled()) {
             let ranks = p.rank_offset..p.rank_offset.saturating_add(self.config.nproc_per_node);
             match (&p.peer_key, &self.elastic) {
                 (Some(key), Some(e)) if p.group_world_size > 1 && !p.members.is_empty() => {

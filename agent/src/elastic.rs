@@ -72,12 +72,11 @@ pub(crate) async fn setup(
     let advertise = advertise_addr(config, d);
     let (backend, hosted) = backend(d, config.job.join_timeout).await?;
     let tls = rlaunch_rendezvous::ClientTls { ca_file: d.tls_ca.clone() };
-    let client =
-        RendezvousClient::connect_with(backend, &config.run_id, config.job.clone(), &tls).await.map_err(|e| {
-            AgentError::Rendezvous {
-                message: "cannot connect to the rendezvous".into(),
-                source: Some(std::sync::Arc::new(e)),
-            }
+    let client = RendezvousClient::connect_with(backend, &config.run_id, config.job.clone(), &tls)
+        .await
+        .map_err(|e| AgentError::Rendezvous {
+            message: "cannot connect to the rendezvous".into(),
+            source: Some(std::sync::Arc::new(e)),
         })?
         // Snapshots need every member's ranks, address and parts.
         .asking_members(snapshots.is_some());

@@ -165,11 +165,11 @@ async fn run_inner(config: AgentConfig) -> Result<RunOutcome, AgentError> {
     let cpus = numa_binding(&config, &agent_env)?;
     let choice = if config.process_groups_only { Some("process-group") } else { None };
     let containment = std::sync::Arc::new(contain::Containment::detect(config.nproc_per_node, choice));
-    // Snapshots in this agent's memory (`--snapshot-memory 0`: none). A store that cannot start
-    // leaves the job running without them, said once.
-    let snapshots = (config.snapshot_memory > 0)
-        .then(|| snapstore::SnapStore::start(config.snapshot_memory))
-        .and_then(|r| r.map_err(|e| warn!(error = %e, "cannot start the snapshot store: snapshots are off")).ok());
+    // Snapshots in this agent's memory (`--snapshot-memory 0`: none, but `import rlaunch` still
+    // works). A store that cannot start leaves the job running without them, said once.
+    let snapshots = snapstore::SnapStore::start(config.snapshot_memory)
+        .map_err(|e| warn!(error = %e, "cannot start the snapshot store: snapshots are off"))
+        .ok();
     let ctx = Ctx {
         snapshots: snapshots.as_ref(),
         containment: &containment,

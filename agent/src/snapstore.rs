@@ -41,6 +41,8 @@ pub fn default_cap() -> u64 {
 mod peers;
 
 pub struct SnapStore {
+    /// `--snapshot-memory 0`: only the package is offered (so `import rlaunch` works), no socket.
+    enabled: bool,
     shared: Arc<Shared>,
     dir: PathBuf,
     socket: PathBuf,
@@ -105,7 +107,8 @@ impl Peers {
 }
 
 impl SnapStore {
-    /// A store holding at most `cap` bytes, its socket in a new directory only this user enters.
+    /// A store holding at most `cap` bytes (0: none, only the package), its socket in a new
+    /// directory only this user enters.
     pub fn start(cap: u64) -> std::io::Result<SnapStore> {
         let dir =
             std::env::temp_dir().join(format!("rlaunch-snap-{}-{:08x}", std::process::id(), crate::random::rand_u32()));
@@ -131,7 +134,7 @@ impl SnapStore {
         std::thread::Builder::new().name("snapshots".into()).spawn(move || accept(listener, s))?;
         let s = Arc::downgrade(&shared);
         std::thread::Builder::new().name("snapshot-copies".into()).spawn(move || peers::replicate(jobs, s))?;
-        Ok(SnapStore { shared, dir, socket })
+        Ok(SnapStore { enabled: cap > 0, shared, dir, socket })
     }
 
     /// What every worker's environment gets: the socket, and the package on `PYTHONPATH` (after
@@ -142,7 +145,16 @@ impl SnapStore {
             Some(p) => format!("{p}:{py}"),
             None => py,
         };
-        vec![(SOCKET_ENV, self.socket.to_string_lossy().into_owned()), ("PYTHONPATH", path)]
+        let mut env = vec![("PYTHONPATH", path)];
+        if self.enabled {
+            env.push((SOCKET_ENV, self.socket.to_string_lossy().into_owned()));
+        }
+        env
+    }
+
+    /// Whether snapshots are held (`--snapshot-memory` above 0).
+    pub fn enabled(&self) -> bool {
+        self.enabled
     }
 
     /// A round (or fixed attempt) `tag` starts with `world` ranks, `ranks` of them here, this node
@@ -337,7 +349,8 @@ pub(crate) fn from_sets(sets: &[SnapshotSet]) -> Vec<Have> {
     sets.iter()
         .flat_map(|s| {
             s.ranks.iter().flat_map(move |(lo, hi)| {
-                (*lo..(*hi).min(s.world)).map(move |rank| Have { key: Key { tag: s.tag, step: s.step, rank }, world: s.world })
+                (*lo..(*hi).min(s.world))
+                    .map(move |rank| Have { key: Key { tag: s.tag, step: s.step, rank }, world: s.world })
             })
         })
         .collect()
@@ -518,11 +531,11 @@ fn load(shared: &Shared, rank: Option<u32>) -> Reply {
     let held = st.holdings.get(&key).is_some_and(|p| p.whole) && st.buffers.contains_key(&key);
     if !held {
         // On another member: fetched (without the lock), then held here like a copy.
-        let peers = round.peers.clone().ok_or_else(|| format!("rank {rank}'s part of step {} is not here", plan.step))?;
-        let addr = peers
-            .member(&from)
-            .and_then(|m| m.addr.clone())
-            .ok_or_else(|| format!("node {from}, which holds rank {rank}'s part of step {}, has no address", plan.step))?;
+        let peers =
+            round.peers.clone().ok_or_else(|| format!("rank {rank}'s part of step {} is not here", plan.step))?;
+        let addr = peers.member(&from).and_then(|m| m.addr.clone()).ok_or_else(|| {
+            format!("node {from}, which holds rank {rank}'s part of step {}, has no address", plan.step)
+        })?;
         let hello = peers::Hello::new(round.tag, &round.me, &peers.key);
         drop(st);
         let (world, len, file) = peers::fetch(&addr, &hello, key)

@@ -25,7 +25,7 @@ const FORM: Duration = Duration::from_secs(20);
 const RECOVERY_SLACK_S: f64 = 5.0;
 
 /// `GET path` on `addr` (plain HTTP/1.0); the response body, or None if nothing answered.
-fn http_get(addr: &str, path: &str) -> Option<String> {
+pub(crate) fn http_get(addr: &str, path: &str) -> Option<String> {
     let addr: SocketAddr = addr.parse().ok()?;
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_millis(300)).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
@@ -52,15 +52,15 @@ fn http_post(addr: &str, path: &str, body: &str) -> Option<String> {
 
 /// An etcd cluster of `n` members on `ip` (distinct ports, temporary data dirs); each member is
 /// a [`Proc`], so it is killed when dropped.
-struct Etcd {
+pub(crate) struct Etcd {
     members: Vec<Proc>,
     /// `ip:port` client addresses, member by member.
-    clients: Vec<String>,
+    pub(crate) clients: Vec<String>,
     _dir: tempfile::TempDir,
 }
 
 impl Etcd {
-    fn start(cluster: &Cluster, n: usize) -> Etcd {
+    pub(crate) fn start(cluster: &Cluster, n: usize) -> Etcd {
         let etcd = which("etcd").unwrap_or_else(|| {
             panic!("`etcd` is not on PATH: install Debian's etcd-server (scripts/install-deps.sh); these tests need a real etcd")
         });
@@ -107,7 +107,7 @@ impl Etcd {
         panic!("no etcd member says it is the leader");
     }
 
-    fn endpoints(&self) -> String {
+    pub(crate) fn endpoints(&self) -> String {
         self.clients.join(",")
     }
 }

@@ -29,6 +29,7 @@ mod log_dir_swap;
 mod logs;
 mod multinode;
 mod slurm;
+mod snapshots;
 mod status_page;
 mod store_torch;
 mod terminal;

@@ -34,13 +34,30 @@ const CHUNK: usize = 4 << 20;
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 enum Msg {
-    Hello { round: u64, node: String, proof: String },
+    Hello {
+        round: u64,
+        node: String,
+        proof: String,
+    },
     /// A copy of `rank`'s part of `step`: `len` bytes follow.
-    Put { tag: u64, step: u64, rank: u32, world: u32, len: u64 },
+    Put {
+        tag: u64,
+        step: u64,
+        rank: u32,
+        world: u32,
+        len: u64,
+    },
     /// The answer's `len` bytes follow it.
-    Get { tag: u64, step: u64, rank: u32 },
+    Get {
+        tag: u64,
+        step: u64,
+        rank: u32,
+    },
     /// Every part the sender's ranks saved for `step` is held on the sender and its buddy.
-    Complete { tag: u64, step: u64 },
+    Complete {
+        tag: u64,
+        step: u64,
+    },
 }
 
 /// How this node introduces itself to the round's other members.
@@ -103,7 +120,10 @@ fn connect(addr: &HostPort, hello: &Hello) -> io::Result<TcpStream> {
                 s.set_nodelay(true)?;
                 s.set_read_timeout(Some(IO_WITHIN))?;
                 s.set_write_timeout(Some(IO_WITHIN))?;
-                write_frame(&mut s, &Msg::Hello { round: hello.round, node: hello.node.clone(), proof: hello.proof.clone() })?;
+                write_frame(
+                    &mut s,
+                    &Msg::Hello { round: hello.round, node: hello.node.clone(), proof: hello.proof.clone() },
+                )?;
                 answered(&mut s)?;
                 return Ok(s);
             }
@@ -397,7 +417,9 @@ fn serve(mut s: TcpStream, shared: &Shared) -> io::Result<()> {
                         ok(&mut s, Answer { world: Some(part.world), len: Some(part.len), ..Answer::default() })?;
                         send_file(&s, &file, part.len)?;
                     }
-                    None => refuse(&mut s, format!("rank {rank}'s part of step {step} (round {tag}) is not held here"))?,
+                    None => {
+                        refuse(&mut s, format!("rank {rank}'s part of step {step} (round {tag}) is not held here"))?
+                    }
                 }
             }
             Msg::Complete { tag, step } => {
@@ -409,7 +431,10 @@ fn serve(mut s: TcpStream, shared: &Shared) -> io::Result<()> {
                         ranks
                             .clone()
                             .flat_map(|rank| {
-                                [Event::Held { step, rank, node: node.clone() }, Event::Held { step, rank, node: buddy.clone() }]
+                                [
+                                    Event::Held { step, rank, node: node.clone() },
+                                    Event::Held { step, rank, node: buddy.clone() },
+                                ]
                             })
                             .collect::<Vec<_>>(),
                     )

@@ -1,0 +1,105 @@
+"""DDP training (gloo, CPU) that hands every step's state to rlaunch's agents and resumes from it.
+
+    snapshot_train.py OUT STEPS
+
+Deterministic: the model, the data of each step and rank, and gloo's sums are the same in every
+run of the same world, so an interrupted run that resumes from a snapshot must compute exactly
+the losses of an uninterrupted one. Writes, per rank, OUT/r{rank}.log lines:
+`resume step=S world=W digest=D restart=R host=H` after a load, `loss step=S value=V digest=D` per step
+(V printed exactly, D of the model after the step), and `final digest=D` at the end.
+
+Faults (environment, first process of the rank only, i.e. TORCHELASTIC_RESTART_COUNT=0 and no
+earlier resume): SNAP_EXIT_AT="rank:step" exits 3 before saving that step; SNAP_DIE_IN_SAVE=
+"rank:step" dies (SIGKILL) in the middle of writing that step's snapshot. SNAP_SLEEP (seconds per
+step, default 0.05) paces the run; SNAP_PAD_MB adds that many MiB of state per rank. SNAP_RESHARD=1: after a resume with a world other than the
+saved one, every rank reads every saved rank's part with load(rank=k) and logs
+`reshard parts=N steps=S`.
+"""
+
+import hashlib
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import rlaunch
+
+OUT, STEPS = sys.argv[1], int(sys.argv[2])
+RANK = int(os.environ["RANK"])
+WORLD = int(os.environ["WORLD_SIZE"])
+RESTART = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+HOST = os.environ.get("RL_HOST", os.uname().nodename)
+SLEEP = float(os.environ.get("SNAP_SLEEP", "0.05"))
+
+
+def log(line):
+    with open(os.path.join(OUT, f"r{RANK}.log"), "a") as f:
+        f.write(line + "\n")
+
+
+def fault(name, step, resumed):
+    spec = os.environ.get(name)
+    if not spec or RESTART != 0 or resumed:
+        return False
+    rank, at = (int(x) for x in spec.split(":"))
+    return rank == RANK and at == step
+
+
+def digest(model):
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
+ddp = torch.nn.parallel.DistributedDataParallel(model)
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+# SNAP_PAD_MB: that many MiB more state per rank (the memory cap's test).
+PAD = torch.zeros(int(float(os.environ.get("SNAP_PAD_MB", "0")) * (1 << 18)))
+start = 0
+got = rlaunch.snapshot.load()
+resumed = got is not None
+if got is not None:
+    step, state = got
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optim"])
+    start = step + 1
+    log(f"resume step={step} world={WORLD} saved_world={state['world']} digest={digest(model)} restart={RESTART} host={HOST}")
+    if os.environ.get("SNAP_RESHARD") == "1" and state["world"] != WORLD:
+        parts = [rlaunch.snapshot.load(rank=k) for k in range(state["world"])]
+        steps = sorted({p[0] for p in parts})
+        log(f"reshard parts={len(parts)} steps={','.join(map(str, steps))} ranks={','.join(str(p[1]['rank']) for p in parts)}")
+
+for step in range(start, STEPS):
+    if fault("SNAP_EXIT_AT", step, resumed):
+        os._exit(3)
+    g = torch.Generator().manual_seed(step * 1000 + RANK)
+    x = torch.randn(32, 64, generator=g)
+    y = torch.randint(0, 4, (32,), generator=g)
+    opt.zero_grad()
+    loss = torch.nn.functional.cross_entropy(ddp(x), y)
+    loss.backward()
+    opt.step()
+    log(f"loss step={step} value={loss.item()!r} digest={digest(model)}")
+    if fault("SNAP_DIE_IN_SAVE", step, resumed):
+        import rlaunch.snapshot as snap
+        real = snap._pwrite_all
+
+        def die_after_first_write(fd, data, at):
+            real(fd, data, at)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        snap._pwrite_all = die_after_first_write
+    state = {"model": model.state_dict(), "optim": opt.state_dict(), "world": WORLD, "rank": RANK, "pad": PAD}
+    rlaunch.snapshot.save(step, state)
+    time.sleep(SLEEP)
+
+dist.barrier()
+log(f"final digest={digest(model)}")

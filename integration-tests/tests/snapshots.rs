@@ -1,0 +1,389 @@
+//! Snapshots in the agents' memory (`rlaunch.snapshot`), with real PyTorch DDP (gloo, CPU):
+//! `py/snapshot_train.py` saves every step and resumes from what `load` answers. One node
+//! (`--standalone`): a worker that exits, one killed inside `save`, the memory cap, a program
+//! outside rlaunch. Several nodes (network namespaces, `rlaunch-rendezvous` on a real etcd): a
+//! node lost (link cut, then every process killed) with a spare waiting and with a replacement
+//! started later, the world size changed, a node lost with its buddy. Each checks the step
+//! resumed from and the state's bytes: the losses after the resume equal an uninterrupted run's
+//! bit for bit.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use integration_tests::netns::{Cluster, Proc};
+use integration_tests::{bin, run_deadline, stderr_of, tempdir, venv_python, wait_until};
+
+use crate::etcd_multinode::{http_get, Etcd};
+
+const STEPS: u32 = 40;
+const CONF: &str = "heartbeat_interval=0.5,node_ttl=2,last_call_timeout=1,join_timeout=60";
+
+fn script() -> String {
+    integration_tests::repo_root().join("integration-tests/py/snapshot_train.py").display().to_string()
+}
+
+/// What the ranks wrote: per rank, its log's lines.
+fn logs(out: &Path) -> BTreeMap<u32, Vec<String>> {
+    let mut m = BTreeMap::new();
+    for e in std::fs::read_dir(out).expect("the output dir") {
+        let name = e.expect("an entry").file_name().to_string_lossy().into_owned();
+        if let Some(rank) = name.strip_prefix('r').and_then(|n| n.strip_suffix(".log")).and_then(|n| n.parse().ok()) {
+            let text = std::fs::read_to_string(out.join(&name)).expect("a rank's log");
+            m.insert(rank, text.lines().map(str::to_owned).collect());
+        }
+    }
+    m
+}
+
+fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    line.split_whitespace().find_map(|w| w.strip_prefix(key).and_then(|r| r.strip_prefix('=')))
+}
+
+/// Each `resume` line of a rank: (step, the whole line).
+fn resumes(lines: &[String]) -> Vec<(u32, String)> {
+    lines
+        .iter()
+        .filter(|l| l.starts_with("resume "))
+        .map(|l| (field(l, "step").and_then(|s| s.parse().ok()).expect("a step"), l.clone()))
+        .collect()
+}
+
+/// The loss of each step, as last logged (a step computed again is logged twice).
+fn losses(lines: &[String]) -> BTreeMap<u32, String> {
+    per_step(lines, "value")
+}
+
+/// The model's digest after each step, as last logged.
+fn digests(lines: &[String]) -> BTreeMap<u32, String> {
+    per_step(lines, "digest")
+}
+
+fn per_step(lines: &[String], key: &str) -> BTreeMap<u32, String> {
+    lines
+        .iter()
+        .filter(|l| l.starts_with("loss "))
+        .map(|l| {
+            (field(l, "step").and_then(|s| s.parse().ok()).expect("a step"), field(l, key).expect("a value").to_owned())
+        })
+        .collect()
+}
+
+/// Steps a rank computed again after its last resume from `resumed`: those logged before it
+/// past `resumed`.
+fn computed_again(lines: &[String]) -> u32 {
+    let Some(at) = lines.iter().rposition(|l| l.starts_with("resume ")) else { return 0 };
+    let resumed: u32 = field(&lines[at], "step").and_then(|s| s.parse().ok()).expect("a step");
+    let before =
+        lines[..at].iter().filter(|l| l.starts_with("loss ")).filter_map(|l| field(l, "step")?.parse::<u32>().ok());
+    before.max().map_or(0, |last| last.saturating_sub(resumed))
+}
+
+fn standalone(out: &Path, nproc: u32, rlaunch_flags: &[&str], env: &[(&str, &str)]) -> std::process::Output {
+    let mut cmd = Command::new(bin("rlaunch"));
+    cmd.args(["--standalone", "--nproc-per-node", &nproc.to_string()])
+        .args(rlaunch_flags)
+        .arg(venv_python())
+        .args([script(), out.display().to_string(), STEPS.to_string()])
+        .env("RLAUNCH_LOG", "info");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    run_deadline(&mut cmd, Duration::from_secs(180))
+}
+
+/// An uninterrupted run of `world` ranks on one node: per rank, the loss and the model's digest
+/// after each step.
+struct Reference {
+    losses: BTreeMap<u32, BTreeMap<u32, String>>,
+    digests: BTreeMap<u32, String>,
+}
+
+fn reference(world: u32) -> Reference {
+    let out = tempdir();
+    let o = standalone(out.path(), world, &[], &[]);
+    assert!(o.status.success(), "the reference run failed:\n{}", stderr_of(&o));
+    let logs = logs(out.path());
+    Reference { losses: logs.iter().map(|(r, l)| (*r, losses(l))).collect(), digests: digests(&logs[&0]) }
+}
+
+/// Every rank resumed once from the same step, with the model's bytes the uninterrupted run had
+/// after that step, computed at most one step again, and then logged the uninterrupted run's
+/// losses: bit for bit with two ranks; with four, within 1e-5 (relative): in a new process
+/// group the four-way sums may differ in their last bit after some steps, while the restored
+/// bytes, checked here, are exact.
+fn assert_resumed_as_reference(out: &Path, world: u32, reference: &Reference) -> u32 {
+    let logs = logs(out);
+    assert_eq!(logs.len() as u32, world, "every rank logged: {:?}", logs.keys());
+    let mut steps = std::collections::BTreeSet::new();
+    for (rank, lines) in &logs {
+        let r = resumes(lines);
+        assert!(!r.is_empty(), "rank {rank} never resumed from a snapshot:\n{}", lines.join("\n"));
+        steps.insert(r.last().expect("one").0);
+        assert!(
+            computed_again(lines) <= 1,
+            "rank {rank} computed {} steps again:\n{}",
+            computed_again(lines),
+            lines.join("\n")
+        );
+        let (step, line) = r.last().expect("one");
+        assert_eq!(
+            field(line, "digest"),
+            reference.digests.get(step).map(String::as_str),
+            "rank {rank}'s restored model: {line}"
+        );
+        let same = |a: &str, b: &str| {
+            let (a, b): (f64, f64) = (a.parse().expect("a loss"), b.parse().expect("a loss"));
+            if world <= 2 {
+                a == b
+            } else {
+                (a - b).abs() <= 1e-5 * b.abs()
+            }
+        };
+        let want = &reference.losses[rank];
+        let differ: Vec<String> = losses(lines)
+            .iter()
+            .filter(|(s, v)| !want.get(s).is_some_and(|w| same(v, w)))
+            .map(|(s, v)| format!("step {s}: {v} (uninterrupted: {:?})", want.get(s)))
+            .collect();
+        assert!(
+            differ.is_empty(),
+            "rank {rank} after {line}: the losses differ from the uninterrupted run's: {differ:?}"
+        );
+        assert!(lines.last().is_some_and(|l| l.starts_with("final ")), "rank {rank} finished");
+    }
+    assert_eq!(steps.len(), 1, "every rank resumed from the same step: {steps:?}");
+    steps.into_iter().next().expect("one step")
+}
+
+#[test]
+fn a_worker_that_exits_resumes_from_the_last_step_with_the_same_state() {
+    let reference = reference(2);
+    let out = tempdir();
+    let o = standalone(out.path(), 2, &["--max-restarts", "1"], &[("SNAP_EXIT_AT", "1:12")]);
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    let step = assert_resumed_as_reference(out.path(), 2, &reference);
+    assert_eq!(step, 11, "rank 1 exited before saving step 12: step 11 is the last whole one");
+}
+
+#[test]
+fn a_worker_killed_inside_save_leaves_the_previous_step_never_half_of_one() {
+    let reference = reference(2);
+    let out = tempdir();
+    let o = standalone(out.path(), 2, &["--max-restarts", "1"], &[("SNAP_DIE_IN_SAVE", "0:9")]);
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    let step = assert_resumed_as_reference(out.path(), 2, &reference);
+    assert_eq!(step, 8, "rank 0's part of step 9 was never whole: step 8 is restored");
+    assert!(stderr_of(&o).contains("a worker went while saving its snapshot"), "{}", stderr_of(&o));
+}
+
+#[test]
+fn a_part_over_the_memory_cap_is_refused_and_the_last_committed_step_stays() {
+    // About 0.45 MiB per rank and step: step 0 of both ranks fits in 1 MiB, and no later step
+    // fits beside it.
+    let out = tempdir();
+    let env = [("SNAP_EXIT_AT", "0:20"), ("SNAP_PAD_MB", "0.3")];
+    let o = standalone(out.path(), 2, &["--max-restarts", "1", "--snapshot-memory", "1"], &env);
+    let err = stderr_of(&o);
+    assert!(o.status.success(), "a full snapshot memory never stops training:\n{err}");
+    assert!(err.contains("does not fit in this node's snapshot memory (--snapshot-memory 1 MiB"), "{err}");
+    let logs = logs(out.path());
+    assert!(logs.values().all(|l| l.last().is_some_and(|x| x.starts_with("final "))), "both ranks finished");
+    // Step 0, the last committed, is restored alike on both ranks.
+    for (rank, lines) in &logs {
+        assert_eq!(
+            resumes(lines).iter().map(|x| x.0).collect::<Vec<_>>(),
+            vec![0],
+            "rank {rank}:\n{}",
+            lines.join("\n")
+        );
+    }
+}
+
+#[test]
+fn outside_rlaunch_save_and_load_do_nothing_and_say_so_once_and_snapshots_can_be_off() {
+    let o = run_deadline(
+        Command::new(venv_python()).args([
+            "-c",
+            "import rlaunch\nassert rlaunch.snapshot.save(1, {'x': 1}) is False\nassert rlaunch.snapshot.save(2, {}) is False\nassert rlaunch.snapshot.load() is None\nprint('ok')",
+        ])
+        .env("PYTHONPATH", integration_tests::repo_root().join("python"))
+        .env_remove("RLAUNCH_SNAPSHOT"),
+        Duration::from_secs(60),
+    );
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    assert_eq!(stderr_of(&o).matches("not started by rlaunch").count(), 1, "said once: {}", stderr_of(&o));
+    // `--snapshot-memory 0`: the workers get no socket and the program runs as outside.
+    let out = tempdir();
+    let o = standalone(out.path(), 1, &["--snapshot-memory", "0"], &[]);
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    assert!(stderr_of(&o).contains("not started by rlaunch"), "{}", stderr_of(&o));
+    // A program that never saves runs under rlaunch as before, with the package importable.
+    let o = run_deadline(
+        Command::new(bin("rlaunch"))
+            .args(["--standalone", "--nproc-per-node", "1"])
+            .arg(venv_python())
+            .args(["-c", "import os, rlaunch; print('sock', bool(os.environ.get('RLAUNCH_SNAPSHOT')))"]),
+        Duration::from_secs(60),
+    );
+    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("sock True"), "{}", stderr_of(&o));
+}
+
+/// Hosts on one bridge, an etcd and an `rlaunch-rendezvous` on it in the root namespace.
+struct Job {
+    cluster: Cluster,
+    _etcd: Etcd,
+    _rdzv: Proc,
+    endpoint: String,
+}
+
+impl Job {
+    fn new(hosts: usize, dir: &Path) -> Job {
+        let cluster = Cluster::new(hosts);
+        let etcd = Etcd::start(&cluster, 1);
+        let urls: Vec<String> = etcd.clients.iter().map(|c| format!("http://{c}")).collect();
+        let endpoint = format!("{}:{}", cluster.root_ip(), cluster.free_root_port());
+        let mut cmd = Command::new(bin("rlaunch-rendezvous"));
+        cmd.args(["--listen", &endpoint, "--store", "etcd", "--etcd-endpoints", &urls.join(",")])
+            .env("RLAUNCH_LOG", "info");
+        let rdzv = Proc::spawn(cmd, "rendezvous", &dir.join("rendezvous.log"));
+        wait_until("the rendezvous to answer", Duration::from_secs(15), || http_get(&endpoint, "/healthz").is_some());
+        Job { cluster, _etcd: etcd, _rdzv: rdzv, endpoint }
+    }
+
+    fn agent(&self, host: usize, nnodes: &str, run_id: &str, out: &Path, env: &[(&str, &str)]) -> Proc {
+        let args: Vec<String> = [
+            "--nnodes",
+            nnodes,
+            "--nproc-per-node",
+            "2",
+            "--rdzv-backend",
+            "rlaunch",
+            "--rdzv-endpoint",
+            &self.endpoint,
+            "--rdzv-id",
+            run_id,
+            "--rdzv-conf",
+            CONF,
+            "--max-restarts",
+            "3",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .chain([venv_python().display().to_string(), script(), out.display().to_string(), STEPS.to_string()])
+        .collect();
+        let h = self.cluster.host(host);
+        let mut c = h.command(bin("rlaunch"));
+        c.args(&args)
+            .env("RLAUNCH_LOG", "info")
+            .env("RL_HOST", &h.name)
+            .env("SNAP_SLEEP", "0.1")
+            .env("GLOO_SOCKET_IFNAME", "eth0");
+        for (k, v) in env {
+            c.env(k, v);
+        }
+        Proc::spawn(c, &format!("rlaunch on host {}", h.name), &out.join(format!("agent-{}.log", h.name)))
+    }
+
+    /// Waits until every rank of the first round logged step `step`.
+    fn wait_step(&self, out: &Path, world: u32, step: u32) {
+        wait_until(&format!("every rank at step {step}"), Duration::from_secs(90), || {
+            let l = logs(out);
+            l.len() as u32 == world && l.values().all(|lines| losses(lines).keys().any(|s| *s >= step))
+        });
+    }
+
+    /// Node loss as a partition first: the host's link cut, then every process in it killed.
+    fn lose(&self, host: usize) {
+        let h = self.cluster.host(host);
+        h.cut_link();
+        std::thread::sleep(Duration::from_millis(300));
+        h.kill_all();
+    }
+}
+
+fn wait_ok(agents: &mut [&mut Proc]) {
+    for a in agents.iter_mut() {
+        let s = a.wait(Duration::from_secs(150));
+        assert!(s.success(), "{} failed ({s}):\n{}", a.name, a.log_tail(4000));
+    }
+}
+
+#[test]
+fn a_node_lost_with_a_spare_waiting_resumes_every_rank_from_the_last_step() {
+    let reference = reference(4);
+    let out = tempdir();
+    let job = Job::new(3, out.path());
+    let mut a = job.agent(0, "2", "spare", out.path(), &[]);
+    let _b = job.agent(1, "2", "spare", out.path(), &[]);
+    job.wait_step(out.path(), 4, 3);
+    // The spare waits as a standby of a round at its maximum.
+    let mut c = job.agent(2, "2", "spare", out.path(), &[]);
+    job.wait_step(out.path(), 4, 12);
+    job.lose(1);
+    wait_ok(&mut [&mut a, &mut c]);
+    assert_resumed_as_reference(out.path(), 4, &reference);
+}
+
+#[test]
+fn a_replacement_started_after_the_loss_fetches_the_lost_nodes_parts_from_its_buddy() {
+    let reference = reference(4);
+    let out = tempdir();
+    let job = Job::new(3, out.path());
+    let mut a = job.agent(0, "2", "replace", out.path(), &[]);
+    let _b = job.agent(1, "2", "replace", out.path(), &[]);
+    job.wait_step(out.path(), 4, 12);
+    job.lose(1);
+    std::thread::sleep(Duration::from_secs(3));
+    let mut c = job.agent(2, "2", "replace", out.path(), &[]);
+    wait_ok(&mut [&mut a, &mut c]);
+    assert_resumed_as_reference(out.path(), 4, &reference);
+    let c_log = std::fs::read_to_string(out.path().join("agent-c.log")).expect("c's log");
+    assert!(c_log.contains("fetched a snapshot part from another node"), "c restored from a's copies:\n{c_log}");
+}
+
+#[test]
+fn a_smaller_world_reads_every_saved_ranks_part_to_reshard() {
+    let out = tempdir();
+    let job = Job::new(2, out.path());
+    let env = [("SNAP_RESHARD", "1")];
+    let mut a = job.agent(0, "1:2", "reshard", out.path(), &env);
+    let _b = job.agent(1, "1:2", "reshard", out.path(), &env);
+    job.wait_step(out.path(), 4, 12);
+    job.lose(1);
+    wait_ok(&mut [&mut a]);
+    let logs = logs(out.path());
+    for rank in [0, 1] {
+        let lines = &logs[&rank];
+        let (step, line) = resumes(lines).pop().unwrap_or_else(|| panic!("rank {rank} resumed:\n{}", lines.join("\n")));
+        assert!(line.contains("world=2 saved_world=4"), "{line}");
+        let reshard = lines.iter().rev().find(|l| l.starts_with("reshard ")).expect("a reshard line");
+        assert_eq!(
+            reshard,
+            &format!("reshard parts=4 steps={step} ranks=0,1,2,3"),
+            "every old rank's part, of one step"
+        );
+    }
+}
+
+#[test]
+fn a_node_lost_with_its_buddy_restores_nothing_rather_than_half_a_step() {
+    let out = tempdir();
+    let job = Job::new(3, out.path());
+    let mut a = job.agent(0, "1:3", "pair", out.path(), &[]);
+    let _b = job.agent(1, "1:3", "pair", out.path(), &[]);
+    let _c = job.agent(2, "1:3", "pair", out.path(), &[]);
+    job.wait_step(out.path(), 6, 10);
+    // In a ring of three, any two nodes are a node and its buddy.
+    job.lose(1);
+    job.lose(2);
+    wait_ok(&mut [&mut a]);
+    let logs = logs(out.path());
+    let a_log = std::fs::read_to_string(out.path().join("agent-a.log")).expect("a's log");
+    assert!(!a_log.contains("this round restores"), "nothing whole survived, nothing restored:\n{a_log}");
+    for rank in [0, 1] {
+        assert!(resumes(&logs[&rank]).is_empty(), "rank {rank} started afresh: {:?}", logs[&rank]);
+        assert!(logs[&rank].last().is_some_and(|l| l.starts_with("final ")), "rank {rank} finished");
+    }
+}
