@@ -415,7 +415,7 @@ fn handle(shared: &Shared, req: Request, reserved: &mut BTreeSet<Key>) -> (Answe
             (a, fd)
         }
         Err(why) => {
-            let full = why.contains("--snapshot-memory");
+            let full = why.starts_with(holdings::NOT_SNAPSHOTTED);
             (Answer { full, ..Answer::refused(why) }, None)
         }
     }
@@ -427,6 +427,13 @@ fn reserve(shared: &Shared, step: u64, rank: u32, world: u32, len: u64, reserved
     let key = {
         let st = shared.planned()?;
         let round = st.round.as_ref().expect("planned");
+        if round.peers.is_none() && round.ranks.len() < round.world as usize {
+            return Err(format!(
+                "{}a static job of several nodes has no rendezvous to agree on a step through: its \
+                 snapshots are off (use --rdzv-backend rlaunch or etcd)",
+                holdings::NOT_SNAPSHOTTED
+            ));
+        }
         if !round.ranks.contains(&rank) || world != round.world {
             return Err(format!(
                 "rank {rank} of a world of {world}: this node runs ranks {}..{} of {} in this round",

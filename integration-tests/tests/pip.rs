@@ -42,6 +42,15 @@ fn the_wheel_installs_both_commands_and_its_rlaunch_runs_workers_with_its_own_py
         Duration::from_secs(30),
     );
     assert!(check.status.success(), "{}", stderr_of(&check));
+    // The Python package is in the wheel: importable from the environment itself.
+    let import = run_deadline(
+        Command::new(env_dir.join("bin/python"))
+            .args(["-c", "import rlaunch.snapshot as s; print(s.__file__); assert s.load() is None"])
+            .env_remove("PYTHONPATH"),
+        Duration::from_secs(30),
+    );
+    assert!(import.status.success(), "import rlaunch from the wheel: {}", stderr_of(&import));
+    assert!(stdout_of(&import).trim().starts_with(env_dir.to_str().unwrap()), "{}", stdout_of(&import));
 
     // torch without a second download: the new environment sees the project's packages.
     let site = run_deadline(

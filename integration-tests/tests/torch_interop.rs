@@ -86,16 +86,31 @@ fn workers_see_the_same_environment_as_under_torchrun() {
     r.env("RLAUNCH_PYTHON", &python);
     let ours = dump_env(&mut r, rd.path());
     // LC_CTYPE is set by the Python interpreter itself (C locale coercion), not by a launcher.
+    // rlaunch adds two, documented in the README: its snapshot socket, and its Python package
+    // after whatever PYTHONPATH held.
+    let ours_only = ["LC_CTYPE", "RLAUNCH_PYTHON", "RLAUNCH_SNAPSHOT", "PYTHONPATH"];
     let keys = |e: &BTreeMap<String, String>| -> BTreeSet<String> {
-        e.keys().filter(|k| *k != "LC_CTYPE" && *k != "RLAUNCH_PYTHON").cloned().collect()
+        e.keys().filter(|k| !ours_only.contains(&k.as_str())).cloned().collect()
     };
     for rank in 0..4 {
         assert_eq!(keys(&ours[rank]), keys(&torch_env[rank]), "rank {rank}: the same variables");
+        assert!(ours[rank]["RLAUNCH_SNAPSHOT"].ends_with("/agent.sock"), "{:?}", ours[rank].get("RLAUNCH_SNAPSHOT"));
+        let path = &ours[rank]["PYTHONPATH"];
+        let added = match torch_env[rank].get("PYTHONPATH") {
+            Some(before) => path.strip_prefix(&format!("{before}:")),
+            None => Some(path.as_str()),
+        };
+        assert!(added.is_some_and(|p| p.ends_with("/python") && !p.contains(':')), "PYTHONPATH {path}");
         for (k, v) in &torch_env[rank] {
             match k.as_str() {
                 // Differ by design, same meaning: a fresh random run id, a free port, a loopback
                 // name, the launcher's own log directory.
-                "TORCHELASTIC_RUN_ID" | "MASTER_PORT" | "TORCHELASTIC_ERROR_FILE" | "LC_CTYPE" | "ENV_DUMP_DIR" => {}
+                "TORCHELASTIC_RUN_ID"
+                | "MASTER_PORT"
+                | "TORCHELASTIC_ERROR_FILE"
+                | "LC_CTYPE"
+                | "ENV_DUMP_DIR"
+                | "PYTHONPATH" => {}
                 "MASTER_ADDR" => assert!(["localhost", "127.0.0.1"].contains(&ours[rank][k].as_str())),
                 _ => assert_eq!(&ours[rank][k], v, "rank {rank}: {k}"),
             }

@@ -45,6 +45,10 @@ pub struct Grant {
     pub reuse: Option<Key>,
 }
 
+/// How a refusal that leaves training going starts (the client returns `False` and says it
+/// once): the step is not snapshotted, the last committed one stays.
+pub const NOT_SNAPSHOTTED: &str = "not snapshotted: ";
+
 #[derive(Debug, Clone, Default)]
 pub struct Holdings {
     pub cap: u64,
@@ -104,9 +108,9 @@ impl Holdings {
         let kept: u64 = self.parts.iter().filter(|(k, _)| !free.contains(k)).map(|(_, p)| p.len).sum();
         if kept.saturating_add(len) > self.cap {
             return Err(format!(
-                "rank {}'s part of step {} ({} MiB) does not fit in this node's snapshot memory \
+                "{NOT_SNAPSHOTTED}rank {}'s part of step {} ({} MiB) does not fit in this node's snapshot memory \
                  (--snapshot-memory {} MiB, {} MiB of it holding the last committed step and the \
-                 steps in progress): this step is not snapshotted, the last committed one stays",
+                 steps in progress); the last committed step stays",
                 key.rank,
                 key.step,
                 mib(len),
