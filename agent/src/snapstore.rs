@@ -313,8 +313,7 @@ impl State {
         let after = round.ledger.last_committed();
         if let (Some(c), true) = (after, after != before) {
             tracing::debug!(step = c, "snapshot committed");
-            let free = self.holdings.committed(tag, c);
-            self.release(&free);
+            self.holdings.committed(tag, c);
         }
     }
 }

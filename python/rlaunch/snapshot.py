@@ -32,6 +32,11 @@ _CHUNK = 1 << 30
 _lock = threading.Lock()
 _conn = None
 _said = False
+# The agent hands each rank back the buffer of a step it no longer needs: its mapping is kept
+# here (by the memfd's inode), so a save after the first is one copy into mapped memory, with
+# no page faults and no system call per page.
+_maps = {}
+_MAX_MAPS = 4
 
 
 class SnapshotError(RuntimeError):
@@ -136,12 +141,9 @@ class _Pickler(pickle.Pickler):
         torch, np = self._torch, self._numpy
         if torch is not None and isinstance(obj, torch.Tensor):
             t = obj.detach()
-            if t.device.type != "cpu":
-                t = t.to("cpu")
-            flat = t.reshape(-1).contiguous()
-            raw = flat.view(torch.uint8) if flat.numel() else flat
+            flat = t.reshape(-1).contiguous()  # on its device: copied to host memory once, below
             nbytes = flat.numel() * flat.element_size()
-            return ("t", self._place(raw.numpy() if nbytes else None, nbytes, flat),
+            return ("t", self._place(None, nbytes, flat),
                     str(t.dtype).split(".")[-1], tuple(t.shape), nbytes)
         if np is not None and isinstance(obj, np.ndarray) and obj.dtype != object:
             a = np.ascontiguousarray(obj)
@@ -185,14 +187,60 @@ def save(step, state):
         if fd is None:
             raise SnapshotError("no buffer came with the reservation")
         try:
-            _pwrite_all(fd, _MAGIC + struct.pack("<Q", len(header)) + header, 0)
-            for arr, nbytes, _keep, at in p.arrays:
-                if nbytes:
-                    _pwrite_all(fd, memoryview(arr), start + at)
+            mm = _mapping(fd, total)
         finally:
             os.close(fd)
+        _write(mm, 0, _MAGIC + struct.pack("<Q", len(header)) + header)
+        for arr, nbytes, keep, at in p.arrays:
+            if nbytes:
+                _copy_into(mm, start + at, arr, nbytes, keep)
         _call(s, {"op": "commit", "step": step, "rank": rank})
         return True
+
+
+def _mapping(fd, total):
+    st = os.fstat(fd)
+    key = (st.st_dev, st.st_ino)
+    mm = _maps.pop(key, None)
+    if mm is not None and len(mm) != total:
+        _unmap(mm)
+        mm = None
+    if mm is None:
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        mm = mmap.mmap(fd, total, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    _maps[key] = mm  # the newest last
+    while len(_maps) > _MAX_MAPS:
+        _unmap(_maps.pop(next(iter(_maps))))
+    return mm
+
+
+def _unmap(mm):
+    try:
+        mm.close()
+    except BufferError:
+        pass  # a view of it is still alive somewhere: it goes with the view
+
+
+def _write(mm, at, data):
+    view = memoryview(data).cast("B")
+    mm[at:at + len(view)] = view
+
+
+def _copy_into(mm, at, arr, nbytes, keep):
+    """One copy of an array's bytes into the mapping (CUDA tensors straight to host memory)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(keep, torch.Tensor):
+        dst = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=at)
+        if keep.device.type == "cpu":
+            dst.copy_(keep.view(torch.uint8))
+        else:
+            dst.view(keep.dtype).copy_(keep)
+        del dst
+        return
+    np = sys.modules["numpy"]
+    dst = np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=at)
+    dst[:] = arr
+    del dst
 
 
 def _pwrite_all(fd, data, at):

@@ -83,7 +83,11 @@ impl Holdings {
     pub fn begin_round(&mut self, tag: u64, base: Option<(u64, u64)>) -> Vec<Key> {
         self.tag = tag;
         self.base = base;
-        self.droppable()
+        let free = self.droppable();
+        for k in &free {
+            self.parts.remove(k);
+        }
+        free
     }
 
     /// Whether a part may go: not the base's, not a step in progress in this round.
@@ -145,17 +149,16 @@ impl Holdings {
         }
     }
 
-    /// `step` of this round is committed everywhere: it is the base now. Returns what may go.
-    pub fn committed(&mut self, tag: u64, step: u64) -> Vec<Key> {
+    /// `step` of this round is committed everywhere: it is the base now. What it makes obsolete
+    /// is not freed here but by the next reservation, which reuses its buffer (its pages are
+    /// there: a save into it is one copy, no page faults), so a node holds at most the base and
+    /// the steps in progress, plus, between a commit and the next save, the step before.
+    pub fn committed(&mut self, tag: u64, step: u64) -> bool {
         if tag != self.tag || self.base.is_some_and(|(t, s)| t == tag && s >= step) {
-            return Vec::new();
+            return false;
         }
         self.base = Some((tag, step));
-        let free = self.droppable();
-        for k in &free {
-            self.parts.remove(k);
-        }
-        free
+        true
     }
 }
 
@@ -226,10 +229,12 @@ mod tests {
         let g = h.reserve(key(1, 2, 0), 1, 100).unwrap();
         assert_eq!(g, Grant::default());
         h.commit(&key(1, 2, 0));
-        assert_eq!(h.committed(1, 1), vec![]);
-        assert_eq!(h.committed(1, 2), vec![key(1, 1, 0)], "step 1 goes once 2 is committed");
-        // Step 3 reuses what may go; nothing may go, so it is new memory.
-        h.reserve(key(1, 3, 0), 1, 100).unwrap();
+        assert!(h.committed(1, 1));
+        assert!(h.committed(1, 2));
+        assert!(!h.committed(1, 1), "the base never goes back");
+        // Step 3 reuses the buffer of step 1, which may go once 2 is committed.
+        let g = h.reserve(key(1, 3, 0), 1, 100).unwrap();
+        assert_eq!(g, Grant { free: vec![], reuse: Some(key(1, 1, 0)) });
         assert_eq!(h.used(), 200);
         // A fourth part that does not fit is refused and changes nothing.
         h.reserve(key(1, 4, 0), 1, 100).unwrap();
@@ -250,12 +255,15 @@ mod tests {
         h.committed(1, 6);
         // The round restores step 6 of round 1: step 7 is computed again, under tag 2.
         let gone = h.begin_round(2, Some((1, 6)));
-        assert_eq!(gone, vec![key(1, 7, 0)]);
+        assert_eq!(gone, vec![key(1, 5, 0), key(1, 7, 0)], "all but the base");
+        assert_eq!(h.inventory(), vec![have(1, 6, 0, 2)], "what went is in no inventory");
         let g = h.reserve(key(2, 7, 0), 2, 10).unwrap();
-        assert_eq!(g.reuse, Some(key(1, 7, 0)), "the old buffer of the same rank is reused");
+        assert_eq!(g, Grant::default());
         assert!(h.get(&key(1, 6, 0)).is_some(), "the base stays until a newer step commits");
         h.commit(&key(2, 7, 0));
-        assert_eq!(h.committed(2, 7), vec![key(1, 6, 0)]);
+        assert!(h.committed(2, 7));
+        let g = h.reserve(key(2, 8, 0), 2, 10).unwrap();
+        assert_eq!(g.reuse, Some(key(1, 6, 0)), "the old base goes with the next save");
     }
 
     #[test]
