@@ -55,12 +55,12 @@ def run(label, launcher, mode, args, net, root_ip):
     common = ["--nnodes", "2", "--nproc-per-node", "2", "--max-restarts", "3"]
     if launcher == "rlaunch":
         cmd = [args.rlaunch, *common, "--rdzv-backend", "rlaunch", "--rdzv-endpoint", f"{root_ip}:{RDZV_PORT}",
-               "--rdzv-id", label.replace(" ", "-"), "--rdzv-conf", "heartbeat_interval=0.5,node_ttl=2,last_call_timeout=1",
+               "--rdzv-id", "bench-" + mode, "--rdzv-conf", "heartbeat_interval=0.5,node_ttl=2,last_call_timeout=1",
                *script]
     else:
         cmd = [args.torchrun, *common, "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{a['ip']}:{C10D_PORT}",
                "--rdzv-id", "bench", "--rdzv-conf", "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3",
-               *script]
+               *script[1:]]  # torchrun runs the script with its own python
     procs = []
 
     def start(h):
@@ -135,14 +135,18 @@ def main():
     ap.add_argument("--torchrun", default=os.path.join(ROOT, ".venv/bin/torchrun"))
     ap.add_argument("--python", default=os.path.join(ROOT, ".venv/bin/python"))
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--rows", default="0,1,2", help="which rows to run (0: snapshots, 1: disk, 2: torchrun)")
     ap.add_argument("--out", default=os.path.join(HERE, "NODE_LOSS.md"))
     args = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("run as root: the hosts are network namespaces")
     rows = []
-    for label, launcher, mode in [("rlaunch, snapshot every step", "rlaunch", "snapshot"),
+    wanted = [int(x) for x in args.rows.split(",")]
+    for i, (label, launcher, mode) in enumerate([("rlaunch, snapshot every step", "rlaunch", "snapshot"),
                                   ("rlaunch, disk checkpoint every 50 steps", "rlaunch", "disk"),
-                                  ("torchrun (c10d), disk checkpoint every 50 steps", "torchrun", "disk")]:
+                                  ("torchrun (c10d), disk checkpoint every 50 steps", "torchrun", "disk")]):
+        if i not in wanted:
+            continue
         net = Net(3)
         data = tempfile.mkdtemp(prefix="rlaunch-bench-etcd-")
         side = []
@@ -161,7 +165,15 @@ def main():
                                          stdout=open(os.path.join(data, "rdzv.log"), "w"), stderr=subprocess.STDOUT))
             if not wait_for(lambda: listening(root_ip, RDZV_PORT), 20):
                 raise SystemExit("the rendezvous did not start")
-            r = run(label, launcher, mode, args, net, root_ip)
+            for attempt in range(3):
+                try:
+                    r = run(label, launcher, mode, args, net, root_ip)
+                    break
+                except RuntimeError as e:
+                    # torchrun's first round is flaky here (bench/recovery/RESULTS.md): again.
+                    print(f"{label}: {e}; again", flush=True)
+            else:
+                r = {"label": label, "again": None, "redone": None, "equal": None, "evs": [], "t0": 0, "last": None}
         finally:
             for p in side:
                 p.kill()
@@ -223,6 +235,15 @@ new four-rank process group may sum in another order, so the last bit can differ
 
 TAIL = """
 ![step against time since the fault](node_loss.png)
+
+- With a snapshot every step, the job resumes from the last step before the cut: at most one
+  step is computed again (the step in flight when host b went, whose copy to its buddy may not
+  have arrived), and its loss comes out as before. With a disk checkpoint every 50 steps, the 34
+  steps since step 99 are computed again. torchrun's c10d rendezvous does not come back: host
+  a's agent, restarting its group for the spare, waits for a round that never closes.
+- The seconds are issue 29's subject: about 2.6 s to notice the loss and re-form, the rest is
+  four new workers starting Python and torch and joining gloo on 2 cores, and the replacement
+  fetching host b's parts from host a.
 """
 
 

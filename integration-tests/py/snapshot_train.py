@@ -90,13 +90,13 @@ for step in range(start, STEPS):
     log(f"loss step={step} value={loss.item()!r} digest={digest(model)}")
     if fault("SNAP_DIE_IN_SAVE", step, resumed):
         import rlaunch.snapshot as snap
-        real = snap._pwrite_all
+        real = snap._copy_into
 
-        def die_after_first_write(fd, data, at):
-            real(fd, data, at)
+        def die_after_the_first_array(*a):
+            real(*a)
             os.kill(os.getpid(), signal.SIGKILL)
 
-        snap._pwrite_all = die_after_first_write
+        snap._copy_into = die_after_the_first_array
     state = {"model": model.state_dict(), "optim": opt.state_dict(), "world": WORLD, "rank": RANK, "pad": PAD}
     rlaunch.snapshot.save(step, state)
     time.sleep(SLEEP)

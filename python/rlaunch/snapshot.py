@@ -27,7 +27,6 @@ import threading
 SOCKET_ENV = "RLAUNCH_SNAPSHOT"
 _MAGIC = b"RLSNAPPY"
 _ALIGN = 64
-_CHUNK = 1 << 30
 
 _lock = threading.Lock()
 _conn = None
@@ -241,16 +240,6 @@ def _copy_into(mm, at, arr, nbytes, keep):
     dst = np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=at)
     dst[:] = arr
     del dst
-
-
-def _pwrite_all(fd, data, at):
-    view = memoryview(data).cast("B")
-    done = 0
-    while done < len(view):
-        n = os.pwrite(fd, view[done:done + _CHUNK], at + done)
-        if n <= 0:
-            raise SnapshotError("writing the snapshot buffer failed")
-        done += n
 
 
 class _Unpickler(pickle.Unpickler):

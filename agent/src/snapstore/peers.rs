@@ -304,17 +304,31 @@ fn acked(shared: &Shared, key: Key, buddy: NodeId) {
     let _ = shared.outbox.send(Job::Announce { tag: key.tag, step: key.step, to, hello });
 }
 
+/// Most peer connections served at once: a member talks to each other member over one
+/// connection, plus fetches; anything past this is closed at once.
+const MAX_PEER_CONNECTIONS: usize = 512;
+/// A connection's hello must come within this.
+const HELLO_WITHIN: Duration = Duration::from_secs(5);
+
 pub(crate) fn accept(listener: TcpListener, shared: Arc<Shared>) {
+    let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     for conn in listener.incoming() {
         match conn {
             Ok(s) => {
-                let shared = shared.clone();
+                if open.load(std::sync::atomic::Ordering::SeqCst) >= MAX_PEER_CONNECTIONS {
+                    debug!("too many snapshot peer connections: one closed");
+                    continue;
+                }
+                open.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let (shared, held) = (shared.clone(), open.clone());
                 let spawned = std::thread::Builder::new().name("snapshot-peer".into()).spawn(move || {
                     if let Err(e) = serve(s, &shared) {
                         debug!(error = %e, "a snapshot peer connection ended");
                     }
+                    held.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
                 });
                 if let Err(e) = spawned {
+                    open.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
                     warn!(error = %e, "cannot serve a snapshot peer");
                 }
             }
@@ -340,7 +354,7 @@ fn same(a: &str, b: &str) -> bool {
 }
 
 fn serve(mut s: TcpStream, shared: &Shared) -> io::Result<()> {
-    s.set_read_timeout(Some(IO_WITHIN.saturating_mul(10)))?;
+    s.set_read_timeout(Some(HELLO_WITHIN))?;
     s.set_write_timeout(Some(IO_WITHIN))?;
     s.set_nodelay(true)?;
     let Msg::Hello { round, node, proof: presented } = read_frame(&mut s)? else {
@@ -363,6 +377,8 @@ fn serve(mut s: TcpStream, shared: &Shared) -> io::Result<()> {
         }
     };
     ok(&mut s, Answer::default())?;
+    // A member's connection stays open between steps: quiet for minutes is fine.
+    s.set_read_timeout(Some(IO_WITHIN.saturating_mul(20)))?;
     loop {
         let msg: Msg = match read_frame(&mut s) {
             Ok(m) => m,
@@ -446,5 +462,97 @@ fn serve(mut s: TcpStream, shared: &Shared) -> io::Result<()> {
                 ok(&mut s, Answer::default())?;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::snapstore::SnapStore;
+    use rlaunch::contract::Member;
+
+    fn member(id: &str, offset: u32, addr: Option<HostPort>) -> Member {
+        Member {
+            node_id: id.into(),
+            group_rank: offset / 2,
+            local_world_size: 2,
+            rank_offset: offset,
+            store_addr: "127.0.0.1:1".parse().unwrap(),
+            probe_addr: None,
+            snapshot_addr: addr,
+            snapshots: Vec::new(),
+        }
+    }
+
+    /// This node (`me`, ranks 0 and 1) in round 7 with a peer `x` (ranks 2 and 3).
+    fn store() -> (SnapStore, HostPort) {
+        let store = SnapStore::start(1 << 20).unwrap();
+        let port = store.serve_peers("127.0.0.1:0").unwrap();
+        let addr: HostPort = format!("127.0.0.1:{port}").parse().unwrap();
+        store.begin_peer_round(7, "me", &[member("me", 0, Some(addr.clone())), member("x", 2, None)], "key".into());
+        (store, addr)
+    }
+
+    fn put(s: &mut TcpStream, tag: u64, rank: u32, bytes: &[u8]) -> io::Result<Answer> {
+        write_frame(s, &Msg::Put { tag, step: 1, rank, world: 4, len: bytes.len() as u64 })?;
+        s.write_all(bytes)?;
+        read_frame(s)
+    }
+
+    #[test]
+    fn only_a_proven_member_of_the_current_round_is_served_and_only_for_its_own_ranks() {
+        let (store, addr) = store();
+        // Not a member, a wrong key, another round, and this node's own id: refused at the hello.
+        for hello in [
+            Hello::new(7, "y", "key"),
+            Hello::new(7, "x", "guess"),
+            Hello::new(6, "x", "key"),
+            Hello::new(7, "me", "key"),
+        ] {
+            let e = connect(&addr, &hello).unwrap_err();
+            assert!(e.to_string().contains("not a proven member"), "{hello:?}: {e}");
+        }
+        let mut s = connect(&addr, &Hello::new(7, "x", "key")).unwrap();
+        // A copy of a rank that is not x's, or of another round: refused, and nothing held.
+        let a = put(&mut s, 7, 0, b"forged").unwrap();
+        assert!(!a.ok && a.error.as_deref().is_some_and(|e| e.contains("not node x's")), "{a:?}");
+        let a = put(&mut s, 6, 2, b"stale").unwrap();
+        assert!(!a.ok, "{a:?}");
+        assert!(store.inventory().is_empty());
+        // Its own rank's copy is held, whole, and can be fetched back.
+        let a = put(&mut s, 7, 2, b"part of rank 2").unwrap();
+        assert!(a.ok, "{a:?}");
+        let held = store.inventory();
+        assert_eq!(held.len(), 1);
+        assert_eq!((held[0].tag, held[0].step, held[0].ranks.clone()), (7, 1, vec![(2, 3)]));
+        let (world, len, file) =
+            fetch_once(&addr, &Hello::new(7, "x", "key"), Key { tag: 7, step: 1, rank: 2 }).unwrap();
+        let mut got = vec![0u8; len as usize];
+        std::os::unix::fs::FileExt::read_exact_at(&file, &mut got, 0).unwrap();
+        assert_eq!((world, got.as_slice()), (4, &b"part of rank 2"[..]));
+        // A part nobody holds is refused, not invented.
+        assert!(fetch_once(&addr, &Hello::new(7, "x", "key"), Key { tag: 7, step: 2, rank: 2 }).is_err());
+    }
+
+    #[test]
+    fn a_copy_cut_short_is_never_held() {
+        let (store, addr) = store();
+        let mut s = connect(&addr, &Hello::new(7, "x", "key")).unwrap();
+        write_frame(&mut s, &Msg::Put { tag: 7, step: 1, rank: 3, world: 4, len: 1000 }).unwrap();
+        s.write_all(&[1u8; 10]).unwrap();
+        drop(s);
+        // The server notices the close; the reservation goes, nothing is in the inventory.
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            let st = store.shared.lock();
+            let reserved = st.holdings.get(&Key { tag: 7, step: 1, rank: 3 }).is_some();
+            drop(st);
+            if !reserved {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "the half copy was abandoned");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(store.inventory().is_empty());
     }
 }
