@@ -109,8 +109,8 @@ pub fn advertised(node: &NodeInfo) -> impl Iterator<Item = (&'static str, &HostP
         ("probe_addr", node.probe_addr.as_ref()),
         ("snapshot_addr", node.snapshot_addr.as_ref()),
     ]
-        .into_iter()
-        .filter_map(|(what, addr)| Some((what, addr?)))
+    .into_iter()
+    .filter_map(|(what, addr)| Some((what, addr?)))
 }
 
 /// Most distinct fingerprints a job keeps; a node with yet another is reported without its

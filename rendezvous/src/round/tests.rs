@@ -1713,3 +1713,35 @@ fn every_earlier_job_of_a_run_id_keeps_its_nodes_out_of_the_next() {
     assert!(matches!(d.action, Action::Rejected(Rejection::JobFinished)), "{d:?}");
     assert_eq!(after, third);
 }
+
+#[test]
+fn the_peer_key_is_the_same_for_every_member_changes_every_round_and_needs_every_credential() {
+    let job = guarded_pair();
+    let (a, b) = (job.round_info("a").unwrap(), job.round_info("b").unwrap());
+    let key = a.peer_key.clone().expect("a key for a round of credentialed members");
+    assert_eq!(b.peer_key.as_deref(), Some(key.as_str()));
+    assert!(!key.contains("sa") && key != crate::identity::digest("sa"), "not a credential itself");
+    let mut next = job.clone();
+    next.round += 1;
+    assert_ne!(next.peer_key(), Some(key.clone()), "another round, another key");
+    let mut uncredentialed = job.clone();
+    uncredentialed.keys.remove("b");
+    assert_eq!(uncredentialed.peer_key(), None, "a member without a credential: no key at all");
+}
+
+#[test]
+fn a_node_listing_too_many_snapshot_parts_or_ranks_outside_their_world_is_refused() {
+    use rlaunch::contract::{SnapshotSet, MAX_SNAPSHOT_SETS};
+    let set = |world: u32, ranks: Vec<(u32, u32)>| SnapshotSet { tag: 1, step: 1, world, ranks };
+    let ok = NodeInfo { snapshots: vec![set(4, vec![(0, 2), (3, 4)])], ..node("a") };
+    assert!(validate_node(&ok).is_ok());
+    for bad in [
+        vec![set(4, vec![(2, 5)])],
+        vec![set(4, vec![(2, 2)])],
+        vec![set(4, vec![(0, 1)]); MAX_SNAPSHOT_SETS + 1],
+        vec![set(1 << 20, (0..100).map(|r| (r, r + 1)).collect())],
+    ] {
+        let n = NodeInfo { snapshots: bad, ..node("a") };
+        assert!(matches!(validate_node(&n), Err(Rejection::InvalidNode { .. })), "{:?}", n.snapshots.len());
+    }
+}
