@@ -1,7 +1,8 @@
 //! The `train` example under the real launcher: `rlaunch --standalone --nproc-per-node 4
 //! train` trains (loss goes down), and a worker SIGKILLed mid-run or dying in the middle of a
-//! checkpoint write makes rlaunch restart the group, which resumes from the latest complete
-//! checkpoint and ends at exactly the model of an undisturbed run.
+//! checkpoint write makes rlaunch restart the group, which resumes from the snapshot of the last
+//! step in the agent's memory (or, with `--snapshot-every 0`, from the latest complete disk
+//! checkpoint) and ends at exactly the model of an undisturbed run.
 
 use std::path::Path;
 use std::time::Duration;
@@ -85,12 +86,30 @@ fn sigkilled_worker_is_restarted_by_rlaunch_and_the_run_ends_at_the_undisturbed_
     let d = tempdir();
     let (o, want) = run(d.path(), "undisturbed", &[], &[]);
     assert!(o.status.success(), "{}", text(&o));
+    let (o, got) = run(
+        d.path(),
+        "killed",
+        &["--fault-kill-step", "25", "--fault-rank", "2", "--snapshot-every", "0"],
+        &["--max-restarts", "2"],
+    );
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(t.contains("SIGKILLs itself at step 25"), "{t}");
+    assert!(t.contains("resumed at step 20 (epoch"), "from the disk checkpoint: {t}");
+    assert_eq!(got, want, "final parameters differ from the undisturbed run");
+}
+
+#[test]
+fn a_sigkilled_worker_resumes_from_the_agents_snapshot_with_no_step_lost() {
+    let d = tempdir();
+    let (o, want) = run(d.path(), "undisturbed", &["--snapshot-every", "0"], &[]);
+    assert!(o.status.success(), "{}", text(&o));
     let (o, got) = run(d.path(), "killed", &["--fault-kill-step", "25", "--fault-rank", "2"], &["--max-restarts", "2"]);
     let t = text(&o);
     assert!(o.status.success(), "{t}");
     assert!(t.contains("SIGKILLs itself at step 25"), "{t}");
-    assert!(t.contains("resumed at step 20"), "{t}");
-    assert_eq!(got, want, "final parameters differ from the undisturbed run");
+    assert!(t.contains("resumed at step 25 (epoch 0, batch 25) from the agents' snapshot"), "{t}");
+    assert_eq!(got, want, "the run that resumed from the snapshot ends at the undisturbed model");
 }
 
 #[test]
@@ -98,7 +117,12 @@ fn death_during_a_checkpoint_write_resumes_from_the_previous_checkpoint_under_rl
     let d = tempdir();
     let (o, want) = run(d.path(), "undisturbed", &[], &[]);
     assert!(o.status.success(), "{}", text(&o));
-    let (o, got) = run(d.path(), "ckptkill", &["--fault-checkpoint-step", "30"], &["--max-restarts", "2"]);
+    let (o, got) = run(
+        d.path(),
+        "ckptkill",
+        &["--fault-checkpoint-step", "30", "--snapshot-every", "0"],
+        &["--max-restarts", "2"],
+    );
     let t = text(&o);
     assert!(o.status.success(), "{t}");
     assert!(t.contains("dying while writing"), "{t}");
