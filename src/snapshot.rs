@@ -368,8 +368,13 @@ fn load_part(rank: Option<u32>) -> Result<Option<Loaded>, SnapshotError> {
     };
     let sock = conn.lock().unwrap_or_else(PoisonError::into_inner);
     let (answer, fd) = call(&sock, &Request::Load { rank: Some(rank) })?;
-    let (Some(step), Some(len)) = (answer.step, answer.len) else { return Ok(None) };
-    let fd = fd.ok_or_else(|| SnapshotError::Protocol("no part came with the answer".into()))?;
+    let Some(step) = answer.step else { return Ok(None) };
+    let (Some(len), Some(fd)) = (answer.len, fd) else {
+        return Err(SnapshotError::Refused(format!(
+            "step {step} was saved by {} ranks: rank {rank} has no part (read the saved ranks' parts with load_rank to reshard)",
+            answer.world.unwrap_or(0)
+        )));
+    };
     let map = Mapping::read_only(&fd, len as usize)?;
     let bytes = map.bytes();
     let bad = || SnapshotError::Layout(format!("of rank {rank}, step {step}"));

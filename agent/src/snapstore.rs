@@ -164,7 +164,7 @@ impl SnapStore {
         let mut st = self.shared.lock();
         let runs: BTreeMap<u32, NodeId> = ranks.clone().map(|r| (r, me.clone())).collect();
         let inventories = BTreeMap::from([(me.clone(), st.holdings.inventory())]);
-        let plan = holdings::plan(&inventories, &runs);
+        let plan = holdings::plan(&inventories, &runs, 1);
         let free = st.holdings.begin_round(tag, plan.as_ref().map(|p| (p.tag, p.step)));
         st.release(&free);
         match &plan {
@@ -203,7 +203,16 @@ impl SnapStore {
                 home.insert(r, m.node_id.clone());
             }
         }
-        let plan = holdings::plan(&inventories, &runs);
+        // Every member must hold snapshots, or its ranks would start afresh while the others
+        // restore: a mix. A member without them (`--snapshot-memory 0`, an older agent) has no
+        // snapshot address.
+        let plan = match members.iter().find(|m| m.snapshot_addr.is_none()) {
+            Some(m) => {
+                warn!(node = %m.node_id, "a member of this round holds no snapshots: nothing is restored, and no step commits");
+                None
+            }
+            None => holdings::plan(&inventories, &runs, 2),
+        };
         let peer_members: Vec<PeerMember> = members
             .iter()
             .map(|m| PeerMember {
@@ -336,6 +345,9 @@ pub(crate) fn to_sets(haves: &[Have]) -> Vec<SnapshotSet> {
             }
             SnapshotSet { tag, step, world, ranks: ranges }
         })
+        // A set too scattered to list is left out (its step is not restored from here) rather
+        // than the node refused at its join.
+        .filter(|s| s.ranks.len() <= rlaunch::contract::MAX_SNAPSHOT_RANGES)
         .rev() // the newest sets, where there are too many
         .take(rlaunch::contract::MAX_SNAPSHOT_SETS)
         .collect::<Vec<_>>()
@@ -428,8 +440,8 @@ fn reserve(shared: &Shared, step: u64, rank: u32, world: u32, len: u64, reserved
         let round = st.round.as_ref().expect("planned");
         if round.peers.is_none() && round.ranks.len() < round.world as usize {
             return Err(format!(
-                "{}a static job of several nodes has no rendezvous to agree on a step through: its \
-                 snapshots are off (use --rdzv-backend rlaunch or etcd)",
+                "{}this round's nodes cannot agree on a step (a static job of several nodes, or a \
+                 rendezvous that hands out no node credentials): snapshots are off",
                 holdings::NOT_SNAPSHOTTED
             ));
         }
@@ -451,7 +463,8 @@ fn reserve(shared: &Shared, step: u64, rank: u32, world: u32, len: u64, reserved
 /// the buffer of a part that may go is reused when nobody maps or reads it.
 pub(crate) fn buffer_for(shared: &Shared, key: Key, world: u32, len: u64) -> Result<Arc<std::fs::File>, String> {
     let mut st = shared.lock();
-    let grant = st.holdings.reserve(key, world, len)?;
+    let local = st.round.as_ref().map_or(0..0, |r| r.ranks.clone());
+    let grant = st.holdings.reserve(key, world, len, &local)?;
     let reused = grant.reuse.and_then(|k| {
         let lent = st.lent.remove(&k);
         let buf = st.buffers.remove(&k);
@@ -531,7 +544,9 @@ fn load(shared: &Shared, rank: Option<u32>) -> Reply {
     let Some(plan) = round.plan.clone().flatten() else { return Ok((Answer::default(), None)) };
     let rank = rank.ok_or("a load names the rank whose part it wants")?;
     let Some(from) = plan.from.get(&rank).cloned() else {
-        return Err(format!("step {} was saved by {} ranks: there is no rank {rank}", plan.step, plan.world));
+        // A rank the saved world did not have (the world grew): the step, and no part; the
+        // program reads the saved ranks' parts to reshard.
+        return Ok((Answer { step: Some(plan.step), world: Some(plan.world), ..Answer::default() }, None));
     };
     let key = Key { tag: plan.tag, step: plan.step, rank };
     let held = st.holdings.get(&key).is_some_and(|p| p.whole) && st.buffers.contains_key(&key);
@@ -548,8 +563,12 @@ fn load(shared: &Shared, rank: Option<u32>) -> Reply {
             .map_err(|e| format!("fetching rank {rank}'s part of step {} from node {from} ({addr}): {e}", plan.step))?;
         info!(rank, step = plan.step, from = %from, mib = len >> 20, "fetched a snapshot part from another node");
         st = shared.lock();
+        if !st.round.as_ref().is_some_and(|r| r.plan.as_ref().is_some_and(|p| p.as_ref() == Some(&plan))) {
+            return Err("the round ended while the part was fetched".into());
+        }
         if !(st.holdings.get(&key).is_some_and(|p| p.whole) && st.buffers.contains_key(&key)) {
-            let grant = st.holdings.reserve(key, world, len)?;
+            let local = st.round.as_ref().map_or(0..0, |r| r.ranks.clone());
+            let grant = st.holdings.reserve(key, world, len, &local)?;
             st.release(&grant.free);
             if let Some(k) = grant.reuse {
                 st.release(&[k]);

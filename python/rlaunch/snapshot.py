@@ -8,7 +8,8 @@ the agent hold it. The process may die the instant ``save`` returns: the part is
 ``load()`` answers ``(step, state)`` for the step the agent chose for this round (the newest step
 whose every rank's part is still held somewhere, the same on every rank) or ``None``. Tensors come
 back on the CPU as copy-on-write views of the agent's buffer: nothing is copied until written.
-``load(rank=k)`` reads another rank's part of that step (resharding to a new world size).
+``load(rank=k)`` reads another rank's part of that step (resharding to a new world size); a rank
+the saved world did not have gets ``(step, None)``.
 
 Outside rlaunch (``RLAUNCH_SNAPSHOT`` unset) ``save`` returns False and ``load`` None, after one
 line on stderr.
@@ -86,6 +87,25 @@ def _recv_exact(s, n):
 
 
 def _call(s, req):
+    """One request and its answer. Anything that interrupts it (a signal turned into an
+    exception, a broken connection) closes the connection: a later request must never read
+    this one's answer."""
+    global _conn
+    try:
+        return _call_once(s, req)
+    except _Full:
+        raise
+    except BaseException:
+        if _conn is s:
+            _conn = None
+        try:
+            s.close()
+        except OSError:
+            pass
+        raise
+
+
+def _call_once(s, req):
     body = json.dumps(req).encode()
     s.sendall(struct.pack("<I", len(body)) + body)
     fds = []
@@ -282,7 +302,9 @@ def load(rank=None):
                 os.close(fd)
             return None
         if fd is None:
-            raise SnapshotError("no part came with the answer")
+            # A rank the saved world did not have (the world grew): the step, and no part of
+            # its own; load(rank=k) for k below the saved world reads the parts to reshard.
+            return answer["step"], None
         length = int(answer["len"])
         try:
             mm = mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)

@@ -90,9 +90,13 @@ impl Holdings {
         free
     }
 
-    /// Whether a part may go: not the base's, not a step in progress in this round.
+    /// Whether a part may go: not the base's, not a step in progress in this round, and never a
+    /// reservation being written (its writer holds the buffer).
     fn may_go(&self, k: &Key) -> bool {
         if self.base.is_some_and(|(t, s)| k.tag == t && k.step == s) {
+            return false;
+        }
+        if self.parts.get(k).is_some_and(|p| !p.whole) {
             return false;
         }
         !(k.tag == self.tag && self.base.is_none_or(|(_, s)| k.step > s))
@@ -102,13 +106,27 @@ impl Holdings {
         self.parts.keys().filter(|k| self.may_go(k)).copied().collect()
     }
 
-    /// Room for `key`'s part of `len` bytes. Frees what may go (and a part this one replaces),
-    /// and refuses, changing nothing, when the cap is still too small.
-    pub fn reserve(&mut self, key: Key, world: u32, len: u64) -> Result<Grant, String> {
-        let mut free: Vec<Key> = self.droppable();
-        if self.parts.contains_key(&key) && !free.contains(&key) {
-            free.push(key);
+    /// Room for `key`'s part of `len` bytes. Frees what may go of the same rank, of earlier
+    /// rounds and of ranks not in `local` (copies for another node: no worker here maps them;
+    /// another local rank's old buffers stay, its worker may still map them), and refuses,
+    /// changing nothing, when the cap is still too small, or when the part is already held or
+    /// being written (a step is saved once; a rewrite in place could lose the held one).
+    pub fn reserve(&mut self, key: Key, world: u32, len: u64, local: &std::ops::Range<u32>) -> Result<Grant, String> {
+        if let Some(p) = self.parts.get(&key) {
+            return Err(if p.whole {
+                format!(
+                    "{NOT_SNAPSHOTTED}rank {}'s part of step {} is already held (a step is saved once)",
+                    key.rank, key.step
+                )
+            } else {
+                format!("rank {}'s part of step {} is being saved by another request", key.rank, key.step)
+            });
         }
+        let free: Vec<Key> = self
+            .droppable()
+            .into_iter()
+            .filter(|k| k.rank == key.rank || k.tag != self.tag || !local.contains(&k.rank))
+            .collect();
         let kept: u64 = self.parts.iter().filter(|(k, _)| !free.contains(k)).map(|(_, p)| p.len).sum();
         if kept.saturating_add(len) > self.cap {
             return Err(format!(
@@ -122,7 +140,7 @@ impl Holdings {
                 mib(kept)
             ));
         }
-        // Reuse the buffer of a part of the same rank, else any.
+        // Reuse the buffer of a part of the same rank (its worker maps it), else any.
         let reuse = free.iter().find(|k| k.rank == key.rank).or(free.first()).copied();
         for k in &free {
             self.parts.remove(k);
@@ -179,7 +197,12 @@ pub struct Plan {
 /// The newest step whose every rank's part (same tag, same world) some member holds, preferring
 /// for each rank the member that runs that rank now (`runs`), else the first holder by node id.
 /// Ties between tags of the same step go to the newest round. `None`: nothing is whole.
-pub fn plan(inventories: &BTreeMap<NodeId, Vec<Have>>, runs: &BTreeMap<u32, NodeId>) -> Option<Plan> {
+///
+/// With `copies` 2, a step whose every part is held on two members is preferred to a newer one
+/// held once (a step restored from one copy, and then lost with its node, would leave nothing:
+/// the older, doubly held one is freed once the round begins); only when no step is held twice
+/// (after a node loss) is the newest whole one taken.
+pub fn plan(inventories: &BTreeMap<NodeId, Vec<Have>>, runs: &BTreeMap<u32, NodeId>, copies: usize) -> Option<Plan> {
     // (tag, step, world) -> rank -> holders
     let mut sets: BTreeMap<(u64, u64, u32), BTreeMap<u32, BTreeSet<&NodeId>>> = BTreeMap::new();
     for (node, haves) in inventories {
@@ -189,22 +212,27 @@ pub fn plan(inventories: &BTreeMap<NodeId, Vec<Have>>, runs: &BTreeMap<u32, Node
             }
         }
     }
-    sets.iter()
-        .filter(|((_, _, world), ranks)| ranks.len() == *world as usize && *world > 0)
-        .max_by_key(|((tag, step, _), _)| (*step, *tag))
-        .map(|((tag, step, world), ranks)| Plan {
-            tag: *tag,
-            step: *step,
-            world: *world,
-            from: ranks
-                .iter()
-                .map(|(rank, holders)| {
-                    let here = runs.get(rank).filter(|n| holders.contains(n));
-                    let node = here.or_else(|| holders.iter().next().copied()).expect("a set's ranks have holders");
-                    (*rank, node.clone())
-                })
-                .collect(),
-        })
+    let whole = |((_, _, world), ranks): &(&(u64, u64, u32), &BTreeMap<u32, BTreeSet<&NodeId>>)| {
+        ranks.len() == *world as usize && *world > 0
+    };
+    let held_by = |n: usize| {
+        move |(_, ranks): &(&(u64, u64, u32), &BTreeMap<u32, BTreeSet<&NodeId>>)| ranks.values().all(|h| h.len() >= n)
+    };
+    let newest =
+        |n: usize| sets.iter().filter(whole).filter(held_by(n)).max_by_key(|((tag, step, _), _)| (*step, *tag));
+    newest(copies.max(1)).or_else(|| newest(1)).map(|((tag, step, world), ranks)| Plan {
+        tag: *tag,
+        step: *step,
+        world: *world,
+        from: ranks
+            .iter()
+            .map(|(rank, holders)| {
+                let here = runs.get(rank).filter(|n| holders.contains(n));
+                let node = here.or_else(|| holders.iter().next().copied()).expect("a set's ranks have holders");
+                (*rank, node.clone())
+            })
+            .collect(),
+    })
 }
 
 #[cfg(test)]
@@ -223,22 +251,22 @@ mod tests {
     fn the_base_and_steps_in_progress_stay_and_the_rest_goes_under_the_cap() {
         let mut h = Holdings::new(300);
         assert!(h.begin_round(1, None).is_empty());
-        h.reserve(key(1, 1, 0), 1, 100).unwrap();
+        h.reserve(key(1, 1, 0), 1, 100, &(0..2)).unwrap();
         h.commit(&key(1, 1, 0));
         // Step 1 not committed yet: step 2 is in progress beside it.
-        let g = h.reserve(key(1, 2, 0), 1, 100).unwrap();
+        let g = h.reserve(key(1, 2, 0), 1, 100, &(0..2)).unwrap();
         assert_eq!(g, Grant::default());
         h.commit(&key(1, 2, 0));
         assert!(h.committed(1, 1));
         assert!(h.committed(1, 2));
         assert!(!h.committed(1, 1), "the base never goes back");
         // Step 3 reuses the buffer of step 1, which may go once 2 is committed.
-        let g = h.reserve(key(1, 3, 0), 1, 100).unwrap();
+        let g = h.reserve(key(1, 3, 0), 1, 100, &(0..2)).unwrap();
         assert_eq!(g, Grant { free: vec![], reuse: Some(key(1, 1, 0)) });
         assert_eq!(h.used(), 200);
         // A fourth part that does not fit is refused and changes nothing.
-        h.reserve(key(1, 4, 0), 1, 100).unwrap();
-        let e = h.reserve(key(1, 5, 0), 1, 100).unwrap_err();
+        h.reserve(key(1, 4, 0), 1, 100, &(0..2)).unwrap();
+        let e = h.reserve(key(1, 5, 0), 1, 100, &(0..2)).unwrap_err();
         assert!(e.contains("--snapshot-memory"), "{e}");
         assert_eq!(h.used(), 300);
         assert!(h.get(&key(1, 2, 0)).is_some_and(|p| p.whole), "the last committed step stays");
@@ -249,7 +277,7 @@ mod tests {
         let mut h = Holdings::new(1000);
         h.begin_round(1, None);
         for step in [5, 6, 7] {
-            h.reserve(key(1, step, 0), 2, 10).unwrap();
+            h.reserve(key(1, step, 0), 2, 10, &(0..2)).unwrap();
             h.commit(&key(1, step, 0));
         }
         h.committed(1, 6);
@@ -257,24 +285,71 @@ mod tests {
         let gone = h.begin_round(2, Some((1, 6)));
         assert_eq!(gone, vec![key(1, 5, 0), key(1, 7, 0)], "all but the base");
         assert_eq!(h.inventory(), vec![have(1, 6, 0, 2)], "what went is in no inventory");
-        let g = h.reserve(key(2, 7, 0), 2, 10).unwrap();
+        let g = h.reserve(key(2, 7, 0), 2, 10, &(0..2)).unwrap();
         assert_eq!(g, Grant::default());
         assert!(h.get(&key(1, 6, 0)).is_some(), "the base stays until a newer step commits");
         h.commit(&key(2, 7, 0));
         assert!(h.committed(2, 7));
-        let g = h.reserve(key(2, 8, 0), 2, 10).unwrap();
+        let g = h.reserve(key(2, 8, 0), 2, 10, &(0..2)).unwrap();
         assert_eq!(g.reuse, Some(key(1, 6, 0)), "the old base goes with the next save");
+    }
+
+    #[test]
+    fn a_reservation_being_written_is_never_reused_and_a_step_is_saved_once() {
+        let mut h = Holdings::new(1000);
+        h.begin_round(1, None);
+        h.reserve(key(1, 1, 0), 2, 10, &(0..2)).unwrap();
+        h.commit(&key(1, 1, 0));
+        h.reserve(key(1, 1, 1), 2, 10, &(0..2)).unwrap();
+        h.commit(&key(1, 1, 1));
+        h.committed(1, 1);
+        // Restored: the round begins at step 1; a save of step 1 again is refused, not a
+        // rewrite of the held part in place.
+        h.begin_round(2, Some((1, 1)));
+        let e = h.reserve(key(1, 1, 0), 2, 10, &(0..2)).unwrap_err();
+        assert!(e.starts_with(NOT_SNAPSHOTTED) && e.contains("already held"), "{e}");
+        // Rank 0 writes step 2 (reserved, not whole); rank 1's reservation never takes it.
+        h.reserve(key(2, 2, 0), 2, 10, &(0..2)).unwrap();
+        h.committed(2, 2);
+        let g = h.reserve(key(2, 3, 1), 2, 10, &(0..2)).unwrap();
+        assert!(!g.free.contains(&key(2, 2, 0)) && g.reuse != Some(key(2, 2, 0)), "{g:?}");
+        assert!(h.reserve(key(2, 2, 0), 2, 10, &(0..2)).is_err(), "a second writer of the same part is refused");
+        // Rank 1's save does not free rank 0's old buffer (its worker may map it); rank 0's does.
+        h.commit(&key(2, 2, 0));
+        h.commit(&key(2, 3, 1));
+        h.reserve(key(2, 3, 0), 2, 10, &(0..2)).unwrap();
+        h.commit(&key(2, 3, 0));
+        h.committed(2, 3);
+        let g = h.reserve(key(2, 4, 1), 2, 10, &(0..2)).unwrap();
+        assert!(g.free.iter().chain(g.reuse.iter()).all(|k| k.rank == 1), "{g:?}");
+    }
+
+    #[test]
+    fn a_step_held_twice_is_restored_before_a_newer_one_held_once() {
+        let n = |s: &str| s.to_string();
+        let runs: BTreeMap<u32, NodeId> = [(0, n("a")), (1, n("b"))].into();
+        // Step 5 copied to the buddy both ways; step 6 saved but its copies not arrived.
+        let inv: BTreeMap<NodeId, Vec<Have>> = [
+            (n("a"), vec![have(1, 5, 0, 2), have(1, 5, 1, 2), have(1, 6, 0, 2)]),
+            (n("b"), vec![have(1, 5, 1, 2), have(1, 5, 0, 2), have(1, 6, 1, 2)]),
+        ]
+        .into();
+        assert_eq!(plan(&inv, &runs, 2).map(|p| p.step), Some(5));
+        assert_eq!(plan(&inv, &runs, 1).map(|p| p.step), Some(6));
+        // b lost: nothing is held twice, the newest whole step is taken.
+        let only_a: BTreeMap<NodeId, Vec<Have>> = [(n("a"), inv[&n("a")].clone())].into();
+        assert_eq!(plan(&only_a, &runs, 2).map(|p| p.step), Some(5));
     }
 
     #[test]
     fn an_abandoned_reservation_is_no_part_and_is_in_no_inventory() {
         let mut h = Holdings::new(100);
         h.begin_round(3, None);
-        h.reserve(key(3, 1, 0), 1, 10).unwrap();
+        h.reserve(key(3, 1, 0), 1, 10, &(0..2)).unwrap();
         assert!(h.inventory().is_empty(), "reserved is not held");
         h.abandon(&key(3, 1, 0));
         assert_eq!(h.used(), 0);
-        h.reserve(key(3, 1, 0), 1, 10).unwrap();
+        h.reserve(key(3, 1, 0), 1, 10, &(0..2)).unwrap();
         h.commit(&key(3, 1, 0));
         h.abandon(&key(3, 1, 0));
         assert_eq!(h.inventory(), vec![have(3, 1, 0, 1)], "a whole part is never abandoned");
@@ -290,19 +365,19 @@ mod tests {
         inv.insert(n("b"), vec![have(1, 9, 2, 4), have(1, 9, 3, 4), have(1, 10, 2, 4), have(2, 10, 2, 4)]);
         inv.insert(n("c"), vec![have(2, 10, 0, 4), have(2, 10, 1, 4), have(2, 10, 3, 4)]);
         let runs: BTreeMap<u32, NodeId> = [(0, n("a")), (1, n("a")), (2, n("b")), (3, n("b"))].into();
-        let p = plan(&inv, &runs).unwrap();
+        let p = plan(&inv, &runs, 1).unwrap();
         assert_eq!((p.tag, p.step, p.world), (2, 10, 4));
         assert_eq!(p.from[&2], "b", "the rank's own node when it holds the part");
         assert_eq!(p.from[&0], "c");
         // Without c, round 2's step 10 is not whole and round 1's never was: step 9.
         inv.remove("c");
-        let p = plan(&inv, &runs).unwrap();
+        let p = plan(&inv, &runs, 1).unwrap();
         assert_eq!((p.tag, p.step), (1, 9));
         assert_eq!(p.from[&3], "b");
         // A part claiming a rank outside its world, or a world of another size, completes nothing.
         let lying: BTreeMap<NodeId, Vec<Have>> =
             [(n("x"), vec![have(1, 20, 0, 2), have(1, 20, 5, 2), have(1, 20, 1, 3)])].into();
-        assert_eq!(plan(&lying, &runs), None);
+        assert_eq!(plan(&lying, &runs, 1), None);
     }
 
     #[test]
@@ -316,7 +391,7 @@ mod tests {
                 let world = 1 + rng.below(4) as u32;
                 inv.entry(node).or_default().push(have(rng.below(3), rng.below(5), rng.below(5) as u32, world));
             }
-            if let Some(p) = plan(&inv, &BTreeMap::new()) {
+            if let Some(p) = plan(&inv, &BTreeMap::new(), 1) {
                 assert_eq!(p.from.len(), p.world as usize, "seed {seed}");
                 for (rank, node) in &p.from {
                     assert!(inv[node].contains(&have(p.tag, p.step, *rank, p.world)), "seed {seed}");

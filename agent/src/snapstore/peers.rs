@@ -361,12 +361,12 @@ fn serve(mut s: TcpStream, shared: &Shared) -> io::Result<()> {
         return refuse(&mut s, "a connection starts with a hello".into());
     };
     // Who the peer is, checked against the round this agent runs.
-    let ranks = {
+    let (ranks, round_world) = {
         let st = shared.lock();
         let member = st.round.as_ref().filter(|r| r.tag == round).and_then(|r| {
             let p = r.peers.as_ref()?;
             let m = p.member(&node).filter(|m| m.id != r.me)?;
-            same(&proof(&p.key, round, &node), &presented).then(|| m.ranks.clone())
+            same(&proof(&p.key, round, &node), &presented).then(|| (m.ranks.clone(), r.world))
         });
         match member {
             Some(r) => r,
@@ -395,6 +395,8 @@ fn serve(mut s: TcpStream, shared: &Shared) -> io::Result<()> {
                     Some(format!("round {tag} is not the one this node runs"))
                 } else if !ranks.contains(&rank) {
                     Some(format!("rank {rank} is not node {node}'s"))
+                } else if world != round_world {
+                    Some(format!("a world of {world}: round {round} has {round_world} ranks"))
                 } else {
                     None
                 };
