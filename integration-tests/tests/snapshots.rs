@@ -387,3 +387,36 @@ fn a_node_lost_with_its_buddy_restores_nothing_rather_than_half_a_step() {
         assert!(logs[&rank].last().is_some_and(|l| l.starts_with("final ")), "rank {rank} finished");
     }
 }
+
+#[test]
+fn a_save_interrupted_half_way_never_lets_a_later_save_read_its_answer() {
+    // The reserve's answer is cut short by an exception (a signal turned into
+    // KeyboardInterrupt): the next save must get its own answer and buffer, and the step it
+    // saves must be what is restored.
+    let program = "import os, torch, rlaunch.snapshot as s\n\
+        if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0':\n\
+        \x20   assert s.save(0, {'x': torch.full((1000,), 0.0)})\n\
+        \x20   real = s._recv_exact\n\
+        \x20   def cut(sock, n):\n\
+        \x20       raise KeyboardInterrupt\n\
+        \x20   s._recv_exact = cut\n\
+        \x20   try:\n\
+        \x20       s.save(1, {'x': torch.full((1000,), 1.0)})\n\
+        \x20   except KeyboardInterrupt:\n\
+        \x20       pass\n\
+        \x20   s._recv_exact = real\n\
+        \x20   assert s.save(2, {'x': torch.full((1000,), 2.0)})\n\
+        \x20   os._exit(1)\n\
+        step, state = s.load()\n\
+        print('restored', step, float(state['x'].sum()))\n";
+    let o = run_deadline(
+        Command::new(bin("rlaunch"))
+            .args(["--standalone", "--nproc-per-node", "1", "--max-restarts", "1"])
+            .arg(venv_python())
+            .args(["-c", program]),
+        Duration::from_secs(120),
+    );
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{out}{}", stderr_of(&o));
+    assert!(out.contains("restored 2 2000.0"), "the last save, whole: {out}");
+}
