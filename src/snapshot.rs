@@ -287,24 +287,48 @@ pub fn save(step: u64, entries: &[(&str, &[u8])]) -> Result<bool, SnapshotError>
         other => other?,
     };
     let fd = fd.ok_or_else(|| SnapshotError::Protocol("no buffer came with the reservation".into()))?;
-    let file = std::fs::File::from(fd);
-    let mut prefix = Vec::with_capacity(start as usize);
-    prefix.extend_from_slice(MAGIC);
-    prefix.extend_from_slice(&(header.len() as u64).to_le_bytes());
-    prefix.extend_from_slice(&header);
-    write_all_at(&file, &prefix, 0)?;
-    let mut at = start;
-    for (_, bytes) in entries {
-        write_all_at(&file, bytes, at)?;
-        at += bytes.len() as u64;
+    // The buffer, mapped: the agent hands back the buffer of a step it no longer needs, whose
+    // mapping is kept (by inode), so a save after the first is one copy into mapped memory.
+    let mut maps = MAPS.lock().unwrap_or_else(PoisonError::into_inner);
+    let map = writable_mapping(&mut maps, &fd, len as usize)?;
+    drop(fd);
+    let out = map.bytes_mut();
+    let mut at = 0usize;
+    for piece in [&MAGIC[..], &(header.len() as u64).to_le_bytes()[..], &header[..]] {
+        out[at..at + piece.len()].copy_from_slice(piece);
+        at += piece.len();
     }
-    drop(file);
+    let mut at = start as usize;
+    for (_, bytes) in entries {
+        out[at..at + bytes.len()].copy_from_slice(bytes);
+        at += bytes.len();
+    }
+    drop(maps);
     call(&sock, &Request::Commit { step, rank })?;
     Ok(true)
 }
 
-fn write_all_at(file: &std::fs::File, bytes: &[u8], at: u64) -> io::Result<()> {
-    std::os::unix::fs::FileExt::write_all_at(file, bytes, at)
+/// Mappings of the buffers this process saved into, by (device, inode): at most four.
+static MAPS: Mutex<Vec<((u64, u64), Mapping)>> = Mutex::new(Vec::new());
+
+fn writable_mapping<'a>(
+    maps: &'a mut Vec<((u64, u64), Mapping)>,
+    fd: &OwnedFd,
+    len: usize,
+) -> io::Result<&'a mut Mapping> {
+    let meta = std::fs::File::from(fd.try_clone()?).metadata()?;
+    let id = (std::os::unix::fs::MetadataExt::dev(&meta), std::os::unix::fs::MetadataExt::ino(&meta));
+    if let Some(i) = maps.iter().position(|(k, m)| *k == id && m.len == len) {
+        let entry = maps.remove(i);
+        maps.push(entry);
+    } else {
+        maps.retain(|(k, _)| *k != id);
+        maps.push((id, Mapping::shared(fd, len)?));
+        while maps.len() > 4 {
+            maps.remove(0);
+        }
+    }
+    Ok(&mut maps.last_mut().expect("just pushed").1)
 }
 
 /// The bytes of `values` as they lie in memory (what [`read_f32s`] reads back), without a copy.
@@ -319,8 +343,15 @@ pub fn read_f32s(bytes: &[u8], out: &mut [f32]) -> Result<(), SnapshotError> {
     if bytes.len() != std::mem::size_of_val(out) {
         return Err(SnapshotError::Layout(format!("an entry of {} bytes for {} values", bytes.len(), out.len())));
     }
-    for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
-        *o = f32::from_le_bytes(b.try_into().expect("4 bytes"));
+    if cfg!(target_endian = "little") {
+        // SAFETY: any 4 bytes are a valid f32 and the lengths match (checked above): the same
+        // memory written as bytes, one memcpy.
+        let dst = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(out)) };
+        dst.copy_from_slice(bytes);
+    } else {
+        for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+            *o = f32::from_le_bytes(b.try_into().expect("4 bytes"));
+        }
     }
     Ok(())
 }
@@ -391,18 +422,42 @@ fn load_part(rank: Option<u32>) -> Result<Option<Loaded>, SnapshotError> {
     Ok(Some(Loaded { step, world: answer.world.unwrap_or(0), map, entries, start }))
 }
 
-/// A read-only shared mapping of a descriptor, unmapped when dropped.
+/// A mapping of a descriptor, unmapped when dropped: read-only and private (a loaded part), or
+/// shared and writable (a buffer being saved into, written only through `&mut`).
 struct Mapping {
     ptr: *mut libc::c_void,
     len: usize,
 }
 
-// SAFETY: the mapping is read-only and owned; nothing mutates it through this type.
+// SAFETY: the mapping is owned; it is written only through `&mut self` (bytes_mut), so moving it
+// between threads is as safe as moving a Vec.
 unsafe impl Send for Mapping {}
-// SAFETY: as above: shared references only read.
+// SAFETY: shared references only read.
 unsafe impl Sync for Mapping {}
 
 impl Mapping {
+    fn shared(fd: &OwnedFd, len: usize) -> io::Result<Mapping> {
+        if len == 0 {
+            return Ok(Mapping { ptr: std::ptr::null_mut(), len: 0 });
+        }
+        let (prot, flags) = (libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED | libc::MAP_POPULATE);
+        // SAFETY: a fresh mapping of an open descriptor; the kernel checks the length and access.
+        let ptr = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, flags, fd.as_raw_fd(), 0) };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Mapping { ptr, len })
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        if self.len == 0 {
+            return &mut [];
+        }
+        // SAFETY: ptr maps len writable bytes (made by `shared`) for this value's life; `&mut
+        // self` makes this the only reference.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr as *mut u8, self.len) }
+    }
+
     fn read_only(fd: &OwnedFd, len: usize) -> io::Result<Mapping> {
         if len == 0 {
             return Ok(Mapping { ptr: std::ptr::null_mut(), len: 0 });
@@ -428,7 +483,7 @@ impl Mapping {
 impl Drop for Mapping {
     fn drop(&mut self) {
         if self.len > 0 {
-            // SAFETY: ptr/len are the mapping made in read_only, unmapped once.
+            // SAFETY: ptr/len are the mapping made in read_only or shared, unmapped once.
             unsafe { libc::munmap(self.ptr, self.len) };
         }
     }

@@ -178,6 +178,24 @@ def main():
         f"| a snapshot of that state alone (`save` of the model's and the optimizer's `state_dict`) | {ms(a['train_save'])} | |",
         f"| the same step and a snapshot of it | {ms(a['train_step_snapshot'])} | {a['train_step'] / a['train_step_snapshot'] * 100:.0f} % of the speed |",
     ]
+    # The Rust runtime's client, the same way (examples/snapshot_cost.rs).
+    rust = os.path.join(ROOT, "target/debug/examples/snapshot_cost")
+    p = subprocess.run([args.rlaunch, "--standalone", "--nproc-per-node", "1", "--max-restarts", "1",
+                        "--snapshot-memory", "4096", rust, out, str(args.mib)], capture_output=True, text=True, timeout=900)
+    if p.returncode != 0:
+        raise SystemExit(f"the Rust run failed:\n{p.stderr[-4000:]}")
+    c = json.load(open(os.path.join(out, "rust0.json")))
+    d = json.load(open(os.path.join(out, "rust1.json")))
+    rows += [
+        "| **Rust** (`rlaunch::snapshot`, `examples/snapshot_cost.rs`): one memcpy of the state | " + ms(c["memcpy"]) + " | 1.0x |",
+        f"| Rust `save` (steady) | {ms(c['save'])} | {c['save'] / c['memcpy']:.2f}x memcpy |",
+        f"| Rust `save`, the first (fresh memory) | {ms(c['save_first'])} | {c['save_first'] / c['memcpy']:.2f}x memcpy |",
+        f"| Rust: the state written to a tmpfs file | {ms(c['file_write'])} | {c['file_write'] / c['save']:.1f}x save |",
+        f"| Rust `load` after a restart | {ms(d['load'])} | |",
+        f"| Rust: the tmpfs file read back | {ms(d['file_read'])} | {d['file_read'] / max(d['load'], 1e-6):.0f}x load |",
+        f"| Rust `load`, then every byte copied into the program's vectors | {ms(d['load_copy'])} | |",
+        f"| Rust: the file read, then copied | {ms(d['file_read_copy'])} | {d['file_read_copy'] / d['load_copy']:.1f}x load + copy |",
+    ]
     table = "\n".join(rows)
     print(table)
     if args.out:
