@@ -79,18 +79,28 @@ pub fn send_frame(sock: &UnixStream, body: &[u8], fd: Option<BorrowedFd<'_>>) ->
     (&*sock).write_all(&frame[sent..])
 }
 
+/// A control buffer with room for `fds` descriptors.
+fn control_buffer(fds: usize) -> Vec<u8> {
+    // SAFETY: CMSG_SPACE only computes a size.
+    vec![0u8; unsafe { libc::CMSG_SPACE((fds * std::mem::size_of::<libc::c_int>()) as u32) } as usize]
+}
+
+/// A message header over one buffer and a control buffer; both must outlive its use.
+fn msghdr(iov: &mut libc::iovec, control: &mut [u8]) -> libc::msghdr {
+    // SAFETY: msghdr is plain data; zeroed is its empty value.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr() as *mut libc::c_void;
+    msg.msg_controllen = control.len() as _;
+    msg
+}
+
 fn send_with_fd(sock: &UnixStream, bytes: &[u8], fd: BorrowedFd<'_>) -> io::Result<usize> {
     let raw = fd.as_raw_fd();
     let mut iov = libc::iovec { iov_base: bytes.as_ptr() as *mut libc::c_void, iov_len: bytes.len() };
-    // SAFETY: CMSG_SPACE only computes a size.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) } as usize;
-    let mut control = vec![0u8; space];
-    // SAFETY: msghdr is plain data; every pointer set below outlives the sendmsg call.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr() as *mut libc::c_void;
-    msg.msg_controllen = space as _;
+    let mut control = control_buffer(1);
+    let msg = msghdr(&mut iov, &mut control);
     // SAFETY: the control buffer has room for one header with one descriptor (CMSG_SPACE), so
     // CMSG_FIRSTHDR is non-null and CMSG_DATA points inside it.
     unsafe {
@@ -151,15 +161,8 @@ pub fn recv_frame(sock: &UnixStream) -> io::Result<Option<(Vec<u8>, Option<Owned
 fn recv_with_fds(sock: &UnixStream, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedFd>)> {
     let mut iov = libc::iovec { iov_base: buf.as_mut_ptr() as *mut libc::c_void, iov_len: buf.len() };
     // Room for a few descriptors: a peer sending more gets them closed, not leaked.
-    // SAFETY: CMSG_SPACE only computes a size.
-    let space = unsafe { libc::CMSG_SPACE(4 * std::mem::size_of::<libc::c_int>() as u32) } as usize;
-    let mut control = vec![0u8; space];
-    // SAFETY: plain data; the pointers set below outlive the call.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr() as *mut libc::c_void;
-    msg.msg_controllen = space as _;
+    let mut control = control_buffer(4);
+    let mut msg = msghdr(&mut iov, &mut control);
     let n = loop {
         // SAFETY: msg describes live buffers; MSG_CMSG_CLOEXEC keeps passed descriptors from
         // leaking into the agent's children.

@@ -27,7 +27,9 @@ use std::collections::VecDeque;
 
 use serde::{Deserialize, Serialize};
 
-use crate::round::settings::Millis;
+/// Milliseconds on the caller's clock (the same `u64` as the round's `Millis`; defined here so
+/// that the detector imports nothing of the round that calls it).
+pub type Millis = u64;
 use rlaunch::contract::HostPort;
 
 /// phi at which a node is suspected: the chance that a live node's heartbeat is this late is
