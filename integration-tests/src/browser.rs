@@ -40,9 +40,30 @@ fn pipe() -> (OwnedFd, OwnedFd) {
     unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) }
 }
 
+/// How many times a browser that never answers is started again. On a loaded 2-core machine a
+/// fresh headless Chromium has been seen to leave its first tab unanswered for 30 s (its log
+/// empty); a second one then works. A browser that fails every try still fails the test.
+const TRIES: usize = 3;
+
 impl Browser {
-    /// Starts headless Chromium with a fresh profile; its own output goes to `log`.
+    /// Starts headless Chromium with a fresh profile; its own output goes to `log`. It is known
+    /// to answer DevTools commands when this returns.
     pub fn launch(log: &Path) -> Browser {
+        let mut last = String::new();
+        for attempt in 1..=TRIES {
+            let mut browser = Browser::spawn(log);
+            match browser.try_call("Browser.getVersion", json!({}), false) {
+                Ok(_) => return browser,
+                Err(e) => {
+                    eprintln!("chromium try {attempt} of {TRIES}: {e}");
+                    last = e;
+                }
+            }
+        }
+        panic!("chromium never answered in {TRIES} tries: {last}")
+    }
+
+    fn spawn(log: &Path) -> Browser {
         let chromium = crate::which("chromium").or_else(|| crate::which("chromium-browser")).unwrap_or_else(|| {
             panic!("chromium is not installed: scripts/install-deps.sh installs it (Debian's `chromium`)")
         });
@@ -124,8 +145,15 @@ impl Browser {
         text[start..].to_owned()
     }
 
-    /// Sends one command and waits for its answer (events meanwhile are dropped).
+    /// Sends one command and waits for its answer (events meanwhile are dropped); panics when
+    /// none comes or the command fails.
     fn call(&mut self, method: &str, params: Value, on_page: bool) -> Value {
+        self.try_call(method, params, on_page).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`Browser::call`], but no answer within [`CALL_DEADLINE`], or the browser gone, is an
+    /// error (with the browser's log) rather than a panic. A command that fails still panics.
+    fn try_call(&mut self, method: &str, params: Value, on_page: bool) -> Result<Value, String> {
         let id = self.next_id;
         self.next_id += 1;
         let mut msg = json!({"id": id, "method": method, "params": params});
@@ -135,7 +163,7 @@ impl Browser {
         let mut bytes = serde_json::to_vec(&msg).expect("json");
         bytes.push(0);
         if let Err(e) = self.commands.write_all(&bytes) {
-            panic!("chromium is gone ({e}); its log:\n{}", self.log_tail());
+            return Err(format!("chromium is gone ({e}); its log:\n{}", self.log_tail()));
         }
         let until = Instant::now() + CALL_DEADLINE;
         loop {
@@ -145,25 +173,36 @@ impl Browser {
                     if let Some(e) = v.get("error") {
                         panic!("DevTools {method} failed: {e}");
                     }
-                    return v["result"].clone();
+                    return Ok(v["result"].clone());
                 }
                 Ok(_) => {}
                 Err(RecvTimeoutError::Timeout) => {
-                    panic!(
+                    return Err(format!(
                         "DevTools {method}: no answer within {CALL_DEADLINE:?}; chromium's log:\n{}",
                         self.log_tail()
-                    )
+                    ))
                 }
                 Err(RecvTimeoutError::Disconnected) => {
-                    panic!("chromium closed its pipe during {method}; its log:\n{}", self.log_tail())
+                    return Err(format!("chromium closed its pipe during {method}; its log:\n{}", self.log_tail()))
                 }
             }
         }
     }
 
     /// Opens `url` in a new tab and attaches to it; later calls act on that tab.
+    /// A browser whose new tab never answers is replaced by a fresh one (up to [`TRIES`] in
+    /// all), as [`Browser::launch`] does; tabs opened before are then gone.
     pub fn open(&mut self, url: &str) {
-        let target = self.call("Target.createTarget", json!({"url": url}), false);
+        let mut target = self.try_call("Target.createTarget", json!({"url": url}), false);
+        for attempt in 2..=TRIES {
+            let Err(e) = &target else { break };
+            eprintln!("chromium's new tab, try {} of {TRIES}: {e}", attempt - 1);
+            let log = self.log.clone();
+            // The old one is killed as it drops.
+            *self = Browser::launch(&log);
+            target = self.try_call("Target.createTarget", json!({"url": url}), false);
+        }
+        let target = target.unwrap_or_else(|e| panic!("{e}"));
         let target_id = target["targetId"].as_str().expect("a target id").to_owned();
         let attached = self.call("Target.attachToTarget", json!({"targetId": target_id, "flatten": true}), false);
         self.session = Some(attached["sessionId"].as_str().expect("a session id").to_owned());
