@@ -23,6 +23,20 @@ pub const USE_AGENT_STORE: &str = "TORCHELASTIC_USE_AGENT_STORE";
 pub const ERROR_FILE: &str = "TORCHELASTIC_ERROR_FILE";
 pub const NCCL_ASYNC_ERROR_HANDLING: &str = "TORCH_NCCL_ASYNC_ERROR_HANDLING";
 pub const OMP_NUM_THREADS: &str = "OMP_NUM_THREADS";
+pub const LC_CTYPE: &str = "LC_CTYPE";
+
+/// torchrun is a Python program: in the C locale its interpreter sets `LC_CTYPE=C.UTF-8` in its
+/// own environment as it starts (PEP 538, unless `PYTHONCOERCECLOCALE=0` or `LC_ALL` is set),
+/// and every worker inherits it (so a Python worker's UTF-8 mode is off). The same for the
+/// workers of a launcher that is no Python program.
+pub fn coerced_locale(agent_env: &BTreeMap<String, String>) -> Option<&'static str> {
+    let set = |k: &str| agent_env.get(k).filter(|v| !v.is_empty());
+    if set("LC_ALL").is_some() || agent_env.get("PYTHONCOERCECLOCALE").is_some_and(|v| v == "0") {
+        return None;
+    }
+    let ctype = set(LC_CTYPE).or_else(|| set("LANG"));
+    ctype.is_none_or(|l| l == "C" || l == "POSIX").then_some("C.UTF-8")
+}
 pub const SIGNALS_TO_HANDLE: &str = "TORCHELASTIC_SIGNALS_TO_HANDLE";
 /// The signals the agent stops the job on, as torchrun advertises them to workers.
 pub const DEFAULT_SIGNALS_TO_HANDLE: &str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT";
@@ -95,6 +109,9 @@ impl WorkerEnv {
             vars.push((OMP_NUM_THREADS, "1".to_string()));
         }
         vars.push((SIGNALS_TO_HANDLE, self.signals_to_handle.clone()));
+        if let Some(coerced) = coerced_locale(agent_env) {
+            vars.push((LC_CTYPE, coerced.to_owned()));
+        }
         vars
     }
 
@@ -182,9 +199,23 @@ mod tests {
             env.to_vars(&BTreeMap::new()).into_iter().map(|(k, v)| (k.to_string(), v)).collect();
         assert_eq!(vars[USE_AGENT_STORE], "True");
         assert_eq!(vars[OMP_NUM_THREADS], "1");
+        assert_eq!(vars[LC_CTYPE], "C.UTF-8", "no locale: torchrun's interpreter's own coercion, inherited");
         assert_eq!(vars[NCCL_ASYNC_ERROR_HANDLING], "1");
         let back = WorkerEnv::from_lookup(|k| vars.get(k).cloned()).expect("complete env");
         assert_eq!(back, env);
+    }
+
+    #[test]
+    fn the_locale_is_coerced_only_where_torchrun_s_interpreter_would() {
+        let env = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
+            pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        };
+        assert_eq!(coerced_locale(&env(&[])), Some("C.UTF-8"));
+        assert_eq!(coerced_locale(&env(&[("LANG", "C")])), Some("C.UTF-8"));
+        assert_eq!(coerced_locale(&env(&[("LC_CTYPE", "POSIX"), ("LANG", "en_US.UTF-8")])), Some("C.UTF-8"));
+        assert_eq!(coerced_locale(&env(&[("LANG", "en_US.UTF-8")])), None);
+        assert_eq!(coerced_locale(&env(&[("LC_ALL", "C")])), None);
+        assert_eq!(coerced_locale(&env(&[("PYTHONCOERCECLOCALE", "0")])), None);
     }
 
     #[test]

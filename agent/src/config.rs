@@ -113,6 +113,9 @@ pub struct AgentConfig {
     /// The node's memory for snapshots (`--snapshot-memory`, bytes): the parts its workers save
     /// and the copies it keeps for another node. 0: no snapshots (`save` and `load` do nothing).
     pub snapshot_memory: u64,
+    /// Warm workers (`--warm-workers`): a Python interpreter per local rank, its program's
+    /// modules imported, waiting for the next round (`warm.rs`).
+    pub warm_workers: bool,
 }
 
 impl AgentConfig {
@@ -141,6 +144,7 @@ impl AgentConfig {
             duplicate_stdout_filters: Vec::new(),
             duplicate_stderr_filters: Vec::new(),
             snapshot_memory: crate::snapstore::default_cap(),
+            warm_workers: true,
         }
     }
 }

@@ -172,6 +172,24 @@ impl Containment {
         }
     }
 
+    /// The `cgroup.procs` file a warm worker of `local_rank` starts in: beside the rank's, so a
+    /// stop of the rank's workers leaves it, and the job's end or the agent's death ends it.
+    pub fn warm_procs_file(&self, local_rank: u32) -> Option<CString> {
+        match self {
+            Containment::Cgroup(job) => cstring(&job.warm_dir(local_rank).join("cgroup.procs")),
+            Containment::ProcessGroups(_) => None,
+        }
+    }
+
+    /// Moves a warm worker (`pid`, which has started nothing yet) into `local_rank`'s cgroup,
+    /// as it becomes that rank's worker. Nothing to do with process groups: it leads its own.
+    pub fn adopt(&self, local_rank: u32, pid: u32) -> std::io::Result<()> {
+        match self {
+            Containment::Cgroup(job) => std::fs::write(job.rank_dir(local_rank).join("cgroup.procs"), pid.to_string()),
+            Containment::ProcessGroups(_) => Ok(()),
+        }
+    }
+
     /// Kills every process left of these ranks' trees and waits (bounded) until none is left.
     /// Process groups: whatever was orphaned to this agent is killed instead, but for `keep`
     /// (workers not reaped yet).
@@ -182,6 +200,8 @@ impl Containment {
                 // The watchdog is a child of the agent too: never one of the orphans.
                 let mut keep = keep.to_vec();
                 keep.extend(guard.as_ref().map(Guard::pid));
+                // Warm workers wait as the agent's children until a round takes them.
+                keep.extend(crate::warm::live_pids());
                 let _ = tokio::task::spawn_blocking(move || crate::process::kill_orphans(&keep)).await;
             }
         }
@@ -196,6 +216,7 @@ impl CgroupJob {
         let remove_all = |upto: u32| {
             for r in 0..upto {
                 let _ = std::fs::remove_dir(dir.join(format!("rank{r}")));
+                let _ = std::fs::remove_dir(dir.join(format!("warm{r}")));
             }
             let _ = std::fs::remove_dir(&dir);
         };
@@ -204,8 +225,10 @@ impl CgroupJob {
             return Err("the kernel has no cgroup.kill (before 5.14)".into());
         }
         for r in 0..ranks {
-            if let Err(e) = std::fs::create_dir(dir.join(format!("rank{r}"))) {
-                remove_all(r);
+            let made = std::fs::create_dir(dir.join(format!("rank{r}")))
+                .and_then(|()| std::fs::create_dir(dir.join(format!("warm{r}"))));
+            if let Err(e) = made {
+                remove_all(r + 1);
                 return Err(format!("cannot create a cgroup per rank: {e}"));
             }
         }
@@ -218,7 +241,7 @@ impl CgroupJob {
             kill: vec![cstring(&dir.join("cgroup.kill")).ok_or("cgroup path with a NUL byte")?],
             events: Some(cstring(&dir.join("cgroup.events")).ok_or("cgroup path with a NUL byte")?),
             rmdir: (0..ranks)
-                .map(|r| dir.join(format!("rank{r}")))
+                .flat_map(|r| [dir.join(format!("rank{r}")), dir.join(format!("warm{r}"))])
                 .chain(std::iter::once(dir.clone()))
                 .map(|p| cstring(&p).ok_or("cgroup path with a NUL byte"))
                 .collect::<Result<_, _>>()?,
@@ -232,6 +255,10 @@ impl CgroupJob {
 
     fn rank_dir(&self, local_rank: u32) -> PathBuf {
         self.dir.join(format!("rank{local_rank}"))
+    }
+
+    fn warm_dir(&self, local_rank: u32) -> PathBuf {
+        self.dir.join(format!("warm{local_rank}"))
     }
 
     /// Kills these ranks' cgroups all at once, then waits (bounded) until every one is empty,
@@ -312,6 +339,7 @@ impl Drop for CgroupJob {
         }
         for r in 0..self.ranks {
             let _ = std::fs::remove_dir(self.rank_dir(r));
+            let _ = std::fs::remove_dir(self.warm_dir(r));
         }
         let _ = std::fs::remove_dir(&self.dir);
     }

@@ -42,7 +42,12 @@ pub(crate) async fn run(config: &AgentConfig, ctx: &Ctx<'_>, signals: &mut Signa
         calls: JoinSet::new(),
         join: None,
         watching_hangs: false,
+        refill: None,
     };
+    if let Some(pool) = ctx.warm {
+        // Before the first rendezvous: a spare has its workers warm before any fault.
+        pool.fill(&crate::warm_templates(config, None, ctx));
+    }
     let membership = io.setup().await?;
     let result = drive(Core::new(membership).with_handled_signals(&config.handled_signals), &mut io, rx, signals).await;
     io.calls.abort_all();
@@ -79,6 +84,12 @@ async fn drive(
         if matches!(event, Event::WorkersStopped | Event::WorkersEnded(_)) {
             if let Some(snap) = io.ctx.snapshots {
                 snap.end_round();
+            }
+        }
+        if let (Some(pool), Some((at, _))) = (io.ctx.warm, &io.refill) {
+            if tokio::time::Instant::now() >= *at {
+                let (_, p) = io.refill.take().expect("just matched");
+                pool.fill(&crate::warm_templates(io.config, Some(&p), io.ctx));
             }
         }
         let now = u64::try_from(start.elapsed().as_millis()).unwrap_or(u64::MAX);
@@ -278,6 +289,8 @@ struct Io<'a> {
     join: Option<AbortHandle>,
     /// The running group reads stacks (`--hang-timeout`, the job's).
     watching_hangs: bool,
+    /// When to start the next set of warm workers, and for which round's placement.
+    refill: Option<(tokio::time::Instant, Placement)>,
 }
 
 /// The core's view of a call's result.
@@ -527,7 +540,12 @@ impl Io<'_> {
             &io,
             self.ctx.host,
             self.ctx.containment.clone(),
+            self.ctx.warm,
         )?;
+        if self.ctx.warm.is_some() {
+            // The next set, once this round's first steps have had the CPUs to themselves.
+            self.refill = Some((tokio::time::Instant::now() + crate::warm::REFILL_AFTER, p.clone()));
+        }
         self.watching_hangs = p.hang_timeout.is_some();
         let hang = p.hang_timeout.map(|timeout| {
             let (py_spy, refused) = hangwatch::find_py_spy(&self.config.program, self.ctx.agent_env);

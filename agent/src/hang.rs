@@ -222,6 +222,10 @@ pub fn parse_py_spy(dump: &str) -> Vec<Frame> {
             _ => (inner, None),
         };
         let file = path.rsplit('/').next().unwrap_or(path).to_owned();
+        if file == crate::warm::BOOTSTRAP_FILE {
+            // Below the program in a warm worker: not the program's, not in a cold one.
+            continue;
+        }
         frames.push(Frame { function: t[..open].to_owned(), file, line: line_no });
     }
     let main = threads.iter().position(|(m, _)| *m).unwrap_or(0);
@@ -434,6 +438,12 @@ Thread 4250 (idle): \"Thread-1\"\n    wait (threading.py:320)\n";
         let shown: Vec<String> = frames.iter().map(Frame::to_string).collect();
         assert_eq!(shown, ["stuck_here (train.py:4)", "main (train.py:12)", "<module> (train.py:20)"]);
         assert_ne!(digest(&frames), digest(&frames[1..]));
+        // A warm worker's: the same, without the bootstrap's frames below the program.
+        let warm = DUMP.replace(
+            "    <module> (job/train.py:20)\n",
+            "    <module> (job/train.py:20)\n    _become (/tmp/rlaunch-warm-1-2/rlaunch_warm.py:130)\n    <module> (/tmp/rlaunch-warm-1-2/rlaunch_warm.py:170)\n",
+        );
+        assert_eq!(parse_py_spy(&warm), frames);
     }
 
     #[test]

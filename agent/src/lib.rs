@@ -24,6 +24,7 @@ pub mod report;
 pub mod snapshots;
 pub mod snapstore;
 pub mod supervisor;
+pub mod warm;
 pub mod workers;
 
 use std::collections::BTreeMap;
@@ -170,7 +171,9 @@ async fn run_inner(config: AgentConfig) -> Result<RunOutcome, AgentError> {
     let snapshots = snapstore::SnapStore::start(config.snapshot_memory)
         .map_err(|e| warn!(error = %e, "cannot start the snapshot store: snapshots are off"))
         .ok();
+    let warm = config.warm_workers.then(|| warm::WarmPool::new(&config.program, containment.clone())).flatten();
     let ctx = Ctx {
+        warm: warm.as_ref(),
         snapshots: snapshots.as_ref(),
         containment: &containment,
         host: &host,
@@ -182,6 +185,8 @@ async fn run_inner(config: AgentConfig) -> Result<RunOutcome, AgentError> {
         cpus,
     };
     let outcome = driver::run(&config, &ctx, &mut signals).await;
+    // Warm workers never used end here, before the job's cgroups go.
+    drop(warm);
     // Every worker is gone. The job's cgroups go with the last holder of this (a worker group
     // task may still hold it briefly); if the process ends first, the watchdog removes them.
     drop(containment);
@@ -200,6 +205,8 @@ async fn run_inner(config: AgentConfig) -> Result<RunOutcome, AgentError> {
 
 /// What every way of running a node shares: where it runs, its environment, console and logs.
 pub(crate) struct Ctx<'a> {
+    /// The node's warm workers, when they are on and the program is Python.
+    pub warm: Option<&'a warm::WarmPool>,
     /// The node's snapshot store, when snapshots are on.
     pub snapshots: Option<&'a snapstore::SnapStore>,
     pub containment: &'a std::sync::Arc<contain::Containment>,
@@ -360,6 +367,43 @@ pub(crate) fn worker_specs(
                 files,
                 console,
             }
+        })
+        .collect()
+}
+
+/// What this node's warm workers are started with: each rank's terminal and CPUs as `p` (or,
+/// before any round, a first round of this node alone) gives them, and of the environment the
+/// part every round's worker of that rank gets.
+pub(crate) fn warm_templates(config: &AgentConfig, p: Option<&core::Placement>, ctx: &Ctx<'_>) -> Vec<warm::Template> {
+    let first = core::Placement {
+        round: 0,
+        group_rank: 0,
+        group_world_size: 1,
+        rank_offset: 0,
+        world_size: config.nproc_per_node,
+        master: None,
+        restart_count: 0,
+        hang_timeout: None,
+        fingerprint_diff: Vec::new(),
+        members: Vec::new(),
+        peer_key: None,
+    };
+    let p = p.unwrap_or(&first);
+    let master = HostPort::new("127.0.0.1", 0).expect("a loopback address is a valid host");
+    worker_specs(config, p, &master, ctx)
+        .into_iter()
+        .map(|spec| {
+            let constant =
+                [rlaunch::env::OMP_NUM_THREADS, rlaunch::env::NCCL_ASYNC_ERROR_HANDLING, rlaunch::env::LC_CTYPE];
+            let mut env: Vec<(String, String)> = spec
+                .env
+                .to_vars(ctx.agent_env)
+                .into_iter()
+                .filter(|(k, _)| constant.contains(k))
+                .map(|(k, v)| (k.to_owned(), v))
+                .collect();
+            env.extend(spec.overrides.iter().map(|(k, v)| ((*k).to_owned(), v.clone())));
+            warm::Template { local_rank: spec.env.local_rank, env, terminal: spec.terminal, cpus: spec.cpus }
         })
         .collect()
 }

@@ -27,7 +27,7 @@ enum Exited {
 }
 
 /// How a worker's standard streams are connected.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Terminal {
     /// stdout (and stderr) on pseudo-terminals of their own, so the worker sees a terminal:
     /// colours, progress bars, prompts. Otherwise pipes.
@@ -48,6 +48,10 @@ pub struct Placement {
     pub cgroup_procs: Option<CString>,
     /// CPUs the worker and its threads may run on (`--numa-binding`).
     pub cpus: Option<libc::cpu_set_t>,
+    /// The one descriptor above stderr the worker keeps (a warm worker's order pipe). Every
+    /// other one the agent inherited without close-on-exec is closed at exec, as torchrun's
+    /// workers have only stdin, stdout and stderr.
+    pub keep_fd: Option<libc::c_int>,
 }
 
 /// A started worker: the process, its output streams, and where its stdin can be written.
@@ -117,7 +121,7 @@ fn spawn_worker_with(
     if !session {
         cmd.process_group(0);
     }
-    let Placement { cgroup_procs, cpus } = place;
+    let Placement { cgroup_procs, cpus, keep_fd } = place;
     // SAFETY: the closure runs between fork and exec and only calls async-signal-safe functions
     // (setsid, ioctl, signal, sched_setaffinity, prctl, getppid, open, write, close) on memory
     // prepared before the fork; it allocates nothing and touches no locks.
@@ -133,6 +137,7 @@ fn spawn_worker_with(
                     return Err(io::Error::last_os_error());
                 }
             }
+            close_at_exec_from(3, keep_fd)?;
             // The agent ignores SIGTTIN while it forwards a terminal's input; the worker must not
             // inherit that.
             libc::signal(libc::SIGTTIN, libc::SIG_DFL);
@@ -398,9 +403,66 @@ impl WorkerProc {
         signal_group(self.pid, signal)
     }
 
+    /// Whether the worker has exited (it is left unreaped: its waiter reaps it).
+    pub fn has_exited(&self) -> bool {
+        if self.is_reaped() {
+            return true;
+        }
+        // SAFETY: a zeroed siginfo_t is a valid out-parameter for waitid.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: waitid on our own unreaped child with a valid siginfo pointer; WNOWAIT leaves
+        // it unreaped, WNOHANG returns at once.
+        let r = unsafe {
+            libc::waitid(libc::P_PID, self.pid as libc::id_t, &mut info, libc::WEXITED | libc::WNOHANG | libc::WNOWAIT)
+        };
+        // SAFETY: after a successful waitid, si_pid is set (0 when nothing has exited yet).
+        r != 0 || unsafe { info.si_pid() } != 0
+    }
+
+    /// Kills the worker's process group and reaps it, blocking for at most `within` (for a
+    /// drop, where nothing can be awaited). Whether it was reaped.
+    pub fn kill_and_reap(&self, within: std::time::Duration) -> bool {
+        let _ = self.signal_group(libc::SIGKILL);
+        let until = std::time::Instant::now() + within;
+        loop {
+            match self.try_reap() {
+                Ok(Some(_)) | Err(_) => return true,
+                Ok(None) if std::time::Instant::now() >= until => return false,
+                Ok(None) => std::thread::sleep(std::time::Duration::from_millis(1)),
+            }
+        }
+    }
+
     pub fn is_reaped(&self) -> bool {
         *self.reaped.lock().unwrap_or_else(|p| p.into_inner())
     }
+}
+
+/// Marks every descriptor from `first` up close-on-exec but `keep`, which is made to stay open
+/// (`close_range`, Linux 5.11; an older kernel leaves them as they are). Only async-signal-safe
+/// calls: it runs between fork and exec.
+fn close_at_exec_from(first: libc::c_uint, keep: Option<libc::c_int>) -> io::Result<()> {
+    let range = |lo: libc::c_uint, hi: libc::c_uint| {
+        // SAFETY: close_range takes two descriptor numbers and flags; with CLOEXEC it closes
+        // nothing now.
+        unsafe { libc::syscall(libc::SYS_close_range, lo, hi, libc::CLOSE_RANGE_CLOEXEC) }
+    };
+    match keep.and_then(|k| libc::c_uint::try_from(k).ok()).filter(|k| *k >= first) {
+        Some(k) => {
+            if k > first {
+                range(first, k - 1);
+            }
+            range(k + 1, libc::c_uint::MAX);
+            // SAFETY: fcntl on a descriptor number; the worker keeps it across exec.
+            if unsafe { libc::fcntl(k as libc::c_int, libc::F_SETFD, 0) } != 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
+        None => {
+            range(first, libc::c_uint::MAX);
+        }
+    }
+    Ok(())
 }
 
 /// Moves the calling process into the cgroup whose `cgroup.procs` is `procs` ("0" names the

@@ -69,6 +69,15 @@ struct Running {
     written: Arc<std::sync::atomic::AtomicU64>,
 }
 
+/// How every worker of a group is started: its program, the agent's environment, and the warm
+/// interpreters that may become workers.
+#[derive(Clone, Copy)]
+struct How<'a> {
+    program: &'a [OsString],
+    agent_env: &'a BTreeMap<String, String>,
+    warm: Option<&'a crate::warm::WarmPool>,
+}
+
 pub struct WorkerGroup {
     containment: Arc<Containment>,
     workers: Vec<Running>,
@@ -89,6 +98,7 @@ impl WorkerGroup {
         io: &GroupIo,
         host: &str,
         containment: Arc<Containment>,
+        warm: Option<&crate::warm::WarmPool>,
     ) -> Result<WorkerGroup, AgentError> {
         let (tx, exits) = mpsc::unbounded_channel();
         let mut group = WorkerGroup {
@@ -100,8 +110,9 @@ impl WorkerGroup {
             stdin: io.stdin.clone(),
             log_root: io.log_root.clone(),
         };
+        let how = How { program, agent_env, warm };
         for (index, spec) in specs.into_iter().enumerate() {
-            if let Err(e) = group.spawn_one(index, program, spec, agent_env, io, tx.clone()) {
+            if let Err(e) = group.spawn_one(index, spec, &how, io, tx.clone()) {
                 group.kill_now();
                 return Err(e);
             }
@@ -112,12 +123,12 @@ impl WorkerGroup {
     fn spawn_one(
         &mut self,
         index: usize,
-        program: &[OsString],
         spec: WorkerSpec,
-        agent_env: &BTreeMap<String, String>,
+        how: &How<'_>,
         io: &GroupIo,
         tx: mpsc::UnboundedSender<(usize, Exit, u64)>,
     ) -> Result<(), AgentError> {
+        let How { program, agent_env, warm } = *how;
         let console: &Console = &io.console;
         let local_rank = spec.env.local_rank;
         io.log_root.create_dirs(&spec.dir).map_err(|source| AgentError::LogDir { path: spec.dir.clone(), source })?;
@@ -137,12 +148,17 @@ impl WorkerGroup {
                 cmd.env(crate::hangwatch::HEARTBEAT_ENV, path);
             }
         }
-        let place = Placement { cgroup_procs: self.containment.procs_file(local_rank), cpus: spec.cpus };
-        let spawned = spawn_worker(cmd, place, spec.terminal).map_err(|source| AgentError::Spawn {
-            local_rank,
-            program: exe.to_string_lossy().into_owned(),
-            source,
-        })?;
+        let place = Placement { cgroup_procs: self.containment.procs_file(local_rank), cpus: spec.cpus, keep_fd: None };
+        // A warm interpreter becomes this worker when one waits (`cmd` says what it becomes);
+        // otherwise the worker starts cold.
+        let spawned = match warm.and_then(|w| w.take(local_rank, spec.terminal, &cmd)) {
+            Some(spawned) => spawned,
+            None => spawn_worker(cmd, place, spec.terminal).map_err(|source| AgentError::Spawn {
+                local_rank,
+                program: exe.to_string_lossy().into_owned(),
+                source,
+            })?,
+        };
         let proc = Arc::new(spawned.proc);
         let pid = proc.pid();
         // Process groups: the watchdog kills this group too if the agent dies (a child left in

@@ -36,6 +36,7 @@ mod terminal;
 mod tls_job;
 mod torch_interop;
 mod torchrun_diff;
+mod warm_workers;
 
 /// With `autotests` off, a file in `tests/` that is neither a module above nor a `[[test]]` of
 /// its own would never be built.

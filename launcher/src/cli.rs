@@ -184,6 +184,13 @@ pub struct Args {
     #[arg(long = "snapshot-memory", env = "RLAUNCH_SNAPSHOT_MEMORY", value_name = "MIB")]
     pub snapshot_memory: Option<u64>,
 
+    /// Warm workers for Python programs: per local rank, an interpreter that has imported the
+    /// program's modules from outside its own directory (torch, numpy, ...) waits for the next
+    /// round, so a restart or a new round starts no Python and imports nothing. Costs one such
+    /// interpreter's memory per local rank (README); `off`: every worker starts cold.
+    #[arg(long = "warm-workers", env = "RLAUNCH_WARM_WORKERS", default_value = "on", value_parser = ["on", "off"])]
+    pub warm_workers: String,
+
     /// Signals that stop the job and reach the workers first, then SIGTERM and SIGKILL after
     /// the grace (torchrun's list). SIGTERM, SIGINT, SIGHUP and SIGQUIT stop the job even when
     /// not listed; SIGUSR1 and SIGUSR2, when not listed, are relayed to the workers.
@@ -657,6 +664,7 @@ impl Args {
                     .ok_or_else(|| UsageError(format!("--snapshot-memory {mib}: more MiB than any machine has")))?,
                 None => rlaunch_agent::snapstore::default_cap(),
             },
+            warm_workers: self.warm_workers == "on",
             virtual_local_rank: self.virtual_local_rank,
             handled_signals,
             stdin_rank: self.stdin_rank,

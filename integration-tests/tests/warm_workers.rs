@@ -1,0 +1,268 @@
+//! Warm workers (`--warm-workers`, on by default for Python programs): a worker that a waiting
+//! interpreter became sees exactly what a cold one sees, and what torchrun's sees (compared
+//! field by field: environment, argv, `sys.path`, working directory, `__main__`, signal
+//! dispositions and mask, descriptors, process group); a program that moves `sys.path` and its
+//! directory at import and imports its own modules runs as cold; a warm interpreter killed
+//! before use leaves its rank to start cold; none is left when the job ends, or when the agent
+//! is killed; a program that is not Python starts none.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use integration_tests::*;
+use serde_json::Value;
+
+const DEADLINE: Duration = Duration::from_secs(180);
+
+fn py(name: &str) -> PathBuf {
+    repo_root().join("integration-tests/py").join(name)
+}
+
+/// A launcher command with a small, fixed environment (so that nothing of the test's own leaks
+/// into what is compared), writing its probes to `dir`.
+fn clean(mut cmd: std::process::Command, dir: &Path) -> std::process::Command {
+    // The interpreter for rlaunch: the one torchrun runs as (its sys.executable), set for all
+    // alike.
+    cmd.env_clear().env("PATH", "/usr/bin:/bin").env("HOME", "/tmp").env("PROBE_DIR", dir);
+    cmd.env("RLAUNCH_PYTHON", venv_python().with_file_name("python3"));
+    cmd
+}
+
+fn read_probes(dir: &Path, suffix: &str, n: usize) -> Vec<Value> {
+    (0..n)
+        .map(|r| {
+            let path = dir.join(format!("rank{r}{suffix}.json"));
+            let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            serde_json::from_str(&text).expect("probe json")
+        })
+        .collect()
+}
+
+/// A probe with what differs by design between two runs made the same: the run id, the store's
+/// port, the per-run paths of the error file and of the agent's snapshot directory.
+fn normalised(p: &Value) -> Value {
+    let mut p = p.clone();
+    let snap = without_run_ids(p["env"]["PYTHONPATH"].as_str().unwrap_or_default());
+    if let Some(env) = p["env"].as_object_mut() {
+        for k in ["TORCHELASTIC_RUN_ID", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "RLAUNCH_SNAPSHOT", "PROBE_DIR"] {
+            if env.contains_key(k) {
+                env.insert(k.into(), Value::from("<differs by run>"));
+            }
+        }
+        if env.contains_key("PYTHONPATH") {
+            env.insert("PYTHONPATH".into(), Value::from(snap));
+        }
+    }
+    if let Some(path) = p["path"].as_array_mut() {
+        for entry in path.iter_mut() {
+            *entry = Value::from(without_run_ids(entry.as_str().unwrap_or_default()));
+        }
+    }
+    p
+}
+
+/// `/tmp/rlaunch-snap-123-89abcdef/python` -> `/tmp/rlaunch-snap-*/python`.
+fn without_run_ids(s: &str) -> String {
+    match s.find("rlaunch-snap-") {
+        Some(i) => {
+            let rest = &s[i + "rlaunch-snap-".len()..];
+            let end = rest.find('/').unwrap_or(rest.len());
+            format!("{}rlaunch-snap-*{}", &s[..i], &rest[end..])
+        }
+        None => s.to_owned(),
+    }
+}
+
+#[test]
+fn a_warm_worker_sees_what_a_cold_one_and_torchrun_s_see_field_by_field() {
+    let python = venv_python();
+    let n = 2;
+    let run = |cmd: std::process::Command, dir: &Path, what: &str| {
+        let mut cmd = clean(cmd, dir);
+        let o = run_deadline(&mut cmd, DEADLINE);
+        assert!(o.status.success(), "{what}: {}\n{}", stdout_of(&o), stderr_of(&o));
+        read_probes(dir, "", n)
+    };
+    let (td, cd, wd) = (tempdir(), tempdir(), tempdir());
+    let mut t = std::process::Command::new(python.parent().unwrap().join("torchrun"));
+    t.args(["--standalone", "--nproc-per-node", "2"]).arg(py("warm_probe.py"));
+    let torchrun = run(t, td.path(), "torchrun");
+    let rlaunch_with = |warm: &str| {
+        let mut r = std::process::Command::new(bin("rlaunch"));
+        r.args(["--standalone", "--nproc-per-node", "2", "--warm-workers", warm]).arg(py("warm_probe.py"));
+        r
+    };
+    let cold = run(rlaunch_with("off"), cd.path(), "rlaunch cold");
+    let warm = run(rlaunch_with("on"), wd.path(), "rlaunch warm");
+    for rank in 0..n {
+        assert_eq!(warm[rank]["warm"], true, "rank {rank}: a warm worker had torch imported before the program began");
+        assert_eq!(cold[rank]["warm"], false);
+        assert_eq!(torchrun[rank]["warm"], false);
+        let (w, c) = (normalised(&warm[rank]), normalised(&cold[rank]));
+        for field in w.as_object().unwrap().keys().filter(|k| *k != "warm") {
+            assert_eq!(w[field], c[field], "rank {rank}: `{field}` differs between a warm and a cold worker");
+        }
+        // torchrun's: the same but for the two variables rlaunch adds (torch_interop checks
+        // their values) and its own run's values.
+        let t = normalised(&torchrun[rank]);
+        for field in w.as_object().unwrap().keys().filter(|k| !["warm", "env", "path"].contains(&k.as_str())) {
+            assert_eq!(w[field], t[field], "rank {rank}: `{field}` differs from torchrun's worker");
+        }
+        let mut env = w["env"].as_object().unwrap().clone();
+        env.remove("RLAUNCH_SNAPSHOT");
+        env.remove("PYTHONPATH");
+        for (k, v) in t["env"].as_object().unwrap() {
+            match k.as_str() {
+                "MASTER_ADDR" => assert!(["localhost", "127.0.0.1"].contains(&env[k].as_str().unwrap())),
+                _ => assert_eq!(env.get(k), Some(v), "rank {rank}: {k} differs from torchrun's worker"),
+            }
+        }
+        assert_eq!(env.len(), t["env"].as_object().unwrap().len(), "rank {rank}: the same variables as torchrun's");
+        let ours_path: Vec<&Value> =
+            w["path"].as_array().unwrap().iter().filter(|p| !p.as_str().unwrap().contains("rlaunch-snap-")).collect();
+        let theirs: Vec<&Value> = t["path"].as_array().unwrap().iter().collect();
+        assert_eq!(ours_path, theirs, "rank {rank}: sys.path is torchrun's but for the snapshot package");
+    }
+}
+
+#[test]
+fn a_module_run_warm_is_a_module_run_cold() {
+    let (cd, wd) = (tempdir(), tempdir());
+    let run = |warm: &str, dir: &Path| {
+        let mut r = std::process::Command::new(bin("rlaunch"));
+        r.args(["--standalone", "--nproc-per-node", "2", "--warm-workers", warm, "-m", "warmpkg.probe", "--flag", "x"]);
+        let mut r = clean(r, dir);
+        r.env("PROBE_MODULE", "1").current_dir(repo_root().join("integration-tests/py"));
+        let o = run_deadline(&mut r, DEADLINE);
+        assert!(o.status.success(), "{}\n{}", stdout_of(&o), stderr_of(&o));
+        read_probes(dir, ".mod", 2)
+    };
+    let cold = run("off", cd.path());
+    let warm = run("on", wd.path());
+    for rank in 0..2 {
+        assert_eq!((warm[rank]["warm"].clone(), cold[rank]["warm"].clone()), (Value::Bool(true), Value::Bool(false)));
+        let (w, c) = (normalised(&warm[rank]), normalised(&cold[rank]));
+        for field in w.as_object().unwrap().keys().filter(|k| *k != "warm") {
+            assert_eq!(w[field], c[field], "rank {rank}: `{field}` differs between a warm and a cold module run");
+        }
+        assert!(w["argv"][0].as_str().unwrap().ends_with("warmpkg/probe.py"), "{}", w["argv"]);
+        assert_eq!(w["main_spec"], "'warmpkg.probe'");
+    }
+}
+
+/// Warm interpreters this agent started (their bootstrap lies in `rlaunch-warm-{agent pid}-…`).
+fn warm_pids_of(agent: u32) -> Vec<i32> {
+    let needle = format!("rlaunch-warm-{agent}-");
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| String::from_utf8_lossy(&c).contains(&needle))
+        })
+        .collect()
+}
+
+#[test]
+fn moving_at_import_own_modules_and_a_warm_interpreter_killed_before_use() {
+    let python = venv_python();
+    let dir = tempdir();
+    let mut r = rlaunch();
+    r.env("RLAUNCH_PYTHON", &python).env("PROBE_DIR", dir.path()).env("PROBE_HOLD", "6");
+    r.args(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1"]).arg(py("warm_moves.py"));
+    r.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+    let child = r.spawn().expect("rlaunch");
+    let agent = child.id();
+    // Attempt 0 runs; the next set is started 2 s in. Kill one of them before it is used.
+    let first = dir.path().join("rank0.attempt0.json");
+    wait_until("attempt 0 to run", DEADLINE, || first.exists());
+    let mut next: Vec<i32> = Vec::new();
+    wait_until("the next warm set to start", Duration::from_secs(30), || {
+        next = warm_pids_of(agent);
+        next.len() == 2
+    });
+    next.sort_unstable();
+    // SAFETY: kill on a pid just read from /proc, the agent's child waiting for its order.
+    assert_eq!(unsafe { libc::kill(next[0], libc::SIGKILL) }, 0);
+    let o = wait_deadline(child, DEADLINE);
+    assert!(o.status.success(), "{}\n{}", stdout_of(&o), stderr_of(&o));
+    let seen = |rank: u32, attempt: u32| -> Value {
+        let p = dir.path().join(format!("rank{rank}.attempt{attempt}.json"));
+        serde_json::from_str(&std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))).unwrap()
+    };
+    let mut warm_after: BTreeMap<i64, bool> = BTreeMap::new();
+    for rank in 0..2 {
+        for attempt in 0..2 {
+            let s = seen(rank, attempt);
+            let rank_text = rank.to_string();
+            // What the program did at import happened as the worker, with its rank set.
+            assert_eq!(s["moved_helper_rank"], rank_text.as_str(), "rank {rank} attempt {attempt}: {s}");
+            assert_eq!(s["own_module_rank"], rank_text.as_str(), "rank {rank} attempt {attempt}: {s}");
+            assert_eq!(s["cwd"], s["extra"], "the program's own chdir holds");
+            assert!(s["own_module_file"].as_str().unwrap().ends_with("integration-tests/py/warm_own_module.py"));
+            if attempt == 1 {
+                warm_after.insert(s["pid"].as_i64().unwrap(), s["warm"].as_bool().unwrap());
+            }
+        }
+        assert_eq!(seen(rank, 0)["warm"], true, "rank {rank}'s first worker was warm");
+    }
+    // The killed one's rank started cold, the other warm, and the job went on.
+    let killed = i64::from(next[0]);
+    assert!(!warm_after.contains_key(&killed), "the killed interpreter ran nothing");
+    let mut kinds: Vec<bool> = warm_after.values().copied().collect();
+    kinds.sort_unstable();
+    assert_eq!(kinds, [false, true], "one rank cold (its warm one was killed), one warm: {warm_after:?}");
+    assert!(warm_pids_of(agent).is_empty(), "no warm interpreter is left after the job");
+}
+
+#[test]
+fn no_warm_interpreter_outlives_its_job_or_a_killed_agent_and_none_starts_for_a_binary() {
+    let python = venv_python();
+    // A job that ends while its next set waits.
+    let mut r = rlaunch();
+    r.env("RLAUNCH_PYTHON", &python)
+        .args(["--standalone", "--nproc-per-node", "2", "--warm-workers", "on"])
+        .arg(py("sleep_for.py"))
+        .arg("6");
+    r.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+    let child = r.spawn().expect("rlaunch");
+    let agent = child.id();
+    wait_until("the next warm set to start", Duration::from_secs(60), || warm_pids_of(agent).len() == 2);
+    let waiting = warm_pids_of(agent);
+    let o = wait_deadline(child, DEADLINE);
+    assert!(o.status.success(), "{}\n{}", stdout_of(&o), stderr_of(&o));
+    for pid in &waiting {
+        assert!(!pid_alive(*pid), "warm interpreter {pid} outlived its job");
+    }
+    let tmp = std::env::temp_dir();
+    let left: Vec<_> = std::fs::read_dir(&tmp)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with(&format!("rlaunch-warm-{agent}-")))
+        .collect();
+    assert!(left.is_empty(), "the bootstrap's directory is removed: {left:?}");
+
+    // SIGKILL of the agent: its warm interpreters die with it (parent-death signal, cgroup).
+    let mut r = rlaunch();
+    r.env("RLAUNCH_PYTHON", &python).args(["--standalone", "--nproc-per-node", "2"]).arg(py("sleep_for.py"));
+    r.arg("60").stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null());
+    let mut child = r.spawn().expect("rlaunch");
+    let agent = child.id();
+    wait_until("the next warm set to start", Duration::from_secs(60), || warm_pids_of(agent).len() == 2);
+    let waiting = warm_pids_of(agent);
+    child.kill().expect("SIGKILL the agent");
+    let _ = child.wait();
+    wait_until("the warm interpreters to die with their agent", Duration::from_secs(10), || {
+        waiting.iter().all(|p| !pid_alive(*p))
+    });
+
+    // A program that is not Python: no warm interpreter, and it runs as ever.
+    let mut r = rlaunch();
+    r.args(["--standalone", "--nproc-per-node", "2", "/bin/sh", "-c"])
+        .arg("ls -d \"${TMPDIR:-/tmp}\"/rlaunch-warm-$PPID-* 2>/dev/null && exit 9; echo plain rank $RANK");
+    let o = run_deadline(&mut r, DEADLINE);
+    assert!(o.status.success(), "{}\n{}", stdout_of(&o), stderr_of(&o));
+    assert_eq!(stdout_of(&o).matches("plain rank").count(), 2, "{}", stdout_of(&o));
+}
