@@ -181,13 +181,22 @@ impl Containment {
         }
     }
 
-    /// Moves a warm worker (`pid`, which has started nothing yet) into `local_rank`'s cgroup,
-    /// as it becomes that rank's worker. Nothing to do with process groups: it leads its own.
-    pub fn adopt(&self, local_rank: u32, pid: u32) -> std::io::Result<()> {
-        match self {
-            Containment::Cgroup(job) => std::fs::write(job.rank_dir(local_rank).join("cgroup.procs"), pid.to_string()),
-            Containment::ProcessGroups(_) => Ok(()),
+    /// Moves `local_rank`'s warm worker, with whatever it started as it imported, into the
+    /// rank's cgroup as it becomes that rank's worker. Nothing to do with process groups: it
+    /// leads its own.
+    pub fn adopt(&self, local_rank: u32) -> std::io::Result<()> {
+        let Containment::Cgroup(job) = self else { return Ok(()) };
+        let procs = std::fs::read_to_string(job.warm_dir(local_rank).join("cgroup.procs"))?;
+        let into = job.rank_dir(local_rank).join("cgroup.procs");
+        for pid in procs.split_whitespace() {
+            match std::fs::write(&into, pid) {
+                Ok(()) => {}
+                // Gone meanwhile.
+                Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {}
+                Err(e) => return Err(e),
+            }
         }
+        Ok(())
     }
 
     /// Kills every process left of these ranks' trees and waits (bounded) until none is left.
@@ -200,8 +209,6 @@ impl Containment {
                 // The watchdog is a child of the agent too: never one of the orphans.
                 let mut keep = keep.to_vec();
                 keep.extend(guard.as_ref().map(Guard::pid));
-                // Warm workers wait as the agent's children until a round takes them.
-                keep.extend(crate::warm::live_pids());
                 let _ = tokio::task::spawn_blocking(move || crate::process::kill_orphans(&keep)).await;
             }
         }

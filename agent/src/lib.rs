@@ -390,22 +390,22 @@ pub(crate) fn warm_templates(config: &AgentConfig, p: Option<&core::Placement>, 
     };
     let p = p.unwrap_or(&first);
     let master = HostPort::new("127.0.0.1", 0).expect("a loopback address is a valid host");
-    worker_specs(config, p, &master, ctx)
+    worker_specs(config, p, &master, ctx).iter().map(|spec| warm_template(spec, ctx.agent_env)).collect()
+}
+
+/// The warm worker a worker of `spec` can be made from: `spec`'s environment but for what
+/// changes every attempt, its terminal and CPUs.
+pub(crate) fn warm_template(spec: &WorkerSpec, agent_env: &BTreeMap<String, String>) -> warm::Template {
+    use rlaunch::env::{ERROR_FILE, MASTER_ADDR, MASTER_PORT, RESTART_COUNT};
+    let mut env: Vec<(String, String)> = spec
+        .env
+        .to_vars(agent_env)
         .into_iter()
-        .map(|spec| {
-            let constant =
-                [rlaunch::env::OMP_NUM_THREADS, rlaunch::env::NCCL_ASYNC_ERROR_HANDLING, rlaunch::env::LC_CTYPE];
-            let mut env: Vec<(String, String)> = spec
-                .env
-                .to_vars(ctx.agent_env)
-                .into_iter()
-                .filter(|(k, _)| constant.contains(k))
-                .map(|(k, v)| (k.to_owned(), v))
-                .collect();
-            env.extend(spec.overrides.iter().map(|(k, v)| ((*k).to_owned(), v.clone())));
-            warm::Template { local_rank: spec.env.local_rank, env, terminal: spec.terminal, cpus: spec.cpus }
-        })
-        .collect()
+        .filter(|(k, _)| ![MASTER_ADDR, MASTER_PORT, RESTART_COUNT, ERROR_FILE].contains(k))
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect();
+    env.extend(spec.overrides.iter().map(|(k, v)| ((*k).to_owned(), v.clone())));
+    warm::Template { local_rank: spec.env.local_rank, env, terminal: spec.terminal, cpus: spec.cpus }
 }
 
 /// torchrun's `--virtual-local-rank`: every worker sees its one GPU as device 0 and

@@ -755,10 +755,15 @@ pub fn become_subreaper() {
 /// Kills and reaps every child of this process: once a worker group is over, the only children
 /// left are descendants orphaned to this subreaper.
 /// Children in `keep` (workers not reaped yet) are left alone: their reaping is their waiter's.
+/// Warm workers ([`crate::warm`]) waiting as children are left too: none starts during a pass.
 pub fn kill_orphans(keep: &[u32]) {
     // A killed orphan's own children become this process's next: a few passes.
     for _ in 0..8 {
-        if !kill_children_once(keep) {
+        let any = crate::warm::with_live_pids(|warm| {
+            let keep: Vec<u32> = keep.iter().copied().chain(warm.iter().copied()).collect();
+            kill_children_once(&keep)
+        });
+        if !any {
             return;
         }
     }

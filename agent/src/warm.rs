@@ -43,9 +43,9 @@ const BOOTSTRAP: &str = include_str!("warm/bootstrap.py");
 /// orphans (process-group containment) must leave alone.
 static LIVE: Mutex<BTreeSet<u32>> = Mutex::new(BTreeSet::new());
 
-/// The warm workers' pids now (see [`LIVE`]).
-pub fn live_pids() -> Vec<u32> {
-    LIVE.lock().unwrap_or_else(|p| p.into_inner()).iter().copied().collect()
+/// Runs `f` with the warm workers' pids (see [`LIVE`]); no warm worker is started meanwhile.
+pub fn with_live_pids<R>(f: impl FnOnce(&BTreeSet<u32>) -> R) -> R {
+    f(&LIVE.lock().unwrap_or_else(|p| p.into_inner()))
 }
 
 /// A program a warm interpreter can become: `python [flags] script.py args...` or
@@ -103,15 +103,32 @@ struct Warm {
     spawned: Spawned,
     /// The pipe its order is written to (closing it unused lets it exit).
     order: std::fs::File,
+    /// What it was started with: it is used only for a worker that would get the same.
+    env: Vec<(String, String)>,
     terminal: Terminal,
+    cpus: Option<libc::cpu_set_t>,
+}
+
+impl Warm {
+    fn fits(&self, t: &Template) -> bool {
+        let same_cpus = match (&self.cpus, &t.cpus) {
+            (None, None) => true,
+            // SAFETY: two valid cpu sets, compared.
+            (Some(a), Some(b)) => unsafe { libc::CPU_EQUAL(a, b) },
+            _ => false,
+        };
+        same_cpus && self.terminal == t.terminal && self.env == t.env
+    }
 }
 
 /// What a warm worker of one local rank is started with.
 pub struct Template {
     pub local_rank: u32,
-    /// Set over the agent's own environment: what every round's worker of this rank gets and
-    /// what modules may read as they are imported (OMP_NUM_THREADS, the snapshot package's
-    /// PYTHONPATH, `--virtual-local-rank`'s CUDA_VISIBLE_DEVICES).
+    /// Set over the agent's own environment: what the rank's worker of the round expected next
+    /// gets, but for what changes every attempt (the store's address, the restart count, the
+    /// error file): its ranks and sizes, OMP_NUM_THREADS, the snapshot package's PYTHONPATH,
+    /// `--virtual-local-rank`'s CUDA_VISIBLE_DEVICES. Modules may read these as they are
+    /// imported; a worker whose ranks turn out otherwise starts again cold (bootstrap.py).
     pub env: Vec<(String, String)>,
     pub terminal: Terminal,
     pub cpus: Option<libc::cpu_set_t>,
@@ -165,12 +182,12 @@ impl WarmPool {
         let mut ready = self.lock();
         for t in templates {
             if let Some(w) = ready.get(&t.local_rank) {
-                if !w.spawned.proc.has_exited() && w.terminal == t.terminal {
+                if !w.spawned.proc.has_exited() && w.fits(t) {
                     continue;
                 }
             }
             if let Some(old) = ready.remove(&t.local_rank) {
-                discard(old);
+                self.discard(old);
             }
             match self.spawn(t) {
                 Ok(w) => {
@@ -186,6 +203,13 @@ impl WarmPool {
 
     fn spawn(&self, t: &Template) -> std::io::Result<Warm> {
         let (read, write) = pipe()?;
+        // Above stderr whatever the agent's own descriptors are (a closed stdin would otherwise
+        // hand out 0, which the worker's stdin replaces).
+        // SAFETY: fcntl duplicates a descriptor we own into a new one, owned from here.
+        let read = match unsafe { libc::fcntl(read.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 3) } {
+            fd if fd >= 3 => unsafe { OwnedFd::from_raw_fd(fd) },
+            _ => return Err(std::io::Error::last_os_error()),
+        };
         // The order is written without waiting for the interpreter to read it (it may still be
         // importing): the pipe holds any environment a kernel lets a process have.
         // SAFETY: fcntl on a descriptor we own.
@@ -211,28 +235,32 @@ impl WarmPool {
             cpus: t.cpus,
             keep_fd: Some(read.as_raw_fd()),
         };
+        // Known as warm before a stop's sweep of orphans can see it (process groups).
+        let mut live = LIVE.lock().unwrap_or_else(|p| p.into_inner());
         let spawned = spawn_worker(cmd, place, t.terminal)?;
         drop(read);
         let pid = spawned.proc.pid();
-        LIVE.lock().unwrap_or_else(|p| p.into_inner()).insert(pid);
+        live.insert(pid);
+        drop(live);
         self.containment.watch_group(pid, true);
-        Ok(Warm { spawned, order: std::fs::File::from(write), terminal: t.terminal })
+        Ok(Warm { spawned, order: std::fs::File::from(write), env: t.env.clone(), terminal: t.terminal, cpus: t.cpus })
     }
 
     /// Makes the warm worker of `local_rank` the worker `cmd` describes (`cmd` is the command a
     /// cold start would run, with its whole environment): `None` when there is none fit to use
     /// (then `cmd` is to be started cold).
-    pub fn take(&self, local_rank: u32, terminal: Terminal, cmd: &std::process::Command) -> Option<Spawned> {
+    pub fn take(&self, t: &Template, cmd: &std::process::Command) -> Option<Spawned> {
+        let local_rank = t.local_rank;
         let w = self.lock().remove(&local_rank)?;
-        if w.terminal != terminal || w.spawned.proc.has_exited() {
-            debug!(local_rank, "the warm worker is gone or was started for another terminal; starting cold");
-            discard(w);
+        if !w.fits(t) || w.spawned.proc.has_exited() {
+            debug!(local_rank, "the warm worker is gone or was started for another placement; starting cold");
+            self.discard(w);
             return None;
         }
         let pid = w.spawned.proc.pid();
-        if let Err(e) = self.containment.adopt(local_rank, pid) {
+        if let Err(e) = self.containment.adopt(local_rank) {
             warn!(local_rank, error = %e, "cannot move the warm worker into its rank's cgroup; starting cold");
-            discard(w);
+            self.discard(w);
             return None;
         }
         let bytes = order_bytes(cmd, self.program.target_index);
@@ -244,17 +272,19 @@ impl WarmPool {
                 bytes = bytes.len(),
                 "the worker's environment does not fit the warm worker's pipe; starting cold"
             );
-            discard(w);
+            self.discard(w);
             return None;
         }
-        let Warm { spawned, mut order, .. } = w;
-        forget(pid);
-        let written = order.write_all(&bytes);
-        drop(order);
-        if let Err(e) = written {
-            // It died between the look and the order: its end is its waiter's, as a worker's.
-            warn!(local_rank, pid, error = %e, "the warm worker did not take its order");
+        let mut w = w;
+        if let Err(e) = w.order.write_all(&bytes) {
+            // It died between the look and the order: the rank starts cold.
+            warn!(local_rank, pid, error = %e, "the warm worker did not take its order; starting cold");
+            self.discard(w);
+            return None;
         }
+        let Warm { spawned, order, .. } = w;
+        drop(order);
+        forget(pid);
         debug!(local_rank, pid, "warm worker becomes the rank's worker");
         Some(spawned)
     }
@@ -262,6 +292,29 @@ impl WarmPool {
     /// How many warm workers wait now.
     pub fn waiting(&self) -> usize {
         self.lock().len()
+    }
+}
+
+impl WarmPool {
+    /// A warm worker not to be used: killed, and reaped on a task of its own.
+    fn discard(&self, w: Warm) {
+        let pid = w.spawned.proc.pid();
+        drop(w.order);
+        let _ = w.spawned.proc.signal_group(libc::SIGKILL);
+        self.containment.watch_group(pid, false);
+        let proc = w.spawned.proc;
+        match tokio::runtime::Handle::try_current() {
+            Ok(h) => {
+                h.spawn(async move {
+                    let _ = proc.wait().await;
+                    forget(pid);
+                });
+            }
+            Err(_) => {
+                proc.kill_and_reap(Duration::from_secs(2));
+                forget(pid);
+            }
+        }
     }
 }
 
@@ -273,29 +326,10 @@ impl Drop for WarmPool {
             if !w.spawned.proc.kill_and_reap(Duration::from_secs(2)) {
                 warn!(pid, "a warm worker was killed but not reaped within 2 s");
             }
+            self.containment.watch_group(pid, false);
             forget(pid);
         }
         let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-/// A warm worker not to be used: killed, and reaped on a task of its own.
-fn discard(w: Warm) {
-    let pid = w.spawned.proc.pid();
-    drop(w.order);
-    let _ = w.spawned.proc.signal_group(libc::SIGKILL);
-    let proc = w.spawned.proc;
-    match tokio::runtime::Handle::try_current() {
-        Ok(h) => {
-            h.spawn(async move {
-                let _ = proc.wait().await;
-                forget(pid);
-            });
-        }
-        Err(_) => {
-            proc.kill_and_reap(Duration::from_secs(2));
-            forget(pid);
-        }
     }
 }
 

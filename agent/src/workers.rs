@@ -151,7 +151,8 @@ impl WorkerGroup {
         let place = Placement { cgroup_procs: self.containment.procs_file(local_rank), cpus: spec.cpus, keep_fd: None };
         // A warm interpreter becomes this worker when one waits (`cmd` says what it becomes);
         // otherwise the worker starts cold.
-        let spawned = match warm.and_then(|w| w.take(local_rank, spec.terminal, &cmd)) {
+        let template = crate::warm_template(&spec, agent_env);
+        let spawned = match warm.and_then(|w| w.take(&template, &cmd)) {
             Some(spawned) => spawned,
             None => spawn_worker(cmd, place, spec.terminal).map_err(|source| AgentError::Spawn {
                 local_rank,

@@ -1,13 +1,18 @@
 # A program that changes sys.path and its working directory as it is imported, imports a module
-# of its own directory (which must run as the worker, never ahead in a warm interpreter), and
-# crashes rank 1 on the first attempt. Each rank writes what it saw to $PROBE_DIR.
-import sys
-
-WARM = "torch" in sys.modules
-
+# of its own directory (which must run as the worker, never ahead in a warm interpreter) and an
+# installed one that reads RANK as it is imported (rank_at_import, which the test puts in a
+# site-packages folder on PYTHONPATH), and crashes rank 1 on the first attempt. Each rank
+# writes what it saw to $PROBE_DIR.
 import json
 import os
+import sys
 import tempfile
+
+import rank_at_import
+import torch  # noqa: F401
+
+# A worker that a warm interpreter became still has the bootstrap's command line.
+WARM = b"rlaunch_warm.py" in open("/proc/self/cmdline", "rb").read()
 
 here = os.path.dirname(os.path.abspath(__file__))
 extra = tempfile.mkdtemp(prefix="warm-moves-")
@@ -16,7 +21,6 @@ with open(os.path.join(extra, "moved_helper.py"), "w") as f:
 sys.path.insert(0, extra)
 os.chdir(extra)
 
-import torch  # noqa: E402,F401
 import moved_helper  # noqa: E402
 import warm_own_module  # noqa: E402
 
@@ -32,6 +36,7 @@ with open(os.path.join(os.environ["PROBE_DIR"], f"rank{rank}.attempt{attempt}.js
             "moved_helper_rank": moved_helper.RANK_AT_IMPORT,
             "own_module_rank": warm_own_module.RANK_AT_IMPORT,
             "own_module_file": warm_own_module.__file__,
+            "installed_rank": rank_at_import.RANK,
         },
         f,
     )

@@ -1,16 +1,16 @@
-# What a worker sees of itself, as JSON in $PROBE_DIR/rank{RANK}[.mod].json: whether torch was
-# already imported when the program began (a warm worker's mark), its environment, argv, path,
+# What a worker sees of itself, as JSON in $PROBE_DIR/rank{RANK}[.mod].json: whether it was a
+# warm interpreter (its command line is the bootstrap's), its environment, argv, path,
 # working directory, __main__, signal dispositions, descriptors and process group. Run as a
 # script, or as `-m warmpkg.probe` (then PROBE_MODULE=1).
-import sys
-
-WARM = "torch" in sys.modules
-
 import json
 import os
 import signal
+import sys
 
 import torch  # noqa: F401  (what a warm worker imports ahead)
+
+# A worker that a warm interpreter became still has the bootstrap's command line.
+WARM = b"rlaunch_warm.py" in open("/proc/self/cmdline", "rb").read()
 
 
 def probe():

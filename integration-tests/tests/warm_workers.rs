@@ -96,7 +96,7 @@ fn a_warm_worker_sees_what_a_cold_one_and_torchrun_s_see_field_by_field() {
     let cold = run(rlaunch_with("off"), cd.path(), "rlaunch cold");
     let warm = run(rlaunch_with("on"), wd.path(), "rlaunch warm");
     for rank in 0..n {
-        assert_eq!(warm[rank]["warm"], true, "rank {rank}: a warm worker had torch imported before the program began");
+        assert_eq!(warm[rank]["warm"], true, "rank {rank}: a warm interpreter became the worker");
         assert_eq!(cold[rank]["warm"], false);
         assert_eq!(torchrun[rank]["warm"], false);
         let (w, c) = (normalised(&warm[rank]), normalised(&cold[rank]));
@@ -151,9 +151,15 @@ fn a_module_run_warm_is_a_module_run_cold() {
     }
 }
 
-/// Warm interpreters this agent started (their bootstrap lies in `rlaunch-warm-{agent pid}-…`).
+/// Warm interpreters this agent started that wait (their bootstrap lies in
+/// `rlaunch-warm-{agent pid}-…`, and they are in a `warm{r}` cgroup until a round takes them:
+/// one that became a worker keeps its command line).
 fn warm_pids_of(agent: u32) -> Vec<i32> {
     let needle = format!("rlaunch-warm-{agent}-");
+    let waiting = |pid: i32| {
+        std::fs::read_to_string(format!("/proc/{pid}/cgroup"))
+            .is_ok_and(|c| c.lines().any(|l| l.rsplit('/').next().is_some_and(|last| last.starts_with("warm"))))
+    };
     std::fs::read_dir("/proc")
         .into_iter()
         .flatten()
@@ -161,6 +167,7 @@ fn warm_pids_of(agent: u32) -> Vec<i32> {
         .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
         .filter(|pid| {
             std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| String::from_utf8_lossy(&c).contains(&needle))
+                && waiting(*pid)
         })
         .collect()
 }
@@ -169,8 +176,14 @@ fn warm_pids_of(agent: u32) -> Vec<i32> {
 fn moving_at_import_own_modules_and_a_warm_interpreter_killed_before_use() {
     let python = venv_python();
     let dir = tempdir();
+    // An installed module that reads RANK as it is imported.
+    let site = tempdir();
+    let site_packages = site.path().join("site-packages");
+    std::fs::create_dir(&site_packages).unwrap();
+    std::fs::write(site_packages.join("rank_at_import.py"), "import os\nRANK = os.environ.get('RANK')\n").unwrap();
     let mut r = rlaunch();
     r.env("RLAUNCH_PYTHON", &python).env("PROBE_DIR", dir.path()).env("PROBE_HOLD", "6");
+    r.env("PYTHONPATH", &site_packages);
     r.args(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1"]).arg(py("warm_moves.py"));
     r.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
     let child = r.spawn().expect("rlaunch");
@@ -200,6 +213,8 @@ fn moving_at_import_own_modules_and_a_warm_interpreter_killed_before_use() {
             // What the program did at import happened as the worker, with its rank set.
             assert_eq!(s["moved_helper_rank"], rank_text.as_str(), "rank {rank} attempt {attempt}: {s}");
             assert_eq!(s["own_module_rank"], rank_text.as_str(), "rank {rank} attempt {attempt}: {s}");
+            // An installed module imported ahead saw the rank it runs as.
+            assert_eq!(s["installed_rank"], rank_text.as_str(), "rank {rank} attempt {attempt}: {s}");
             assert_eq!(s["cwd"], s["extra"], "the program's own chdir holds");
             assert!(s["own_module_file"].as_str().unwrap().ends_with("integration-tests/py/warm_own_module.py"));
             if attempt == 1 {

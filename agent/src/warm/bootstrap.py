@@ -1,19 +1,54 @@
 # rlaunch's warm worker (agent/src/warm.rs starts it; the agent writes this file out).
 #
 # Started by a node's agent before it is needed, with the interpreter and flags of the program
-# (`python3 -u`), it imports what the program imports from outside its own directory (torch,
-# numpy, ...), then waits. When a round needs a worker, the agent moves it into the rank's
-# cgroup and writes the worker's whole command line, environment and working directory to the
-# pipe named by argv[1], then closes the pipe. From here the process becomes that worker: its
-# environment is replaced (os.environb, so C code sees it too), sys.argv, sys.orig_argv and
-# sys.path[0] are what `python3 -u train.py ...` or `python3 -u -m pkg.train ...` would have set,
-# and the program runs as a fresh `__main__`. A pipe closed with nothing written: the agent let
-# it go, and it exits 0 at once.
+# (`python3 -u`), it imports what the program's leading imports name from installed
+# distributions (torch, numpy, ...), then waits. When a round needs a worker, the agent moves it
+# into the rank's cgroup and writes the worker's whole command line, environment and working
+# directory to the pipe named by argv[1], then closes the pipe. From here the process becomes
+# that worker: its environment is replaced (os.environb, so C code sees it too), sys.argv,
+# sys.orig_argv and sys.path[0] are what `python3 -u train.py ...` or `python3 -u -m pkg.train`
+# would have set, and the program runs in `__main__` (the same module object, emptied, as a
+# cold start's). A pipe closed with nothing written: the agent let it go, and it exits 0 at once.
+#
+# What is imported ahead, and with which environment, is chosen so that importing it cannot
+# differ from the cold start's import:
+# - only the import statements the program (or a module of its own directory that those
+#   statements import) begins with, before any other statement: a program that sets a variable,
+#   a warnings filter or sys.path before an import has that import run as the worker;
+# - only modules found in site-packages or dist-packages (installed distributions), never the
+#   program's own or anything on PYTHONPATH;
+# - with the rank's variables of the round the agent expects next (RANK, WORLD_SIZE, ...):
+#   when the order's differ (the node's ranks moved), the interpreter starts again cold, in this
+#   same process (exec), so nothing imported with the wrong rank is ever used.
 #
 # argv: bootstrap.py FD KIND TARGET (KIND: script or module).
 
 import os
 import sys
+
+# The variables a module may read as it is imported and that the warm interpreter was started
+# with; an order with other values makes it start again cold.
+_RANK_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "OMP_NUM_THREADS",
+    "CUDA_VISIBLE_DEVICES",
+    "PYTHONPATH",
+)
+
+# Modules a library imports lazily, the first time a program uses it as every program does:
+# torch imports torch._dynamo (seconds) when the first optimizer is made.
+_LAZY = {"torch": ["torch._dynamo"]}
+
+# How many of the program's own files are read for their imports, at most.
+_OWN_FILES = 100
 
 
 def _read_all(fd):
@@ -49,8 +84,9 @@ def _module_file(name, first, as_main=False):
     return spec.origin
 
 
-def _imports_of(path):
-    """Every absolute module name `path` imports, anywhere in it (a function's imports too)."""
+def _leading_imports(path):
+    """The absolute module names of the import statements `path` begins with (after its
+    docstring), up to its first other statement."""
     import ast
 
     try:
@@ -59,26 +95,32 @@ def _imports_of(path):
     except (OSError, SyntaxError, ValueError):
         return []
     names = []
-    for node in ast.walk(tree):
+    for i, node in enumerate(tree.body):
+        if i == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue
         if isinstance(node, ast.Import):
             names.extend(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             # `from pkg import mod` may name a submodule: both are tried.
             names.append(node.module)
             names.extend(f"{node.module}.{a.name}" for a in node.names if a.name != "*")
+        else:
+            break
     return [n for n in dict.fromkeys(names) if n.split(".")[0] != "__future__"]
 
 
-# How many of the program's own files are read for their imports, at most.
-_OWN_FILES = 200
+def _installed(where):
+    parts = os.path.realpath(where).split(os.sep)
+    return "site-packages" in parts or "dist-packages" in parts
 
 
-def _warm_up(own_dir, program_file):
-    """Imports the modules the program imports from outside `own_dir`, directly or through its
-    own modules there (read, never run: the program's own code runs only as the worker). Any
-    failure is the program's to meet, later, as it would cold."""
+def _warm_up(own_dir, program_file, fd):
+    """Imports, ahead, what the program's leading imports name from installed distributions
+    (see the top of this file). Stops as soon as the order comes. Any failure is the program's
+    to meet, later, as it would cold."""
     from importlib.machinery import PathFinder
     import importlib
+    import select
 
     own = os.path.realpath(own_dir) + os.sep
     where = {}
@@ -93,26 +135,27 @@ def _warm_up(own_dir, program_file):
             where[top] = spec and (spec.origin or next(iter(spec.submodule_search_locations or []), ""))
         return where[top]
 
-    def is_own(top):
-        o = origin(top)
-        return bool(o) and os.path.realpath(o).startswith(own)
-
     outside, files, seen = [], [program_file], set()
     while files and len(seen) < _OWN_FILES:
-        path = files.pop()
+        path = files.pop(0)
         if path in seen:
             continue
         seen.add(path)
-        for name in _imports_of(path):
-            if not is_own(name.split(".")[0]):
-                outside.append(name)
+        for name in _leading_imports(path):
+            o = origin(name.split(".")[0])
+            if not o:
                 continue
-            own_file = _module_file(name, own_dir)
-            if own_file and own_file.endswith(".py"):
-                files.append(own_file)
-    for name in dict.fromkeys(outside):
-        if not origin(name.split(".")[0]):
-            continue
+            if os.path.realpath(o).startswith(own):
+                own_file = _module_file(name, own_dir)
+                if own_file and own_file.endswith(".py"):
+                    files.append(own_file)
+            elif _installed(o):
+                outside.append(name)
+    lazy = [m for top in dict.fromkeys(n.split(".")[0] for n in outside) for m in _LAZY.get(top, [])]
+    for name in dict.fromkeys(outside + lazy):
+        if select.select([fd], [], [], 0)[0]:
+            # The order came: the rest is the program's to import.
+            return
         try:
             importlib.import_module(name)
         except KeyboardInterrupt:
@@ -121,7 +164,7 @@ def _warm_up(own_dir, program_file):
             pass
 
 
-def _become(message, kind, target):
+def _become(message, kind, target, warm_env):
     import json
 
     order = json.loads(message)
@@ -136,63 +179,77 @@ def _become(message, kind, target):
     os.environb.clear()
     os.environb.update(env)
     os.chdir(bytes.fromhex(order["cwd"]))
-    if hasattr(sys, "orig_argv"):
-        sys.orig_argv = [os.fsdecode(a) for a in argv]
-    rest = [os.fsdecode(a) for a in argv[at + 1:]]
-    if kind == "module" and _module_file(target, os.getcwd(), as_main=True) is None or (
-        kind == "script" and not os.path.isfile(argv[at])
+    moved = [k for k in _RANK_VARS if warm_env.get(k) != os.environ.get(k)]
+    if (
+        moved
+        or (kind == "module" and _module_file(target, os.getcwd(), as_main=True) is None)
+        or (kind == "script" and not os.path.isfile(argv[at]))
     ):
-        # What only the interpreter's own start does (a missing file and its exit code 2, a
-        # directory or zip with __main__, a module -m cannot find): the cold start itself, in
-        # this process, with the worker's environment already set.
+        # Imports made with other ranks' variables, or what only the interpreter's own start
+        # does (a missing file and its exit code 2, a module -m cannot find): the cold start
+        # itself, in this process, with the worker's environment already set.
         sys.stdout.flush()
         sys.stderr.flush()
         os.execvp(argv[0], argv)
-    import builtins
-    import types
+    if hasattr(sys, "orig_argv"):
+        sys.orig_argv = [os.fsdecode(a) for a in argv]
+    rest = [os.fsdecode(a) for a in argv[at + 1:]]
+    safe_path = getattr(sys.flags, "safe_path", False)
 
-    main = types.ModuleType("__main__")
-    main.__builtins__ = builtins
-    if sys.version_info < (3, 14):
-        # Before 3.14's lazy annotations, a script's __main__ starts with an empty dict of them.
-        main.__annotations__ = {}
-    sys.modules["__main__"] = main
+    # __main__ is the module object the interpreter made (dill and others hold it), emptied of
+    # this file's names and filled as a cold start fills it. From here only locals are used.
+    _sys, _os, _exec, _compile, _open, _isinstance, _getattr = sys, os, exec, compile, open, isinstance, getattr
+    _BaseException, _SystemExit, _KeyboardInterrupt = BaseException, SystemExit, KeyboardInterrupt
+    import builtins
+    import importlib.machinery
+
+    loader_class = importlib.machinery.SourceFileLoader
     if kind == "module":
         import runpy
 
-        sys.argv = ["-m"] + rest
-        sys.path[0] = os.getcwd()
-        # As `python -m` itself: the module runs in __main__'s namespace (the fresh one above,
-        # not this file's), sys.argv[0] its file.
-        runpy._run_module_as_main(target, alter_argv=True)
+        run_module = runpy._run_module_as_main
+    g = sys.modules["__main__"].__dict__
+    g.clear()
+    g.update(__name__="__main__", __doc__=None, __package__=None, __loader__=None, __spec__=None)
+    g["__builtins__"] = builtins
+    if _sys.version_info < (3, 14):
+        # Before 3.14's lazy annotations, a script's __main__ starts with an empty dict of them.
+        g["__annotations__"] = {}
+    if kind == "module":
+        _sys.argv = ["-m"] + rest
+        if not safe_path:
+            _sys.path[0] = _os.getcwd()
+        # As `python -m` itself: the module runs in __main__'s namespace, sys.argv[0] its file.
+        run_module(target, alter_argv=True)
         return
-    import importlib.machinery
-
-    script = os.fsdecode(argv[at])
-    sys.argv = [script] + rest
-    path = os.path.abspath(script)
-    sys.path[0] = os.path.dirname(os.path.realpath(script))
-    main.__file__ = path
-    main.__cached__ = None
-    main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
-    with open(path, "rb") as f:
-        code = compile(f.read(), path, "exec", dont_inherit=True)
+    script = _os.fsdecode(argv[at])
+    _sys.argv = [script] + rest
+    # As the interpreter sets them: __file__ joined to the directory, not normalised; the
+    # script's real directory first on sys.path (unless -P / PYTHONSAFEPATH).
+    path = script if _os.path.isabs(script) else _os.path.join(_os.getcwd(), script)
+    if not safe_path:
+        _sys.path[0] = _os.path.dirname(_os.path.realpath(script))
+    g["__file__"] = path
+    g["__cached__"] = None
+    g["__loader__"] = loader_class("__main__", path)
+    with _open(path, "rb") as f:
+        code = _compile(f.read(), path, "exec", dont_inherit=True)
     try:
-        exec(code, main.__dict__)
-    except SystemExit:
+        _exec(code, g)
+    except _SystemExit:
         raise
-    except BaseException as e:
+    except _BaseException as e:
         # Shown as a cold start shows it: from the program's first frame, not from this file.
         tb = e.__traceback__.tb_next if e.__traceback__ is not None else None
-        sys.excepthook(type(e), e.with_traceback(tb), tb)
-        if isinstance(e, KeyboardInterrupt):
+        _sys.excepthook(type(e), e.with_traceback(tb), tb)
+        if _isinstance(e, _KeyboardInterrupt):
             import signal
 
-            sys.stdout.flush()
-            sys.stderr.flush()
+            _sys.stdout.flush()
+            _sys.stderr.flush()
             signal.signal(signal.SIGINT, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGINT)
-        sys.exit(1)
+            _os.kill(_os.getpid(), signal.SIGINT)
+        _sys.exit(1)
 
 
 def _main():
@@ -201,6 +258,8 @@ def _main():
     # here was set by the interpreter itself.
     _COERCED = os.environ.pop("RLAUNCH_WARM_LC_CTYPE", None) == "unset" and "LC_CTYPE" in os.environ
     fd, kind, target = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    warm_env = {k: os.environ.get(k) for k in _RANK_VARS}
+    safe_path = getattr(sys.flags, "safe_path", False)
     if kind == "module":
         own_dir = os.getcwd()
         program_file = _module_file(target, own_dir, as_main=True)
@@ -208,13 +267,14 @@ def _main():
         own_dir = os.path.dirname(os.path.realpath(target))
         program_file = target
     # Imports resolve as they will for the program: its own directory first.
-    sys.path[0] = own_dir
+    if not safe_path:
+        sys.path[0] = own_dir
     if program_file:
-        _warm_up(own_dir, program_file)
+        _warm_up(own_dir, program_file, fd)
     message = _read_all(fd)
     if not message:
         os._exit(0)
-    _become(message, kind, target)
+    _become(message, kind, target, warm_env)
 
 
 _main()

@@ -1,15 +1,16 @@
-# `python -m warmpkg.probe`: warm_probe.py's probe, run as a module.
+# `python -m warmpkg.probe`: warm_probe.py's probe, run as a module (the working directory,
+# first on sys.path, holds warm_probe.py).
+import json
+import os
 import sys
 
-WARM = "torch" in sys.modules
+import torch  # noqa: F401
+import warm_probe
 
-sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.dirname(__file__)))
-import warm_probe  # noqa: E402
+# A worker that a warm interpreter became still has the bootstrap's command line.
+WARM = b"rlaunch_warm.py" in open("/proc/self/cmdline", "rb").read()
 
 if __name__ == "__main__":
-    import json
-    import os
-
     p = warm_probe.probe()
     p["warm"] = WARM
     p["main_is_this"] = vars(sys.modules["__main__"]) is globals()
