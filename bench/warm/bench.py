@@ -53,6 +53,18 @@ def warm_memory(agent_pid):
     return found
 
 
+def kill_workers_of(d):
+    """Kills what is left of a run: workers in process groups of their own (torchrun's), found
+    by the BENCH_DIR in their environment."""
+    mark = f"BENCH_DIR={d}".encode()
+    for pid in os.listdir("/proc"):
+        try:
+            if pid.isdigit() and mark in open(f"/proc/{pid}/environ", "rb").read().split(b"\0"):
+                os.kill(int(pid), 9)
+        except OSError:
+            pass
+
+
 def run_once(kind, rlaunch, python):
     with tempfile.TemporaryDirectory(prefix="rlaunch-warm-bench-") as d:
         # The crash comes ~8 s in: after the next warm set (started 2 s in) has imported torch.
@@ -77,11 +89,12 @@ def run_once(kind, rlaunch, python):
                     memory = m
                     break
         try:
-            _, err = p.communicate(timeout=120)
+            _, err = p.communicate(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, 9)
+            kill_workers_of(d)
             _, err = p.communicate()
-            err += "\nstill not done after 120 s: killed (error)"
+            err += "\nstill not done after 60 s: killed (error)"
         crash = float(open(os.path.join(d, "crash")).read())
         rows = read_steps(d, 0) + read_steps(d, 1)
         first_attempt = max(s for a, s, _ in rows if a == 0)

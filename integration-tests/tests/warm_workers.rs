@@ -281,3 +281,28 @@ fn no_warm_interpreter_outlives_its_job_or_a_killed_agent_and_none_starts_for_a_
     assert!(o.status.success(), "{}\n{}", stdout_of(&o), stderr_of(&o));
     assert_eq!(stdout_of(&o).matches("plain rank").count(), 2, "{}", stdout_of(&o));
 }
+
+/// The bootstrap itself: a module imported ahead that looked RANK up makes a worker whose rank
+/// moved start again cold (and that module then sees the right rank); one that only scanned the
+/// environment (as tqdm does) leaves the worker warm.
+#[test]
+fn a_rank_looked_up_while_importing_ahead_makes_a_moved_worker_start_cold() {
+    let bootstrap = repo_root().join("agent/src/warm/bootstrap.py");
+    let dir = tempdir();
+    let site = dir.path().join("site-packages");
+    std::fs::create_dir(&site).unwrap();
+    let run = |module: &str| -> Value {
+        let mut cmd = std::process::Command::new(venv_python());
+        cmd.arg(py("warm_bootstrap_check.py")).arg(&bootstrap).arg(&site).arg(module);
+        let o = run_deadline(&mut cmd, DEADLINE);
+        assert!(o.status.success(), "{}\n{}", stdout_of(&o), stderr_of(&o));
+        serde_json::from_str(stdout_of(&o).trim().lines().last().unwrap()).expect("json")
+    };
+    let looked = run("looks_rank_up");
+    assert_eq!(looked["warm"], false, "started again cold: {looked}");
+    assert_eq!(looked["at_import"], "1", "the module saw the worker's rank: {looked}");
+    assert_eq!(looked["rank"], "1");
+    let scanned = run("scans_env");
+    assert_eq!(scanned["warm"], true, "a scan is no lookup: the worker stayed warm: {scanned}");
+    assert_eq!(scanned["rank"], "1");
+}

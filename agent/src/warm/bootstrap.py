@@ -18,16 +18,19 @@
 # - only modules found in site-packages or dist-packages (installed distributions), never the
 #   program's own or anything on PYTHONPATH;
 # - with the rank's variables of the round the agent expects next (RANK, WORLD_SIZE, ...):
-#   when the order's differ (the node's ranks moved), the interpreter starts again cold, in this
-#   same process (exec), so nothing imported with the wrong rank is ever used.
+#   when the order's differ (the node's ranks moved, a spare joins) and a module imported ahead
+#   looked one of them up, the interpreter starts again cold, in this same process (exec), so
+#   nothing imported with the wrong rank is ever used.
 #
 # argv: bootstrap.py FD KIND TARGET (KIND: script or module).
 
 import os
 import sys
 
-# The variables a module may read as it is imported and that the warm interpreter was started
-# with; an order with other values makes it start again cold.
+# Variables the warm interpreter was started with that an order may give otherwise (the node's
+# ranks moved in the new round). Read while the imports were made ahead (looked up through
+# os.environ: `os.environ[k]`, `.get`, `in`, `os.getenv`; a scan of every variable, as tqdm makes
+# for its own, is not a lookup), a different value makes the interpreter start again cold.
 _RANK_VARS = (
     "RANK",
     "LOCAL_RANK",
@@ -38,10 +41,33 @@ _RANK_VARS = (
     "ROLE_RANK",
     "ROLE_WORLD_SIZE",
     "ROLE_NAME",
-    "OMP_NUM_THREADS",
-    "CUDA_VISIBLE_DEVICES",
-    "PYTHONPATH",
 )
+# Read by C code as the interpreter or a library starts (the interpreter's path, OpenMP's
+# threads, CUDA's devices): compared whether looked up or not.
+_START_VARS = ("PYTHONPATH", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
+
+# The variables looked up through os.environ while the imports were made ahead.
+_LOOKED_UP = set()
+
+
+class _Watched(os._Environ):
+    """os.environ's class while the imports are made ahead: it notes each lookup."""
+
+    def __getitem__(self, key):
+        f = sys._getframe(1)
+        for _ in range(3):
+            if f is None:
+                break
+            code = f.f_code
+            if (code.co_name == "__iter__" and "_collections_abc" in code.co_filename) or (
+                code.co_name == "copy" and code.co_filename.endswith("os.py")
+            ):
+                # A scan of every variable (items(), values(), copy()), not a lookup.
+                break
+            f = f.f_back
+        else:
+            _LOOKED_UP.add(key)
+        return os._Environ.__getitem__(self, key)
 
 # Modules a library imports lazily, the first time a program uses it as every program does:
 # torch imports torch._dynamo (seconds) when the first optimizer is made.
@@ -152,16 +178,21 @@ def _warm_up(own_dir, program_file, fd):
             elif _installed(o):
                 outside.append(name)
     lazy = [m for top in dict.fromkeys(n.split(".")[0] for n in outside) for m in _LAZY.get(top, [])]
-    for name in dict.fromkeys(outside + lazy):
-        if select.select([fd], [], [], 0)[0]:
-            # The order came: the rest is the program's to import.
-            return
-        try:
-            importlib.import_module(name)
-        except KeyboardInterrupt:
-            raise
-        except BaseException:
-            pass
+    plain = os.environ.__class__
+    os.environ.__class__ = _Watched
+    try:
+        for name in dict.fromkeys(outside + lazy):
+            if select.select([fd], [], [], 0)[0]:
+                # The order came: the rest is the program's to import.
+                return
+            try:
+                importlib.import_module(name)
+            except KeyboardInterrupt:
+                raise
+            except BaseException:
+                pass
+    finally:
+        os.environ.__class__ = plain
 
 
 def _become(message, kind, target, warm_env):
@@ -179,7 +210,11 @@ def _become(message, kind, target, warm_env):
     os.environb.clear()
     os.environb.update(env)
     os.chdir(bytes.fromhex(order["cwd"]))
-    moved = [k for k in _RANK_VARS if warm_env.get(k) != os.environ.get(k)]
+    moved = [
+        k
+        for k in _RANK_VARS + _START_VARS
+        if (k in _START_VARS or k in _LOOKED_UP) and warm_env.get(k) != os.environ.get(k)
+    ]
     if (
         moved
         or (kind == "module" and _module_file(target, os.getcwd(), as_main=True) is None)
@@ -258,7 +293,7 @@ def _main():
     # here was set by the interpreter itself.
     _COERCED = os.environ.pop("RLAUNCH_WARM_LC_CTYPE", None) == "unset" and "LC_CTYPE" in os.environ
     fd, kind, target = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    warm_env = {k: os.environ.get(k) for k in _RANK_VARS}
+    warm_env = {k: os.environ.get(k) for k in _RANK_VARS + _START_VARS}
     safe_path = getattr(sys.flags, "safe_path", False)
     if kind == "module":
         own_dir = os.getcwd()
