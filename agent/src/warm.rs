@@ -117,9 +117,28 @@ impl Warm {
             (Some(a), Some(b)) => unsafe { libc::CPU_EQUAL(a, b) },
             _ => false,
         };
-        same_cpus && self.terminal == t.terminal && self.env == t.env
+        // The rank variables may differ (a spare's set was started before it knew its ranks):
+        // the interpreter itself starts again cold if a module it imported ahead read one.
+        let settled = |env: &[(String, String)]| -> Vec<(String, String)> {
+            env.iter().filter(|(k, _)| !RANK_VARS.contains(&k.as_str())).cloned().collect()
+        };
+        same_cpus && self.terminal == t.terminal && settled(&self.env) == settled(&t.env)
     }
 }
+
+/// The variables that place a worker in its round, which bootstrap.py checks itself
+/// (`_RANK_VARS` there).
+const RANK_VARS: &[&str] = &[
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+];
 
 /// What a warm worker of one local rank is started with.
 pub struct Template {
@@ -400,6 +419,13 @@ mod tests {
         ] {
             assert_eq!(WarmProgram::parse(&args(refused)), None, "{refused:?}");
         }
+    }
+
+    #[test]
+    fn the_rust_and_python_sides_name_the_same_rank_variables() {
+        let py = BOOTSTRAP.split("_RANK_VARS = (").nth(1).and_then(|r| r.split(')').next()).expect("_RANK_VARS");
+        let names: Vec<&str> = py.split(',').map(|n| n.trim().trim_matches('"')).filter(|n| !n.is_empty()).collect();
+        assert_eq!(names, RANK_VARS);
     }
 
     #[test]
