@@ -105,6 +105,8 @@ struct Warm {
     order: std::fs::File,
     /// What it was started with: it is used only for a worker that would get the same.
     env: Vec<(String, String)>,
+    /// Its whole environment as started (the order says how the worker's differs).
+    spawned_env: BTreeMap<OsString, OsString>,
     terminal: Terminal,
     cpus: Option<libc::cpu_set_t>,
 }
@@ -243,10 +245,6 @@ impl WarmPool {
         for (k, v) in &t.env {
             cmd.env(k, v);
         }
-        if std::env::var_os("LC_CTYPE").is_none() && !t.env.iter().any(|(k, _)| k == "LC_CTYPE") {
-            // A LC_CTYPE the bootstrap then finds was set by the interpreter (locale coercion).
-            cmd.env("RLAUNCH_WARM_LC_CTYPE", "unset");
-        }
         // The order pipe's read end stays open across exec (it was made close-on-exec, as
         // every other descriptor of the agent).
         let place = Placement {
@@ -255,6 +253,7 @@ impl WarmPool {
             keep_fd: Some(read.as_raw_fd()),
         };
         // Known as warm before a stop's sweep of orphans can see it (process groups).
+        let spawned_env = whole_env(&cmd);
         let mut live = LIVE.lock().unwrap_or_else(|p| p.into_inner());
         let spawned = spawn_worker(cmd, place, t.terminal)?;
         drop(read);
@@ -262,7 +261,14 @@ impl WarmPool {
         live.insert(pid);
         drop(live);
         self.containment.watch_group(pid, true);
-        Ok(Warm { spawned, order: std::fs::File::from(write), env: t.env.clone(), terminal: t.terminal, cpus: t.cpus })
+        Ok(Warm {
+            spawned,
+            order: std::fs::File::from(write),
+            env: t.env.clone(),
+            spawned_env,
+            terminal: t.terminal,
+            cpus: t.cpus,
+        })
     }
 
     /// Makes the warm worker of `local_rank` the worker `cmd` describes (`cmd` is the command a
@@ -282,7 +288,7 @@ impl WarmPool {
             self.discard(w);
             return None;
         }
-        let bytes = order_bytes(cmd, self.program.target_index);
+        let bytes = order_bytes(cmd, self.program.target_index, &w.spawned_env);
         // SAFETY: fcntl on a descriptor the pool owns.
         let room = unsafe { libc::fcntl(w.order.as_raw_fd(), libc::F_GETPIPE_SZ) };
         if usize::try_from(room).map_or(true, |room| bytes.len() > room) {
@@ -356,11 +362,8 @@ fn forget(pid: u32) {
     LIVE.lock().unwrap_or_else(|p| p.into_inner()).remove(&pid);
 }
 
-/// The order for a warm worker: `cmd`'s whole argv, its whole environment (the agent's, with
-/// `cmd`'s changes) and working directory, each byte string in hex (environments need not be
-/// UTF-8), as JSON.
-fn order_bytes(cmd: &std::process::Command, target_index: usize) -> Vec<u8> {
-    let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+/// The whole environment `cmd` starts a process with: the agent's, with `cmd`'s changes.
+fn whole_env(cmd: &std::process::Command) -> BTreeMap<OsString, OsString> {
     let mut env: BTreeMap<OsString, OsString> = std::env::vars_os().collect();
     for (k, v) in cmd.get_envs() {
         match v {
@@ -368,9 +371,28 @@ fn order_bytes(cmd: &std::process::Command, target_index: usize) -> Vec<u8> {
             None => env.remove(k),
         };
     }
+    env
+}
+
+/// The order for a warm worker: `cmd`'s whole argv and working directory, and how its
+/// environment differs from the one the warm interpreter was started with (`spawned`): each
+/// variable that differs, with its value then and its value for the worker (absent: null),
+/// each byte string in hex (environments need not be UTF-8), as JSON. The interpreter changes
+/// a variable only where it still has the value it was started with, so what its own start set
+/// (an interpreter wrapper's variables, the locale it coerced) stays, as in a cold start.
+fn order_bytes(cmd: &std::process::Command, target_index: usize, spawned: &BTreeMap<OsString, OsString>) -> Vec<u8> {
+    let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+    let env = whole_env(cmd);
     let argv: Vec<String> =
         std::iter::once(cmd.get_program()).chain(cmd.get_args()).map(|a| hex(a.as_bytes())).collect();
-    let env: Vec<[String; 2]> = env.iter().map(|(k, v)| [hex(k.as_bytes()), hex(v.as_bytes())]).collect();
+    let keys: BTreeSet<&OsString> = env.keys().chain(spawned.keys()).collect();
+    let env: Vec<[Option<String>; 3]> = keys
+        .into_iter()
+        .filter(|k| env.get(*k) != spawned.get(*k))
+        .map(|k| {
+            [Some(hex(k.as_bytes())), spawned.get(k).map(|v| hex(v.as_bytes())), env.get(k).map(|v| hex(v.as_bytes()))]
+        })
+        .collect();
     let cwd = cmd
         .get_current_dir()
         .map(|d| d.as_os_str().to_owned())
@@ -434,13 +456,24 @@ mod tests {
         let mut cmd = std::process::Command::new("python3");
         cmd.arg("-u").arg(OsString::from_vec(b"tr\xffain.py".to_vec())).arg("--x");
         cmd.env("RANK", "3").env(OsString::from_vec(b"ODD\xfe".to_vec()), "v").current_dir("/tmp");
-        let order: serde_json::Value = serde_json::from_slice(&order_bytes(&cmd, 2)).unwrap();
+        // Started with RANK=0, WARM_ONLY=1 and the agent's own variables.
+        let mut spawned: BTreeMap<OsString, OsString> = std::env::vars_os().collect();
+        spawned.insert("RANK".into(), "0".into());
+        spawned.insert("WARM_ONLY".into(), "1".into());
+        let order: serde_json::Value = serde_json::from_slice(&order_bytes(&cmd, 2, &spawned)).unwrap();
         let argv: Vec<&str> = order["argv"].as_array().unwrap().iter().map(|a| a.as_str().unwrap()).collect();
         assert_eq!(argv, ["707974686f6e33", "2d75", "7472ff61696e2e7079", "2d2d78"]);
         let env = order["env"].as_array().unwrap();
-        assert!(env.iter().any(|kv| kv[0] == "52414e4b" && kv[1] == "33"), "RANK=3 is there");
-        assert!(env.iter().any(|kv| kv[0] == "4f4444fe"), "a non-UTF-8 name is there");
-        assert!(env.iter().any(|kv| kv[0] == "50415448"), "the agent's own PATH is there");
+        assert!(env.iter().any(|kv| kv[0] == "52414e4b" && kv[1] == "30" && kv[2] == "33"), "RANK 0 -> 3: {env:?}");
+        assert!(
+            env.iter().any(|kv| kv[0] == "4f4444fe" && kv[1].is_null() && kv[2] == "76"),
+            "a non-UTF-8 name is set"
+        );
+        assert!(
+            env.iter().any(|kv| kv[0] == "5741524d5f4f4e4c59" && kv[1] == "31" && kv[2].is_null()),
+            "a variable only the warm start had is unset"
+        );
+        assert!(!env.iter().any(|kv| kv[0] == "50415448"), "the agent's own PATH, unchanged, is not sent");
         assert_eq!(order["cwd"], "2f746d70");
         assert_eq!(order["target_index"], 2);
     }

@@ -46,7 +46,8 @@ argv = [sys.executable, "-u", prog]
 order = {
     "argv": [a.encode().hex() for a in argv],
     "target_index": 2,
-    "env": [[k.hex(), v.hex()] for k, v in {**os.environb, b"RANK": b"1", b"PYTHONPATH": site.encode()}.items()],
+    # How the worker's environment differs from the one the interpreter was started with.
+    "env": [[b"RANK".hex(), b"0".hex(), b"1".hex()]],
     "cwd": work.encode().hex(),
 }
 os.write(w, json.dumps(order).encode())

@@ -201,14 +201,20 @@ def _become(message, kind, target, warm_env):
     order = json.loads(message)
     argv = [bytes.fromhex(a) for a in order["argv"]]
     at = order["target_index"]
-    env = {bytes.fromhex(k): bytes.fromhex(v) for k, v in order["env"]}
-    # What the interpreter set itself as it started (C locale coercion: LC_CTYPE), it would
-    # set again in a cold start from the same environment.
-    coerced = os.environb.get(b"LC_CTYPE")
-    if coerced is not None and b"LC_CTYPE" not in env and b"LC_ALL" not in env and _COERCED:
-        env[b"LC_CTYPE"] = coerced
-    os.environb.clear()
-    os.environb.update(env)
+    # The worker's environment: each variable the order names changes from the value this
+    # interpreter was started with to the worker's, unless the start itself changed it (an
+    # interpreter wrapper's variables, the locale Python coerced): that stays, as a cold start
+    # of the same command would set it again.
+    started = _STARTED_ENV
+    for k, was, new in order["env"]:
+        k = bytes.fromhex(k)
+        was = None if was is None else bytes.fromhex(was)
+        if started.get(k) != was:
+            continue
+        if new is None:
+            os.environb.pop(k, None)
+        else:
+            os.environb[k] = bytes.fromhex(new)
     os.chdir(bytes.fromhex(order["cwd"]))
     moved = [
         k
@@ -288,10 +294,8 @@ def _become(message, kind, target, warm_env):
 
 
 def _main():
-    global _COERCED
-    # The agent passes RLAUNCH_WARM_LC_CTYPE=unset when it did not set LC_CTYPE: then one found
-    # here was set by the interpreter itself.
-    _COERCED = os.environ.pop("RLAUNCH_WARM_LC_CTYPE", None) == "unset" and "LC_CTYPE" in os.environ
+    global _STARTED_ENV
+    _STARTED_ENV = dict(os.environb)
     fd, kind, target = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     warm_env = {k: os.environ.get(k) for k in _RANK_VARS + _START_VARS}
     safe_path = getattr(sys.flags, "safe_path", False)
