@@ -752,17 +752,27 @@ pub fn become_subreaper() {
     unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1 as libc::c_ulong, 0, 0, 0) };
 }
 
+/// Children of the agent that are no orphans and no workers yet (warm workers waiting), which
+/// [`kill_orphans`] must leave alone. Held while such a child is spawned and registered, so a
+/// sweep never sees it unregistered.
+pub fn spared() -> std::sync::MutexGuard<'static, std::collections::BTreeSet<u32>> {
+    static SPARED: std::sync::Mutex<std::collections::BTreeSet<u32>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    SPARED.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// Kills and reaps every child of this process: once a worker group is over, the only children
 /// left are descendants orphaned to this subreaper.
 /// Children in `keep` (workers not reaped yet) are left alone: their reaping is their waiter's.
-/// Warm workers ([`crate::warm`]) waiting as children are left too: none starts during a pass.
+/// Children in [`spared`] (warm workers waiting) are left too; none is added during a pass.
 pub fn kill_orphans(keep: &[u32]) {
     // A killed orphan's own children become this process's next: a few passes.
     for _ in 0..8 {
-        let any = crate::warm::with_live_pids(|warm| {
-            let keep: Vec<u32> = keep.iter().copied().chain(warm.iter().copied()).collect();
+        let any = {
+            let spared = spared();
+            let keep: Vec<u32> = keep.iter().copied().chain(spared.iter().copied()).collect();
             kill_children_once(&keep)
-        });
+        };
         if !any {
             return;
         }

@@ -39,15 +39,6 @@ pub const BOOTSTRAP_FILE: &str = "rlaunch_warm.py";
 /// The bootstrap each warm interpreter runs, written out once per agent.
 const BOOTSTRAP: &str = include_str!("warm/bootstrap.py");
 
-/// Pids of warm workers not handed out yet: children of the agent that a stop's sweep of
-/// orphans (process-group containment) must leave alone.
-static LIVE: Mutex<BTreeSet<u32>> = Mutex::new(BTreeSet::new());
-
-/// Runs `f` with the warm workers' pids (see [`LIVE`]); no warm worker is started meanwhile.
-pub fn with_live_pids<R>(f: impl FnOnce(&BTreeSet<u32>) -> R) -> R {
-    f(&LIVE.lock().unwrap_or_else(|p| p.into_inner()))
-}
-
 /// A program a warm interpreter can become: `python [flags] script.py args...` or
 /// `python [flags] -m module args...`, as the launcher builds them.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -254,7 +245,7 @@ impl WarmPool {
         };
         // Known as warm before a stop's sweep of orphans can see it (process groups).
         let spawned_env = whole_env(&cmd);
-        let mut live = LIVE.lock().unwrap_or_else(|p| p.into_inner());
+        let mut live = crate::process::spared();
         let spawned = spawn_worker(cmd, place, t.terminal)?;
         drop(read);
         let pid = spawned.proc.pid();
@@ -359,7 +350,7 @@ impl Drop for WarmPool {
 }
 
 fn forget(pid: u32) {
-    LIVE.lock().unwrap_or_else(|p| p.into_inner()).remove(&pid);
+    crate::process::spared().remove(&pid);
 }
 
 /// The whole environment `cmd` starts a process with: the agent's, with `cmd`'s changes.
