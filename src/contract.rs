@@ -120,6 +120,13 @@ pub struct RootCause {
     /// `rank 1: stuck_here (train.py:4) <- main (train.py:12)`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub stacks: Vec<String>,
+    /// When the agent saw the worker exit (Unix ms, the agent's clock).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seen_at_ms: Option<u64>,
+    /// How long before this report was sent its agent saw the exit: the rendezvous dates the
+    /// fault with it on its own clock.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seen_ago_ms: Option<u64>,
 }
 
 /// Another worker that failed along with the root cause.
@@ -202,6 +209,8 @@ impl RootCause {
             stderr_tail: Vec::new(),
             other_failures: Vec::new(),
             stacks: Vec::new(),
+            seen_at_ms: None,
+            seen_ago_ms: None,
         }
     }
 
@@ -533,6 +542,38 @@ pub struct NodeInfo {
     pub snapshots: Vec<SnapshotSet>,
 }
 
+/// What an agent tells the rendezvous of its round's progress, for the recovery accounting:
+/// each instant as milliseconds before the report was sent, so the service dates it on its own
+/// clock. Sent when something new is known; each field counts once per node and round.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeProgress {
+    /// Every local worker was started (a warm one ordered, a cold one executed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_ago_ms: Option<u64>,
+    /// Every local rank asked for its state (`rlaunch.snapshot.load`): the program is up.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready_ago_ms: Option<u64>,
+    /// Every local rank loaded the step its snapshots restore.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restored: Option<StepAgo>,
+    /// Every local rank saved a step in this round (the first such step).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_step: Option<StepAgo>,
+    /// The newest step this node's ranks had saved before this round.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step_before: Option<u64>,
+    /// Every local rank saved `step_before` (or a later step) again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub caught_up: Option<StepAgo>,
+}
+
+/// A step and how long before the report it was reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepAgo {
+    pub step: u64,
+    pub ago_ms: u64,
+}
+
 /// Parts of one snapshot a node holds: saved in round `tag`, at `step`, by a world of `world`
 /// ranks; the ranks as half-open ranges.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -698,6 +739,8 @@ mod tests {
             stderr_tail: vec![text.to_owned(); lines],
             other_failures: Vec::new(),
             stacks: vec![text.to_owned(); lines],
+            seen_at_ms: None,
+            seen_ago_ms: None,
         }
     }
 

@@ -85,6 +85,7 @@ async fn drive(
             if let Some(snap) = io.ctx.snapshots {
                 snap.end_round();
             }
+            io.ctx.progress.end();
         }
         if let (Some(pool), Some((at, _))) = (io.ctx.warm, &io.refill) {
             if tokio::time::Instant::now() >= *at {
@@ -163,7 +164,7 @@ fn supervise(
                         // sends once): a failure of the group.
                         waiters_gone = true;
                         let index = group.first_running().unwrap_or(0);
-                        SupEvent::Exited { index, exit: rlaunch::contract::Exit::Code(1), seen_at: crate::report::now_unix() }
+                        SupEvent::Exited { index, exit: rlaunch::contract::Exit::Code(1), seen_at: crate::report::now_unix_ms() }
                     }
                 },
                 cmd = cmds.recv() => match cmd {
@@ -264,6 +265,32 @@ fn supervise(
     cmd_tx
 }
 
+/// Tells the rendezvous how far this node's round got whenever something new is known (workers
+/// started, a step restored, saved, saved again), for its recovery accounting. Best effort: a
+/// report that fails is tried again a few times, then left to the next.
+async fn report_progress(client: RendezvousClient, node_id: String, tracker: std::sync::Arc<crate::progress::Tracker>) {
+    let mut sent = None;
+    loop {
+        let (mut report, mut known) = tracker.next().await;
+        for attempt in 0..3 {
+            if sent == Some(known) {
+                break;
+            }
+            let Some((round, progress)) = report.clone() else { break };
+            match tokio::time::timeout(STATUS_TIMEOUT, client.report_progress(&node_id, round, progress)).await {
+                Ok(Ok(())) => {
+                    sent = Some(known);
+                    break;
+                }
+                Ok(Err(e)) => tracing::debug!(error = %e, round, attempt, "progress not taken"),
+                Err(_) => tracing::debug!(round, attempt, "progress report timed out"),
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            (report, known) = tracker.current();
+        }
+    }
+}
+
 /// Sleeps until `at`, or forever.
 async fn sleep_until_or_never(at: Option<tokio::time::Instant>) {
     match at {
@@ -343,6 +370,9 @@ impl Io<'_> {
                     self.tx.clone(),
                 )
                 .await?;
+                let (client, node_id, progress) =
+                    (setup.client.clone(), setup.node.node_id.clone(), self.ctx.progress.clone());
+                self.calls.spawn(report_progress(client, node_id, progress));
                 self.elastic = Some(setup);
                 Ok(Membership::Elastic { node_ttl: config.job.node_ttl, join_timeout: config.job.join_timeout })
             }
@@ -542,6 +572,7 @@ impl Io<'_> {
             self.ctx.containment.clone(),
             self.ctx.warm,
         )?;
+        self.ctx.progress.begin(p.round, self.config.nproc_per_node);
         if self.ctx.warm.is_some() {
             // The next set, once this round's first steps have had the CPUs to themselves.
             self.refill = Some((tokio::time::Instant::now() + crate::warm::REFILL_AFTER, p.clone()));
@@ -594,7 +625,10 @@ impl Io<'_> {
         self.calls.spawn(async move {
             let (kind, result) = match report {
                 Report::Success { round } => (ReportKind::Success, client.report_success(&node.node_id, round).await),
-                Report::Failure { round, root_cause } => {
+                Report::Failure { round, mut root_cause } => {
+                    // Dated by how long ago, so the rendezvous needs no agreement of clocks.
+                    root_cause.seen_ago_ms =
+                        root_cause.seen_at_ms.map(|at| crate::report::now_unix_ms().saturating_sub(at));
                     (ReportKind::Failure, client.report_failure(&node.node_id, round, root_cause).await)
                 }
                 Report::Leave => (ReportKind::Leave, client.leave(&node.node_id).await),

@@ -19,6 +19,7 @@ pub mod logdir;
 pub mod numa;
 pub mod output;
 pub mod process;
+pub mod progress;
 mod random;
 pub mod report;
 pub mod snapshots;
@@ -168,13 +169,15 @@ async fn run_inner(config: AgentConfig) -> Result<RunOutcome, AgentError> {
     let containment = std::sync::Arc::new(contain::Containment::detect(config.nproc_per_node, choice));
     // Snapshots in this agent's memory (`--snapshot-memory 0`: none, but `import rlaunch` still
     // works). A store that cannot start leaves the job running without them, said once.
-    let snapshots = snapstore::SnapStore::start(config.snapshot_memory)
+    let progress = std::sync::Arc::new(progress::Tracker::default());
+    let snapshots = snapstore::SnapStore::start(config.snapshot_memory, progress.clone())
         .map_err(|e| warn!(error = %e, "cannot start the snapshot store: snapshots are off"))
         .ok();
     let warm = config.warm_workers.then(|| warm::WarmPool::new(&config.program, containment.clone())).flatten();
     let ctx = Ctx {
         warm: warm.as_ref(),
         snapshots: snapshots.as_ref(),
+        progress: &progress,
         containment: &containment,
         host: &host,
         agent_env: &agent_env,
@@ -209,6 +212,8 @@ pub(crate) struct Ctx<'a> {
     pub warm: Option<&'a warm::WarmPool>,
     /// The node's snapshot store, when snapshots are on.
     pub snapshots: Option<&'a snapstore::SnapStore>,
+    /// How far the running round got (the recovery accounting).
+    pub progress: &'a std::sync::Arc<progress::Tracker>,
     pub containment: &'a std::sync::Arc<contain::Containment>,
     pub host: &'a str,
     pub agent_env: &'a BTreeMap<String, String>,

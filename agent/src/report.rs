@@ -63,6 +63,11 @@ pub fn now_unix() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
+/// Milliseconds since the Unix epoch.
+pub fn now_unix_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)).unwrap_or(0)
+}
+
 /// Writes `value` to `path` through a temporary file and a rename, so a reader never sees half.
 /// The file's data is fsync'd before the rename, and the directory after it, so a crash leaves
 /// either the old file or the whole new one. The temporary file is made new and never through a

@@ -53,6 +53,8 @@ pub(crate) struct Shared {
     changed: Condvar,
     /// Copies to send and commits to announce, in order (the replicator thread).
     outbox: std::sync::mpsc::Sender<peers::Job>,
+    /// The round's progress (steps saved and restored), for the recovery accounting.
+    progress: Arc<crate::progress::Tracker>,
 }
 
 struct State {
@@ -109,7 +111,7 @@ impl Peers {
 impl SnapStore {
     /// A store holding at most `cap` bytes (0: none, only the package), its socket in a new
     /// directory only this user enters.
-    pub fn start(cap: u64) -> std::io::Result<SnapStore> {
+    pub fn start(cap: u64, progress: Arc<crate::progress::Tracker>) -> std::io::Result<SnapStore> {
         let dir =
             std::env::temp_dir().join(format!("rlaunch-snap-{}-{:08x}", std::process::id(), crate::random::rand_u32()));
         std::os::unix::fs::DirBuilderExt::mode(&mut std::fs::DirBuilder::new(), 0o700).create(&dir)?;
@@ -129,6 +131,7 @@ impl SnapStore {
             }),
             changed: Condvar::new(),
             outbox,
+            progress,
         });
         let s = shared.clone();
         std::thread::Builder::new().name("snapshots".into()).spawn(move || accept(listener, s))?;
@@ -417,8 +420,21 @@ fn serve(sock: UnixStream, shared: Arc<Shared>) {
 fn handle(shared: &Shared, req: Request, reserved: &mut BTreeSet<Key>) -> (Answer, Option<OwnedFd>) {
     let result = match req {
         Request::Reserve { step, rank, world, len } => reserve(shared, step, rank, world, len, reserved),
-        Request::Commit { step, rank } => commit(shared, step, rank, reserved).map(|()| (Answer::default(), None)),
-        Request::Load { rank } => load(shared, rank),
+        Request::Commit { step, rank } => commit(shared, step, rank, reserved).map(|()| {
+            shared.progress.saved(rank, step);
+            (Answer::default(), None)
+        }),
+        Request::Load { rank } => {
+            if let Some(rank) = rank {
+                shared.progress.asked(rank);
+            }
+            load(shared, rank)
+        }
+        .inspect(|(a, _)| {
+            if let Some(rank) = rank {
+                shared.progress.loaded(rank, a.step);
+            }
+        }),
     };
     match result {
         Ok((mut a, fd)) => {

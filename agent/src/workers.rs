@@ -16,7 +16,7 @@ use rlaunch::env::WorkerEnv;
 use crate::contain::Containment;
 use crate::output::{pump, Console, DupFilter, Sink, StdSet, StdinRouter, Stream};
 use crate::process::{spawn_worker, Placement, Terminal, WorkerProc};
-use crate::report::{now_unix, read_error_file, Exit, RootCause};
+use crate::report::{now_unix, now_unix_ms, read_error_file, Exit, RootCause};
 use crate::AgentError;
 use rlaunch::contract::OtherFailure;
 
@@ -213,7 +213,7 @@ impl WorkerGroup {
                     Exit::Code(1)
                 }
             };
-            let _ = tx.send((index, exit, now_unix()));
+            let _ = tx.send((index, exit, now_unix_ms()));
         }));
         debug!(local_rank, rank = spec.env.rank, pid, "worker started");
         self.workers.push(Running { spec, pid, proc, exit: None, stderr_tail, pumps, stdin_id, written });
@@ -250,6 +250,7 @@ impl WorkerGroup {
         RootCause {
             stderr_tail: tail,
             stacks,
+            seen_at_ms: Some(now_unix_ms()),
             ..self.cause_base(index, Exit::Signal(libc::SIGTERM), now_unix(), message)
         }
     }
@@ -272,6 +273,8 @@ impl WorkerGroup {
             stderr_tail: Vec::new(),
             other_failures: Vec::new(),
             stacks: Vec::new(),
+            seen_at_ms: None,
+            seen_ago_ms: None,
         }
     }
 
@@ -334,6 +337,7 @@ impl WorkerGroup {
         rc
     }
 
+    /// `seen_at`: when the exit was seen (Unix ms).
     async fn root_cause(&mut self, index: usize, exit: Exit, seen_at: u64) -> RootCause {
         let w = &mut self.workers[index];
         // Let the output pumps drain what the worker wrote before it died, so the stderr tail
@@ -344,7 +348,7 @@ impl WorkerGroup {
         let error_file = w.spec.env.error_file.as_ref().map(PathBuf::from);
         let data = error_file.as_deref().and_then(|p| read_error_file(&self.log_root, p));
         let tail: Vec<String> = w.stderr_tail.lock().unwrap_or_else(|p| p.into_inner()).iter().cloned().collect();
-        let timestamp = data.as_ref().and_then(|d| d.timestamp).unwrap_or(seen_at);
+        let timestamp = data.as_ref().and_then(|d| d.timestamp).unwrap_or(seen_at / 1000);
         let message = data
             .as_ref()
             .map(|d| d.message.clone())
@@ -353,6 +357,7 @@ impl WorkerGroup {
             traceback: data.as_ref().and_then(|d| d.traceback.clone()),
             error_file: if data.is_some() { error_file } else { None },
             stderr_tail: if data.is_some() { Vec::new() } else { tail },
+            seen_at_ms: Some(seen_at),
             ..self.cause_base(index, exit, timestamp, message)
         }
     }

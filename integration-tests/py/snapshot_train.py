@@ -5,8 +5,9 @@
 Deterministic: the model, the data of each step and rank, and gloo's sums are the same in every
 run of the same world, so an interrupted run that resumes from a snapshot must compute exactly
 the losses of an uninterrupted one. Writes, per rank, OUT/r{rank}.log lines:
-`resume step=S world=W digest=D restart=R host=H` after a load, `loss step=S value=V digest=D` per step
-(V printed exactly, D of the model after the step), and `final digest=D` at the end.
+`resume step=S world=W digest=D restart=R host=H t=T` after a load (T: when it returned, Unix
+seconds), `loss step=S value=V digest=D` per step (V printed exactly, D of the model after the
+step), `saved step=S t=T` once `save` returned True, and `final digest=D` at the end.
 
 Faults (environment, first process of the rank only, i.e. TORCHELASTIC_RESTART_COUNT=0 and no
 earlier resume): SNAP_EXIT_AT="rank:step" exits 3 before saving that step; SNAP_DIE_IN_SAVE=
@@ -65,13 +66,14 @@ opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 PAD = torch.zeros(int(float(os.environ.get("SNAP_PAD_MB", "0")) * (1 << 18)))
 start = 0
 got = rlaunch.snapshot.load()
+loaded_at = time.time()
 resumed = got is not None
 if got is not None:
     step, state = got
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optim"])
     start = step + 1
-    log(f"resume step={step} world={WORLD} saved_world={state['world']} digest={digest(model)} restart={RESTART} host={HOST}")
+    log(f"resume step={step} world={WORLD} saved_world={state['world']} digest={digest(model)} restart={RESTART} host={HOST} t={loaded_at!r}")
     if os.environ.get("SNAP_RESHARD") == "1" and state["world"] != WORLD:
         parts = [rlaunch.snapshot.load(rank=k) for k in range(state["world"])]
         steps = sorted({p[0] for p in parts})
@@ -98,7 +100,8 @@ for step in range(start, STEPS):
 
         snap._copy_into = die_after_the_first_array
     state = {"model": model.state_dict(), "optim": opt.state_dict(), "world": WORLD, "rank": RANK, "pad": PAD}
-    rlaunch.snapshot.save(step, state)
+    if rlaunch.snapshot.save(step, state):
+        log(f"saved step={step} t={time.time()!r}")
     time.sleep(SLEEP)
 
 dist.barrier()

@@ -295,11 +295,63 @@ impl Job {
     }
 
     /// Node loss as a partition first: the host's link cut, then every process in it killed.
-    fn lose(&self, host: usize) {
+    /// Answers when the link was cut (Unix ms).
+    fn lose(&self, host: usize) -> u64 {
         let h = self.cluster.host(host);
+        let cut = (integration_tests::netns::now_unix_f64() * 1000.0) as u64;
         h.cut_link();
         std::thread::sleep(Duration::from_millis(300));
         h.kill_all();
+        cut
+    }
+
+    /// The last recovery of `run_id` as the service accounts it, against what the ranks logged
+    /// with their own timestamps (one machine, one clock): the fault at the lost node's last
+    /// heartbeat before the cut, every member restored when its ranks' `load` returned, the
+    /// first step when their `save` of it did, the steps computed again.
+    fn check_accounting(&self, run_id: &str, out: &Path, cut_ms: u64) {
+        let body = http_get(&self.endpoint, &format!("/v1/jobs/{run_id}")).expect("the job's status");
+        let status: serde_json::Value = serde_json::from_str(&body).expect("status JSON");
+        let rec = &status["recovery"];
+        let r = rec["recoveries"].as_array().and_then(|l| l.last()).expect("a recovery");
+        eprintln!("recovery: {r}");
+        let ms = |v: &serde_json::Value| v.as_u64().unwrap_or_else(|| panic!("a number of ms: {v} in {r}"));
+        assert_eq!(r["kind"], "node_lost", "{rec}");
+        // Dated at the lost node's last heartbeat, as the replica that deleted its alive key in
+        // etcd had heard it: before the cut, within one interval (0.5 s) and a heartbeat's trip.
+        let fault = ms(&r["fault_at"]);
+        assert!(fault <= cut_ms + 100 && fault + 1000 >= cut_ms, "fault at {fault}, link cut at {cut_ms}");
+        eprintln!("noticed {} ms after the cut", ms(&r["noticed_at"]).saturating_sub(cut_ms));
+        let secs = |l: &str| field(l, "t").and_then(|t| t.parse::<f64>().ok()).map(|t| (t * 1000.0) as u64);
+        let logs = logs(out);
+        let last_resume =
+            logs.values().filter_map(|l| l.iter().rfind(|l| l.starts_with("resume "))).collect::<Vec<_>>();
+        let loaded = last_resume.iter().filter_map(|l| secs(l)).max().expect("resume times");
+        let step: u64 = field(last_resume[0], "step").and_then(|s| s.parse().ok()).expect("a step");
+        let p = &r["progress"];
+        assert_eq!(p["restored_step"].as_u64(), Some(step), "{r}");
+        let restored = ms(&p["restored_at"]);
+        assert!(restored.abs_diff(loaded) <= 500, "restored at {restored}, the last rank's load returned at {loaded}");
+        // The first step saved after the resume, by the last rank to save it.
+        let first = logs
+            .values()
+            .filter_map(|l| {
+                let at = l.iter().rposition(|l| l.starts_with("resume "))?;
+                l[at..].iter().find(|l| l.starts_with("saved ")).and_then(|l| secs(l))
+            })
+            .max()
+            .expect("saves after the resume");
+        let first_at = ms(&p["first_step_at"]);
+        assert!(first_at.abs_diff(first) <= 500, "first step at {first_at}, saved by the last rank at {first}");
+        let again = logs.values().map(|l| computed_again(l)).max().unwrap_or(0) as u64;
+        let redone = r["phases"]["steps_redone"].as_u64().expect("steps redone");
+        assert!(redone <= again.max(1), "{redone} steps redone, the ranks computed {again} again");
+        let phases = &r["phases"];
+        for phase in ["noticing_ms", "reforming_ms", "starting_ms", "restoring_ms", "computing_again_ms"] {
+            assert!(phases[phase].is_u64(), "{phase} is known: {r}");
+        }
+        let goodput = rec["goodput"].as_f64().expect("goodput");
+        assert!(goodput > 0.0 && goodput < 1.0, "{goodput}");
     }
 }
 
@@ -321,9 +373,10 @@ fn a_node_lost_with_a_spare_waiting_resumes_every_rank_from_the_last_step() {
     // The spare waits as a standby of a round at its maximum.
     let mut c = job.agent(2, "2", "spare", out.path(), &[]);
     job.wait_step(out.path(), 4, 12);
-    job.lose(1);
+    let cut = job.lose(1);
     wait_ok(&mut [&mut a, &mut c]);
     assert_resumed_as_reference(out.path(), 4, &reference);
+    job.check_accounting("spare", out.path(), cut);
 }
 
 #[test]

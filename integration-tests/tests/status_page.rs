@@ -43,6 +43,78 @@ const JOB_VIEW: &str = r#"(() => {
   };
 })()"#;
 
+/// The recovery as the service accounts it, against the test's own clock (one machine): host b
+/// killed at `killed_ms`, host a's new workers writing their start lines (`again`); then the
+/// same on the page (its table and timeline) and in `/metrics`.
+fn check_recovery(browser: &mut Browser, token: &str, lost: &str, killed_ms: u64, again: &[netns::Start]) {
+    let fetch = |path: &str, how: &str| {
+        format!("fetch('{path}', {{headers: {{Authorization: 'Bearer ' + {token:?}}}}}).then((r) => r.{how}())")
+    };
+    let status = browser.eval(&fetch("/v1/jobs/page", "json"));
+    let rec = &status["recovery"];
+    eprintln!("recovery: {rec}");
+    // The last recovery (a first round that formed on host a alone would add a scale-up before).
+    let r = rec["recoveries"].as_array().and_then(|l| l.last()).expect("a recovery");
+    let ms = |v: &Value| v.as_u64().unwrap_or_else(|| panic!("a number of ms: {v} in {r}"));
+    assert_eq!(r["kind"], "node_lost", "{rec}");
+    assert!(r["fault"].as_str().is_some_and(|f| f.contains(lost)), "the fault names the lost node: {r}");
+    // The fault is dated at b's last heartbeat: before the kill, within one interval (0.5 s)
+    // and the time a heartbeat takes.
+    let (fault, noticed, reformed) = (ms(&r["fault_at"]), ms(&r["noticed_at"]), ms(&r["reformed_at"]));
+    assert!(fault <= killed_ms + 50 && fault + 1000 >= killed_ms, "fault at {fault}, killed at {killed_ms}");
+    assert!(killed_ms <= noticed && noticed <= reformed, "killed {killed_ms}, noticed {noticed}, re-formed {reformed}");
+    let p = &r["phases"];
+    assert_eq!((ms(&p["noticing_ms"]), ms(&p["reforming_ms"])), (noticed - fault, reformed - noticed), "{r}");
+    // Host a's workers started (dated by its agent's report) when they wrote their start lines.
+    let started = reformed + ms(&p["starting_ms"]);
+    let wrote = again.iter().map(|s| (s.t * 1000.0) as u64).max().expect("a start");
+    assert!(started <= wrote + 200 && started + 1000 >= wrote, "started at {started}, the workers wrote at {wrote}");
+    // No snapshots: nothing restored, the recovery ended when the workers started.
+    assert!(p["restoring_ms"].is_null() && p["steps_redone"].is_null(), "{r}");
+    assert_eq!((r["ongoing"].as_bool(), ms(&r["lost_ms"])), (Some(false), started - fault), "{r}");
+    let goodput = rec["goodput"].as_f64().expect("a goodput");
+    assert!(goodput > 0.0 && goodput < 1.0, "{goodput}");
+
+    let round = ms(&r["round"]);
+    let view = r#"(() => {
+          const row = document.querySelector('#recoveries tbody tr[data-round="ROUND"]');
+          const cell = (p) => row && row.querySelector('td[data-phase="' + p + '"]');
+          // Shown once host a's report of its workers' start was read (the page re-reads the
+          // job every 2 s: a report bumps no round, so no watch answers it).
+          if (!row || !cell('starting').dataset.ms) return null;
+          return {
+            noticing: Number(cell('noticing').dataset.ms),
+            starting: cell('starting').textContent,
+            restoring: cell('restoring').textContent,
+            fault: row.children[1].textContent,
+            goodput: document.getElementById('goodput').textContent,
+            phases: [...document.querySelectorAll('#timeline rect[data-phase][data-round="ROUND"]')].map((e) => e.dataset.phase),
+            lost: [...document.querySelectorAll('#timeline circle[data-mark="lost"]')].map((e) => e.dataset.node),
+            lanes: [...new Set([...document.querySelectorAll('#timeline rect[data-node]')].map((e) => e.dataset.node))],
+          };
+        })()"#;
+    let shown = browser.wait_for("the recovery on the page", &view.replace("ROUND", &round.to_string()), PAGE);
+    eprintln!("on the page: {shown}");
+    assert_eq!(shown["noticing"].as_u64(), Some(ms(&p["noticing_ms"])));
+    assert!(shown["starting"].as_str().is_some_and(|s| s.ends_with(" s")), "{shown}");
+    assert_eq!(shown["restoring"], "—", "not known, never guessed");
+    assert!(shown["fault"].as_str().is_some_and(|f| f.contains(lost)), "{shown}");
+    assert!(shown["goodput"].as_str().is_some_and(|g| g.contains("goodput") && g.contains("recover")), "{shown}");
+    assert_eq!(shown["phases"], serde_json::json!(["noticing", "reforming", "starting"]), "{shown}");
+    assert_eq!(shown["lost"], serde_json::json!([lost]), "{shown}");
+    assert_eq!(shown["lanes"].as_array().map(Vec::len), Some(2), "a lane per node: {shown}");
+
+    let metrics = browser.eval(&fetch("/metrics", "text"));
+    let metrics = metrics.as_str().unwrap_or_default();
+    for line in [
+        "rlaunch_job_goodput{run_id=\"page\"} ",
+        "rlaunch_job_recoveries_total{run_id=\"page\"} ",
+        "rlaunch_job_last_recovery_seconds{run_id=\"page\",phase=\"noticing\"} ",
+    ] {
+        assert!(metrics.contains(line), "/metrics has {line}:\n{metrics}");
+    }
+}
+
 fn screenshot(browser: &mut Browser, name: &str) {
     let dir = target_dir().join("status-page");
     std::fs::create_dir_all(&dir).expect("screenshot dir");
@@ -139,6 +211,7 @@ fn the_page_follows_a_job_that_forms_loses_a_node_and_reforms() {
         .map(str::to_owned)
         .collect();
     assert_eq!(b_nodes.len(), 1, "one member is host b's: {formed}");
+    let killed_ms = (netns::now_unix_f64() * 1000.0) as u64;
     cluster.host(1).kill_all();
     // Before the job drops it, the page shows host b's node as suspected (its heartbeats stopped).
     let suspected = browser.wait_for(
@@ -149,7 +222,7 @@ fn the_page_follows_a_job_that_forms_loses_a_node_and_reforms() {
     eprintln!("suspected: {suspected}");
     assert_eq!(suspected["round"].as_u64(), Some(round), "still the round host b was lost from");
     screenshot(&mut browser, "suspected.png");
-    netns::wait_formed(dir.path(), &["a"], NPROC, &mut agents[..1], FORM);
+    let again = netns::wait_formed(dir.path(), &["a"], NPROC, &mut agents[..1], FORM);
     let reformed = browser.wait_for(
         "the re-formed round on host a alone",
         &format!(
@@ -163,6 +236,7 @@ fn the_page_follows_a_job_that_forms_loses_a_node_and_reforms() {
     eprintln!("last event: {event}");
     let closed = format!("round {} closed", reformed["round"]);
     assert!(event.as_str().is_some_and(|e| e.contains(&closed)), "the page says the round closed: {event}");
+    check_recovery(&mut browser, &token, &b_nodes[0], killed_ms, &again);
     screenshot(&mut browser, "reformed.png");
 
     finish(dir.path(), &mut agents[..1]);

@@ -199,6 +199,7 @@ pub fn render(s: &JobStatus) -> String {
             out += &format!("    {l}\n");
         }
     }
+    out += &recoveries(&s.recovery);
     if let Some(rc) = &s.last_root_cause {
         out += &format!("  last root cause: {}\n", rc.summary());
         if !rc.stacks.is_empty() {
@@ -209,6 +210,42 @@ pub fn render(s: &JobStatus) -> String {
         }
     }
     rlaunch::terminal::sanitize(&out).into_owned()
+}
+
+/// Goodput and what each recovery cost, phase by phase (`-`: not known, `…`: under way).
+fn recoveries(r: &rlaunch_rendezvous::round::RecoveryStatus) -> String {
+    let Some(goodput) = r.goodput else { return String::new() };
+    let secs = |ms: u64| format!("{:.2} s", ms as f64 / 1000.0);
+    let mut out = format!(
+        "  goodput: {:.1}% ({} lost of {}: start-up {}, {} recover{})\n",
+        goodput * 100.0,
+        secs(r.lost_ms),
+        secs(r.wall_ms),
+        r.startup_ms.map(secs).unwrap_or_else(|| "-".into()),
+        r.count,
+        if r.count == 1 { "y" } else { "ies" },
+    );
+    if r.recoveries.is_empty() {
+        return out;
+    }
+    out += "  round  noticing  re-forming  starting  restoring  again     redone  total     fault\n";
+    for v in &r.recoveries {
+        let p = &v.phases;
+        let col = |ms: Option<u64>| ms.map(secs).unwrap_or_else(|| if v.ongoing { "…".into() } else { "-".into() });
+        let total = if v.ongoing { format!("{}…", secs(v.lost_ms)) } else { secs(v.lost_ms) };
+        let redone = p.steps_redone.map(|n| n.to_string()).unwrap_or_else(|| "-".into());
+        out += &format!(
+            "  {:<5}  {:<8}  {:<10}  {:<8}  {:<9}  {:<8}  {redone:<6}  {total:<8}  {}\n",
+            v.recovery.round,
+            col(p.noticing_ms),
+            col(p.reforming_ms),
+            col(p.starting_ms),
+            col(p.restoring_ms),
+            col(p.computing_again_ms),
+            v.recovery.fault
+        );
+    }
+    out
 }
 
 #[cfg(test)]
@@ -249,6 +286,41 @@ mod tests {
         assert!(text.contains("hb loss  health"), "{text}");
         assert!(text.contains("SUSPECTED  b"), "{text}");
         assert!(text.contains("suspected: b for 0.3 s (reached by a)"), "{text}");
+    }
+
+    #[test]
+    fn status_shows_goodput_and_each_recoverys_phases() {
+        use rlaunch::contract::{NodeProgress, StepAgo};
+        let settings = JobSettings { min_nodes: 1, max_nodes: 1, max_restarts: 3, ..JobSettings::default() };
+        let mut job = apply(&Job::new(settings, 0), Event::Join(node("a")), 0).0;
+        let up = NodeProgress {
+            started_ago_ms: Some(0),
+            first_step: Some(StepAgo { step: 0, ago_ms: 0 }),
+            ..Default::default()
+        };
+        job = apply(&job, Event::Progress { node_id: "a".into(), round: 1, progress: up }, 1000).0;
+        let mut rc = rlaunch::contract::RootCause::from_message("boom");
+        rc.seen_ago_ms = Some(500);
+        job = apply(&job, Event::ReportFailure { node_id: "a".into(), round: 1, root_cause: Box::new(rc) }, 10_000).0;
+        job = apply(&job, Event::Join(node("a")), 10_200).0;
+        let text = render(&job.status("j", 10_300));
+        assert!(text.contains("  2      0.50 s    0.20 s      …"), "under way:\n{text}");
+        let back = NodeProgress {
+            started_ago_ms: Some(300),
+            ready_ago_ms: Some(200),
+            restored: Some(StepAgo { step: 4, ago_ms: 100 }),
+            first_step: Some(StepAgo { step: 5, ago_ms: 0 }),
+            step_before: Some(5),
+            caught_up: Some(StepAgo { step: 5, ago_ms: 0 }),
+        };
+        job = apply(&job, Event::Progress { node_id: "a".into(), round: 2, progress: back }, 11_000).0;
+        let text = render(&job.status("j", 20_000));
+        // Wall 20 s; lost: start-up 1 s and the recovery (9.5 → 11 s) 1.5 s.
+        assert!(text.contains("goodput: 87.5% (2.50 s lost of 20.00 s: start-up 1.00 s, 1 recovery)"), "{text}");
+        assert!(
+            text.contains("  2      0.50 s    0.20 s      0.60 s    0.10 s     0.10 s    1       1.50 s    rank 0 on node a: exit code 1"),
+            "{text}"
+        );
     }
 
     #[test]

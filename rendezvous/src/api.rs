@@ -143,6 +143,15 @@ pub struct StacksRequest {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ProgressRequest {
+    pub node_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret: Option<crate::identity::Secret>,
+    pub round: u64,
+    pub progress: rlaunch::contract::NodeProgress,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SuccessRequest {
     pub node_id: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -324,6 +333,15 @@ async fn stacks(
     Ok(Json(Empty {}))
 }
 
+async fn progress(
+    State(app): State<AppState>,
+    Path(run_id): Path<String>,
+    ApiJson(req): ApiJson<ProgressRequest>,
+) -> ApiResult<Empty> {
+    app.rdzv.report_progress(&run_id, &req.node_id, req.secret.as_deref(), req.round, req.progress).await?;
+    Ok(Json(Empty {}))
+}
+
 async fn success(
     State(app): State<AppState>,
     Path(run_id): Path<String>,
@@ -392,6 +410,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/jobs/{run_id}/failure", post(failure))
         .route("/v1/jobs/{run_id}/stacks", post(stacks))
         .route("/v1/jobs/{run_id}/success", post(success))
+        .route("/v1/jobs/{run_id}/progress", post(progress))
         .route("/v1/jobs/{run_id}/leave", post(leave))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_token));
     let metrics_route = if state.protect_metrics {

@@ -14,7 +14,8 @@ use tokio::task::JoinHandle;
 use tracing::{debug, warn};
 
 use crate::api::{
-    ErrorBody, FailureRequest, HeartbeatRequest, JoinRequest, NodeRequest, StacksRequest, SuccessRequest, WatchRequest,
+    ErrorBody, FailureRequest, HeartbeatRequest, JoinRequest, NodeRequest, ProgressRequest, StacksRequest,
+    SuccessRequest, WatchRequest,
 };
 use crate::error::RdzvError;
 use crate::round::{JobSettings, JobStatus, NodeInfo, RoundInfo};
@@ -452,6 +453,27 @@ impl RendezvousClient {
             }
             Transport::Local { rdzv, .. } => {
                 rdzv.report_stacks(&self.run_id, node_id, self.secret(node_id).as_deref(), round, stacks).await
+            }
+        }
+    }
+
+    /// Says how far this node got in `round`, for the recovery accounting.
+    pub async fn report_progress(
+        &self,
+        node_id: &str,
+        round: u64,
+        progress: rlaunch::contract::NodeProgress,
+    ) -> Result<(), RdzvError> {
+        match &self.inner.transport {
+            Transport::Http(h) => {
+                let body =
+                    ProgressRequest { node_id: node_id.to_owned(), secret: self.secret(node_id), round, progress };
+                h.call::<Empty>(Method::POST, &self.path("progress"), Some(json(&body)), SHORT_TIMEOUT)
+                    .await
+                    .map(|_| ())
+            }
+            Transport::Local { rdzv, .. } => {
+                rdzv.report_progress(&self.run_id, node_id, self.secret(node_id).as_deref(), round, progress).await
             }
         }
     }

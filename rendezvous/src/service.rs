@@ -493,6 +493,19 @@ impl Rendezvous {
         self.apply(run_id, None, ev, &self.guard(secret), |_| ()).await
     }
 
+    /// How far `node_id` got in `round` (workers started, a step restored, saved, saved again).
+    pub async fn report_progress(
+        &self,
+        run_id: &str,
+        node_id: &str,
+        secret: Option<&str>,
+        round: u64,
+        progress: rlaunch::contract::NodeProgress,
+    ) -> Result<(), RdzvError> {
+        let ev = Event::Progress { node_id: node_id.to_owned(), round, progress };
+        self.apply(run_id, None, ev, &self.guard(secret), |_| ()).await
+    }
+
     pub async fn report_success(
         &self,
         run_id: &str,
@@ -522,7 +535,13 @@ impl Rendezvous {
     /// Every job's status.
     pub async fn list(&self) -> Result<Vec<JobStatus>, RdzvError> {
         let now = now_ms();
-        Ok(self.store.jobs(now).await?.iter().map(|(id, job)| job.status(id, now)).collect())
+        // Each job's timeline only in its own status: a list of many stays small.
+        let status = |(id, job): &(String, Job)| {
+            let mut s = job.status(id, now);
+            s.recovery.timeline.clear();
+            s
+        };
+        Ok(self.store.jobs(now).await?.iter().map(status).collect())
     }
 
     /// Applies `Tick` to every job once (the ticker does this periodically).
@@ -566,6 +585,7 @@ impl Rendezvous {
                     let _ = writeln!(out, "rlaunch_rdzv_jobs{{state=\"{state}\"}} {n}");
                 }
                 health_metrics(&mut out, &jobs, now_ms());
+                recovery_metrics(&mut out, &jobs, now_ms());
             }
             Err(error) => warn!(error = %error, "metrics could not list jobs"),
         }
@@ -649,6 +669,56 @@ fn health_metrics(out: &mut String, jobs: &[(String, Job)], now: Millis) {
 /// A node id as a Prometheus label value, escaped as the text exposition format says
 /// (backslash, double quote and line feed as `\\`, `\"` and `\n`): replacing them instead
 /// would give `a"b` and `a_b` the same series.
+/// Per-job gauges of the recovery accounting: goodput, time lost, recoveries, and the last
+/// recovery's phases.
+fn recovery_metrics(out: &mut String, jobs: &[(String, Job)], now: Millis) {
+    let views: Vec<(String, crate::round::RecoveryStatus)> =
+        jobs.iter().map(|(id, job)| (label_value(id), job.recovery_status(now))).collect();
+    let head = |out: &mut String, name: &str, kind: &str, help: &str| {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+    };
+    head(out, "rlaunch_job_goodput", "gauge", "Training time over wall time since the job's first round closed.");
+    for (id, v) in &views {
+        if let Some(g) = v.goodput {
+            let _ = writeln!(out, "rlaunch_job_goodput{{run_id=\"{id}\"}} {g:.6}");
+        }
+    }
+    head(out, "rlaunch_job_lost_seconds", "gauge", "Time lost to the first start-up and to recoveries.");
+    for (id, v) in &views {
+        let _ = writeln!(out, "rlaunch_job_lost_seconds{{run_id=\"{id}\"}} {:.3}", v.lost_ms as f64 / 1000.0);
+    }
+    head(out, "rlaunch_job_recoveries_total", "counter", "Recoveries: running rounds torn down and formed again.");
+    for (id, v) in &views {
+        let _ = writeln!(out, "rlaunch_job_recoveries_total{{run_id=\"{id}\"}} {}", v.count);
+    }
+    let name = "rlaunch_job_last_recovery_seconds";
+    head(out, name, "gauge", "The last recovery's phases (a phase not known yet is absent).");
+    for (id, v) in &views {
+        let Some(r) = v.recoveries.last() else { continue };
+        let p = &r.phases;
+        let phases = [
+            ("noticing", p.noticing_ms),
+            ("reforming", p.reforming_ms),
+            ("starting", p.starting_ms),
+            ("restoring", p.restoring_ms),
+            ("computing_again", p.computing_again_ms),
+            ("total", Some(r.lost_ms)),
+        ];
+        for (phase, ms) in phases {
+            if let Some(ms) = ms {
+                let _ = writeln!(out, "{name}{{run_id=\"{id}\",phase=\"{phase}\"}} {:.3}", ms as f64 / 1000.0);
+            }
+        }
+    }
+    let name = "rlaunch_job_last_recovery_steps_redone";
+    head(out, name, "gauge", "Steps the last recovery computed a second time.");
+    for (id, v) in &views {
+        if let Some(n) = v.recoveries.last().and_then(|r| r.phases.steps_redone) {
+            let _ = writeln!(out, "{name}{{run_id=\"{id}\"}} {n}");
+        }
+    }
+}
+
 fn label_value(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
     for c in s.chars() {

@@ -86,6 +86,8 @@ fn failure(code: i32) -> WorkersEnd {
         stderr_tail: vec!["y".repeat(70_000); 5],
         other_failures: Vec::new(),
         stacks: Vec::new(),
+        seen_at_ms: None,
+        seen_ago_ms: None,
     }))
 }
 

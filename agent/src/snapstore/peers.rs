@@ -488,7 +488,7 @@ mod tests {
 
     /// This node (`me`, ranks 0 and 1) in round 7 with a peer `x` (ranks 2 and 3).
     fn store() -> (SnapStore, HostPort) {
-        let store = SnapStore::start(1 << 20).unwrap();
+        let store = SnapStore::start(1 << 20, Default::default()).unwrap();
         let port = store.serve_peers("127.0.0.1:0").unwrap();
         let addr: HostPort = format!("127.0.0.1:{port}").parse().unwrap();
         store.begin_peer_round(7, "me", &[member("me", 0, Some(addr.clone())), member("x", 2, None)], "key".into());

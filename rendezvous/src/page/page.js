@@ -390,6 +390,11 @@ function renderJob() {
   }
   updateAges();
 
+  const rec = j.recovery;
+  if (changed('recovery', rec && [rec.recoveries, rec.timeline, rec.count, rec.goodput !== null && rec.goodput !== undefined ? rec.goodput.toFixed(3) : null])) {
+    renderRecovery(rec);
+  }
+
   const pending = j.pending.slice(0, MAX_ROWS).map((p) => p.node_id + ' (' + p.local_world_size + ' workers)');
   if (changed('pending', pending)) {
     $('pending-box').hidden = !pending.length;
@@ -412,6 +417,153 @@ function renderJob() {
       $('stacks').replaceChildren(...stacks.map((s) => el('li', s)));
     }
   }
+}
+
+const SVG = 'http://www.w3.org/2000/svg';
+const PHASES = ['noticing', 'reforming', 'starting', 'restoring', 'computing_again'];
+
+function secs(ms) {
+  return ms === null || ms === undefined ? null : (ms / 1000).toFixed(2) + ' s';
+}
+
+function svg(tag, attrs, title) {
+  const e = document.createElementNS(SVG, tag);
+  for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, String(v));
+  if (title) {
+    const t = document.createElementNS(SVG, 'title');
+    t.textContent = title;
+    e.append(t);
+  }
+  return e;
+}
+
+// Goodput, the recoveries' table, and the timeline: rounds, the recoveries' phases, and one
+// lane per node (when the job names its nodes) with joins, losses and failures.
+function renderRecovery(r) {
+  const box = $('recovery-box');
+  box.hidden = !r || r.goodput === null || r.goodput === undefined;
+  if (box.hidden) return;
+  $('goodput').textContent = '— goodput ' + (r.goodput * 100).toFixed(1) + ' %, ' + secs(r.lost_ms) + ' lost of ' + secs(r.wall_ms) + ', ' + r.count + (r.count === 1 ? ' recovery' : ' recoveries');
+  box.dataset.goodput = r.goodput;
+  box.dataset.count = r.count;
+
+  const tbody = $('recoveries').tBodies[0];
+  tbody.replaceChildren();
+  for (const v of r.recoveries) {
+    const p = v.phases || {};
+    const tr = el('tr', null, v.ongoing ? 'ongoing' : '');
+    tr.dataset.round = v.round;
+    tr.dataset.kind = v.kind;
+    const cell = (ms, name) => {
+      const td = el('td', secs(ms) ?? (v.ongoing ? '…' : '—'), 'num');
+      td.dataset.phase = name;
+      if (ms !== null && ms !== undefined) td.dataset.ms = ms;
+      return td;
+    };
+    const total = el('td', secs(v.lost_ms) + (v.ongoing ? ' …' : ''), 'num');
+    total.dataset.phase = 'total';
+    total.dataset.ms = v.lost_ms;
+    const redone = el('td', p.steps_redone ?? '—', 'num');
+    redone.dataset.phase = 'steps_redone';
+    tr.append(el('td', v.round, 'num'), el('td', v.fault), ...PHASES.map((ph) => cell(p[ph + '_ms'], ph)), redone, total);
+    tbody.append(tr);
+  }
+
+  const tl = $('timeline');
+  tl.replaceChildren();
+  const marks = r.timeline || [];
+  const start = Math.min(r.began_at ?? r.now, ...marks.map((m) => m.at));
+  const end = Math.max(r.now, start + 1);
+  const W = 960, LEFT = 70, H_ROW = 14;
+  const x = (t) => LEFT + (W - LEFT - 10) * (Math.min(Math.max(t, start), end) - start) / (end - start);
+  // Nodes named by the rounds, in first-seen order: a lane each (up to 32).
+  const nodes = [];
+  for (const m of marks) {
+    for (const n of m.node_ids || []) if (!nodes.includes(n)) nodes.push(n);
+    if (m.mark === 'joined' && !nodes.includes(m.node) && nodes.length < 32) nodes.push(m.node);
+  }
+  const rows = 2 + nodes.length;
+  const height = 34 + rows * (H_ROW + 4);
+  tl.setAttribute('viewBox', '0 0 ' + W + ' ' + height);
+  const y = (row) => 4 + row * (H_ROW + 4);
+  const text = (attrs, words) => {
+    const t = svg('text', attrs, null);
+    t.textContent = words;
+    return t;
+  };
+  tl.append(text({ x: 2, y: y(0) + 11 }, 'rounds'), text({ x: 2, y: y(1) + 11 }, 'recoveries'));
+  nodes.forEach((n, i) => tl.append(text({ x: 2, y: y(2 + i) + 11 }, n.length > 10 ? n.slice(0, 9) + '…' : n)));
+  // Rounds: running from a close to the next opening (or the end), forming in between.
+  let open = null, running = null;
+  const endRunning = (t) => {
+    if (!running) return;
+    const w = Math.max(1, x(t) - x(running.at));
+    const g = svg('rect', { x: x(running.at), y: y(0), width: w, height: H_ROW, class: 'tl-round' }, 'round ' + running.round + ': ' + running.nodes + ' nodes, world size ' + running.world_size);
+    g.dataset.round = running.round;
+    tl.append(g);
+    if (w > 60) tl.append(text({ x: x(running.at) + 4, y: y(0) + 11 }, 'round ' + running.round));
+    (running.node_ids || []).forEach((n) => {
+      const row = 2 + nodes.indexOf(n);
+      const lane = svg('rect', { x: x(running.at), y: y(row), width: Math.max(1, x(t) - x(running.at)), height: H_ROW, class: 'tl-lane' }, n + ' in round ' + running.round);
+      lane.dataset.node = n;
+      lane.dataset.round = running.round;
+      tl.append(lane);
+    });
+    running = null;
+  };
+  for (const m of marks) {
+    if (m.mark === 'round_opened') {
+      endRunning(m.at);
+      open = m;
+    } else if (m.mark === 'round_closed') {
+      if (open) tl.append(svg('rect', { x: x(open.at), y: y(0), width: Math.max(1, x(m.at) - x(open.at)), height: H_ROW, class: 'tl-forming' }, 'round ' + m.round + ' forming'));
+      open = null;
+      running = m;
+    } else if (m.mark === 'ended') {
+      endRunning(m.at);
+    }
+  }
+  endRunning(end);
+  // Each recovery's phases, end to end.
+  for (const v of r.recoveries) {
+    const p = v.phases || {};
+    let t = v.fault_at;
+    for (const ph of PHASES) {
+      const ms = p[ph + '_ms'];
+      if (ms === null || ms === undefined) continue;
+      const g = svg('rect', { x: x(t), y: y(1), width: Math.max(1, x(t + ms) - x(t)), height: H_ROW, class: 'tl-' + ph }, 'round ' + v.round + ' ' + ph.replace('_', ' ') + ': ' + secs(ms));
+      g.dataset.phase = ph;
+      g.dataset.round = v.round;
+      tl.append(g);
+      t += ms;
+    }
+  }
+  // Joins, losses and failures on their nodes' lanes.
+  const dot = (m, node, cls, what) => {
+    const row = nodes.indexOf(node);
+    if (row < 0) return;
+    const c = svg('circle', { cx: x(m.at), cy: y(2 + row) + H_ROW / 2, r: 4, class: cls }, node + ' ' + what);
+    c.dataset.mark = m.mark;
+    c.dataset.node = node;
+    tl.append(c);
+  };
+  for (const m of marks) {
+    if (m.mark === 'joined') dot(m, m.node, 'tl-joined', 'joined');
+    else if (m.mark === 'lost') for (const n of m.nodes) dot(m, n, 'tl-lost', 'lost');
+    else if (m.mark === 'failure') dot(m, m.node, 'tl-failure', 'rank ' + m.rank + ' failed');
+  }
+  const axis = height - 28;
+  tl.append(svg('line', { x1: LEFT, x2: W - 10, y1: axis, y2: axis, class: 'tl-axis' }, null));
+  tl.append(text({ x: W - 10, y: axis + 11, 'text-anchor': 'end' }, secs(end - start)), text({ x: LEFT, y: axis + 11 }, '0 s'));
+  // The phases' colours.
+  let lx = LEFT;
+  for (const ph of PHASES) {
+    tl.append(svg('rect', { x: lx, y: height - 11, width: 9, height: 9, class: 'tl-' + ph }, null));
+    const words = ph === 'reforming' ? 're-forming' : ph.replace('_', ' ');
+    tl.append(text({ x: lx + 12, y: height - 3 }, words));
+    lx += 24 + words.length * 6;
+  }
+  tl.dataset.marks = marks.length;
 }
 
 // Heartbeat ages (and how long a node has been suspected) move on between reads: only those

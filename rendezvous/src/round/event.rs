@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use super::job::FailureKind;
 use crate::detector::{ProbeReport, Sent};
-use rlaunch::contract::{NodeInfo, RootCause};
+use rlaunch::contract::{NodeInfo, NodeProgress, RootCause};
 
 /// The effect of one event.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -121,6 +121,13 @@ pub enum Event {
         round: u64,
         stacks: Vec<String>,
     },
+    /// How far a member of `round` got since the round closed (workers started, a step
+    /// restored, saved, saved again): for the recovery accounting, dated on arrival.
+    Progress {
+        node_id: String,
+        round: u64,
+        progress: NodeProgress,
+    },
 }
 
 impl Event {
@@ -132,6 +139,7 @@ impl Event {
             | Event::ReportFailure { node_id, .. }
             | Event::NodeSucceeded { node_id, .. }
             | Event::ReportStacks { node_id, .. }
+            | Event::Progress { node_id, .. }
             | Event::Leave { node_id } => Some(node_id),
             Event::Tick => None,
         }

@@ -7,6 +7,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 
 use serde::{Deserialize, Serialize};
 
+use super::recovery::Accounting;
 use super::settings::{JobSettings, Millis, MAX_NODES, SCALE_UP_TTLS};
 use crate::detector::{self, Health, ProbeRequest, Timing, Verdict};
 use rlaunch::contract::{HostPort, Member, NodeInfo, RootCause, RoundInfo};
@@ -148,6 +149,14 @@ pub struct Job {
     /// joined to this one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub earlier: Option<Earlier>,
+    /// Where the store keeps no heartbeat times (etcd): when the service last heard from nodes
+    /// whose liveness lapsed, as the replica that let it lapse noted. Never stored; a loss is
+    /// dated with it.
+    #[serde(skip)]
+    pub lapsed_heard: BTreeMap<String, Millis>,
+    /// What each recovery cost, the job's goodput and its timeline.
+    #[serde(default, skip_serializing_if = "Accounting::is_empty")]
+    pub accounting: Accounting,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -204,6 +213,8 @@ impl Job {
             created_at: now,
             generation: 0,
             earlier: None,
+            lapsed_heard: BTreeMap::new(),
+            accounting: Accounting::default(),
         }
     }
 

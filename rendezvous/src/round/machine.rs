@@ -1,15 +1,16 @@
 //! The transitions: [`apply`] (or [`apply_in_place`]) runs one [`Event`] against a [`Job`]: a
-//! join, a heartbeat, a tick, a failure or success report, stacks, a leave; and the rounds they
-//! open, form and close.
+//! join, a heartbeat, a tick, a failure or success report, stacks, progress, a leave; and the
+//! rounds they open, form and close (noted in the job's [`Accounting`](super::Accounting)).
 
 use std::collections::{BTreeMap, HashSet};
 
 use super::event::{decide, reject, Action, Decision, Event, Rejection, RoundCause};
 use super::job::{FailureKind, Job, MemberIndex, Pending, Phase};
 use super::node::{fingerprint_digest, fingerprint_summary, validate_node, MAX_FINGERPRINTS};
+use super::recovery::{MarkKind, NAMED_NODES};
 use super::settings::{JobSettings, Millis, SCALE_UP_TTLS};
 use crate::detector::{ProbeReport, Sent};
-use rlaunch::contract::{Member, NodeInfo, RootCause};
+use rlaunch::contract::{Member, NodeInfo, NodeProgress, RootCause};
 
 /// Applies one event to a job at time `now`. Pure: the same inputs give the same outputs.
 /// A rejected event returns the job unchanged.
@@ -30,7 +31,7 @@ pub fn apply_in_place(job: &mut Job, ev: Event, now: Millis) -> Decision {
     let next = job;
     let ticked = matches!(ev, Event::Tick);
     // Stacks arriving change no round and say nothing of the job's last transition.
-    let keeps_reason = matches!(ev, Event::ReportStacks { .. });
+    let keeps_reason = matches!(ev, Event::ReportStacks { .. } | Event::Progress { .. });
     let decision = match ev {
         Event::Join(node) => join(next, node, now),
         Event::Heartbeat { node_id, sent, probes } => heartbeat(next, &node_id, sent, &probes, now),
@@ -39,7 +40,12 @@ pub fn apply_in_place(job: &mut Job, ev: Event, now: Millis) -> Decision {
         Event::NodeSucceeded { node_id, round } => node_succeeded(next, &node_id, round, now),
         Event::Leave { node_id } => leave(next, &node_id, now),
         Event::ReportStacks { node_id, round, stacks } => report_stacks(next, &node_id, round, &stacks),
+        Event::Progress { node_id, round, progress: p } => progress(next, &node_id, round, &p, now),
     };
+    if matches!(decision.action, Action::Finished | Action::Failed) {
+        let state = next.phase.name().to_owned();
+        next.accounting.mark(now, MarkKind::Ended { state });
+    }
     if ticked && !next.phase.is_terminal() {
         next.prune_health();
     }
@@ -142,6 +148,11 @@ fn join(job: &mut Job, mut node: NodeInfo, now: Millis) -> Decision {
         }
         None => {
             job.pending.push(Pending { node, joined_at: now, fingerprint_digest });
+            // New nodes only: a survivor coming back for the next round is no news.
+            let survivor = job.previous.iter().any(|p| p == &id);
+            if !survivor && (job.pending.len() <= NAMED_NODES || matches!(job.phase, Phase::Running { .. })) {
+                job.accounting.mark(now, MarkKind::Joined { node: id.clone() });
+            }
             (true, false)
         }
     };
@@ -312,6 +323,7 @@ fn report_failure(job: &mut Job, node_id: &str, round: u64, root_cause: RootCaus
         return reject(Rejection::NotMember { node_id: node_id.to_owned(), round });
     }
     let summary = root_cause.summary();
+    job.accounting.mark(now, MarkKind::Failure { node: node_id.to_owned(), rank: root_cause.rank });
     let mut root_cause = root_cause;
     // The reporting node speaks for its own ranks only.
     let own = job.member(node_id).map(Member::ranks).unwrap_or(0..0);
@@ -439,6 +451,11 @@ fn leave(job: &mut Job, node_id: &str, now: Millis) -> Decision {
 /// Tears the running (or forming) round down and opens the next: `gone` nodes are not
 /// expected back; surviving members are, in their old rank order.
 pub(super) fn open_round(job: &mut Job, now: Millis, cause: RoundCause, gone: &[String], reason: String) -> Decision {
+    let (kind, fault, fault_at) = fault_of(job, &cause, now);
+    if let RoundCause::NodeLost { nodes } = &cause {
+        job.accounting.mark(now, MarkKind::Lost { nodes: nodes.clone() });
+    }
+    job.accounting.round_opened(now, job.round + 1, kind, fault, fault_at);
     job.round += 1;
     let survivors: Vec<String> =
         job.members.iter().map(|m| m.node_id.clone()).filter(|id| !gone.contains(id) && !job.lapsed(id, now)).collect();
@@ -456,6 +473,56 @@ pub(super) fn open_round(job: &mut Job, now: Millis, cause: RoundCause, gone: &[
         Action::RoundClosed { .. } | Action::Failed => d,
         _ => decide(Action::RoundOpened { round: job.round, cause }, d.reason),
     }
+}
+
+/// What tore the running round down, in words, and when it happened as far as this service can
+/// tell: a lost node at its last heartbeat held here (with etcd, as the replica that let its key
+/// lapse noted it, else one TTL before the verdict), a failed worker when its agent saw it exit;
+/// never before the round ran.
+fn fault_of(job: &Job, cause: &RoundCause, now: Millis) -> (&'static str, String, Millis) {
+    let since = match job.phase {
+        Phase::Running { since } => since,
+        _ => now,
+    };
+    let (kind, fault, at) = match cause {
+        RoundCause::NodeLost { nodes } => {
+            let ttl = JobSettings::ms(job.settings.node_ttl);
+            let heard =
+                nodes.iter().filter_map(|id| job.last_seen.get(id).or_else(|| job.lapsed_heard.get(id))).min().copied();
+            ("node_lost", format!("node(s) {} lost", nodes.join(", ")), heard.unwrap_or(now.saturating_sub(ttl)))
+        }
+        RoundCause::Failure { node_id } => {
+            let rc = job.last_root_cause.as_ref();
+            let what = rc.map(|rc| format!("rank {} on node {node_id}: {}", rc.rank, rc.exit.describe()));
+            let ago = rc.and_then(|rc| rc.seen_ago_ms).unwrap_or(0);
+            ("failure", what.unwrap_or_else(|| format!("worker failure on node {node_id}")), now.saturating_sub(ago))
+        }
+        RoundCause::ScaleUp { node_id } => ("scale_up", format!("node {node_id} joined (scale-up)"), now),
+        RoundCause::MemberLeft { node_id } => ("member_left", format!("member {node_id} left"), now),
+        RoundCause::MemberRejoined { node_id } => {
+            ("member_rejoined", format!("member {node_id} came back with new details"), now)
+        }
+    };
+    (kind, fault, at.clamp(since.min(now), now))
+}
+
+/// A member's progress in the running round, for the recovery accounting.
+fn progress(job: &mut Job, node_id: &str, round: u64, p: &NodeProgress, now: Millis) -> Decision {
+    if round != job.round || !matches!(job.phase, Phase::Running { .. }) {
+        return decide(
+            Action::Nothing,
+            format!("progress of {node_id} in round {round} ignored: round {} is {}", job.round, job.phase.name()),
+        );
+    }
+    if !job.is_member(node_id) {
+        return reject(Rejection::NotMember { node_id: node_id.to_owned(), round });
+    }
+    let before = job.accounting.reported.get(node_id).copied();
+    job.accounting.progress(now, round, node_id, p);
+    if job.accounting.reported.get(node_id).copied() == before {
+        return decide(Action::Nothing, format!("progress of {node_id} in round {round} already noted"));
+    }
+    decide(Action::Updated, format!("progress of {node_id} in round {round} noted"))
 }
 
 /// Decides whether a forming round closes now, enters or leaves its last call, or fails.
@@ -597,6 +664,9 @@ fn close_round(job: &mut Job, now: Millis, reason: String) -> Decision {
         })
         .collect();
     job.members_digest = members_digest(&job.members);
+    let ids: Vec<&str> = job.members.iter().map(|m| m.node_id.as_str()).collect();
+    let world = job.members.iter().map(|m| m.local_world_size).sum();
+    job.accounting.round_closed(now, job.round, &ids, world);
     job.member_index = MemberIndex::default();
     job.pending = standby;
     job.previous.clear();

@@ -18,6 +18,7 @@
 //! # Files
 //!
 //! - `settings`: [`JobSettings`] and their validation, [`Millis`], the bounds on a job.
+//! - `recovery`: what each recovery cost and the job's goodput, [`Accounting`].
 //! - `job`: the state, [`Job`] (plain data, persisted as JSON), and what is read from it: members,
 //!   ranks, the failure detector's bookkeeping.
 //! - `event`: the machine's input and output: [`Event`], [`Decision`] ([`Action`], [`Rejection`]).
@@ -35,6 +36,7 @@ mod guard;
 mod job;
 mod machine;
 mod node;
+pub mod recovery;
 pub(crate) mod settings;
 mod status;
 
@@ -46,12 +48,13 @@ pub use node::{
     advertised, canonical_ip, check_advertised, fingerprint_digest, fingerprint_summary, pin_advertised_names,
     validate_node, FINGERPRINT_MORE, MAX_FINGERPRINTS, MAX_FINGERPRINT_BYTES,
 };
+pub use recovery::{Accounting, Mark, MarkKind, Phases, Recovery};
 pub use rlaunch::contract::{HostPort, Member, NodeInfo, RootCause, RoundInfo};
 pub use settings::{
     check_nesting, JobSettings, Millis, SettingsError, MAX_LOCAL_WORLD_SIZE, MAX_NODES, MAX_TIMEOUT, MIN_HEARTBEAT,
     SCALE_UP_TTLS,
 };
-pub use status::{JobStatus, NodeHealth, NodeStatus};
+pub use status::{JobStatus, NodeHealth, NodeStatus, RecoveryStatus, RecoveryView};
 
 #[cfg(test)]
 mod tests;

@@ -4,6 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::job::{Job, Phase};
+use super::recovery::{Mark, Phases, Recovery};
 use super::settings::{JobSettings, Millis};
 use rlaunch::contract::{HostPort, RootCause};
 
@@ -64,6 +65,41 @@ pub struct JobStatus {
     /// The rank the others wait for, as the heartbeats this service process served say.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub straggler: Option<crate::stragglers::Straggler>,
+    /// What each recovery cost, goodput and the timeline.
+    #[serde(default)]
+    pub recovery: RecoveryStatus,
+}
+
+/// The job's recoveries and goodput, as `status` shows them.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RecoveryStatus {
+    /// Training time over wall time since the first round closed.
+    pub goodput: Option<f64>,
+    pub wall_ms: Millis,
+    /// Start-up and recoveries.
+    pub lost_ms: Millis,
+    /// The first round closed → its members' first step (or the last instant they reported).
+    pub startup_ms: Option<Millis>,
+    /// Recoveries over the job's life (the list keeps the last ones).
+    pub count: u64,
+    pub recoveries: Vec<RecoveryView>,
+    /// When the view was taken, on the service's clock (the timeline's "now").
+    pub now: Millis,
+    pub began_at: Option<Millis>,
+    /// Rounds, joins, losses, failures, the end (a single job's status only).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub timeline: Vec<Mark>,
+}
+
+/// One recovery with its phases.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RecoveryView {
+    #[serde(flatten)]
+    pub recovery: Recovery,
+    pub phases: Phases,
+    /// The time it cost (so far, while `ongoing`).
+    pub lost_ms: Millis,
+    pub ongoing: bool,
 }
 
 impl Job {
@@ -113,6 +149,39 @@ impl Job {
             },
             last_reason: self.last_reason.clone(),
             settings: self.settings.clone(),
+            recovery: self.recovery_status(now),
+        }
+    }
+
+    /// The recovery accounting as operators see it at `now`.
+    pub fn recovery_status(&self, now: Millis) -> RecoveryStatus {
+        let a = &self.accounting;
+        let ended = match self.phase {
+            Phase::Finished { at } | Phase::Failed { at, .. } => Some(at),
+            _ => None,
+        };
+        let end = ended.unwrap_or(now);
+        RecoveryStatus {
+            goodput: a.goodput(now, ended),
+            wall_ms: a.began_at.map_or(0, |b| end.saturating_sub(b)),
+            lost_ms: a.lost_ms(now, ended),
+            startup_ms: a
+                .began_at
+                .and_then(|b| a.startup.first_step_at.or(a.startup.started_at).map(|at| at.saturating_sub(b))),
+            count: a.dropped + a.recoveries.len() as u64,
+            recoveries: a
+                .recoveries
+                .iter()
+                .map(|r| RecoveryView {
+                    recovery: r.clone(),
+                    phases: r.phases(),
+                    lost_ms: r.lost_ms(end),
+                    ongoing: r.ended_at().is_none() && ended.is_none(),
+                })
+                .collect(),
+            now,
+            began_at: a.began_at,
+            timeline: a.timeline.iter().cloned().collect(),
         }
     }
 

@@ -1745,3 +1745,183 @@ fn a_node_listing_too_many_snapshot_parts_or_ranks_outside_their_world_is_refuse
         assert!(matches!(validate_node(&n), Err(Rejection::InvalidNode { .. })), "{:?}", n.snapshots.len());
     }
 }
+
+// ---- recovery accounting ----
+
+fn progress(job: &Job, id: &str, round: u64, p: rlaunch::contract::NodeProgress, now: Millis) -> (Job, Decision) {
+    step(job, Event::Progress { node_id: id.to_owned(), round, progress: p }, now)
+}
+
+fn at(step: u64, ago_ms: u64) -> Option<rlaunch::contract::StepAgo> {
+    Some(rlaunch::contract::StepAgo { step, ago_ms })
+}
+
+/// Ticks (with `alive` heartbeating every 100 ms) from `from` until a round opens; its time.
+fn until_round_opens(mut job: Job, alive: &[&str], from: Millis) -> (Job, Millis) {
+    for t in (from..from + 20_000).step_by(100) {
+        for id in alive {
+            job = hb(&job, id, t);
+        }
+        let (next, d) = tick(&job, t);
+        job = next;
+        if matches!(d.action, Action::RoundOpened { .. }) {
+            return (job, t);
+        }
+    }
+    panic!("no round opened: {job:?}");
+}
+
+#[test]
+fn a_lost_node_recovery_is_dated_from_its_last_heartbeat_through_each_phase_to_catching_up() {
+    use rlaunch::contract::NodeProgress;
+    let job = running(&["a", "b"], settings(1, 2));
+    assert_eq!(job.accounting.began_at, Some(100), "the wall time starts when round 1 closed");
+    // Round 1: both start at 300 and save step 1 at 2000; a standby waits.
+    let started = NodeProgress { started_ago_ms: Some(0), ..Default::default() };
+    let (job, d) = progress(&job, "a", 1, started.clone(), 300);
+    assert_eq!(d.action, Action::Updated);
+    let (job, d) = progress(&job, "a", 1, started.clone(), 350);
+    assert_eq!(d.action, Action::Nothing, "a repeated report counts once: {d:?}");
+    let (job, _) = progress(&job, "b", 1, started, 300);
+    let first = NodeProgress { started_ago_ms: Some(1700), first_step: at(1, 0), ..Default::default() };
+    let (job, _) = progress(&job, "a", 1, first.clone(), 2000);
+    let (job, _) = progress(&job, "b", 1, first, 2000);
+    let (job, _) = join(&job, "c", 2100);
+    // b's last heartbeat is at 3000; a and c go on.
+    let mut job = hb(&job, "b", 3000);
+    for t in (2100..=3000).step_by(100) {
+        job = hb(&hb(&job, "a", t), "c", t);
+    }
+    let (job, noticed) = until_round_opens(job, &["a", "c"], 3100);
+    let st = job.status("j", noticed);
+    let r = &st.recovery.recoveries[0];
+    assert_eq!((r.recovery.kind.as_str(), r.recovery.fault.as_str()), ("node_lost", "node(s) b lost"));
+    assert_eq!((r.recovery.fault_at, r.recovery.noticed_at), (3000, noticed));
+    assert!(r.ongoing && r.recovery.reformed_at.is_none());
+    // a rejoins: the round closes with a and c.
+    let (job, d) = join(&job, "a", noticed + 200);
+    assert!(matches!(d.action, Action::RoundClosed { round: 2 }), "{d:?}");
+    let t0 = noticed + 200;
+    // Workers started 100 ms after the round closed, the programs up (asking for their state)
+    // at +800, ranks restored step 1 at +1000, step 2 (the first of round 2) saved at +1300; a
+    // had saved step 2 before the fault (redone: 1 step).
+    let a2 = NodeProgress {
+        started_ago_ms: Some(1200),
+        ready_ago_ms: Some(500),
+        restored: at(1, 300),
+        first_step: at(2, 0),
+        step_before: Some(2),
+        caught_up: at(2, 0),
+    };
+    let c2 = NodeProgress {
+        started_ago_ms: Some(1250),
+        ready_ago_ms: Some(600),
+        restored: at(1, 350),
+        first_step: at(2, 50),
+        ..Default::default()
+    };
+    let (job, _) = progress(&job, "c", 2, c2, t0 + 1300);
+    let (job, _) = progress(&job, "a", 2, a2, t0 + 1300);
+    let st = job.status("j", t0 + 5000);
+    let r = &st.recovery.recoveries[0];
+    assert!(!r.ongoing);
+    let p = &r.phases;
+    assert_eq!(p.noticing_ms, Some(noticed - 3000));
+    assert_eq!(p.reforming_ms, Some(200));
+    assert_eq!(p.starting_ms, Some(800), "until the last member's program was up");
+    assert_eq!(p.restoring_ms, Some(200));
+    assert_eq!((p.computing_again_ms, p.steps_redone), (Some(300), Some(1)));
+    assert_eq!(r.lost_ms, t0 + 1300 - 3000, "fault → caught up");
+    // Goodput: wall from 100; lost = start-up (100 → 2000) + the recovery.
+    assert_eq!(st.recovery.startup_ms, Some(1900));
+    assert_eq!(st.recovery.lost_ms, 1900 + (t0 + 1300 - 3000));
+    let wall = t0 + 5000 - 100;
+    let want = (wall - st.recovery.lost_ms) as f64 / wall as f64;
+    assert!((st.recovery.goodput.unwrap() - want).abs() < 1e-12, "{:?} vs {want}", st.recovery.goodput);
+    // The timeline holds the rounds, the join, the loss, in order.
+    let kinds: Vec<&str> = st
+        .recovery
+        .timeline
+        .iter()
+        .map(|m| match &m.what {
+            MarkKind::Joined { .. } => "joined",
+            MarkKind::RoundClosed { .. } => "closed",
+            MarkKind::RoundOpened { .. } => "opened",
+            MarkKind::Lost { .. } => "lost",
+            MarkKind::Failure { .. } => "failure",
+            MarkKind::Ended { .. } => "ended",
+        })
+        .collect();
+    assert_eq!(kinds, ["joined", "joined", "closed", "joined", "lost", "opened", "closed"]);
+    assert!(
+        matches!(&st.recovery.timeline[6].what, MarkKind::RoundClosed { round: 2, node_ids, .. } if node_ids == &["a", "c"])
+    );
+    // The progress of a round that is over, or of a node not in it, changes nothing.
+    let (_, d) = progress(&job, "a", 1, NodeProgress { started_ago_ms: Some(0), ..Default::default() }, t0 + 5000);
+    assert_eq!(d.action, Action::Nothing);
+    let (_, d) = progress(&job, "b", 2, NodeProgress { started_ago_ms: Some(0), ..Default::default() }, t0 + 5000);
+    assert!(matches!(d.action, Action::Rejected(_)), "{d:?}");
+}
+
+#[test]
+fn a_failure_is_dated_when_its_agent_saw_it_and_never_before_the_round_ran() {
+    use rlaunch::contract::NodeProgress;
+    let job = running(&["a", "b"], settings(1, 2));
+    let mut cause = RootCause::from_message("boom");
+    cause.rank = 3;
+    cause.seen_ago_ms = Some(250);
+    let ev = |cause: RootCause| Event::ReportFailure { node_id: "b".into(), round: 1, root_cause: Box::new(cause) };
+    let (job, d) = step(&job, ev(cause.clone()), 5000);
+    assert!(matches!(d.action, Action::RoundOpened { round: 2, .. }), "{d:?}");
+    let r = &job.accounting.recoveries[0];
+    assert_eq!((r.kind.as_str(), r.fault_at, r.noticed_at), ("failure", 4750, 5000));
+    assert_eq!(r.fault, "rank 3 on node b: exit code 1");
+    // Both rejoin; no snapshots: the recovery ends when the last member started its workers.
+    let (job, _) = join(&job, "a", 5100);
+    let (job, d) = join(&job, "b", 5200);
+    assert!(matches!(d.action, Action::RoundClosed { round: 2 }), "{d:?}");
+    let (job, _) = progress(&job, "a", 2, NodeProgress { started_ago_ms: Some(0), ..Default::default() }, 5250);
+    let st = job.status("j", 9000);
+    assert!(st.recovery.recoveries[0].ongoing, "one of two members started");
+    let (job, _) = progress(&job, "b", 2, NodeProgress { started_ago_ms: Some(10), ..Default::default() }, 5300);
+    let st = job.status("j", 9000);
+    let r = &st.recovery.recoveries[0];
+    assert!(!r.ongoing);
+    assert_eq!((r.phases.starting_ms, r.phases.restoring_ms, r.phases.steps_redone), (Some(90), None, None));
+    assert_eq!(r.lost_ms, 5290 - 4750);
+    // A lying agent cannot date a fault before the round it failed in ran.
+    let mut lie = cause;
+    lie.seen_ago_ms = Some(u64::MAX);
+    let (job, _) = step(&job, Event::ReportFailure { node_id: "a".into(), round: 2, root_cause: Box::new(lie) }, 9000);
+    let r = job.accounting.recoveries.back().unwrap();
+    assert_eq!((r.fault_at, r.round), (5200, 3), "the fault is no earlier than round 2's close");
+    assert!(job
+        .accounting
+        .timeline
+        .iter()
+        .any(|m| matches!(&m.what, MarkKind::Failure { node, rank: 3 } if node == "a")));
+}
+
+#[test]
+fn the_recovery_list_is_bounded_and_what_it_drops_still_counts_against_goodput() {
+    let mut job = running(&["a"], settings(1, 1));
+    let mut t = 1000;
+    let mut s = job.settings.clone();
+    s.max_restarts = 100;
+    job.settings = s;
+    for _ in 0..(recovery::KEEP_RECOVERIES + 5) {
+        let (j, d) = step(&job, Event::ReportFailure { node_id: "a".into(), round: job.round, root_cause: rc("x") }, t);
+        assert!(matches!(d.action, Action::RoundOpened { .. }), "{d:?}");
+        let (j, d) = join(&j, "a", t + 100);
+        assert!(matches!(d.action, Action::RoundClosed { .. }), "{d:?}");
+        let p = rlaunch::contract::NodeProgress { started_ago_ms: Some(0), ..Default::default() };
+        job = progress(&j, "a", j.round, p, t + 200).0;
+        t += 1000;
+    }
+    let st = job.status("j", t);
+    assert_eq!((st.recovery.count, st.recovery.recoveries.len()), (37, recovery::KEEP_RECOVERIES));
+    // Start-up (100 → never reported: counted to... the first round's end is unknown) aside,
+    // every recovery cost 200 ms.
+    assert!(job.accounting.dropped_lost_ms == 5 * 200, "{}", job.accounting.dropped_lost_ms);
+    assert!(job.accounting.timeline.len() <= recovery::KEEP_MARKS);
+}

@@ -207,7 +207,10 @@ impl EtcdStore {
             }
             let created = snap.job.is_none();
             let now = batch.first().map(|q| q.now).unwrap_or(0);
-            let mut job: Option<Job> = snap.job.as_deref().cloned().map(|j| Self::with_liveness(j, &snap.alive, now));
+            let lapsed: std::collections::BTreeMap<String, crate::round::Millis> =
+                snap.lapsed.iter().cloned().collect();
+            let live = |j: Job, now| Job { lapsed_heard: lapsed.clone(), ..Self::with_liveness(j, &snap.alive, now) };
+            let mut job: Option<Job> = snap.job.as_deref().cloned().map(|j| live(j, now));
             let mut outcomes: Vec<Result<Decision, RdzvError>> = Vec::with_capacity(batch.len());
             for q in &batch {
                 // The job under this run id is over and its nodes quiet: this join starts anew.
@@ -232,7 +235,7 @@ impl EtcdStore {
                         outcomes.push(Err(too_many_jobs(n, max)));
                         continue;
                     }
-                    Ok(Cow::Owned(new)) => job = Some(Self::with_liveness(new, &snap.alive, q.now)),
+                    Ok(Cow::Owned(new)) => job = Some(live(new, q.now)),
                     Err(e) => {
                         outcomes.push(Err(e));
                         continue;

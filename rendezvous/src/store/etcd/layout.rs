@@ -114,10 +114,22 @@ pub(super) fn alive_key(run_id: &str, node_id: &str) -> String {
     format!("{PREFIX}{run_id}/alive/{node_id}")
 }
 
+pub(super) fn lapsed_prefix(run_id: &str) -> String {
+    format!("{PREFIX}{run_id}/lapsed/")
+}
+
+/// Where the replica that deleted a silent node's `alive` key notes when it last heard from the
+/// node (Unix ms), on the same lease: the loss is dated with it ([`Job::lapsed_heard`]).
+pub(super) fn lapsed_key_of(alive_key: &str) -> Option<String> {
+    let (job, node) = alive_key.rsplit_once("/alive/")?;
+    Some(format!("{job}/lapsed/{node}"))
+}
+
 /// The job as stored: heartbeat times are derived from leases, never persisted.
 pub(super) fn stored(job: &Job) -> Job {
     let mut j = job.clone();
     j.last_seen.clear();
+    j.lapsed_heard.clear();
     for h in j.health.values_mut() {
         h.arrivals.clear();
     }

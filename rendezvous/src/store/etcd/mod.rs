@@ -49,7 +49,7 @@ mod leases;
 mod watch;
 
 use commit::JobQueue;
-use layout::{alive_key, alive_prefix, assemble, prefix_end, state_key, stored, PREFIX};
+use layout::{alive_key, alive_prefix, assemble, lapsed_key_of, lapsed_prefix, prefix_end, state_key, stored, PREFIX};
 use leases::{renew_every, renewed_within, ttl_seconds, Leases, SharedLease, Touch};
 use watch::{note_probing, watch_loop, Owed};
 
@@ -210,6 +210,8 @@ struct Snapshot {
     generation: Option<String>,
     mod_revision: i64,
     alive: Vec<String>,
+    /// Nodes whose alive key a replica deleted for silence, and when it last heard from them.
+    lapsed: Vec<(String, Millis)>,
 }
 
 /// Keys per page when listing every job, and the answer size that allows (values are at most
@@ -462,7 +464,9 @@ impl EtcdStore {
         let (skey, aprefix) = (state_key(run_id), alive_prefix(run_id));
         let parts_under = format!("{PREFIX}{run_id}/part/");
         let revision = resp.header().map_or(0, |h| h.revision());
-        let mut snap = Snapshot { job: None, revision, generation: None, mod_revision: 0, alive: Vec::new() };
+        let lprefix = lapsed_prefix(run_id);
+        let mut snap =
+            Snapshot { job: None, revision, generation: None, mod_revision: 0, alive: Vec::new(), lapsed: Vec::new() };
         let mut state = None;
         let mut parts = Vec::new();
         for kv in resp.kvs() {
@@ -473,6 +477,10 @@ impl EtcdStore {
                 parts.push(kv);
             } else if let Some(node) = key.strip_prefix(&aprefix) {
                 snap.alive.push(node.to_owned());
+            } else if let Some(node) = key.strip_prefix(&lprefix) {
+                if let Ok(heard) = String::from_utf8_lossy(kv.value()).parse::<Millis>() {
+                    snap.lapsed.push((node.to_owned(), heard));
+                }
             }
         }
         if let Some(kv) = state {
@@ -924,12 +932,21 @@ impl EtcdStore {
         for (key, held) in stale {
             let store = self.clone();
             deletes.spawn(async move {
+                // When this process last heard from the node goes with the deletion, on the same
+                // lease: whichever replica decides the loss dates the fault with it.
+                let heard = crate::service::now_ms()
+                    .saturating_sub(u64::try_from(held.heard.elapsed().as_millis()).unwrap_or(u64::MAX));
+                let mut ops = vec![TxnOp::delete(key.clone(), None)];
+                if let Some(lapsed) = lapsed_key_of(&key) {
+                    let on_lease = PutOptions::new().with_lease(held.lease);
+                    ops.push(TxnOp::put(lapsed, heard.to_string(), Some(on_lease)));
+                }
                 let txn = Txn::new()
                     .when([
                         Compare::mod_revision(key.clone(), CompareOp::Equal, held.revision),
                         Compare::lease(key.clone(), CompareOp::Equal, held.lease),
                     ])
-                    .and_then([TxnOp::delete(key.clone(), None)]);
+                    .and_then(ops);
                 match store.txn("delete a silent node's alive key", txn).await {
                     Ok(resp) if resp.succeeded() => debug!(key, "silent node's alive key deleted"),
                     Ok(_) => debug!(key, "silent node's alive key changed since (another replica holds it)"),
