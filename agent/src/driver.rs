@@ -266,13 +266,13 @@ fn supervise(
 }
 
 /// Tells the rendezvous how far this node's round got whenever something new is known (workers
-/// started, a step restored, saved, saved again), for its recovery accounting. Best effort: a
-/// report that fails is tried again a few times, then left to the next.
+/// started, a step restored, saved, saved again), for its recovery accounting. A report that
+/// fails is tried again every half second for as long as its round runs (at most 20 times).
 async fn report_progress(client: RendezvousClient, node_id: String, tracker: std::sync::Arc<crate::progress::Tracker>) {
     let mut sent = None;
     loop {
         let (mut report, mut known) = tracker.next().await;
-        for attempt in 0..3 {
+        for attempt in 0..20 {
             if sent == Some(known) {
                 break;
             }
@@ -286,7 +286,7 @@ async fn report_progress(client: RendezvousClient, node_id: String, tracker: std
                 Err(_) => tracing::debug!(round, attempt, "progress report timed out"),
             }
             tokio::time::sleep(Duration::from_millis(500)).await;
-            (report, known) = tracker.current();
+            (report, known) = tracker.current(); // a round over answers None: given up above
         }
     }
 }
@@ -562,6 +562,8 @@ impl Io<'_> {
             }
         }
         let specs = worker_specs(self.config, &p, &master, self.ctx);
+        // Before any worker runs: a warm one may ask for its state at once.
+        self.ctx.progress.begin(p.round, self.config.nproc_per_node);
         let io = self.group_io(p.restart_count)?;
         let group = WorkerGroup::start(
             &self.config.program,
@@ -572,7 +574,6 @@ impl Io<'_> {
             self.ctx.containment.clone(),
             self.ctx.warm,
         )?;
-        self.ctx.progress.begin(p.round, self.config.nproc_per_node);
         if self.ctx.warm.is_some() {
             // The next set, once this round's first steps have had the CPUs to themselves.
             self.refill = Some((tokio::time::Instant::now() + crate::warm::REFILL_AFTER, p.clone()));

@@ -12,7 +12,9 @@ Usage (root): .venv/bin/python bench/snapshot/node_loss.py [--steps 200] [--cut 
 
 import argparse
 import importlib.util
+import json
 import os
+import urllib.request
 import shutil
 import subprocess
 import sys
@@ -44,6 +46,19 @@ def events(out):
         except (KeyError, ValueError):
             pass
     return evs
+
+
+def accounting(root_ip, run_id):
+    """The job's last recovery as the rendezvous accounts it (`rlaunch status --json`)."""
+    try:
+        with urllib.request.urlopen(f"http://{root_ip}:{RDZV_PORT}/v1/jobs/{run_id}", timeout=5) as r:
+            status = json.load(r)
+    except OSError as e:
+        print(f"  no accounting: {e}", file=sys.stderr)
+        return None
+    rec = status.get("recovery") or {}
+    last = (rec.get("recoveries") or [None])[-1]
+    return {"recovery": last, "goodput": rec.get("goodput")}
 
 
 def run(label, launcher, mode, args, net, root_ip):
@@ -98,6 +113,12 @@ def run(label, launcher, mode, args, net, root_ip):
             return {"label": label, "again": None, "redone": None, "equal": None, "evs": evs, "t0": t0, "last": last}
         r_step, t_first = got
         wait_for(lambda: any(e == "done" for e, *_ in events(out)), 120)
+        acct = accounting(root_ip, "bench-" + mode) if launcher == "rlaunch" else None
+        if acct is not None:
+            # What an operator sees (`rlaunch status`), kept for the results.
+            st = subprocess.run([args.rlaunch, "status", "--rdzv-endpoint", f"{root_ip}:{RDZV_PORT}",
+                                 "--rdzv-id", "bench-" + mode], capture_output=True, text=True, timeout=20)
+            acct["status"] = st.stdout
         evs = events(out)
         after = {}
         for e, s, t, l, w in evs:
@@ -107,7 +128,7 @@ def run(label, launcher, mode, args, net, root_ip):
         equal = sum(1 for s in redone if s in after and abs(float(after[s]) - float(before[s])) <= 1e-5 * abs(float(before[s])))
         exact = sum(1 for s in redone if after.get(s) == before[s])
         return {"label": label, "again": t_first - t0, "redone": len(redone), "equal": (equal, exact, len(redone)),
-                "evs": evs, "t0": t0, "last": last, "resumed": r_step}
+                "evs": evs, "t0": t0, "last": last, "resumed": r_step, "acct": acct}
     finally:
         for p in procs:
             try:
@@ -191,6 +212,24 @@ def main():
         redone = str(r["redone"]) if r["redone"] is not None else "–"
         eq = (f"{r['equal'][0]} of {r['equal'][2]} (bit for bit: {r['equal'][1]})" if r["equal"] else "–")
         table.append(f"| {r['label']} | {again} | {redone} | {eq} |")
+    table += ["", "Where the seconds went, as the rendezvous accounts the recovery (`rlaunch status`; its clock,",
+              "the agents' reports; the fault dated at host b's last heartbeat before the cut):", "",
+              "| | noticing | re-forming | starting | restoring | computing again | steps redone | fault → training again |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        rec = (r.get("acct") or {}).get("recovery")
+        if not rec:
+            continue
+        p = rec["phases"]
+        cell = lambda ms: f"{ms / 1000:.2f} s" if ms is not None else "–"
+        redone = p.get("steps_redone")
+        table.append(f"| {r['label']} | {cell(p.get('noticing_ms'))} | {cell(p.get('reforming_ms'))} | "
+                     f"{cell(p.get('starting_ms'))} | {cell(p.get('restoring_ms'))} | {cell(p.get('computing_again_ms'))} | "
+                     f"{redone if redone is not None else '–'} | {cell(rec.get('lost_ms'))} |")
+    for r in rows:
+        st = (r.get("acct") or {}).get("status")
+        if st:
+            table += ["", f"`rlaunch status` after the {r['label']} run:", "", "```", st.rstrip(), "```"]
     text = "\n".join(table)
     print(text)
     plot(rows, os.path.join(HERE, "node_loss.png"))
@@ -241,9 +280,15 @@ TAIL = """
   have arrived), and its loss comes out as before. With a disk checkpoint every 50 steps, the 34
   steps since step 99 are computed again. torchrun's c10d rendezvous does not come back: host
   a's agent, restarting its group for the spare, waits for a round that never closes.
-- The seconds are issue 29's subject: about 2.6 s to notice the loss and re-form, the rest is
-  four new workers starting Python and torch and joining gloo on 2 cores, and the replacement
-  fetching host b's parts from host a.
+- Where the seconds go is the rendezvous' own account of the recovery (the second table, as
+  `rlaunch status`, the status page and `/metrics` show it): noticing runs from host b's last
+  heartbeat to the verdict (TTL 2 s; on etcd the replica that hears a node suspects it at the
+  TTL less the probe timeout, so the probes end with the TTL), re-forming until the survivor
+  and the spare are in round 2, starting until every rank asked `rlaunch.snapshot.load` for its
+  state (warm workers: no Python or torch to import; `init_process_group` and DDP's set-up on 2
+  cores), restoring until every rank has it (the spare fetches host b's parts from its buddy).
+  The disk row has no snapshots, so starting there ends when the workers were handed over, and
+  reading the checkpoint and the steps computed again are not in the account.
 """
 
 

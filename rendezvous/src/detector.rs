@@ -56,6 +56,12 @@ pub struct Timing {
 }
 
 impl Timing {
+    /// The silence after which a node without known arrivals is suspected: the TTL less the
+    /// probe timeout, and never within 2.5 intervals.
+    pub fn early_suspicion(&self) -> Millis {
+        self.ttl.saturating_sub(self.probe_timeout).max(self.interval.saturating_mul(5) / 2)
+    }
+
     /// The smallest spread the model assumes: a clean link has almost none, and a verdict that
     /// trusted that would suspect a node for one late tick.
     fn min_std(&self) -> f64 {
@@ -209,6 +215,9 @@ impl Health {
                 // phi cannot reach the threshold within 2.5 intervals (the mean is at least the
                 // interval, the spread at least 0.3 of it): most ticks stop here.
                 silence >= t.ttl
+                    // Where no arrival times are kept (etcd), at the TTL less the probes' time:
+                    // the probes end about when the TTL does.
+                    || (self.arrivals.is_empty() && silence >= t.early_suspicion())
                     || (silence > t.interval.saturating_mul(5) / 2
                         && self.arrivals.len() >= MIN_ARRIVALS
                         && self.phi(last, now, t) >= PHI_THRESHOLD)

@@ -240,6 +240,8 @@ impl Rendezvous {
                 debug!(run_id, reason = %d.reason, "no transition");
             }
             Action::Updated if d.reason.contains("suspected") => warn!(run_id, reason = %d.reason, "failure detector"),
+            // Members' progress (a few per node and round): for the accounting, not the log.
+            Action::Updated if d.reason.starts_with("progress of ") => debug!(run_id, reason = %d.reason, "progress"),
             Action::Updated => info!(run_id, reason = %d.reason, "rendezvous updated"),
             Action::RoundClosed { round } => {
                 m.rounds_closed.fetch_add(1, Ordering::Relaxed);

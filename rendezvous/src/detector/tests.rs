@@ -215,3 +215,26 @@ fn phi_never_reaches_the_threshold_within_two_and_a_half_intervals() {
         }
     }
 }
+
+#[test]
+fn without_arrival_times_a_silent_node_is_suspected_a_probe_timeout_before_its_ttl() {
+    // Where no arrival times are kept (etcd), the silence alone: probes start at 1.25 s (the TTL
+    // less the probe timeout, never within 2.5 intervals) and a miss makes it lost at the TTL.
+    let h = Health::default();
+    assert!(!h.suspect_due(Some(0), 1249, &T));
+    assert!(h.suspect_due(Some(0), 1250, &T));
+    let mut h = h;
+    h.suspect(vec!["a".into()], 1250, &T);
+    assert!(h.probed("a", false));
+    assert_eq!(h.verdict(Some(0), 1999, &T), Verdict::Suspected, "never lost before a TTL of silence");
+    assert_eq!(h.verdict(Some(0), 2250, &T), Verdict::Lost);
+    // A node with arrivals is judged by phi, as before.
+    let mut seen = Health::default();
+    for i in 0..10 {
+        seen.arrived(None, i * 500);
+    }
+    assert!(!seen.suspect_due(Some(4500), 4500 + 1250, &T) || seen.phi(4500, 5750, &T) >= 8.0);
+    // A TTL shorter than the probes' time: 2.5 intervals still.
+    let short = Timing { interval: 500, ttl: 1500, probe_timeout: 1000 };
+    assert_eq!(short.early_suspicion(), 1250);
+}

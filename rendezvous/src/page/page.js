@@ -479,7 +479,7 @@ function renderRecovery(r) {
   // Nodes named by the rounds, in first-seen order: a lane each (up to 32).
   const nodes = [];
   for (const m of marks) {
-    for (const n of m.node_ids || []) if (!nodes.includes(n)) nodes.push(n);
+    for (const n of m.node_ids || []) if (!nodes.includes(n) && nodes.length < 32) nodes.push(n);
     if (m.mark === 'joined' && !nodes.includes(m.node) && nodes.length < 32) nodes.push(m.node);
   }
   const rows = 2 + nodes.length;

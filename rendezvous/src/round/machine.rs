@@ -453,7 +453,7 @@ fn leave(job: &mut Job, node_id: &str, now: Millis) -> Decision {
 pub(super) fn open_round(job: &mut Job, now: Millis, cause: RoundCause, gone: &[String], reason: String) -> Decision {
     let (kind, fault, fault_at) = fault_of(job, &cause, now);
     if let RoundCause::NodeLost { nodes } = &cause {
-        job.accounting.mark(now, MarkKind::Lost { nodes: nodes.clone() });
+        job.accounting.mark(now, MarkKind::Lost { nodes: nodes.iter().take(NAMED_NODES).cloned().collect() });
     }
     job.accounting.round_opened(now, job.round + 1, kind, fault, fault_at);
     job.round += 1;
@@ -489,7 +489,11 @@ fn fault_of(job: &Job, cause: &RoundCause, now: Millis) -> (&'static str, String
             let ttl = JobSettings::ms(job.settings.node_ttl);
             let heard =
                 nodes.iter().filter_map(|id| job.last_seen.get(id).or_else(|| job.lapsed_heard.get(id))).min().copied();
-            ("node_lost", format!("node(s) {} lost", nodes.join(", ")), heard.unwrap_or(now.saturating_sub(ttl)))
+            (
+                "node_lost",
+                format!("node(s) {} lost", super::recovery::named(nodes)),
+                heard.unwrap_or(now.saturating_sub(ttl)),
+            )
         }
         RoundCause::Failure { node_id } => {
             let rc = job.last_root_cause.as_ref();

@@ -32,8 +32,20 @@ use rlaunch::contract::NodeProgress;
 pub const KEEP_RECOVERIES: usize = 32;
 /// Timeline marks kept (the oldest go first).
 pub const KEEP_MARKS: usize = 256;
-/// Rounds with at most this many nodes name them in the timeline (lanes per node on the page).
+/// Rounds with at most this many nodes name them in the timeline (lanes per node on the page);
+/// a loss names at most this many.
 pub const NAMED_NODES: usize = 32;
+/// Join marks kept at most (the rest of the timeline is never pushed out by joins).
+pub const KEEP_JOINS: usize = 64;
+
+/// At most [`NAMED_NODES`] of `ids`, and how many more there were.
+pub fn named(ids: &[String]) -> String {
+    let mut s = ids.iter().take(NAMED_NODES).cloned().collect::<Vec<_>>().join(", ");
+    if ids.len() > NAMED_NODES {
+        s += &format!(" and {} more", ids.len() - NAMED_NODES);
+    }
+    s
+}
 
 /// Per-node report bits, so a node's repeated report counts once.
 const STARTED: u8 = 1;
@@ -73,6 +85,9 @@ pub struct Milestones {
     /// The newest step any member's ranks had saved before this round.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub step_before: Option<u64>,
+    /// Members that had saved steps before this round (they must all catch up).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub before_nodes: u32,
     /// Members that saved that step (or a later one) again; when the last did.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub caught_up_nodes: u32,
@@ -94,7 +109,7 @@ impl Milestones {
         }
         let from = self.restored_step.or(self.first_step);
         if self.step_before.zip(from).is_some_and(|(before, from)| before > from) {
-            return self.caught_up_at;
+            return self.caught_up_at.filter(|_| self.caught_up_nodes >= self.before_nodes);
         }
         [self.started_at, self.ready_at, self.restored_at, self.first_step_at, self.caught_up_at]
             .into_iter()
@@ -151,7 +166,7 @@ impl Recovery {
         let span = |from: Option<Millis>, to: Option<Millis>| Some(to?.saturating_sub(from?));
         let computing = match (m.step_before, m.restored_step) {
             (Some(before), Some(step)) if before <= step => Some(0),
-            (Some(_), Some(_)) => span(restored, m.caught_up_at.filter(|_| m.caught_up_nodes > 0)),
+            (Some(_), Some(_)) => span(restored, m.caught_up_at.filter(|_| m.caught_up_nodes >= m.before_nodes)),
             _ => None,
         };
         Phases {
@@ -255,6 +270,15 @@ impl Accounting {
     }
 
     pub fn mark(&mut self, at: Millis, what: MarkKind) {
+        let is_join = |m: &Mark| matches!(m.what, MarkKind::Joined { .. });
+        if matches!(what, MarkKind::Joined { .. }) && self.timeline.iter().filter(|m| is_join(m)).count() >= KEEP_JOINS
+        {
+            // Joins cost nothing to send (a fresh node id needs no secret): they push out only
+            // older joins, never a round, a loss or a failure.
+            if let Some(i) = self.timeline.iter().position(is_join) {
+                self.timeline.remove(i);
+            }
+        }
         if self.timeline.len() >= KEEP_MARKS {
             self.timeline.pop_front();
         }
@@ -276,7 +300,8 @@ impl Accounting {
         }
         self.first_fault_at.get_or_insert(fault_at.min(now));
         if let Some(last) = self.recoveries.back_mut().filter(|r| r.ended_at().is_none()) {
-            last.cut_at = Some(fault_at.clamp(last.fault_at, now));
+            // Never before its own fault (clocks of replicas may disagree: no clamp that panics).
+            last.cut_at = Some(fault_at.min(now).max(last.fault_at));
         }
         if self.recoveries.len() >= KEEP_RECOVERIES {
             if let Some(old) = self.recoveries.pop_front() {
@@ -324,8 +349,11 @@ impl Accounting {
             return; // neither the first round's nor the last recovery's
         }
         let bits = self.reported.get(node_id).copied().unwrap_or(0);
+        let closed = if startup { self.began_at } else { self.recoveries.back().and_then(|r| r.reformed_at) };
         let m = if startup { &mut self.startup } else { &mut self.recoveries.back_mut().expect("checked").progress };
-        let at = |ago: u64| now.saturating_sub(ago);
+        // Never before the round closed, whatever a member says.
+        let floor = closed.unwrap_or(now).min(now);
+        let at = |ago: u64| now.saturating_sub(ago).max(floor);
         let mut new = bits;
         if let Some(ago) = p.started_ago_ms.filter(|_| bits & STARTED == 0) {
             m.started_nodes += 1;
@@ -351,6 +379,7 @@ impl Accounting {
         }
         if let Some(before) = p.step_before.filter(|_| bits & STEP_BEFORE == 0) {
             m.step_before = m.step_before.max(Some(before));
+            m.before_nodes += 1;
             new |= STEP_BEFORE;
         }
         if let Some(c) = p.caught_up.as_ref().filter(|_| bits & CAUGHT_UP == 0) {
@@ -363,14 +392,26 @@ impl Accounting {
         }
     }
 
+    /// The first start-up: round 1 closed → its end (every member started, and the latest
+    /// instant reported), at the latest the first fault; `None` while under way.
+    pub fn startup_ms(&self) -> Option<Millis> {
+        let began = self.began_at?;
+        let end = self.startup.end(self.startup_nodes).or(self.first_fault_at)?;
+        Some(end.min(self.first_fault_at.unwrap_or(end)).saturating_sub(began))
+    }
+
     /// Time lost so far: the first start-up and every recovery.
     pub fn lost_ms(&self, now: Millis, ended: Option<Millis>) -> Millis {
         let Some(began) = self.began_at else { return 0 };
         let now = ended.unwrap_or(now);
-        let startup = self.startup.end(self.startup_nodes).or(self.first_fault_at).unwrap_or(now);
-        let mut lost = startup.min(now).saturating_sub(began);
-        for r in &self.recoveries {
-            lost = lost.saturating_add(r.lost_ms(now).min(now.saturating_sub(r.fault_at)));
+        // Intervals never overlap: each ends at the next one's fault at the latest.
+        let next_fault = |i: usize| self.recoveries.get(i).map(|r| r.fault_at).unwrap_or(now).min(now);
+        let first = self.first_fault_at.unwrap_or(now).min(now);
+        let startup = self.startup.end(self.startup_nodes).unwrap_or(now).min(first);
+        let mut lost = startup.saturating_sub(began);
+        for (i, r) in self.recoveries.iter().enumerate() {
+            let end = r.ended_at().unwrap_or(now).min(next_fault(i + 1));
+            lost = lost.saturating_add(end.saturating_sub(r.fault_at));
         }
         lost.saturating_add(self.dropped_lost_ms)
     }
@@ -378,6 +419,9 @@ impl Accounting {
     /// Training time over wall time since the first round closed; `None` before it did.
     pub fn goodput(&self, now: Millis, ended: Option<Millis>) -> Option<f64> {
         let began = self.began_at?;
+        if self.startup.started_nodes == 0 && self.recoveries.iter().all(|r| r.progress.started_nodes == 0) {
+            return None; // no member ever reported (agents that do not): nothing to go by
+        }
         let wall = ended.unwrap_or(now).saturating_sub(began);
         if wall == 0 {
             return None;

@@ -165,9 +165,7 @@ impl Job {
             goodput: a.goodput(now, ended),
             wall_ms: a.began_at.map_or(0, |b| end.saturating_sub(b)),
             lost_ms: a.lost_ms(now, ended),
-            startup_ms: a
-                .began_at
-                .and_then(|b| a.startup.first_step_at.or(a.startup.started_at).map(|at| at.saturating_sub(b))),
+            startup_ms: a.startup_ms(),
             count: a.dropped + a.recoveries.len() as u64,
             recoveries: a
                 .recoveries

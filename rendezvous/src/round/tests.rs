@@ -1925,3 +1925,71 @@ fn the_recovery_list_is_bounded_and_what_it_drops_still_counts_against_goodput()
     assert!(job.accounting.dropped_lost_ms == 5 * 200, "{}", job.accounting.dropped_lost_ms);
     assert!(job.accounting.timeline.len() <= recovery::KEEP_MARKS);
 }
+
+#[test]
+fn accounting_survives_a_clock_going_back_lying_agents_and_a_flood_of_joins() {
+    use rlaunch::contract::NodeProgress;
+    let mut s = settings(1, 2);
+    s.max_restarts = 10;
+    let job = running(&["a"], s);
+    assert_eq!(job.status("j", 5000).recovery.goodput, None, "nobody reported: nothing to go by");
+    let up = NodeProgress { started_ago_ms: Some(0), ..Default::default() };
+    let (job, _) = progress(&job, "a", 1, up.clone(), 1000);
+    let fail = |job: &Job, round, at| {
+        step(job, Event::ReportFailure { node_id: "a".into(), round, root_cause: rc("x") }, at).0
+    };
+    // A failure at 10 s; the next one at 9 s on another replica's clock, before the first
+    // recovery ended: no panic, and its cut is never before its own fault.
+    let job = fail(&job, 1, 10_000);
+    let (job, _) = join(&job, "a", 10_100);
+    let job = fail(&job, 2, 9_000);
+    let first = &job.accounting.recoveries[0];
+    assert_eq!(first.cut_at, Some(10_000));
+    let (job, _) = join(&job, "a", 9_100);
+    // A member dating its start before the round closed is taken at the close.
+    let lie = NodeProgress { started_ago_ms: Some(u64::MAX), ..Default::default() };
+    let (job, _) = progress(&job, "a", 3, lie, 9_500);
+    assert_eq!(job.accounting.recoveries[1].progress.started_at, Some(9_100));
+    // Time lost is counted once: start-up 0 → 1 s, then the recoveries, never overlapping.
+    let st = job.status("j", 20_000);
+    assert!(st.recovery.lost_ms <= 20_000 - 0, "{:?}", st.recovery);
+    let g = st.recovery.goodput.expect("a goodput");
+    assert!((0.0..=1.0).contains(&g), "{g}");
+    // A flood of joins and leaves by fresh node ids never pushes the rounds out of the timeline.
+    let mut job = job;
+    for i in 0..400 {
+        let id = format!("x{i}");
+        job = join(&job, &id, 20_000 + i).0;
+        job = step(&job, Event::Leave { node_id: id }, 20_000 + i).0;
+    }
+    let marks = &job.accounting.timeline;
+    let joins = marks.iter().filter(|m| matches!(m.what, MarkKind::Joined { .. })).count();
+    assert!(joins <= recovery::KEEP_JOINS, "{joins}");
+    assert!(marks.iter().any(|m| matches!(m.what, MarkKind::RoundClosed { round: 1, .. })), "round 1 stays");
+}
+
+#[test]
+fn a_recovery_with_steps_to_redo_ends_when_every_node_that_had_them_caught_up() {
+    use rlaunch::contract::NodeProgress;
+    let mut job = running(&["a", "b"], settings(1, 2));
+    job.settings.max_restarts = 3;
+    let (job, _) = step(&job, Event::ReportFailure { node_id: "a".into(), round: 1, root_cause: rc("x") }, 1000);
+    let (job, _) = join(&job, "a", 1100);
+    let (job, _) = join(&job, "b", 1200);
+    let p = |before, caught: Option<u64>| NodeProgress {
+        started_ago_ms: Some(0),
+        restored: at(5, 0),
+        step_before: Some(before),
+        caught_up: caught.map(|ago| rlaunch::contract::StepAgo { step: 7, ago_ms: ago }),
+        ..Default::default()
+    };
+    let (job, _) = progress(&job, "a", 2, p(6, Some(0)), 2000);
+    let (job, _) = progress(&job, "b", 2, p(7, None), 2000);
+    let r = &job.status("j", 3000).recovery.recoveries[0];
+    assert!(r.ongoing, "b has not caught up: {r:?}");
+    assert_eq!(r.phases.steps_redone, Some(2));
+    let (job, _) = progress(&job, "b", 2, p(7, Some(0)), 2500);
+    let r = &job.status("j", 3000).recovery.recoveries[0];
+    assert!(!r.ongoing);
+    assert_eq!((r.phases.computing_again_ms, r.lost_ms), (Some(500), 1500));
+}

@@ -209,7 +209,9 @@ impl EtcdStore {
             let now = batch.first().map(|q| q.now).unwrap_or(0);
             let lapsed: std::collections::BTreeMap<String, crate::round::Millis> =
                 snap.lapsed.iter().cloned().collect();
-            let live = |j: Job, now| Job { lapsed_heard: lapsed.clone(), ..Self::with_liveness(j, &snap.alive, now) };
+            let heard = self.heard(run_id);
+            let live =
+                |j: Job, now| Job { lapsed_heard: lapsed.clone(), ..Self::with_liveness(j, &snap.alive, &heard, now) };
             let mut job: Option<Job> = snap.job.as_deref().cloned().map(|j| live(j, now));
             let mut outcomes: Vec<Result<Decision, RdzvError>> = Vec::with_capacity(batch.len());
             for q in &batch {

@@ -116,6 +116,12 @@ impl Leases {
         }
     }
 
+    /// When this process last heard from the nodes whose alive keys under `prefix` it holds, by
+    /// node id.
+    pub(super) fn heard_under(&self, prefix: &str) -> std::collections::HashMap<String, Instant> {
+        self.held.iter().filter_map(|(k, h)| Some((k.strip_prefix(prefix)?.to_owned(), h.heard))).collect()
+    }
+
     /// Notes that our write (or read) left `key` at `revision` on `lease`. Refused (false) when
     /// the lease is no longer this process's current one, or the watch already saw a later change
     /// of the key: the caller must look again.

@@ -56,6 +56,10 @@ use watch::{note_probing, watch_loop, Owed};
 /// Bound on every single etcd request (streams excepted), so a dead or partitioned member never
 /// hangs a caller for long: after it, the request goes to the next member.
 const OP_TIMEOUT: Duration = Duration::from_millis(1500);
+/// How long the note of a silent node's last heartbeat stays (its own lease): the machine acts
+/// on the loss within a tick or two.
+const LAPSED_TTL_S: i64 = 30;
+
 /// Unary etcd requests one store has in flight at most (streams excepted).
 const MAX_IN_FLIGHT: usize = 256;
 
@@ -496,16 +500,33 @@ impl EtcdStore {
         Ok(snap)
     }
 
-    /// The job with liveness from leases: a node whose key exists was just heard from (and is
-    /// no longer suspected); any other is silent.
-    fn with_liveness(mut job: Job, alive: &[String], now: Millis) -> Job {
-        job.last_seen = alive.iter().map(|id| (id.clone(), now)).collect();
+    /// The job with liveness from leases: a node whose key exists was heard from when this
+    /// process last heard it (`heard`: the keys it holds), else just now; any other is silent.
+    /// A suspicion goes when the node was heard after it began (a key held elsewhere: when the
+    /// key exists), so a node that falls silent is suspected before its key lapses.
+    fn with_liveness(mut job: Job, alive: &[String], heard: &HashMap<String, Millis>, now: Millis) -> Job {
+        job.last_seen = alive.iter().map(|id| (id.clone(), heard.get(id).copied().unwrap_or(now).min(now))).collect();
         for id in alive {
+            let at = job.last_seen.get(id).copied().unwrap_or(now);
             if let Some(h) = job.health.get_mut(id) {
-                h.suspicion = None;
+                if h.suspicion.as_ref().is_none_or(|s| at > s.since || !heard.contains_key(id)) {
+                    h.suspicion = None;
+                }
             }
         }
         job
+    }
+
+    /// When this process last heard from the nodes of `run_id` whose alive keys it holds (Unix
+    /// ms).
+    fn heard(&self, run_id: &str) -> HashMap<String, Millis> {
+        let held = self.inner.leases.lock().unwrap_or_else(|p| p.into_inner()).heard_under(&alive_prefix(run_id));
+        let (now, mono) = (crate::service::now_ms(), Instant::now());
+        held.into_iter()
+            .map(|(id, at)| {
+                (id, now.saturating_sub(u64::try_from(mono.duration_since(at).as_millis()).unwrap_or(u64::MAX)))
+            })
+            .collect()
     }
 
     /// A heartbeat through etcd: the lease kept alive (renewed when it lapsed while the job
@@ -592,7 +613,8 @@ impl EtcdStore {
 
     pub async fn load(&self, run_id: &str, now: Millis) -> Result<Option<Job>, RdzvError> {
         let snap = self.read(run_id).await?;
-        Ok(snap.job.map(|j| Self::with_liveness(Arc::unwrap_or_clone(j), &snap.alive, now)))
+        let heard = self.heard(run_id);
+        Ok(snap.job.map(|j| Self::with_liveness(Arc::unwrap_or_clone(j), &snap.alive, &heard, now)))
     }
 
     /// Every key and value under [`PREFIX`], in pages of [`PAGE_KEYS`] keys read at one
@@ -640,7 +662,7 @@ impl EtcdStore {
             .await?
             .into_iter()
             .map(|(id, job, nodes)| {
-                let job = Self::with_liveness(Arc::unwrap_or_clone(job), &nodes, now);
+                let job = Self::with_liveness(Arc::unwrap_or_clone(job), &nodes, &self.heard(&id), now);
                 (id, job)
             })
             .collect())
@@ -726,7 +748,7 @@ impl EtcdStore {
             if job.phase.is_terminal() {
                 continue;
             }
-            let job = Self::with_liveness(Arc::unwrap_or_clone(job), &nodes, now);
+            let job = Self::with_liveness(Arc::unwrap_or_clone(job), &nodes, &self.heard(&run_id), now);
             let (next, _) = round::apply(&job, Event::Tick, now);
             if stored(&next) == stored(&job) {
                 continue;
@@ -937,8 +959,10 @@ impl EtcdStore {
                 let heard = crate::service::now_ms()
                     .saturating_sub(u64::try_from(held.heard.elapsed().as_millis()).unwrap_or(u64::MAX));
                 let mut ops = vec![TxnOp::delete(key.clone(), None)];
-                if let Some(lapsed) = lapsed_key_of(&key) {
-                    let on_lease = PutOptions::new().with_lease(held.lease);
+                // On a lease of its own, so it goes by itself once the loss is long decided.
+                let lease = store.run("lease grant", |mut c| async move { c.lease_grant(LAPSED_TTL_S, None).await });
+                if let (Some(lapsed), Ok(lease)) = (lapsed_key_of(&key), lease.await) {
+                    let on_lease = PutOptions::new().with_lease(lease.id());
                     ops.push(TxnOp::put(lapsed, heard.to_string(), Some(on_lease)));
                 }
                 let txn = Txn::new()
