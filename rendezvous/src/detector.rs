@@ -227,9 +227,10 @@ impl Health {
 
     /// The verdict at `now` given the last arrival.
     pub fn verdict(&self, last: Option<Millis>, now: Millis, t: &Timing) -> Verdict {
-        // Without a last arrival (on etcd: the lease is gone), the node fell silent a TTL
-        // before it was first suspected.
-        let silent_since = last.or_else(|| self.suspicion.as_ref().map(|s| s.since.saturating_sub(t.ttl)));
+        // Without a last arrival (on etcd: the key is gone), the node fell silent at least the
+        // early-suspicion silence before it was first suspected (a TTL where arrivals are kept).
+        let before = if self.arrivals.is_empty() { t.early_suspicion() } else { t.ttl };
+        let silent_since = last.or_else(|| self.suspicion.as_ref().map(|s| s.since.saturating_sub(before)));
         let silent_too_long = silent_since.is_none_or(|l| now.saturating_sub(l) >= t.silence_limit());
         // phi may start the probes early, but a node is never lost before a TTL of silence.
         let past_ttl = silent_since.is_none_or(|l| now.saturating_sub(l) >= t.ttl);

@@ -154,6 +154,11 @@ pub struct Job {
     /// dated with it.
     #[serde(skip)]
     pub lapsed_heard: BTreeMap<String, Millis>,
+    /// Nodes whose liveness another process vouches for (etcd: their alive key exists on a
+    /// lease this process does not hold): this process makes no detector decision about them
+    /// (no suspicion started, renewed or cleared) while it does. Never stored.
+    #[serde(skip)]
+    pub vouched: std::collections::BTreeSet<String>,
     /// What each recovery cost, the job's goodput and its timeline.
     #[serde(default, skip_serializing_if = "Accounting::is_empty")]
     pub accounting: Accounting,
@@ -214,6 +219,7 @@ impl Job {
             generation: 0,
             earlier: None,
             lapsed_heard: BTreeMap::new(),
+            vouched: Default::default(),
             accounting: Accounting::default(),
         }
     }
@@ -467,6 +473,7 @@ impl Job {
         let due: Vec<(String, bool)> = self
             .watched()
             .into_iter()
+            .filter(|id| !self.vouched.contains(*id))
             .filter_map(|id| {
                 let last = self.last_seen.get(id).copied();
                 let (due, start) = match self.health.get(id) {

@@ -1993,3 +1993,22 @@ fn a_recovery_with_steps_to_redo_ends_when_every_node_that_had_them_caught_up() 
     assert!(!r.ongoing);
     assert_eq!((r.phases.computing_again_ms, r.lost_ms), (Some(500), 1500));
 }
+
+#[test]
+fn a_node_another_process_vouches_for_gets_no_detector_decision_here() {
+    // On etcd, a node whose alive key sits on another replica's lease is that replica's to
+    // judge: this process starts no suspicion of it, renews none, and never declares it lost.
+    let job = b_silent(2000);
+    let (mut job, d) = tick(&job, 2100);
+    assert!(d.reason.contains("node b suspected"), "{}", d.reason);
+    let before = job.health["b"].suspicion.clone();
+    job.vouched.insert("b".into());
+    job.last_seen.insert("b".into(), 9000);
+    for t in [3200, 4300, 9000] {
+        job = hb(&hb(&job, "a", t), "c", t);
+        let (next, d) = tick(&job, t);
+        assert_eq!(next.health["b"].suspicion, before, "left as it is at {t}: {}", d.reason);
+        assert!(!matches!(d.action, Action::RoundOpened { .. }), "{d:?}");
+        job = next;
+    }
+}

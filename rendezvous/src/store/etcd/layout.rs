@@ -119,7 +119,8 @@ pub(super) fn lapsed_prefix(run_id: &str) -> String {
 }
 
 /// Where the replica that deleted a silent node's `alive` key notes when it last heard from the
-/// node (Unix ms), on the same lease: the loss is dated with it ([`Job::lapsed_heard`]).
+/// node (Unix ms), on a short lease of its own: the loss is dated with it
+/// ([`Job::lapsed_heard`]).
 pub(super) fn lapsed_key_of(alive_key: &str) -> Option<String> {
     let (job, node) = alive_key.rsplit_once("/alive/")?;
     Some(format!("{job}/lapsed/{node}"))
@@ -130,6 +131,7 @@ pub(super) fn stored(job: &Job) -> Job {
     let mut j = job.clone();
     j.last_seen.clear();
     j.lapsed_heard.clear();
+    j.vouched.clear();
     for h in j.health.values_mut() {
         h.arrivals.clear();
     }

@@ -56,8 +56,8 @@ use watch::{note_probing, watch_loop, Owed};
 /// Bound on every single etcd request (streams excepted), so a dead or partitioned member never
 /// hangs a caller for long: after it, the request goes to the next member.
 const OP_TIMEOUT: Duration = Duration::from_millis(1500);
-/// How long the note of a silent node's last heartbeat stays (its own lease): the machine acts
-/// on the loss within a tick or two.
+/// How long the notes of silent nodes' last heartbeats stay at least (a lease of their own,
+/// three TTLs and 10 s when that is longer): the machine acts on a loss well within it.
 const LAPSED_TTL_S: i64 = 30;
 
 /// Unary etcd requests one store has in flight at most (streams excepted).
@@ -500,16 +500,18 @@ impl EtcdStore {
         Ok(snap)
     }
 
-    /// The job with liveness from leases: a node whose key exists was heard from when this
-    /// process last heard it (`heard`: the keys it holds), else just now; any other is silent.
-    /// A suspicion goes when the node was heard after it began (a key held elsewhere: when the
-    /// key exists), so a node that falls silent is suspected before its key lapses.
+    /// The job with liveness from leases: a node whose key this process holds was heard from
+    /// when this process last heard it (`heard`), so a node that falls silent is suspected, and
+    /// probed, before its key lapses, and its suspicion goes once it is heard after it began. A
+    /// node whose key exists on another process's lease is that process's to judge
+    /// ([`Job::vouched`]: seen as just heard, its suspicion left as it is). Any other is silent.
     fn with_liveness(mut job: Job, alive: &[String], heard: &HashMap<String, Millis>, now: Millis) -> Job {
         job.last_seen = alive.iter().map(|id| (id.clone(), heard.get(id).copied().unwrap_or(now).min(now))).collect();
-        for id in alive {
-            let at = job.last_seen.get(id).copied().unwrap_or(now);
+        job.vouched = alive.iter().filter(|id| !heard.contains_key(*id)).cloned().collect();
+        for (id, at) in heard.iter().filter(|(id, _)| job.last_seen.contains_key(*id)) {
             if let Some(h) = job.health.get_mut(id) {
-                if h.suspicion.as_ref().is_none_or(|s| at > s.since || !heard.contains_key(id)) {
+                // Heard after it began, or a suspicion from a clock that has since gone back.
+                if h.suspicion.as_ref().is_some_and(|s| *at > s.since || s.since > now) {
                     h.suspicion = None;
                 }
             }
@@ -949,6 +951,21 @@ impl EtcdStore {
     /// write left them), leases without keys for a while revoked.
     async fn sweep_once(&self) {
         let (stale, idle) = self.inner.leases.lock().unwrap_or_else(|p| p.into_inner()).sweep(Instant::now());
+        // The notes of when each was last heard share one lease per pass, long enough for any
+        // verdict (a node reached by probes is lost within 3 TTLs), so it goes by itself after.
+        let lapsed_lease = match stale.iter().map(|(_, h)| ttl_seconds(h.ttl)).max() {
+            Some(ttl_s) => {
+                let ttl = LAPSED_TTL_S.max(ttl_s.saturating_mul(3).saturating_add(10));
+                match self.run("lease grant", |mut c| async move { c.lease_grant(ttl, None).await }).await {
+                    Ok(l) => Some(l.id()),
+                    Err(error) => {
+                        debug!(%error, "no lease for the notes of silent nodes: their losses are dated one TTL back");
+                        None
+                    }
+                }
+            }
+            None => None,
+        };
         // At once: a rack gone silent must not wait on one request after another.
         let mut deletes = tokio::task::JoinSet::new();
         for (key, held) in stale {
@@ -959,10 +976,8 @@ impl EtcdStore {
                 let heard = crate::service::now_ms()
                     .saturating_sub(u64::try_from(held.heard.elapsed().as_millis()).unwrap_or(u64::MAX));
                 let mut ops = vec![TxnOp::delete(key.clone(), None)];
-                // On a lease of its own, so it goes by itself once the loss is long decided.
-                let lease = store.run("lease grant", |mut c| async move { c.lease_grant(LAPSED_TTL_S, None).await });
-                if let (Some(lapsed), Ok(lease)) = (lapsed_key_of(&key), lease.await) {
-                    let on_lease = PutOptions::new().with_lease(lease.id());
+                if let (Some(lapsed), Some(lease)) = (lapsed_key_of(&key), lapsed_lease) {
+                    let on_lease = PutOptions::new().with_lease(lease);
                     ops.push(TxnOp::put(lapsed, heard.to_string(), Some(on_lease)));
                 }
                 let txn = Txn::new()
