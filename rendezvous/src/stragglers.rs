@@ -9,7 +9,9 @@ use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::round::settings::Millis;
+/// Milliseconds, as the round machine counts them (`round::Millis`, the same `u64`): named
+/// here so that this module imports nothing of `round`, which shows its answer in status.
+pub type Millis = u64;
 
 /// One rank's wait, as its node reports it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
