@@ -536,6 +536,11 @@ pub struct NodeInfo {
     /// fetch, steps committed), for the agent's whole life.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub snapshot_addr: Option<HostPort>,
+    /// The public half of the X25519 key this node's agent proves itself with to the other
+    /// members' snapshot stores (64 lowercase hex digits). Its private half never leaves the
+    /// agent: whoever reads the job's state learns nothing to pass as a member with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot_key: Option<String>,
     /// The whole snapshot parts this node's agent holds as it joins: what the round restores is
     /// decided from every member's, alike on every node ([`SnapshotSet`]).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -585,9 +590,11 @@ pub struct SnapshotSet {
 }
 
 /// Most snapshot sets a node may list, and most rank ranges in one: a node holds the last
-/// committed step and those in progress, of its own ranks and of one other node's.
-pub const MAX_SNAPSHOT_SETS: usize = 64;
-pub const MAX_SNAPSHOT_RANGES: usize = 64;
+/// committed step and those in progress, of its own ranks, of its buddy's and of those it
+/// fetched (a few contiguous ranges). A join listing the most is about 1.3 kB of JSON: every
+/// pending node and member is kept in the job's state, which etcd rewrites at each change.
+pub const MAX_SNAPSHOT_SETS: usize = 8;
+pub const MAX_SNAPSHOT_RANGES: usize = 8;
 
 /// A member of a closed round.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -604,6 +611,9 @@ pub struct Member {
     /// As in [`NodeInfo::snapshot_addr`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub snapshot_addr: Option<HostPort>,
+    /// As in [`NodeInfo::snapshot_key`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot_key: Option<String>,
     /// As in [`NodeInfo::snapshots`], as the node joined this round.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub snapshots: Vec<SnapshotSet>,
@@ -713,10 +723,6 @@ pub struct RoundInfo {
     /// How the round's nodes differ in their fingerprints (empty when they do not).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub fingerprint_diff: Vec<String>,
-    /// The key the round's members prove themselves with to each other's agents (snapshots):
-    /// derived from the members' credentials, answered only to a member.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub peer_key: Option<String>,
 }
 
 #[cfg(test)]

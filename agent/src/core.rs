@@ -62,8 +62,6 @@ pub struct Placement {
     pub fingerprint_diff: Vec<String>,
     /// The round's members (elastic, when the join asked for them: snapshots).
     pub members: Vec<rlaunch::contract::Member>,
-    /// The key members prove themselves with to each other (elastic).
-    pub peer_key: Option<String>,
 }
 
 impl Placement {
@@ -80,7 +78,6 @@ impl Placement {
             hang_timeout: r.hang_timeout,
             fingerprint_diff: r.fingerprint_diff.clone(),
             members: r.members.clone(),
-            peer_key: r.peer_key.clone(),
         }
     }
 }

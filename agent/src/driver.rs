@@ -340,7 +340,6 @@ impl Io<'_> {
             hang_timeout: config.job.hang_timeout,
             fingerprint_diff: Vec::new(),
             members: Vec::new(),
-            peer_key: None,
         };
         match &config.rendezvous {
             RendezvousConfig::Standalone => {
@@ -554,16 +553,16 @@ impl Io<'_> {
         }
         if let Some(snap) = self.ctx.snapshots.filter(|s| s.enabled()) {
             let ranks = p.rank_offset..p.rank_offset.saturating_add(self.config.nproc_per_node);
-            match (&p.peer_key, &self.elastic) {
-                (Some(key), Some(e)) if p.group_world_size > 1 && !p.members.is_empty() => {
-                    snap.begin_peer_round(p.round, &e.node.node_id, &p.members, key.clone())
+            match &self.elastic {
+                Some(e) if p.group_world_size > 1 && !p.members.is_empty() => {
+                    snap.begin_peer_round(p.round, &e.node.node_id, &p.members)
                 }
                 _ => snap.begin_local_round(p.round, p.world_size, ranks),
             }
         }
         let specs = worker_specs(self.config, &p, &master, self.ctx);
         // Before any worker runs: a warm one may ask for its state at once.
-        self.ctx.progress.begin(p.round, self.config.nproc_per_node);
+        self.ctx.progress.begin(p.round, p.rank_offset..p.rank_offset.saturating_add(self.config.nproc_per_node));
         let io = self.group_io(p.restart_count)?;
         let group = WorkerGroup::start(
             &self.config.program,

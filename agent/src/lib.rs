@@ -391,7 +391,6 @@ pub(crate) fn warm_templates(config: &AgentConfig, p: Option<&core::Placement>, 
         hang_timeout: None,
         fingerprint_diff: Vec::new(),
         members: Vec::new(),
-        peer_key: None,
     };
     let p = p.unwrap_or(&first);
     let master = HostPort::new("127.0.0.1", 0).expect("a loopback address is a valid host");

@@ -39,6 +39,7 @@ pub fn default_cap() -> u64 {
 }
 
 mod peers;
+mod secure;
 
 pub struct SnapStore {
     /// `--snapshot-memory 0`: only the package is offered (so `import rlaunch` works), no socket.
@@ -55,6 +56,8 @@ pub(crate) struct Shared {
     outbox: std::sync::mpsc::Sender<peers::Job>,
     /// The round's progress (steps saved and restored), for the recovery accounting.
     progress: Arc<crate::progress::Tracker>,
+    /// This agent's key pair: the other members' agents know its public half from the round.
+    identity: Arc<secure::Identity>,
 }
 
 struct State {
@@ -63,6 +66,9 @@ struct State {
     buffers: BTreeMap<Key, Arc<std::fs::File>>,
     /// Parts handed to a worker by `load`: it maps them, so their buffers are never written again.
     lent: BTreeSet<Key>,
+    /// Buffers no longer held but still read (a copy being sent, a fetch): counted against the
+    /// cap until the last reader lets go.
+    draining: Vec<(Arc<std::fs::File>, u64)>,
     round: Option<Round>,
 }
 
@@ -83,7 +89,6 @@ struct Round {
 /// A round's members as the snapshot store sees them.
 #[derive(Clone)]
 pub(crate) struct Peers {
-    pub key: String,
     pub members: Vec<PeerMember>,
     /// Index of this node's buddy in `members`.
     pub buddy: usize,
@@ -93,7 +98,16 @@ pub(crate) struct Peers {
 pub(crate) struct PeerMember {
     pub id: NodeId,
     pub addr: Option<HostPort>,
+    /// Its public key (`Member::snapshot_key`), which it proves itself with.
+    pub key: Option<[u8; secure::KEY_LEN]>,
     pub ranks: std::ops::Range<u32>,
+}
+
+impl PeerMember {
+    /// How to reach and recognise it; `None` when it cannot hold snapshots.
+    pub(crate) fn peer(&self) -> Option<peers::Peer> {
+        Some(peers::Peer { id: self.id.clone(), addr: self.addr.clone()?, key: self.key? })
+    }
 }
 
 impl Peers {
@@ -127,11 +141,13 @@ impl SnapStore {
                 holdings: Holdings::new(cap),
                 buffers: BTreeMap::new(),
                 lent: BTreeSet::new(),
+                draining: Vec::new(),
                 round: None,
             }),
             changed: Condvar::new(),
             outbox,
             progress,
+            identity: Arc::new(secure::Identity::generate()?),
         });
         let s = shared.clone();
         std::thread::Builder::new().name("snapshots".into()).spawn(move || accept(listener, s))?;
@@ -153,6 +169,11 @@ impl SnapStore {
             env.push((SOCKET_ENV, self.socket.to_string_lossy().into_owned()));
         }
         env
+    }
+
+    /// The public half of this agent's key, as its join carries it (`NodeInfo::snapshot_key`).
+    pub fn public_key(&self) -> String {
+        self.shared.identity.public_hex()
     }
 
     /// Whether snapshots are held (`--snapshot-memory` above 0).
@@ -195,7 +216,7 @@ impl SnapStore {
     /// listed as it joined (the same list on every node, so the same plan), each part is
     /// copied to this node's buddy (the next member), and the members tell each other which
     /// steps are whole on their node and its buddy.
-    pub fn begin_peer_round(&self, tag: u64, me: &str, members: &[Member], key: String) {
+    pub fn begin_peer_round(&self, tag: u64, me: &str, members: &[Member]) {
         let mut inventories: BTreeMap<NodeId, Vec<Have>> = BTreeMap::new();
         let mut runs: BTreeMap<u32, NodeId> = BTreeMap::new();
         let mut home: BTreeMap<u32, NodeId> = BTreeMap::new();
@@ -208,8 +229,11 @@ impl SnapStore {
         }
         // Every member must hold snapshots, or its ranks would start afresh while the others
         // restore: a mix. A member without them (`--snapshot-memory 0`, an older agent) has no
-        // snapshot address.
-        let plan = match members.iter().find(|m| m.snapshot_addr.is_none()) {
+        // snapshot address, or no key to prove itself with.
+        let unfit = |m: &&Member| {
+            m.snapshot_addr.is_none() || m.snapshot_key.as_deref().and_then(secure::parse_public).is_none()
+        };
+        let plan = match members.iter().find(unfit) {
             Some(m) => {
                 warn!(node = %m.node_id, "a member of this round holds no snapshots: nothing is restored, and no step commits");
                 None
@@ -221,6 +245,7 @@ impl SnapStore {
             .map(|m| PeerMember {
                 id: m.node_id.clone(),
                 addr: m.snapshot_addr.clone(),
+                key: m.snapshot_key.as_deref().and_then(secure::parse_public),
                 ranks: m.rank_offset..m.rank_offset.saturating_add(m.local_world_size),
             })
             .collect();
@@ -251,7 +276,7 @@ impl SnapStore {
             me: me.to_owned(),
             ledger: Ledger::new(home),
             plan: Some(plan),
-            peers: Some(Peers { key, members: peer_members, buddy }),
+            peers: Some(Peers { members: peer_members, buddy }),
             acked: BTreeMap::new(),
         });
         drop(st);
@@ -309,9 +334,25 @@ impl Shared {
 impl State {
     fn release(&mut self, keys: &[Key]) {
         for k in keys {
-            self.buffers.remove(k);
+            if let Some(buf) = self.buffers.remove(k) {
+                self.drain(buf);
+            }
             self.lent.remove(k);
         }
+    }
+
+    /// A buffer no longer held: still counted while anyone else reads it.
+    fn drain(&mut self, buf: Arc<std::fs::File>) {
+        if Arc::strong_count(&buf) > 1 {
+            let len = buf.metadata().map(|m| m.len()).unwrap_or(0);
+            self.draining.push((buf, len));
+        }
+    }
+
+    /// The bytes of buffers no longer held that are still read; those let go are forgotten.
+    fn outside(&mut self) -> u64 {
+        self.draining.retain(|(b, _)| Arc::strong_count(b) > 1);
+        self.draining.iter().map(|(_, len)| len).sum()
     }
 
     /// Feeds round `tag`'s ledger; a newly committed step becomes the base and frees what
@@ -480,12 +521,19 @@ fn reserve(shared: &Shared, step: u64, rank: u32, world: u32, len: u64, reserved
 pub(crate) fn buffer_for(shared: &Shared, key: Key, world: u32, len: u64) -> Result<Arc<std::fs::File>, String> {
     let mut st = shared.lock();
     let local = st.round.as_ref().map_or(0..0, |r| r.ranks.clone());
+    st.holdings.outside = st.outside();
     let grant = st.holdings.reserve(key, world, len, &local)?;
     let reused = grant.reuse.and_then(|k| {
         let lent = st.lent.remove(&k);
-        let buf = st.buffers.remove(&k);
-        // A lent buffer is mapped by a worker, one being copied elsewhere is read: never rewrite.
-        buf.filter(|b| !lent && Arc::strong_count(b) == 1)
+        let buf = st.buffers.remove(&k)?;
+        // A lent buffer is mapped by a worker (and sealed), one being copied elsewhere is read:
+        // never rewrite.
+        if !lent && Arc::strong_count(&buf) == 1 && !sealed(&buf) {
+            Some(buf)
+        } else {
+            st.drain(buf);
+            None
+        }
     });
     st.release(&grant.free);
     let file = match reused {
@@ -526,8 +574,21 @@ pub(crate) fn commit_copy(shared: &Shared, key: Key, _from: &str) -> bool {
     if !st.holdings.commit(&key) {
         return false;
     }
+    // Written by this agent alone, and never again: sealed, so nothing can change it.
+    if let Some(file) = st.buffers.get(&key) {
+        if let Err(e) = seal(file) {
+            warn!(error = %e, "cannot seal a snapshot copy");
+        }
+    }
     st.heard(key.tag, [Event::Held { step: key.step, rank: key.rank, node: me }]);
     true
+}
+
+/// `key`'s part when it is held whole here: its world, length and buffer.
+pub(crate) fn whole_part(shared: &Shared, key: Key) -> Option<(u32, u64, Arc<std::fs::File>)> {
+    let st = shared.lock();
+    let part = st.holdings.get(&key).copied().filter(|p| p.whole)?;
+    Some((part.world, part.len, st.buffers.get(&key)?.clone()))
 }
 
 fn commit(shared: &Shared, step: u64, rank: u32, reserved: &mut BTreeSet<Key>) -> Result<(), String> {
@@ -543,13 +604,9 @@ fn commit(shared: &Shared, step: u64, rank: u32, reserved: &mut BTreeSet<Key>) -
     st.heard(tag, [Event::Held { step, rank, node: me }]);
     // A copy for the buddy, sent in the background.
     let round = st.round.as_ref().expect("checked above");
-    if let Some(p) = &round.peers {
-        let buddy = p.members[p.buddy].clone();
-        let (world, len) = st.holdings.get(&key).map(|p| (p.world, p.len)).unwrap_or_default();
-        if let (Some(addr), Some(file)) = (buddy.addr.clone(), st.buffers.get(&key).cloned()) {
-            let hello = peers::Hello::new(round.tag, &round.me, &p.key);
-            let _ = shared.outbox.send(peers::Job::Copy { key, world, len, file, to: (buddy.id, addr), hello });
-        }
+    if let Some(to) = round.peers.as_ref().and_then(|p| p.members[p.buddy].peer()) {
+        let me = peers::Me { round: round.tag, id: round.me.clone(), identity: shared.identity.clone() };
+        let _ = shared.outbox.send(peers::Job::Copy { key, to, me });
     }
     Ok(())
 }
@@ -570,40 +627,58 @@ fn load(shared: &Shared, rank: Option<u32>) -> Reply {
         // On another member: fetched (without the lock), then held here like a copy.
         let peers =
             round.peers.clone().ok_or_else(|| format!("rank {rank}'s part of step {} is not here", plan.step))?;
-        let addr = peers.member(&from).and_then(|m| m.addr.clone()).ok_or_else(|| {
-            format!("node {from}, which holds rank {rank}'s part of step {}, has no address", plan.step)
+        let peer = peers.member(&from).and_then(PeerMember::peer).ok_or_else(|| {
+            format!("node {from}, which holds rank {rank}'s part of step {}, cannot be reached", plan.step)
         })?;
-        let hello = peers::Hello::new(round.tag, &round.me, &peers.key);
+        let me = peers::Me { round: round.tag, id: round.me.clone(), identity: shared.identity.clone() };
         drop(st);
-        let (world, len, file) = peers::fetch(&addr, &hello, key)
-            .map_err(|e| format!("fetching rank {rank}'s part of step {} from node {from} ({addr}): {e}", plan.step))?;
-        info!(rank, step = plan.step, from = %from, mib = len >> 20, "fetched a snapshot part from another node");
-        st = shared.lock();
-        if !st.round.as_ref().is_some_and(|r| r.plan.as_ref().is_some_and(|p| p.as_ref() == Some(&plan))) {
-            return Err("the round ended while the part was fetched".into());
-        }
-        if !(st.holdings.get(&key).is_some_and(|p| p.whole) && st.buffers.contains_key(&key)) {
-            let local = st.round.as_ref().map_or(0..0, |r| r.ranks.clone());
-            let grant = st.holdings.reserve(key, world, len, &local)?;
-            st.release(&grant.free);
-            if let Some(k) = grant.reuse {
-                st.release(&[k]);
+        // Room for the part under the cap before a byte comes, of the plan's world only.
+        let room = |world: u32, len: u64| {
+            if world != plan.world {
+                return Err(format!("node {from} holds that part for a world of {world}, not {}", plan.world));
             }
-            st.holdings.commit(&key);
-            st.buffers.insert(key, Arc::new(file));
+            buffer_for(shared, key, world, len)
+        };
+        let fetched = peers::fetch(&peer, &me, key, room);
+        st = shared.lock();
+        let held_now = |st: &State| st.holdings.get(&key).is_some_and(|p| p.whole) && st.buffers.contains_key(&key);
+        match fetched {
+            Ok((_, len, file)) => {
+                info!(rank, step = plan.step, from = %from, mib = len >> 20, "fetched a snapshot part from another node");
+                if !st.round.as_ref().is_some_and(|r| r.plan.as_ref().is_some_and(|p| p.as_ref() == Some(&plan))) {
+                    drop(st);
+                    abandon(shared, key);
+                    return Err("the round ended while the part was fetched".into());
+                }
+                if !held_now(&st) {
+                    st.holdings.commit(&key);
+                    let _ = seal(&file);
+                }
+            }
+            // Another load of the same part fetched it meanwhile.
+            Err(_) if held_now(&st) => {}
+            Err(e) => {
+                drop(st);
+                abandon(shared, key);
+                return Err(format!(
+                    "fetching rank {rank}'s part of step {} from node {from} ({}): {e}",
+                    plan.step, peer.addr
+                ));
+            }
         }
     }
     let (Some(file), Some(part)) = (st.buffers.get(&key).cloned(), st.holdings.get(&key).copied()) else {
         return Err(format!("rank {rank}'s part of step {} is no longer held here", plan.step));
     };
-    let fd = read_only(&file).map_err(|e| format!("cannot reopen the snapshot buffer: {e}"))?;
+    // Sealed before it is lent: no descriptor of it, however reopened, can write it.
+    let fd = lend(&file).map_err(|e| format!("cannot lend the snapshot buffer: {e}"))?;
     st.lent.insert(key);
     Ok((Answer { step: Some(plan.step), world: Some(part.world), len: Some(part.len), ..Answer::default() }, Some(fd)))
 }
 
 pub(crate) fn memfd() -> std::io::Result<std::fs::File> {
     // SAFETY: a C string literal; the returned descriptor is new and owned by the File.
-    let fd = unsafe { libc::memfd_create(c"rlaunch-snapshot".as_ptr(), libc::MFD_CLOEXEC) };
+    let fd = unsafe { libc::memfd_create(c"rlaunch-snapshot".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
     if fd < 0 {
         return Err(std::io::Error::last_os_error());
     }
@@ -611,8 +686,52 @@ pub(crate) fn memfd() -> std::io::Result<std::fs::File> {
     Ok(std::fs::File::from(unsafe { OwnedFd::from_raw_fd(fd) }))
 }
 
-/// The same buffer, opened again read-only: a worker can map it privately, never write it.
-fn read_only(file: &std::fs::File) -> std::io::Result<OwnedFd> {
-    let path = Path::new("/proc/self/fd").join(file.as_raw_fd().to_string());
+/// Seals a whole part: from now on no descriptor of it, whoever holds it (root included), can
+/// write, grow or shrink it. Fails while a writable shared mapping of it exists.
+fn seal(file: &std::fs::File) -> std::io::Result<()> {
+    let seals = libc::F_SEAL_WRITE | libc::F_SEAL_GROW | libc::F_SEAL_SHRINK | libc::F_SEAL_SEAL;
+    // SAFETY: fcntl on a descriptor the File keeps open; F_ADD_SEALS takes an int.
+    let r = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) };
+    if r < 0 {
+        // Already sealed (F_SEAL_SEAL): fine if it is write-sealed.
+        // SAFETY: as above; F_GET_SEALS takes no argument.
+        let got = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
+        if got >= 0 && got & libc::F_SEAL_WRITE != 0 {
+            return Ok(());
+        }
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Whether a buffer is sealed against writes (a copy from another node, a part lent).
+fn sealed(file: &std::fs::File) -> bool {
+    // SAFETY: fcntl on a descriptor the File keeps open; F_GET_SEALS takes no argument.
+    let got = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
+    got >= 0 && got & libc::F_SEAL_WRITE != 0
+}
+
+/// A read-only descriptor of a sealed part for a worker. Where the part cannot be sealed (its
+/// writer maps it still, when a worker loads a step it saved in the same attempt), a sealed copy.
+fn lend(file: &std::fs::File) -> std::io::Result<OwnedFd> {
+    let sealed = match seal(file) {
+        Ok(()) => None,
+        Err(_) => {
+            let copy = memfd()?;
+            let len = file.metadata()?.len();
+            copy.set_len(len)?;
+            let mut buf = vec![0u8; (len as usize).min(4 << 20)];
+            let mut at = 0u64;
+            while at < len {
+                let n = ((len - at) as usize).min(buf.len());
+                std::os::unix::fs::FileExt::read_exact_at(file, &mut buf[..n], at)?;
+                std::os::unix::fs::FileExt::write_all_at(&copy, &buf[..n], at)?;
+                at += n as u64;
+            }
+            seal(&copy)?;
+            Some(copy)
+        }
+    };
+    let path = Path::new("/proc/self/fd").join(sealed.as_ref().unwrap_or(file).as_raw_fd().to_string());
     Ok(OwnedFd::from(std::fs::File::open(path)?))
 }

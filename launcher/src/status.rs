@@ -264,6 +264,7 @@ mod tests {
             store_addr: format!("{id}:29500").parse().unwrap(),
             probe_addr: None,
             snapshot_addr: None,
+            snapshot_key: None,
             snapshots: Vec::new(),
             fingerprint: None,
         }

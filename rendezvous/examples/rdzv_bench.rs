@@ -100,6 +100,7 @@ async fn one(service: &Service, n: u32, run_id: &str) -> Result<Run> {
         store_addr: format!("10.0.{}.{}:29500", i / 250, i % 250 + 1).parse().expect("a valid address"),
         probe_addr: None,
         snapshot_addr: None,
+        snapshot_key: None,
         snapshots: Vec::new(),
         fingerprint: None,
     };

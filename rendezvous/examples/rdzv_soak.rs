@@ -113,6 +113,7 @@ fn node(job: &str, i: u32) -> NodeInfo {
         store_addr: format!("10.1.{}.{}:29500", i / 250, i % 250 + 1).parse().expect("a valid address"),
         probe_addr: None,
         snapshot_addr: None,
+        snapshot_key: None,
         snapshots: Vec::new(),
         fingerprint: None,
     }

@@ -82,6 +82,7 @@ fn node(id: &str) -> NodeInfo {
         store_addr: format!("127.0.0.1:{}", 29500 + id.len()).parse().unwrap(),
         probe_addr: None,
         snapshot_addr: None,
+        snapshot_key: None,
         snapshots: Vec::new(),
         fingerprint: None,
     }
@@ -1054,6 +1055,7 @@ async fn a_join_may_advertise_only_the_address_it_came_from_unless_the_service_t
         store_addr: "10.0.0.5:29500".parse().unwrap(),
         probe_addr: Some(probe.parse().unwrap()),
         snapshot_addr: None,
+        snapshot_key: None,
         snapshots: Vec::new(),
         ..node(id)
     };
@@ -1085,6 +1087,7 @@ fn body_of(id: &str) -> Value {
         store_addr: "10.0.0.5:29500".parse().unwrap(),
         probe_addr: Some("10.0.0.5:29400".parse().unwrap()),
         snapshot_addr: None,
+        snapshot_key: None,
         snapshots: Vec::new(),
         ..node(id)
     };

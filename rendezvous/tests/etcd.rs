@@ -200,6 +200,7 @@ fn node(id: &str) -> NodeInfo {
         store_addr: format!("127.0.0.1:{}", 30000 + id.len()).parse().unwrap(),
         probe_addr: None,
         snapshot_addr: None,
+        snapshot_key: None,
         snapshots: Vec::new(),
         fingerprint: None,
     }

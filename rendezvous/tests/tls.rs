@@ -73,6 +73,7 @@ fn node(id: &str) -> NodeInfo {
         store_addr: format!("{id}:29500").parse().expect("store address"),
         probe_addr: None,
         snapshot_addr: None,
+        snapshot_key: None,
         snapshots: Vec::new(),
         fingerprint: None,
     }

@@ -36,7 +36,6 @@ fn fixed(max_restarts: u32) -> Core {
         hang_timeout: None,
         fingerprint_diff: Vec::new(),
         members: Vec::new(),
-        peer_key: None,
     };
     Core::new(Membership::Fixed { placement, max_restarts })
 }
@@ -55,6 +54,7 @@ fn round(n: u64, restart_count: u32) -> RoundInfo {
             store_addr: addr.clone(),
             probe_addr: None,
             snapshot_addr: None,
+            snapshot_key: None,
             snapshots: Vec::new(),
         }],
         members_digest: String::new(),
@@ -66,7 +66,6 @@ fn round(n: u64, restart_count: u32) -> RoundInfo {
         local_world_size: 4,
         hang_timeout: None,
         fingerprint_diff: Vec::new(),
-        peer_key: None,
     }
 }
 

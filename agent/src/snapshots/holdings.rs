@@ -52,6 +52,9 @@ pub const NOT_SNAPSHOTTED: &str = "not snapshotted: ";
 #[derive(Debug, Clone, Default)]
 pub struct Holdings {
     pub cap: u64,
+    /// Bytes of buffers no longer held but still read (a copy being sent): they count against
+    /// the cap until they are let go.
+    pub outside: u64,
     parts: BTreeMap<Key, Part>,
     /// The snapshot kept whatever else happens: (tag, step).
     base: Option<(u64, u64)>,
@@ -127,7 +130,8 @@ impl Holdings {
             .into_iter()
             .filter(|k| k.rank == key.rank || k.tag != self.tag || !local.contains(&k.rank))
             .collect();
-        let kept: u64 = self.parts.iter().filter(|(k, _)| !free.contains(k)).map(|(_, p)| p.len).sum();
+        let kept: u64 =
+            self.parts.iter().filter(|(k, _)| !free.contains(k)).map(|(_, p)| p.len).sum::<u64>() + self.outside;
         if kept.saturating_add(len) > self.cap {
             return Err(format!(
                 "{NOT_SNAPSHOTTED}rank {}'s part of step {} ({} MiB) does not fit in this node's snapshot memory \

@@ -1,26 +1,31 @@
 //! The snapshot store between agents: copies of parts to the buddy, parts fetched by a node
 //! that restores them, and "this step is whole here and on my buddy" announcements, over TCP.
 //!
-//! A connection opens with a hello naming the round, the node and a proof: a digest of the
-//! round's peer key (which the rendezvous answers only to the round's members) and the node's
-//! id. A node that is not a member of the round this agent runs, or that cannot prove it, is
-//! refused; so is any request about a round other than the current one. Frames are a
-//! little-endian `u32` length and JSON; a part's bytes follow its frame raw.
+//! A connection opens with [`secure`]'s challenge-response: each end proves the private half of
+//! the public key the round's member list gives for it, bound to this connection and to both
+//! ends, and from then on every frame, a part's bytes included, is sealed. A node that is not a
+//! member of the round this agent runs, or that cannot prove it, is refused; so is any request
+//! about a round other than the current one. Frames are JSON; a part's bytes follow its frame.
+//!
+//! Connections are bounded: at most [`MAX_HANDSHAKES`] strangers in their handshake at once
+//! (the oldest is dropped for a newer one, and each has [`HELLO_WITHIN`] for the whole
+//! handshake, not per read), and [`MAX_PEER_CONNECTIONS`] proven members.
 
 use std::collections::{HashMap, VecDeque};
 use std::fs::File;
-use std::io::{self, Read, Write};
+use std::io;
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
-use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::Receiver;
-use std::sync::{Arc, Weak};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::time::{Duration, Instant};
 
 use rlaunch::contract::HostPort;
 use rlaunch::snapshot::Answer;
 use serde::{Deserialize, Serialize};
 use tracing::{debug, warn};
 
+use super::secure::{self, Channel, Identity, KEY_LEN};
 use super::{NodeId, Shared};
 use crate::snapshots::holdings::Key;
 use crate::snapshots::Event;
@@ -28,104 +33,61 @@ use crate::snapshots::Event;
 const CONNECT_WITHIN: Duration = Duration::from_secs(3);
 /// A peer silent this long on a connection is given up.
 const IO_WITHIN: Duration = Duration::from_secs(30);
-const MAX_FRAME: usize = 64 * 1024;
-const CHUNK: usize = 4 << 20;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 enum Msg {
-    Hello {
-        round: u64,
-        node: String,
-        proof: String,
-    },
     /// A copy of `rank`'s part of `step`: `len` bytes follow.
-    Put {
-        tag: u64,
-        step: u64,
-        rank: u32,
-        world: u32,
-        len: u64,
-    },
+    Put { tag: u64, step: u64, rank: u32, world: u32, len: u64 },
     /// The answer's `len` bytes follow it.
-    Get {
-        tag: u64,
-        step: u64,
-        rank: u32,
-    },
+    Get { tag: u64, step: u64, rank: u32 },
     /// Every part the sender's ranks saved for `step` is held on the sender and its buddy.
-    Complete {
-        tag: u64,
-        step: u64,
-    },
+    Complete { tag: u64, step: u64 },
 }
 
-/// How this node introduces itself to the round's other members.
+/// A member this node talks to: its id, where it is, its public key.
 #[derive(Debug, Clone)]
-pub(crate) struct Hello {
-    round: u64,
-    node: String,
-    proof: String,
+pub(crate) struct Peer {
+    pub id: NodeId,
+    pub addr: HostPort,
+    pub key: [u8; KEY_LEN],
 }
 
-impl Hello {
-    pub(crate) fn new(round: u64, node: &str, key: &str) -> Hello {
-        Hello { round, node: node.to_owned(), proof: proof(key, round, node) }
-    }
+/// Who this node is in a round, for the connections it opens.
+#[derive(Clone)]
+pub(crate) struct Me {
+    pub round: u64,
+    pub id: NodeId,
+    pub identity: Arc<Identity>,
 }
 
-fn proof(key: &str, round: u64, node: &str) -> String {
-    rlaunch_rendezvous::identity::digest(&format!("rlaunch-snapshot-peer\n{key}\n{round}\n{node}"))
-}
-
-/// Work for the replicator thread.
+/// Work for the replicator thread. A copy names its part; the buffer is looked up when the copy
+/// is sent (a part freed meanwhile is not sent, and no queued copy keeps a buffer alive).
 pub(crate) enum Job {
-    Copy { key: Key, world: u32, len: u64, file: Arc<File>, to: (NodeId, HostPort), hello: Hello },
-    Announce { tag: u64, step: u64, to: Vec<HostPort>, hello: Hello },
+    Copy { key: Key, to: Peer, me: Me },
+    Announce { tag: u64, step: u64, to: Vec<Peer>, me: Me },
 }
 
-fn write_frame(s: &mut TcpStream, v: &impl Serialize) -> io::Result<()> {
-    let body = serde_json::to_vec(v).map_err(io::Error::other)?;
-    let mut frame = Vec::with_capacity(4 + body.len());
-    frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
-    frame.extend_from_slice(&body);
-    s.write_all(&frame)
-}
-
-fn read_frame<T: for<'de> Deserialize<'de>>(s: &mut TcpStream) -> io::Result<T> {
-    let mut head = [0u8; 4];
-    s.read_exact(&mut head)?;
-    let len = u32::from_le_bytes(head) as usize;
-    if len > MAX_FRAME {
-        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("a frame of {len} bytes")));
-    }
-    let mut body = vec![0u8; len];
-    s.read_exact(&mut body)?;
-    serde_json::from_slice(&body).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
-}
-
-fn answered(s: &mut TcpStream) -> io::Result<Answer> {
-    let a: Answer = read_frame(s)?;
+fn answered(ch: &mut Channel) -> io::Result<Answer> {
+    let a: Answer = ch.recv()?;
     if !a.ok {
         return Err(io::Error::other(a.error.unwrap_or_else(|| "refused".into())));
     }
     Ok(a)
 }
 
-fn connect(addr: &HostPort, hello: &Hello) -> io::Result<TcpStream> {
-    let mut last = io::Error::new(io::ErrorKind::NotFound, format!("{addr} resolves to no address"));
-    for a in (addr.host(), addr.port()).to_socket_addrs()? {
+fn connect(peer: &Peer, me: &Me) -> io::Result<Channel> {
+    let mut last = io::Error::new(io::ErrorKind::NotFound, format!("{} resolves to no address", peer.addr));
+    for a in (peer.addr.host(), peer.addr.port()).to_socket_addrs()? {
         match TcpStream::connect_timeout(&a, CONNECT_WITHIN) {
-            Ok(mut s) => {
+            Ok(s) => {
                 s.set_nodelay(true)?;
-                s.set_read_timeout(Some(IO_WITHIN))?;
                 s.set_write_timeout(Some(IO_WITHIN))?;
-                write_frame(
-                    &mut s,
-                    &Msg::Hello { round: hello.round, node: hello.node.clone(), proof: hello.proof.clone() },
-                )?;
-                answered(&mut s)?;
-                return Ok(s);
+                let deadline = Instant::now() + HELLO_WITHIN;
+                let mut ch = secure::client(s, &me.identity, me.round, &me.id, &peer.id, &peer.key, deadline)?;
+                ch.stream().set_read_timeout(Some(IO_WITHIN))?;
+                answered(&mut ch)?;
+                return Ok(ch);
             }
             Err(e) => last = e,
         }
@@ -133,55 +95,20 @@ fn connect(addr: &HostPort, hello: &Hello) -> io::Result<TcpStream> {
     Err(last)
 }
 
-/// Sends `len` bytes of `file` from its start (the kernel copies them, no user buffer).
-fn send_file(s: &TcpStream, file: &File, len: u64) -> io::Result<()> {
-    let mut offset: libc::off_t = 0;
-    while (offset as u64) < len {
-        let count = ((len - offset as u64) as usize).min(1 << 30);
-        // SAFETY: both descriptors are open for the call; offset is a valid pointer.
-        let n = unsafe { libc::sendfile(s.as_raw_fd(), file.as_raw_fd(), &mut offset, count) };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        if n == 0 {
-            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the part is shorter than its length"));
-        }
-    }
-    Ok(())
-}
-
-/// Reads `len` bytes from `s` into `file` from its start.
-fn receive_into(s: &mut TcpStream, file: &File, len: u64) -> io::Result<()> {
-    let mut buf = vec![0u8; CHUNK.min(len as usize).max(1)];
-    let mut at = 0u64;
-    while at < len {
-        let want = ((len - at) as usize).min(buf.len());
-        let n = s.read(&mut buf[..want])?;
-        if n == 0 {
-            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the peer closed inside a part"));
-        }
-        std::os::unix::fs::FileExt::write_all_at(file, &buf[..n], at)?;
-        at += n as u64;
-    }
-    Ok(())
-}
-
-fn drain(s: &mut TcpStream, len: u64) -> io::Result<()> {
-    io::copy(&mut Read::by_ref(s).take(len), &mut io::sink()).map(|_| ())
-}
-
-/// Fetches `key`'s part from the member at `addr`: its world, length and a buffer holding it.
-pub(crate) fn fetch(addr: &HostPort, hello: &Hello, key: Key) -> io::Result<(u32, u64, File)> {
+/// Fetches `key`'s part from `peer`: its world, length and the buffer `room(world, len)` gave
+/// for it (room is made under the node's cap before a byte is received).
+pub(crate) fn fetch(
+    peer: &Peer,
+    me: &Me,
+    key: Key,
+    mut room: impl FnMut(u32, u64) -> Result<Arc<File>, String>,
+) -> io::Result<(u32, u64, Arc<File>)> {
     // The holder may still be starting this round: its answer "not this round" is waited out.
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        match fetch_once(addr, hello, key) {
+        match fetch_once(peer, me, key, &mut room) {
             Ok(got) => return Ok(got),
-            Err(e) if std::time::Instant::now() < deadline => {
+            Err(e) if e.kind() != io::ErrorKind::OutOfMemory && Instant::now() < deadline => {
                 debug!(error = %e, "fetching a snapshot part; trying again");
                 std::thread::sleep(Duration::from_millis(200));
             }
@@ -190,14 +117,18 @@ pub(crate) fn fetch(addr: &HostPort, hello: &Hello, key: Key) -> io::Result<(u32
     }
 }
 
-fn fetch_once(addr: &HostPort, hello: &Hello, key: Key) -> io::Result<(u32, u64, File)> {
-    let mut s = connect(addr, hello)?;
-    write_frame(&mut s, &Msg::Get { tag: key.tag, step: key.step, rank: key.rank })?;
-    let a = answered(&mut s)?;
+fn fetch_once(
+    peer: &Peer,
+    me: &Me,
+    key: Key,
+    room: &mut impl FnMut(u32, u64) -> Result<Arc<File>, String>,
+) -> io::Result<(u32, u64, Arc<File>)> {
+    let mut ch = connect(peer, me)?;
+    ch.send(&Msg::Get { tag: key.tag, step: key.step, rank: key.rank })?;
+    let a = answered(&mut ch)?;
     let (world, len) = (a.world.unwrap_or(0), a.len.unwrap_or(0));
-    let file = super::memfd()?;
-    file.set_len(len)?;
-    receive_into(&mut s, &file, len)?;
+    let file = room(world, len).map_err(|why| io::Error::new(io::ErrorKind::OutOfMemory, why))?;
+    ch.receive_into(&file, len)?;
     Ok((world, len, file))
 }
 
@@ -205,7 +136,7 @@ fn fetch_once(addr: &HostPort, hello: &Hello, key: Key) -> io::Result<(u32, u64,
 /// open. A copy of a part whose rank already has a newer one waiting is skipped (the newer
 /// commits instead).
 pub(crate) fn replicate(jobs: Receiver<Job>, shared: Weak<Shared>) {
-    let mut conns: HashMap<(String, u64), TcpStream> = HashMap::new();
+    let mut conns: HashMap<(NodeId, u64), Channel> = HashMap::new();
     let mut queue: VecDeque<Job> = VecDeque::new();
     // Buddies already said unreachable in a round: said once, then quietly.
     let mut said: std::collections::HashSet<(NodeId, u64)> = std::collections::HashSet::new();
@@ -219,43 +150,47 @@ pub(crate) fn replicate(jobs: Receiver<Job>, shared: Weak<Shared>) {
         queue.extend(jobs.try_iter());
         let Some(job) = queue.pop_front() else { continue };
         match job {
-            Job::Copy { key, world, len, file, to, hello } => {
+            Job::Copy { key, to, me } => {
                 let newer = queue.iter().any(|j| {
                     matches!(j, Job::Copy { key: k, .. } if k.tag == key.tag && k.rank == key.rank && k.step > key.step)
                 });
                 if newer {
                     continue;
                 }
-                let result = with_conn(&mut conns, &to.1, &hello, |s| {
+                let Some(strong) = shared.upgrade() else { return };
+                let part = super::whole_part(&strong, key);
+                drop(strong);
+                let Some((world, len, file)) = part else { continue };
+                let result = with_conn(&mut conns, &to, &me, |ch| {
                     let (tag, step, rank) = (key.tag, key.step, key.rank);
-                    write_frame(s, &Msg::Put { tag, step, rank, world, len })?;
-                    send_file(s, &file, len)?;
-                    answered(s).map(|_| ())
+                    ch.send(&Msg::Put { tag, step, rank, world, len })?;
+                    ch.send_file(&file, len)?;
+                    answered(ch).map(|_| ())
                 });
                 drop(file);
                 match result {
                     Ok(()) => {
                         let Some(shared) = shared.upgrade() else { return };
-                        acked(&shared, key, to.0);
+                        acked(&shared, key, to.id);
                     }
-                    Err(e) if said.insert((to.0.clone(), key.tag)) => warn!(
+                    Err(e) if said.insert((to.id.clone(), key.tag)) => warn!(
                         rank = key.rank,
                         step = key.step,
-                        buddy = %to.0,
+                        buddy = %to.id,
                         error = %e,
                         "a snapshot part was not copied to the buddy: steps are not committed while it is unreachable (said once per round)"
                     ),
                     Err(e) => debug!(rank = key.rank, step = key.step, error = %e, "a snapshot part was not copied"),
                 }
             }
-            Job::Announce { tag, step, to, hello } => {
-                for addr in to {
-                    let r = with_conn(&mut conns, &addr, &hello, |s| {
-                        write_frame(s, &Msg::Complete { tag, step })?;
-                        answered(s).map(|_| ())
+            Job::Announce { tag, step, to, me } => {
+                for peer in to {
+                    let r = with_conn(&mut conns, &peer, &me, |ch| {
+                        ch.send(&Msg::Complete { tag, step })?;
+                        answered(ch).map(|_| ())
                     });
                     if let Err(e) = r {
-                        debug!(%addr, step, error = %e, "announcing a whole step");
+                        debug!(node = %peer.id, step, error = %e, "announcing a whole step");
                     }
                 }
             }
@@ -263,25 +198,25 @@ pub(crate) fn replicate(jobs: Receiver<Job>, shared: Weak<Shared>) {
     }
 }
 
-/// Runs `f` on the open connection to `addr` for this round, or a new one; a failure on an old
+/// Runs `f` on the open connection to `peer` for this round, or a new one; a failure on an old
 /// connection is tried once more on a new one.
 fn with_conn(
-    conns: &mut HashMap<(String, u64), TcpStream>,
-    addr: &HostPort,
-    hello: &Hello,
-    mut f: impl FnMut(&mut TcpStream) -> io::Result<()>,
+    conns: &mut HashMap<(NodeId, u64), Channel>,
+    peer: &Peer,
+    me: &Me,
+    mut f: impl FnMut(&mut Channel) -> io::Result<()>,
 ) -> io::Result<()> {
-    let id = (addr.to_string(), hello.round);
-    conns.retain(|(_, round), _| *round == hello.round);
-    if let Some(mut s) = conns.remove(&id) {
-        if f(&mut s).is_ok() {
-            conns.insert(id, s);
+    let id = (peer.id.clone(), me.round);
+    conns.retain(|(_, round), _| *round == me.round);
+    if let Some(mut ch) = conns.remove(&id) {
+        if f(&mut ch).is_ok() {
+            conns.insert(id, ch);
             return Ok(());
         }
     }
-    let mut s = connect(addr, hello)?;
-    f(&mut s)?;
-    conns.insert(id, s);
+    let mut ch = connect(peer, me)?;
+    f(&mut ch)?;
+    conns.insert(id, ch);
     Ok(())
 }
 
@@ -299,36 +234,72 @@ fn acked(shared: &Shared, key: Key, buddy: NodeId) {
     }
     round.acked.retain(|s, _| *s > key.step);
     let Some(peers) = &round.peers else { return };
-    let to: Vec<HostPort> = peers.members.iter().filter(|m| m.id != round.me).filter_map(|m| m.addr.clone()).collect();
-    let hello = Hello::new(round.tag, &round.me, &peers.key);
-    let _ = shared.outbox.send(Job::Announce { tag: key.tag, step: key.step, to, hello });
+    let to: Vec<Peer> = peers.members.iter().filter(|m| m.id != round.me).filter_map(|m| m.peer()).collect();
+    let me = Me { round: round.tag, id: round.me.clone(), identity: shared.identity.clone() };
+    let _ = shared.outbox.send(Job::Announce { tag: key.tag, step: key.step, to, me });
 }
 
-/// Most peer connections served at once: a member talks to each other member over one
-/// connection, plus fetches; anything past this is closed at once.
+/// Most proven members' connections served at once: a member talks to each other member over
+/// one connection, plus fetches; anything past this is closed at once.
 const MAX_PEER_CONNECTIONS: usize = 512;
-/// A connection's hello must come within this.
-const HELLO_WITHIN: Duration = Duration::from_secs(5);
+/// Most connections in their handshake at once; a newer one drops the oldest.
+pub(crate) const MAX_HANDSHAKES: usize = 64;
+/// A connection's whole handshake must come within this.
+pub(crate) const HELLO_WITHIN: Duration = Duration::from_secs(2);
+
+/// The connections in their handshake, oldest first, to drop one when a newer comes.
+#[derive(Default)]
+struct Handshaking {
+    next: AtomicU64,
+    open: Mutex<VecDeque<(u64, TcpStream)>>,
+}
+
+impl Handshaking {
+    /// Registers `s`; at the bound, the oldest handshake is cut.
+    fn enter(&self, s: &TcpStream) -> Option<u64> {
+        let id = self.next.fetch_add(1, Ordering::SeqCst);
+        let clone = s.try_clone().ok()?;
+        let mut open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
+        if open.len() >= MAX_HANDSHAKES {
+            if let Some((_, oldest)) = open.pop_front() {
+                debug!("too many snapshot peer handshakes at once: the oldest is cut");
+                let _ = oldest.shutdown(std::net::Shutdown::Both);
+            }
+        }
+        open.push_back((id, clone));
+        Some(id)
+    }
+
+    fn leave(&self, id: u64) {
+        self.open.lock().unwrap_or_else(PoisonError::into_inner).retain(|(i, _)| *i != id);
+    }
+}
 
 pub(crate) fn accept(listener: TcpListener, shared: Arc<Shared>) {
-    let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let proven = Arc::new(AtomicUsize::new(0));
+    let handshaking = Arc::new(Handshaking::default());
     for conn in listener.incoming() {
         match conn {
             Ok(s) => {
-                if open.load(std::sync::atomic::Ordering::SeqCst) >= MAX_PEER_CONNECTIONS {
-                    debug!("too many snapshot peer connections: one closed");
-                    continue;
-                }
-                open.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                let (shared, held) = (shared.clone(), open.clone());
+                let Some(ticket) = handshaking.enter(&s) else { continue };
+                let (shared, proven, handshaking) = (shared.clone(), proven.clone(), handshaking.clone());
                 let spawned = std::thread::Builder::new().name("snapshot-peer".into()).spawn(move || {
-                    if let Err(e) = serve(s, &shared) {
+                    let opened = open(s, &shared);
+                    handshaking.leave(ticket);
+                    let (ch, round, node) = match opened {
+                        Ok(o) => o,
+                        Err(e) => return debug!(error = %e, "a snapshot peer's handshake failed"),
+                    };
+                    if proven.fetch_add(1, Ordering::SeqCst) >= MAX_PEER_CONNECTIONS {
+                        proven.fetch_sub(1, Ordering::SeqCst);
+                        return debug!("too many snapshot peer connections: one closed");
+                    }
+                    if let Err(e) = serve(ch, round, node, &shared) {
                         debug!(error = %e, "a snapshot peer connection ended");
                     }
-                    held.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+                    proven.fetch_sub(1, Ordering::SeqCst);
                 });
                 if let Err(e) = spawned {
-                    open.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
                     warn!(error = %e, "cannot serve a snapshot peer");
                 }
             }
@@ -340,47 +311,53 @@ pub(crate) fn accept(listener: TcpListener, shared: Arc<Shared>) {
     }
 }
 
-fn refuse(s: &mut TcpStream, why: String) -> io::Result<()> {
-    write_frame(s, &Answer::refused(why))
-}
-
-fn ok(s: &mut TcpStream, a: Answer) -> io::Result<()> {
-    write_frame(s, &Answer { ok: true, ..a })
-}
-
-/// Whether two digests are equal, in time independent of where they differ.
-fn same(a: &str, b: &str) -> bool {
-    a.len() == b.len() && a.bytes().zip(b.bytes()).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
-fn serve(mut s: TcpStream, shared: &Shared) -> io::Result<()> {
-    s.set_read_timeout(Some(HELLO_WITHIN))?;
-    s.set_write_timeout(Some(IO_WITHIN))?;
+/// The handshake: the peer proven a member of the round this agent runs.
+fn open(s: TcpStream, shared: &Shared) -> io::Result<(Channel, u64, NodeId)> {
+    s.set_write_timeout(Some(HELLO_WITHIN))?;
     s.set_nodelay(true)?;
-    let Msg::Hello { round, node, proof: presented } = read_frame(&mut s)? else {
-        return refuse(&mut s, "a connection starts with a hello".into());
-    };
-    // Who the peer is, checked against the round this agent runs.
+    let deadline = Instant::now() + HELLO_WITHIN;
+    let (mut ch, round, node) = secure::server(s, &shared.identity, deadline, |round, node| {
+        let st = shared.lock();
+        st.round
+            .as_ref()
+            .filter(|r| r.tag == round)
+            .and_then(|r| {
+                let key = r.peers.as_ref()?.member(node)?.key?;
+                Some((r.me.clone(), key))
+            })
+            .ok_or_else(|| {
+                format!("node {} is not a member of round {round} here", node.chars().take(200).collect::<String>())
+            })
+    })?;
+    ch.stream().set_write_timeout(Some(IO_WITHIN))?;
+    ch.send(&Answer { ok: true, ..Answer::default() })?;
+    // A member's connection stays open between steps: quiet for minutes is fine.
+    ch.stream().set_read_timeout(Some(IO_WITHIN.saturating_mul(20)))?;
+    Ok((ch, round, node))
+}
+
+fn refuse(ch: &mut Channel, why: String) -> io::Result<()> {
+    ch.send(&Answer::refused(why))
+}
+
+fn ok(ch: &mut Channel, a: Answer) -> io::Result<()> {
+    ch.send(&Answer { ok: true, ..a })
+}
+
+fn serve(mut ch: Channel, round: u64, node: NodeId, shared: &Shared) -> io::Result<()> {
     let (ranks, round_world) = {
         let st = shared.lock();
-        let member = st.round.as_ref().filter(|r| r.tag == round).and_then(|r| {
-            let p = r.peers.as_ref()?;
-            let m = p.member(&node).filter(|m| m.id != r.me)?;
-            same(&proof(&p.key, round, &node), &presented).then(|| (m.ranks.clone(), r.world))
+        let found = st.round.as_ref().filter(|r| r.tag == round).and_then(|r| {
+            let m = r.peers.as_ref()?.member(&node)?;
+            Some((m.ranks.clone(), r.world))
         });
-        match member {
-            Some(r) => r,
-            None => {
-                drop(st);
-                return refuse(&mut s, format!("node {node} is not a proven member of round {round} here"));
-            }
+        match found {
+            Some(f) => f,
+            None => return Ok(()), // the round ended during the handshake
         }
     };
-    ok(&mut s, Answer::default())?;
-    // A member's connection stays open between steps: quiet for minutes is fine.
-    s.set_read_timeout(Some(IO_WITHIN.saturating_mul(20)))?;
     loop {
-        let msg: Msg = match read_frame(&mut s) {
+        let msg: Msg = match ch.recv() {
             Ok(m) => m,
             Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
             Err(e) => return Err(e),
@@ -388,7 +365,6 @@ fn serve(mut s: TcpStream, shared: &Shared) -> io::Result<()> {
         // Every request is about the round the hello named, which must still be this agent's.
         let current = shared.lock().round.as_ref().is_some_and(|r| r.tag == round);
         match msg {
-            Msg::Hello { .. } => return refuse(&mut s, "one hello per connection".into()),
             Msg::Put { tag, step, rank, world, len } => {
                 let key = Key { tag, step, rank };
                 let why = if !current || tag != round {
@@ -406,37 +382,33 @@ fn serve(mut s: TcpStream, shared: &Shared) -> io::Result<()> {
                 };
                 match file {
                     Err(why) => {
-                        drain(&mut s, len)?;
-                        refuse(&mut s, why)?;
+                        ch.drain(len)?;
+                        refuse(&mut ch, why)?;
                     }
                     Ok(file) => {
-                        if let Err(e) = receive_into(&mut s, &file, len) {
+                        if let Err(e) = ch.receive_into(&file, len) {
+                            drop(file);
                             super::abandon(shared, key);
                             return Err(e);
                         }
                         drop(file);
                         if super::commit_copy(shared, key, &node) {
-                            ok(&mut s, Answer::default())?;
+                            ok(&mut ch, Answer::default())?;
                         } else {
-                            refuse(&mut s, "the round ended while the copy came".into())?;
+                            refuse(&mut ch, "the round ended while the copy came".into())?;
                         }
                     }
                 }
             }
             Msg::Get { tag, step, rank } => {
                 let key = Key { tag, step, rank };
-                let found = {
-                    let st = shared.lock();
-                    let part = st.holdings.get(&key).copied().filter(|p| p.whole);
-                    part.and_then(|p| Some((p, st.buffers.get(&key)?.clone())))
-                };
-                match found.filter(|_| current) {
-                    Some((part, file)) => {
-                        ok(&mut s, Answer { world: Some(part.world), len: Some(part.len), ..Answer::default() })?;
-                        send_file(&s, &file, part.len)?;
+                match super::whole_part(shared, key).filter(|_| current && tag <= round) {
+                    Some((world, len, file)) => {
+                        ok(&mut ch, Answer { world: Some(world), len: Some(len), ..Answer::default() })?;
+                        ch.send_file(&file, len)?;
                     }
                     None => {
-                        refuse(&mut s, format!("rank {rank}'s part of step {step} (round {tag}) is not held here"))?
+                        refuse(&mut ch, format!("rank {rank}'s part of step {step} (round {tag}) is not held here"))?
                     }
                 }
             }
@@ -461,7 +433,7 @@ fn serve(mut s: TcpStream, shared: &Shared) -> io::Result<()> {
                     st.heard(tag, events);
                 }
                 drop(st);
-                ok(&mut s, Answer::default())?;
+                ok(&mut ch, Answer::default())?;
             }
         }
     }
@@ -472,8 +444,9 @@ mod tests {
     use super::*;
     use crate::snapstore::SnapStore;
     use rlaunch::contract::Member;
+    use std::io::{Read, Write};
 
-    fn member(id: &str, offset: u32, addr: Option<HostPort>) -> Member {
+    fn member(id: &str, offset: u32, addr: Option<HostPort>, key: &Identity) -> Member {
         Member {
             node_id: id.into(),
             group_rank: offset / 2,
@@ -482,69 +455,193 @@ mod tests {
             store_addr: "127.0.0.1:1".parse().unwrap(),
             probe_addr: None,
             snapshot_addr: addr,
+            snapshot_key: Some(key.public_hex()),
             snapshots: Vec::new(),
         }
     }
 
-    /// This node (`me`, ranks 0 and 1) in round 7 with a peer `x` (ranks 2 and 3).
-    fn store() -> (SnapStore, HostPort) {
+    /// This node (`me`, ranks 0 and 1) in round 7 with a peer `x` (ranks 2 and 3), whose
+    /// identity is answered.
+    fn store() -> (SnapStore, Peer, Arc<Identity>) {
         let store = SnapStore::start(1 << 20, Default::default()).unwrap();
         let port = store.serve_peers("127.0.0.1:0").unwrap();
         let addr: HostPort = format!("127.0.0.1:{port}").parse().unwrap();
-        store.begin_peer_round(7, "me", &[member("me", 0, Some(addr.clone())), member("x", 2, None)], "key".into());
-        (store, addr)
+        let x = Arc::new(Identity::generate().unwrap());
+        let members = [member("me", 0, Some(addr.clone()), &store.shared.identity), member("x", 2, None, &x)];
+        store.begin_peer_round(7, "me", &members);
+        let me =
+            Peer { id: "me".into(), addr, key: secure::parse_public(&store.shared.identity.public_hex()).unwrap() };
+        (store, me, x)
     }
 
-    fn put(s: &mut TcpStream, tag: u64, rank: u32, bytes: &[u8]) -> io::Result<Answer> {
-        write_frame(s, &Msg::Put { tag, step: 1, rank, world: 4, len: bytes.len() as u64 })?;
-        s.write_all(bytes)?;
-        read_frame(s)
+    fn as_(id: &str, round: u64, identity: &Arc<Identity>) -> Me {
+        Me { round, id: id.into(), identity: identity.clone() }
+    }
+
+    fn put(ch: &mut Channel, tag: u64, rank: u32, bytes: &[u8]) -> io::Result<Answer> {
+        ch.send(&Msg::Put { tag, step: 1, rank, world: 4, len: bytes.len() as u64 })?;
+        let file = super::super::memfd()?;
+        std::os::unix::fs::FileExt::write_all_at(&file, bytes, 0)?;
+        ch.send_file(&file, bytes.len() as u64)?;
+        ch.recv()
+    }
+
+    fn no_room(_: u32, _: u64) -> Result<Arc<File>, String> {
+        Err("no room".into())
     }
 
     #[test]
     fn only_a_proven_member_of_the_current_round_is_served_and_only_for_its_own_ranks() {
-        let (store, addr) = store();
-        // Not a member, a wrong key, another round, and this node's own id: refused at the hello.
-        for hello in [
-            Hello::new(7, "y", "key"),
-            Hello::new(7, "x", "guess"),
-            Hello::new(6, "x", "key"),
-            Hello::new(7, "me", "key"),
-        ] {
-            let e = connect(&addr, &hello).unwrap_err();
-            assert!(e.to_string().contains("not a proven member"), "{hello:?}: {e}");
+        let (store, me, x) = store();
+        // Whoever read the round's public keys (a process reading etcd, `rlaunch status`) and
+        // makes its own key, names another round, or names this node itself: refused.
+        let stranger = Arc::new(Identity::generate().unwrap());
+        for (who, round, identity) in [("x", 7, &stranger), ("y", 7, &x), ("x", 6, &x), ("me", 7, &x)] {
+            let e = connect(&me, &as_(who, round, identity)).err().expect("refused");
+            assert_eq!(e.kind(), io::ErrorKind::PermissionDenied, "{who} {round}: {e}");
         }
-        let mut s = connect(&addr, &Hello::new(7, "x", "key")).unwrap();
+        // A hello meant for another node (as one replayed from elsewhere would be): refused.
+        let elsewhere = Peer { id: "z".into(), ..me.clone() };
+        assert!(connect(&elsewhere, &as_("x", 7, &x)).is_err());
+        let mut ch = connect(&me, &as_("x", 7, &x)).unwrap();
         // A copy of a rank that is not x's, or of another round: refused, and nothing held.
-        let a = put(&mut s, 7, 0, b"forged").unwrap();
+        let a = put(&mut ch, 7, 0, b"forged").unwrap();
         assert!(!a.ok && a.error.as_deref().is_some_and(|e| e.contains("not node x's")), "{a:?}");
-        let a = put(&mut s, 6, 2, b"stale").unwrap();
+        let a = put(&mut ch, 6, 2, b"stale").unwrap();
         assert!(!a.ok, "{a:?}");
         assert!(store.inventory().is_empty());
-        // Its own rank's copy is held, whole, and can be fetched back.
-        let a = put(&mut s, 7, 2, b"part of rank 2").unwrap();
+        // Its own rank's copy is held, whole, and can be fetched back; a second copy of it is
+        // refused (a step is saved once).
+        let a = put(&mut ch, 7, 2, b"part of rank 2").unwrap();
         assert!(a.ok, "{a:?}");
+        let a = put(&mut ch, 7, 2, b"rewritten").unwrap();
+        assert!(!a.ok, "{a:?}");
         let held = store.inventory();
         assert_eq!(held.len(), 1);
         assert_eq!((held[0].tag, held[0].step, held[0].ranks.clone()), (7, 1, vec![(2, 3)]));
+        let room = |_: u32, len: u64| -> Result<Arc<File>, String> {
+            let f = super::super::memfd().map_err(|e| e.to_string())?;
+            f.set_len(len).map_err(|e| e.to_string())?;
+            Ok(Arc::new(f))
+        };
         let (world, len, file) =
-            fetch_once(&addr, &Hello::new(7, "x", "key"), Key { tag: 7, step: 1, rank: 2 }).unwrap();
+            fetch_once(&me, &as_("x", 7, &x), Key { tag: 7, step: 1, rank: 2 }, &mut { room }).unwrap();
         let mut got = vec![0u8; len as usize];
-        std::os::unix::fs::FileExt::read_exact_at(&file, &mut got, 0).unwrap();
+        std::os::unix::fs::FileExt::read_exact_at(&*file, &mut got, 0).unwrap();
         assert_eq!((world, got.as_slice()), (4, &b"part of rank 2"[..]));
-        // A part nobody holds is refused, not invented.
-        assert!(fetch_once(&addr, &Hello::new(7, "x", "key"), Key { tag: 7, step: 2, rank: 2 }).is_err());
+        // A part nobody holds is refused, not invented; a fetch the cap has no room for makes
+        // no buffer and is not tried again.
+        assert!(fetch_once(&me, &as_("x", 7, &x), Key { tag: 7, step: 2, rank: 2 }, &mut { room }).is_err());
+        let e = fetch(&me, &as_("x", 7, &x), Key { tag: 7, step: 1, rank: 2 }, no_room).err().unwrap();
+        assert_eq!(e.kind(), io::ErrorKind::OutOfMemory);
+    }
+
+    /// Reads one clear handshake frame.
+    fn read_clear(s: &mut TcpStream) -> secure::Handshake {
+        let mut head = [0u8; 4];
+        s.read_exact(&mut head).unwrap();
+        let mut body = vec![0u8; u32::from_le_bytes(head) as usize];
+        s.read_exact(&mut body).unwrap();
+        serde_json::from_slice(&body).unwrap()
+    }
+
+    fn write_clear(s: &mut TcpStream, h: &secure::Handshake) {
+        let body = serde_json::to_vec(h).unwrap();
+        s.write_all(&(body.len() as u32).to_le_bytes()).unwrap();
+        s.write_all(&body).unwrap();
+    }
+
+    #[test]
+    fn a_proof_recorded_on_one_connection_is_refused_on_another() {
+        let (_store, me, x) = store();
+        let addr = format!("127.0.0.1:{}", me.addr.port());
+        // A genuine member's handshake, recorded as someone on the path would.
+        let (hello, proof) = {
+            let mut s = TcpStream::connect(&addr).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            let nonce = "11".repeat(32);
+            let hello = secure::Handshake::Hello { round: 7, node: "x".into(), to: "me".into(), nonce: nonce.clone() };
+            write_clear(&mut s, &hello);
+            let secure::Handshake::Challenge { nonce: server_nonce, .. } = read_clear(&mut s) else {
+                panic!("a challenge")
+            };
+            let shared = {
+                let key = me.key;
+                let x = x.clone();
+                move || x.shared_with(&key).unwrap()
+            };
+            let (cn, sn) = (secure::parse_public(&nonce).unwrap(), secure::parse_public(&server_nonce).unwrap());
+            let xk = secure::parse_public(&x.public_hex()).unwrap();
+            let keys = secure::session(
+                &shared(),
+                &secure::Transcript {
+                    round: 7,
+                    client: "x",
+                    server: "me",
+                    client_key: &xk,
+                    server_key: &me.key,
+                    client_nonce: &cn,
+                    server_nonce: &sn,
+                },
+            );
+            let proof =
+                secure::Handshake::Proof { proof: keys.client_proof.iter().map(|b| format!("{b:02x}")).collect() };
+            write_clear(&mut s, &proof);
+            let mut head = [0u8; 4];
+            s.read_exact(&mut head).unwrap(); // the sealed welcome: accepted
+            (hello, proof)
+        };
+        // The same hello and proof replayed by a process without x's key: the server's nonce is
+        // new, so the proof no longer holds.
+        let mut s = TcpStream::connect(&addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        write_clear(&mut s, &hello);
+        assert!(matches!(read_clear(&mut s), secure::Handshake::Challenge { .. }));
+        write_clear(&mut s, &proof);
+        assert!(matches!(read_clear(&mut s), secure::Handshake::Refused { .. }));
+    }
+
+    #[test]
+    fn strangers_sending_a_byte_now_and_then_do_not_keep_members_out() {
+        let (_store, me, x) = store();
+        let addr = format!("127.0.0.1:{}", me.addr.port());
+        // Twice as many slow connections as handshakes are allowed, each trickling bytes.
+        let mut slow: Vec<TcpStream> = (0..2 * MAX_HANDSHAKES).map(|_| TcpStream::connect(&addr).unwrap()).collect();
+        for s in &mut slow {
+            let _ = s.write_all(&[1]);
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        for s in &mut slow {
+            let _ = s.write_all(&[0]);
+        }
+        // A member still gets in at once.
+        let t0 = Instant::now();
+        connect(&me, &as_("x", 7, &x)).expect("a member connects past the slow strangers");
+        assert!(t0.elapsed() < HELLO_WITHIN, "{:?}", t0.elapsed());
+        // And a slow stranger is cut at the handshake's deadline, however it trickles.
+        let mut s = TcpStream::connect(&addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let t0 = Instant::now();
+        let mut cut = false;
+        while t0.elapsed() < Duration::from_secs(8) {
+            if s.write_all(&[1]).is_err() {
+                cut = true;
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        assert!(cut, "a trickling handshake is cut");
+        assert!(t0.elapsed() < HELLO_WITHIN + Duration::from_secs(2), "{:?}", t0.elapsed());
     }
 
     #[test]
     fn a_copy_cut_short_is_never_held() {
-        let (store, addr) = store();
-        let mut s = connect(&addr, &Hello::new(7, "x", "key")).unwrap();
-        write_frame(&mut s, &Msg::Put { tag: 7, step: 1, rank: 3, world: 4, len: 1000 }).unwrap();
-        s.write_all(&[1u8; 10]).unwrap();
-        drop(s);
+        let (store, me, x) = store();
+        let mut ch = connect(&me, &as_("x", 7, &x)).unwrap();
+        ch.send(&Msg::Put { tag: 7, step: 1, rank: 3, world: 4, len: 1000 }).unwrap();
+        drop(ch);
         // The server notices the close; the reservation goes, nothing is in the inventory.
-        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        let deadline = Instant::now() + Duration::from_secs(5);
         loop {
             let st = store.shared.lock();
             let reserved = st.holdings.get(&Key { tag: 7, step: 1, rank: 3 }).is_some();
@@ -552,7 +649,7 @@ mod tests {
             if !reserved {
                 break;
             }
-            assert!(std::time::Instant::now() < deadline, "the half copy was abandoned");
+            assert!(Instant::now() < deadline, "the half copy was abandoned");
             std::thread::sleep(Duration::from_millis(20));
         }
         assert!(store.inventory().is_empty());

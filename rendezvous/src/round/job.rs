@@ -363,21 +363,7 @@ impl Job {
             local_world_size: me.local_world_size,
             hang_timeout: self.settings.hang_timeout,
             fingerprint_diff: self.fingerprint_diff.clone(),
-            peer_key: self.peer_key(),
         })
-    }
-
-    /// The running round's key for its members' agents: a digest of the round and of every
-    /// member's credential (itself a digest of a secret only that member holds), so no one but
-    /// the service and the members learns it, and it changes with every round. `None` where a
-    /// member has no credential (a service without node identity).
-    pub fn peer_key(&self) -> Option<String> {
-        let mut text = format!("rlaunch-peer-key\n{}\n{}\n", self.round, self.members_digest);
-        for m in &self.members {
-            text.push_str(self.keys.get(&m.node_id)?);
-            text.push('\n');
-        }
-        Some(crate::identity::digest(&text))
     }
 
     /// Whether the failure detector holds `node_id` lost at `now`. A node that succeeded may go

@@ -499,7 +499,8 @@ fn fault_of(job: &Job, cause: &RoundCause, now: Millis) -> (&'static str, String
             let rc = job.last_root_cause.as_ref();
             let what = rc.map(|rc| format!("rank {} on node {node_id}: {}", rc.rank, rc.exit.describe()));
             let ago = rc.and_then(|rc| rc.seen_ago_ms).unwrap_or(0);
-            ("failure", what.unwrap_or_else(|| format!("worker failure on node {node_id}")), now.saturating_sub(ago))
+            let at = super::recovery::failure_dated(now, ago, since, &job.settings);
+            ("failure", what.unwrap_or_else(|| format!("worker failure on node {node_id}")), at)
         }
         RoundCause::ScaleUp { node_id } => ("scale_up", format!("node {node_id} joined (scale-up)"), now),
         RoundCause::MemberLeft { node_id } => ("member_left", format!("member {node_id} left"), now),
@@ -661,6 +662,7 @@ fn close_round(job: &mut Job, now: Millis, reason: String) -> Decision {
                 store_addr: p.node.store_addr,
                 probe_addr: p.node.probe_addr,
                 snapshot_addr: p.node.snapshot_addr,
+                snapshot_key: p.node.snapshot_key,
                 snapshots: p.node.snapshots,
             };
             offset = offset.saturating_add(m.local_world_size);

@@ -23,6 +23,11 @@ pub fn validate_node(node: &NodeInfo) -> Result<(), Rejection> {
     if let Some(fp) = &node.fingerprint {
         fp.check().map_err(|m| Rejection::InvalidNode { message: m })?;
     }
+    if let Some(key) = &node.snapshot_key {
+        if key.len() != 64 || !key.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
+            return invalid("snapshot_key must be 64 lowercase hex digits (an X25519 public key)");
+        }
+    }
     use rlaunch::contract::{MAX_SNAPSHOT_RANGES, MAX_SNAPSHOT_SETS};
     if node.snapshots.len() > MAX_SNAPSHOT_SETS {
         return invalid(&format!("at most {MAX_SNAPSHOT_SETS} snapshot sets"));

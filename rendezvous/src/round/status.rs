@@ -165,7 +165,7 @@ impl Job {
             goodput: a.goodput(now, ended),
             wall_ms: a.began_at.map_or(0, |b| end.saturating_sub(b)),
             lost_ms: a.lost_ms(now, ended),
-            startup_ms: a.startup_ms(),
+            startup_ms: a.startup_ms(end),
             count: a.dropped + a.recoveries.len() as u64,
             recoveries: a
                 .recoveries
@@ -174,7 +174,7 @@ impl Job {
                     recovery: r.clone(),
                     phases: r.phases(),
                     lost_ms: r.lost_ms(end),
-                    ongoing: r.ended_at().is_none() && ended.is_none(),
+                    ongoing: r.ended_at(end).is_none() && ended.is_none(),
                 })
                 .collect(),
             now,

@@ -36,6 +36,7 @@ fn node(id: &str) -> NodeInfo {
         store_addr: format!("{id}:29500").parse().unwrap(),
         probe_addr: None,
         snapshot_addr: None,
+        snapshot_key: None,
         snapshots: Vec::new(),
         fingerprint: None,
     }
@@ -173,6 +174,7 @@ fn ranks_are_contiguous_with_prefix_sum_offsets() {
             store_addr: format!("{id}:1").parse().unwrap(),
             probe_addr: None,
             snapshot_addr: None,
+            snapshot_key: None,
             snapshots: Vec::new(),
             fingerprint: None,
         };
@@ -249,6 +251,7 @@ fn join_with_bad_details_is_rejected_and_leaves_the_job_untouched() {
             store_addr: "h:1".parse().unwrap(),
             probe_addr: None,
             snapshot_addr: None,
+            snapshot_key: None,
             snapshots: Vec::new(),
             fingerprint: None,
         },
@@ -258,6 +261,7 @@ fn join_with_bad_details_is_rejected_and_leaves_the_job_untouched() {
             store_addr: "h:1".parse().unwrap(),
             probe_addr: None,
             snapshot_addr: None,
+            snapshot_key: None,
             snapshots: Vec::new(),
             fingerprint: None,
         },
@@ -267,6 +271,7 @@ fn join_with_bad_details_is_rejected_and_leaves_the_job_untouched() {
             store_addr: "h:1".parse().unwrap(),
             probe_addr: None,
             snapshot_addr: None,
+            snapshot_key: None,
             snapshots: Vec::new(),
             fingerprint: None,
         },
@@ -641,6 +646,7 @@ fn a_node_may_advertise_only_the_address_its_join_came_from() {
         store_addr: store.parse().unwrap(),
         probe_addr: probe.map(|p| p.parse().unwrap()),
         snapshot_addr: None,
+        snapshot_key: None,
         snapshots: Vec::new(),
         ..node("n")
     };
@@ -689,6 +695,7 @@ fn advertised_host_names_are_pinned_to_the_address_the_join_came_from() {
         store_addr: "node-5:29500".parse().unwrap(),
         probe_addr: Some("node-5:29400".parse().unwrap()),
         snapshot_addr: None,
+        snapshot_key: None,
         snapshots: Vec::new(),
         ..node("n")
     };
@@ -1715,18 +1722,34 @@ fn every_earlier_job_of_a_run_id_keeps_its_nodes_out_of_the_next() {
 }
 
 #[test]
-fn the_peer_key_is_the_same_for_every_member_changes_every_round_and_needs_every_credential() {
-    let job = guarded_pair();
-    let (a, b) = (job.round_info("a").unwrap(), job.round_info("b").unwrap());
-    let key = a.peer_key.clone().expect("a key for a round of credentialed members");
-    assert_eq!(b.peer_key.as_deref(), Some(key.as_str()));
-    assert!(!key.contains("sa") && key != crate::identity::digest("sa"), "not a credential itself");
-    let mut next = job.clone();
-    next.round += 1;
-    assert_ne!(next.peer_key(), Some(key.clone()), "another round, another key");
-    let mut uncredentialed = job.clone();
-    uncredentialed.keys.remove("b");
-    assert_eq!(uncredentialed.peer_key(), None, "a member without a credential: no key at all");
+fn a_rounds_members_learn_each_others_public_snapshot_keys_and_the_job_holds_nothing_else_for_peers() {
+    // Each agent's snapshot key is its own (made where it runs); the job keeps only the public
+    // halves, and the round answers each member every member's, as it joined.
+    let (ka, kb) = ("a".repeat(64), "0123456789abcdef".repeat(4));
+    let job = Job::new(settings(2, 2), 0);
+    let a = NodeInfo { snapshot_key: Some(ka.clone()), ..node("a") };
+    let b = NodeInfo { snapshot_key: Some(kb.clone()), ..node("b") };
+    let (job, _) = guarded(&job, Event::Join(a), None, Some("sa"), 0);
+    let (job, d) = guarded(&job, Event::Join(b), None, Some("sb"), 100);
+    assert!(matches!(d.action, Action::RoundClosed { round: 1 }), "{d:?}");
+    let info = job.round_info("a").unwrap();
+    let keys: Vec<Option<&str>> = info.members.iter().map(|m| m.snapshot_key.as_deref()).collect();
+    assert_eq!(keys, [Some(ka.as_str()), Some(kb.as_str())]);
+    // Nothing derived from the members' credentials is handed out any more.
+    let text = serde_json::to_string(&info).unwrap();
+    for credential in job.keys.values() {
+        assert!(!text.contains(credential.as_str()));
+    }
+    assert!(!text.contains("peer_key"), "{text}");
+}
+
+#[test]
+fn a_snapshot_key_that_is_not_64_lowercase_hex_digits_is_refused() {
+    for bad in ["", "abc", &"A".repeat(64), &"g".repeat(64), &"a".repeat(65)] {
+        let n = NodeInfo { snapshot_key: Some(bad.to_owned()), ..node("a") };
+        assert!(validate_node(&n).is_err(), "{bad:?}");
+    }
+    assert!(validate_node(&NodeInfo { snapshot_key: Some("f".repeat(64)), ..node("a") }).is_ok());
 }
 
 #[test]
@@ -1900,6 +1923,77 @@ fn a_failure_is_dated_when_its_agent_saw_it_and_never_before_the_round_ran() {
         .timeline
         .iter()
         .any(|m| matches!(&m.what, MarkKind::Failure { node, rank: 3 } if node == "a")));
+}
+
+#[test]
+fn a_failure_is_dated_no_further_back_than_its_agent_may_take_to_report_it() {
+    // Round 1 has run since 100; a report 1,000 s later says the exit was seen "forever" ago.
+    let job = running(&["a", "b"], settings(1, 2));
+    let bound = recovery::report_delay_ms(&job.settings);
+    assert_eq!(bound, 60_000 + recovery::REPORT_ALLOWANCE_MS, "join timeout (60 s), no stop grace, the allowance");
+    let report = |job: &Job, ago: u64, now: Millis| {
+        let mut cause = RootCause::from_message("boom");
+        cause.seen_ago_ms = Some(ago);
+        let (job, d) =
+            step(job, Event::ReportFailure { node_id: "b".into(), round: 1, root_cause: Box::new(cause) }, now);
+        assert!(matches!(d.action, Action::RoundOpened { round: 2, .. }), "{d:?}");
+        job.accounting.recoveries.back().cloned().expect("a recovery")
+    };
+    let now = 1_000_000;
+    let r = report(&job, u64::MAX, now);
+    assert_eq!(r.fault_at, now - bound, "not the round's start (100): the agent's own bound");
+    assert_eq!(r.phases().noticing_ms, Some(bound));
+    // Within the bound the agent is taken at its word; never after the report, never before
+    // the round ran.
+    assert_eq!(report(&job, 4_000, now).fault_at, now - 4_000);
+    assert_eq!(report(&job, 0, now).fault_at, now);
+    assert_eq!(report(&job, u64::MAX, 50_000).fault_at, 100);
+}
+
+#[test]
+fn a_recovery_always_ends_whatever_its_members_report_or_leave_unsaid() {
+    use rlaunch::contract::NodeProgress;
+    const BOUND: Millis = recovery::RECOVERY_BOUND_MS;
+    let mut s = settings(1, 2);
+    s.max_restarts = 10;
+    let job = running(&["a", "b"], s);
+    // Round 1 (closed at 100): a starts its workers; b never says so (an older agent). The
+    // start-up ends at the latest BOUND after round 1 closed.
+    let up = NodeProgress { started_ago_ms: Some(0), ..Default::default() };
+    let (job, _) = progress(&job, "a", 1, up.clone(), 300);
+    let st = job.status("j", 100 + BOUND - 1);
+    assert_eq!(st.recovery.startup_ms, None, "still under way");
+    assert_eq!(st.recovery.lost_ms, BOUND - 1);
+    let st = job.status("j", 100 + BOUND + 5_000);
+    assert_eq!(st.recovery.startup_ms, Some(BOUND), "ended at the bound");
+    assert_eq!(st.recovery.lost_ms, BOUND, "and no longer grows");
+
+    // A failure at T; round 2 closes at T + 200 with both. Both start their workers, restore
+    // step 3, and save step 4; but a claims a step before no one will ever save again.
+    let t = 100 + BOUND + 10_000;
+    let (job, _) = step(&job, Event::ReportFailure { node_id: "b".into(), round: 1, root_cause: rc("boom") }, t);
+    let (job, _) = join(&job, "a", t + 100);
+    let (job, d) = join(&job, "b", t + 200);
+    assert!(matches!(d.action, Action::RoundClosed { round: 2 }), "{d:?}");
+    let lie = NodeProgress { started_ago_ms: Some(0), restored: at(3, 0), step_before: Some(u64::MAX), ..up.clone() };
+    let (job, _) = progress(&job, "a", 2, lie, t + 300);
+    let honest = NodeProgress { started_ago_ms: Some(0), restored: at(3, 0), first_step: at(4, 0), ..up };
+    let (job, _) = progress(&job, "b", 2, honest, t + 400);
+    let view = |now: Millis| job.status("j", now).recovery.recoveries[0].clone();
+    let r = view(t + 200 + BOUND - 1);
+    assert!(r.ongoing, "a caught up on nothing yet");
+    assert_eq!(r.lost_ms, 200 + BOUND - 1);
+    let r = view(t + 200 + BOUND + 3_600_000);
+    assert!(!r.ongoing, "ended at the bound after its round re-formed");
+    assert_eq!(r.lost_ms, 200 + BOUND);
+    let st = job.status("j", t + 200 + BOUND + 3_600_000);
+    assert_eq!(st.recovery.lost_ms, BOUND + 200 + BOUND, "the start-up and the recovery, each bounded");
+    assert!(st.recovery.goodput.is_some_and(|g| g > 0.3), "{:?}", st.recovery.goodput);
+    // A fault after the bound does not cut it again: it had ended.
+    let later = t + 200 + BOUND + 3_600_000;
+    let (job, _) = step(&job, Event::ReportFailure { node_id: "b".into(), round: 2, root_cause: rc("again") }, later);
+    assert_eq!(job.accounting.recoveries[0].cut_at, None);
+    assert_eq!(job.accounting.recoveries[0].ended_at(later), Some(t + 200 + BOUND));
 }
 
 #[test]

@@ -142,6 +142,7 @@ mod tests {
             store_addr: "h:1".parse().unwrap(),
             probe_addr: None,
             snapshot_addr: None,
+            snapshot_key: None,
             snapshots: Vec::new(),
             fingerprint: None,
         };
