@@ -22,6 +22,7 @@ pub mod process;
 pub mod progress;
 mod random;
 pub mod report;
+pub mod rundir;
 pub mod snapshots;
 pub mod snapstore;
 pub mod supervisor;
@@ -262,7 +263,8 @@ pub(crate) async fn start_store(bind: &str, max_total_bytes: usize) -> Result<St
 /// `--log-dir/{run_id}_{pid}`, or a private temporary directory removed after a successful run.
 /// Either is created here, exclusively, and held open: an existing directory or a planted
 /// symlink is never used, and a later rename of it changes nothing (see [`logdir`]). The
-/// temporary one is `$TMPDIR/rlaunch_{run_id}_{pid}_{64 random bits}`, mode 0700.
+/// temporary one is `{base}/rlaunch_{run_id}_{pid}_{64 random bits}`, mode 0700, in the first
+/// of `$TMPDIR` and `/tmp` that no other user may rename entries of ([`rundir::bases`]).
 fn log_root(config: &AgentConfig) -> Result<(logdir::LogRoot, bool), AgentError> {
     let name = format!("{}_{}", sanitize(&config.run_id), std::process::id());
     match &config.log_dir {
@@ -271,7 +273,15 @@ fn log_root(config: &AgentConfig) -> Result<(logdir::LogRoot, bool), AgentError>
             let mut tries = 0;
             loop {
                 let random = (u64::from(random::rand_u32()) << 32) | u64::from(random::rand_u32());
-                let root = std::env::temp_dir().join(format!("rlaunch_{name}_{random:016x}"));
+                let base = rundir::bases().first().ok_or_else(|| logdir::LogDirError::Io {
+                    path: std::env::temp_dir(),
+                    source: std::io::Error::new(
+                        std::io::ErrorKind::PermissionDenied,
+                        "neither $TMPDIR nor /tmp is a directory only root and this user may rename entries of: \
+                             give --log-dir",
+                    ),
+                })?;
+                let root = base.join(format!("rlaunch_{name}_{random:016x}"));
                 match logdir::LogRoot::create_private(&root, 0o700) {
                     Ok(r) => return Ok((r, true)),
                     Err(logdir::LogDirError::Io { source, .. })

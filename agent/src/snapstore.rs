@@ -22,6 +22,9 @@ use crate::snapshots::{Event, Ledger, NodeId};
 const PY_INIT: &str = include_str!("../../python/rlaunch/__init__.py");
 const PY_SNAPSHOT: &str = include_str!("../../python/rlaunch/snapshot.py");
 
+/// The workers' socket, in the store's directory.
+const SOCKET_FILE: &str = "agent.sock";
+
 /// How long a save or load waits for the round's plan before it is refused.
 const PLAN_WAIT: Duration = Duration::from_secs(120);
 
@@ -45,7 +48,7 @@ pub struct SnapStore {
     /// `--snapshot-memory 0`: only the package is offered (so `import rlaunch` works), no socket.
     enabled: bool,
     shared: Arc<Shared>,
-    dir: PathBuf,
+    dir: crate::rundir::RunDir,
     socket: PathBuf,
 }
 
@@ -126,14 +129,14 @@ impl SnapStore {
     /// A store holding at most `cap` bytes (0: none, only the package), its socket in a new
     /// directory only this user enters.
     pub fn start(cap: u64, progress: Arc<crate::progress::Tracker>) -> std::io::Result<SnapStore> {
-        let dir =
-            std::env::temp_dir().join(format!("rlaunch-snap-{}-{:08x}", std::process::id(), crate::random::rand_u32()));
-        std::os::unix::fs::DirBuilderExt::mode(&mut std::fs::DirBuilder::new(), 0o700).create(&dir)?;
-        let py = dir.join("python").join("rlaunch");
+        // In a directory no other user may swap (the package runs in every worker), short
+        // enough for the socket.
+        let dir = crate::rundir::RunDir::create("rlaunch-snap", SOCKET_FILE.len())?;
+        let py = dir.path().join("python").join("rlaunch");
         std::fs::create_dir_all(&py)?;
         std::fs::write(py.join("__init__.py"), PY_INIT)?;
         std::fs::write(py.join("snapshot.py"), PY_SNAPSHOT)?;
-        let socket = dir.join("agent.sock");
+        let socket = dir.path().join(SOCKET_FILE);
         let listener = UnixListener::bind(&socket)?;
         let (outbox, jobs) = std::sync::mpsc::channel();
         let shared = Arc::new(Shared {
@@ -159,7 +162,7 @@ impl SnapStore {
     /// What every worker's environment gets: the socket, and the package on `PYTHONPATH` (after
     /// what the agent's environment has there).
     pub fn worker_env(&self, agent_env: &BTreeMap<String, String>) -> Vec<(&'static str, String)> {
-        let py = self.dir.join("python").to_string_lossy().into_owned();
+        let py = self.dir.path().join("python").to_string_lossy().into_owned();
         let path = match agent_env.get("PYTHONPATH").filter(|p| !p.is_empty()) {
             Some(p) => format!("{p}:{py}"),
             None => py,
@@ -300,12 +303,6 @@ impl SnapStore {
     /// The workers are stopped: nothing is saved until the next round begins.
     pub fn end_round(&self) {
         self.shared.lock().round = None;
-    }
-}
-
-impl Drop for SnapStore {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 

@@ -151,7 +151,7 @@ pub struct WarmPool {
     program: WarmProgram,
     containment: Arc<Containment>,
     /// Holds the bootstrap file; removed with the pool.
-    dir: PathBuf,
+    dir: crate::rundir::RunDir,
     ready: Mutex<BTreeMap<u32, Warm>>,
 }
 
@@ -165,12 +165,8 @@ impl WarmPool {
             );
             return None;
         };
-        let dir =
-            std::env::temp_dir().join(format!("rlaunch-warm-{}-{:08x}", std::process::id(), crate::random::rand_u32()));
-        let dir = std::os::unix::fs::DirBuilderExt::mode(&mut std::fs::DirBuilder::new(), 0o700)
-            .create(&dir)
-            .and_then(|()| std::fs::write(dir.join(BOOTSTRAP_FILE), BOOTSTRAP))
-            .map(|()| dir);
+        let dir = crate::rundir::RunDir::create("rlaunch-warm", 0)
+            .and_then(|dir| std::fs::write(dir.path().join(BOOTSTRAP_FILE), BOOTSTRAP).map(|()| dir));
         match dir {
             Ok(dir) => Some(WarmPool { program, containment, dir, ready: Mutex::new(BTreeMap::new()) }),
             Err(e) => {
@@ -181,7 +177,7 @@ impl WarmPool {
     }
 
     fn bootstrap(&self) -> PathBuf {
-        self.dir.join(BOOTSTRAP_FILE)
+        self.dir.path().join(BOOTSTRAP_FILE)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<u32, Warm>> {
@@ -345,7 +341,6 @@ impl Drop for WarmPool {
             self.containment.watch_group(pid, false);
             forget(pid);
         }
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 

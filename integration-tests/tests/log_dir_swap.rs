@@ -206,3 +206,72 @@ fn a_non_root_agent_takes_a_group_or_world_writable_log_dir() {
         assert!(stdout_of(&o).contains("ran as 65534"), "{}", stdout_of(&o));
     }
 }
+
+/// A `$TMPDIR` another user may write (a per-user one kept by `sudo -E`, one a scheduler set):
+/// a root agent makes none of its runtime directories there (the Python package put first on
+/// the workers' `PYTHONPATH`, the snapshot socket, the warm bootstrap, the default logs), so
+/// nothing planted or swapped there runs, and the job runs its own program.
+#[test]
+fn a_tmpdir_others_may_write_holds_nothing_a_root_agent_runs() {
+    use std::os::unix::fs::PermissionsExt;
+    assert_root();
+    let dir = tempdir();
+    let hostile = dir.path().join("tmp");
+    std::fs::create_dir(&hostile).unwrap();
+    std::fs::set_permissions(&hostile, std::fs::Permissions::from_mode(0o777)).unwrap();
+    // What the other user would plant there, were anything imported from it.
+    let planted = hostile.join("planted");
+    std::fs::create_dir_all(planted.join("rlaunch")).unwrap();
+    std::fs::write(planted.join("rlaunch/__init__.py"), "raise SystemExit(0)\n").unwrap();
+    let python = integration_tests::venv_python();
+    let program = dir.path().join("train.py");
+    std::fs::write(
+        &program,
+        "import os, rlaunch\nprint('program ran', os.path.dirname(rlaunch.__file__), flush=True)\n",
+    )
+    .unwrap();
+    let o = run_deadline(
+        rlaunch()
+            .env("TMPDIR", &hostile)
+            .args(["--standalone", "--nproc-per-node", "1", "--warm-workers", "on", "--no-python"])
+            .arg(&python)
+            .arg(&program),
+        DEADLINE,
+    );
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    let out = stdout_of(&o);
+    assert!(out.contains("program ran"), "the program itself ran: {out}");
+    assert!(!out.contains(&hostile.display().to_string()), "rlaunch came from the hostile $TMPDIR: {out}");
+    let made: Vec<String> = std::fs::read_dir(&hostile)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("rlaunch"))
+        .collect();
+    assert!(made.is_empty(), "runtime directories made in the hostile $TMPDIR: {made:?}");
+    assert!(stderr_of(&o).contains("another user could swap them"), "the agent says why: {}", stderr_of(&o));
+}
+
+/// A `$TMPDIR` so long that the snapshot socket's path would pass the Unix limit: the store
+/// starts in `/tmp` instead, and `import rlaunch` works in the workers.
+#[test]
+fn a_tmpdir_too_long_for_the_socket_still_gives_workers_snapshots() {
+    let dir = tempdir();
+    let long = dir.path().join("d".repeat(100));
+    std::fs::create_dir(&long).unwrap();
+    let program = dir.path().join("train.py");
+    std::fs::write(
+        &program,
+        "import os, rlaunch\nprint('socket', bool(os.environ.get('RLAUNCH_SNAPSHOT')), rlaunch.snapshot.save(1, {'x': 1}), flush=True)\n",
+    )
+    .unwrap();
+    let o = run_deadline(
+        rlaunch()
+            .env("TMPDIR", &long)
+            .args(["--standalone", "--nproc-per-node", "1", "--warm-workers", "off", "--no-python"])
+            .arg(integration_tests::venv_python())
+            .arg(&program),
+        DEADLINE,
+    );
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    assert!(stdout_of(&o).contains("socket True True"), "{}\n{}", stdout_of(&o), stderr_of(&o));
+}
