@@ -13,7 +13,7 @@ use tokio::task::{JoinHandle, JoinSet};
 use tracing::{info, warn};
 
 use rlaunch::contract::{Host, HostPort, NodeInfo};
-use rlaunch_rendezvous::api::{serve as serve_api, AppState};
+use rlaunch_rendezvous::api::{serve_with, AppState, ServeLimits};
 use rlaunch_rendezvous::detector::{ProbeReport, ProbeRequest};
 use rlaunch_rendezvous::{Backend, Beat, HeartbeatAnswer, RdzvError, Rendezvous, RendezvousClient};
 
@@ -303,8 +303,16 @@ async fn backend(d: &DynamicRendezvous, join_timeout: Duration) -> Result<(Backe
                     info!(%addr, "no rendezvous server answered; this agent hosts one (memory store)");
                     let rdzv = Rendezvous::in_memory();
                     let state = AppState::new(rdzv.clone(), d.token.clone());
+                    // Its connections within this process's open files, as the workers' store's
+                    // and the probe store's are: idle connections against one never take the
+                    // descriptors the agent needs for its own work (the next round's store,
+                    // workers' pipes, logs).
+                    let limits = ServeLimits {
+                        max_connections: rlaunch::store::default_max_connections(),
+                        ..ServeLimits::default()
+                    };
                     let task = tokio::spawn(async move {
-                        if let Err(e) = serve_api(listener, state, std::future::pending()).await {
+                        if let Err(e) = serve_with(listener, state, limits, std::future::pending()).await {
                             warn!(error = %e, "agent-hosted rendezvous server stopped");
                         }
                     });

@@ -93,3 +93,74 @@ i=0; while [ ! -e {done} ]; do sleep 0.1; i=$((i+1)); [ $i -gt 1200 ] && exit 7;
     assert!(status.success(), "{status:?}: {log_text}");
     assert!(!log_text.contains("cannot serve"), "{log_text}");
 }
+
+/// Under `ulimit -n 1024`, 1,100 idle connections to the rendezvous the agent hosts and 1,100
+/// to its workers' store while its first attempt fails: the agent keeps descriptors for its own
+/// work (the next attempt's store, the workers' pipes and logs), restarts, and the job succeeds.
+#[test]
+fn an_agent_under_ulimit_1024_restarts_its_job_through_2200_idle_connections() {
+    const EACH: usize = 1_100;
+    let dir = tempdir();
+    let (addr_file, go) = (dir.path().join("addr"), dir.path().join("go"));
+    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port").port();
+    // Attempt 0 publishes its store's port, waits to be let go (at most 120 s), and fails;
+    // attempt 1 succeeds.
+    let worker = format!(
+        r#"if [ "$TORCHELASTIC_RESTART_COUNT" = 0 ]; then
+echo "$MASTER_PORT" > {d}/addr.tmp && mv {d}/addr.tmp {d}/addr
+i=0; while [ ! -e {go} ]; do sleep 0.1; i=$((i+1)); [ $i -gt 1200 ] && exit 7; done; exit 3; fi
+echo second attempt ran"#,
+        d = dir.path().display(),
+        go = go.display()
+    );
+    let script = format!("ulimit -n 1024 && exec {} \"$@\"", bin("rlaunch").display());
+    let log = dir.path().join("agent.log");
+    let out = dir.path().join("agent.out");
+    let endpoint = format!("127.0.0.1:{port}");
+    let mut agent = Command::new("/bin/sh")
+        .args(["-c", &script, "sh", "--nnodes", "1", "--nproc-per-node", "1", "--max-restarts", "1"])
+        .args(["--rdzv-endpoint", &endpoint, "--rdzv-id", "fds", "/bin/sh", "-c", &worker])
+        .env("RLAUNCH_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .expect("spawn rlaunch");
+    let finish = |agent: &mut std::process::Child| {
+        let _ = std::fs::write(&go, "");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(status) = agent.try_wait().unwrap() {
+                return status;
+            }
+            if Instant::now() > deadline {
+                let _ = agent.kill();
+                let _ = agent.wait();
+                panic!("rlaunch did not end within 60 s of its worker's release: {}", read(&log));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    wait_until("the first attempt published the store's port", Duration::from_secs(60), || {
+        !read(&addr_file).trim().is_empty()
+    });
+    let store = format!("127.0.0.1:{}", read(&addr_file).trim());
+    let mut idle = Vec::with_capacity(2 * EACH);
+    for target in [&endpoint, &store] {
+        for _ in 0..EACH {
+            match TcpStream::connect_timeout(&target.parse().unwrap(), Duration::from_secs(5)) {
+                Ok(s) => idle.push(s),
+                // A full listen queue refusing more is the server's right; the agent must live.
+                Err(_) => break,
+            }
+        }
+    }
+    // Let the agent see them all, then fail the first attempt with them held.
+    std::thread::sleep(Duration::from_secs(2));
+    let status = finish(&mut agent);
+    drop(idle);
+    let log_text = read(&log);
+    assert!(status.success(), "{status:?}: {log_text}");
+    assert!(read(&out).contains("second attempt ran"), "{}\n{log_text}", read(&out));
+    assert!(!log_text.contains("Too many open files"), "{log_text}");
+}

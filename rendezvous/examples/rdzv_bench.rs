@@ -4,7 +4,7 @@
 //! given); also the bytes of each agent's answer and the service's memory.
 //!
 //! `cargo build --release -p rlaunch-launcher --bins && cargo build --release -p rlaunch-rendezvous --examples &&
-//!  target/release/examples/rdzv_bench --agents 100,1000,3000,10000 [--etcd URL [--no-memory]]`
+//!  target/release/examples/rdzv_bench --agents 100,1000,3000,10000 [--etcd URL [--no-memory]] [--snapshots]`
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -91,16 +91,20 @@ struct Run {
     rss_mib: f64,
 }
 
-async fn one(service: &Service, n: u32, run_id: &str) -> Result<Run> {
+async fn one(service: &Service, n: u32, run_id: &str, snapshots: bool) -> Result<Run> {
     let backend = Backend::Http { endpoints: vec![service.endpoint.clone()], token: None };
-    let client = RendezvousClient::connect(backend, run_id, settings(n)).await.context("client")?;
+    // With snapshots, each agent joins with its snapshot address and public key and asks for
+    // the whole member list, as an agent with `--snapshot-memory` above 0 does.
+    let client =
+        RendezvousClient::connect(backend, run_id, settings(n)).await.context("client")?.asking_members(snapshots);
     let node = |i: u32| NodeInfo {
         node_id: format!("agent-{i:05}"),
         local_world_size: 8,
         store_addr: format!("10.0.{}.{}:29500", i / 250, i % 250 + 1).parse().expect("a valid address"),
         probe_addr: None,
-        snapshot_addr: None,
-        snapshot_key: None,
+        snapshot_addr: snapshots
+            .then(|| format!("10.0.{}.{}:29600", i / 250, i % 250 + 1).parse().expect("a valid address")),
+        snapshot_key: snapshots.then(|| format!("{:064x}", u128::from(i) * 0x9e37_79b9_7f4a_7c15)),
         snapshots: Vec::new(),
         fingerprint: None,
     };
@@ -159,6 +163,7 @@ async fn main() -> Result<()> {
     let mut agents = vec![100u32, 1000, 3000, 10000];
     let mut etcd: Option<String> = None;
     let mut memory = true;
+    let mut snapshots = false;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -168,6 +173,8 @@ async fn main() -> Result<()> {
             "--etcd" => etcd = Some(args.next().context("--etcd URL")?),
             // Only the etcd store (with --etcd).
             "--no-memory" => memory = false,
+            // Agents with snapshots: keys in every join, the member list in every answer.
+            "--snapshots" => snapshots = true,
             other => bail!("unknown argument {other}"),
         }
     }
@@ -183,7 +190,7 @@ async fn main() -> Result<()> {
         for &n in &agents {
             // A fresh service per size: its memory is this job's alone.
             let service = Service::start(url)?;
-            let run = one(&service, n, &format!("bench-{name}-{n}-{stamp}")).await?;
+            let run = one(&service, n, &format!("bench-{name}-{n}-{stamp}"), snapshots).await?;
             println!(
                 "{name}\t{n}\t{:.1}\t{:.1}\t{}\t{:.1}",
                 run.took.as_secs_f64() * 1e3,
