@@ -197,9 +197,10 @@ pub fn py_spy_candidates(
     out
 }
 
-/// Whether the agent (effective uid `euid`) may run `candidate`: resolved, it and its directory
-/// are owned by root or by `euid` and writable by no one else (a directory others may write but
-/// not rename in, sticky, is fine). Returns the resolved path, which is what runs.
+/// Whether the agent (effective uid `euid`) may run `candidate`: resolved, it and every
+/// directory above it (as given and resolved) are owned by root or by `euid` and writable by no
+/// one else (a directory others may write but not rename in, sticky, is fine). Returns the
+/// resolved path, which is what runs: no one else can swap any directory on the way to it.
 pub fn trusted(candidate: &Path, euid: u32) -> Result<PathBuf, String> {
     use std::os::unix::fs::MetadataExt;
     let real = std::fs::canonicalize(candidate).map_err(|e| format!("cannot resolve: {e}"))?;
@@ -212,6 +213,9 @@ pub fn trusted(candidate: &Path, euid: u32) -> Result<PathBuf, String> {
         if m.mode() & 0o022 != 0 && !(sticky_ok && m.mode() & 0o1000 != 0) {
             return Err(format!("{what} is writable by others (mode {:o})", m.mode() & 0o7777));
         }
+    }
+    if let Some(why) = crate::rundir::untrusted(dir, euid) {
+        return Err(format!("a directory above it: {why}"));
     }
     Ok(real)
 }
@@ -419,6 +423,12 @@ mod tests {
         executable(&open_dir, 0o755);
         std::fs::set_permissions(open_dir.parent().unwrap(), std::fs::Permissions::from_mode(0o777)).unwrap();
         assert!(trusted(&open_dir, me).unwrap_err().contains("its directory"));
+        // A directory further up that others may rename entries of: refused too.
+        let above = dir.path().join("above");
+        let deep = above.join("bin/py-spy");
+        executable(&deep, 0o755);
+        std::fs::set_permissions(&above, std::fs::Permissions::from_mode(0o777)).unwrap();
+        assert!(trusted(&deep, me).unwrap_err().contains("a directory above it"), "{:?}", trusted(&deep, me));
         // A link to a writable file is judged by the file.
         let link = dir.path().join("good/link");
         std::os::unix::fs::symlink(&writable, &link).unwrap();

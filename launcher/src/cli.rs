@@ -461,7 +461,8 @@ fn is_python_source(program: &Path) -> bool {
 
 /// The Python interpreter for `*.py` programs and `-m`, and why: `PYTHON_EXEC` (torchrun's),
 /// `RLAUNCH_PYTHON`, the active virtualenv's or conda env's, the one beside rlaunch itself (a
-/// pip-installed rlaunch in a venv), else `python3` from PATH.
+/// pip-installed rlaunch in a venv), else `python3` from PATH's absolute entries (never a
+/// relative one), resolved here once.
 pub fn python_interpreter(env: &dyn Fn(&str) -> Option<String>, own_exe: Option<PathBuf>) -> (OsString, String) {
     for var in ["PYTHON_EXEC", "RLAUNCH_PYTHON"] {
         if let Some(p) = env(var).filter(|p| !p.is_empty()) {
@@ -479,7 +480,15 @@ pub fn python_interpreter(env: &dyn Fn(&str) -> Option<String>, own_exe: Option<
     if let Some(p) = own_exe.and_then(|e| e.parent().map(|d| d.join("python"))).filter(|p| p.is_file()) {
         return (p.into_os_string(), "beside rlaunch".to_owned());
     }
-    ("python3".into(), "python3 from PATH".to_owned())
+    // Only PATH's absolute entries: a relative one (`.`, `bin`) names whatever directory the
+    // agent happens to run in, which may be another user's.
+    let path = env("PATH").unwrap_or_default();
+    let found =
+        std::env::split_paths(&path).filter(|d| d.is_absolute()).map(|d| d.join("python3")).find(|p| p.is_file());
+    match found {
+        Some(p) => (p.into_os_string(), "python3 from PATH".to_owned()),
+        None => ("python3".into(), "python3 from PATH".to_owned()),
+    }
 }
 
 /// A random run id for `--standalone`, a version-4 UUID as torchrun's.
@@ -1019,5 +1028,29 @@ mod tests {
         let given = Args::try_parse_from(["rlaunch", "--rdzv-id", "mine", "x"]).unwrap();
         assert_eq!(given.elastic_run_id(&env(&[("SLURM_JOB_ID", "9")])).unwrap().0, "mine");
         assert_eq!(hide_token("node_ttl=2,token=s3cret"), "node_ttl=2,token=***");
+    }
+}
+
+#[cfg(test)]
+mod interpreter_tests {
+    use super::*;
+
+    #[test]
+    fn python3_is_looked_up_on_paths_absolute_entries_only() {
+        let dir = std::env::temp_dir().join(format!("rlaunch-interpreter-test-{}", std::process::id()));
+        let (rel, abs) = (dir.join("rel"), dir.join("abs"));
+        std::fs::create_dir_all(&dir).unwrap();
+        for d in [&rel, &abs] {
+            std::fs::create_dir(d).unwrap();
+            std::fs::write(d.join("python3"), "#!/bin/sh\n").unwrap();
+        }
+        // A relative entry first (as `.` or `bin` would be): passed over, even where it holds one.
+        let path = format!("rel:{}", abs.display());
+        let env = |k: &str| (k == "PATH").then(|| path.clone());
+        assert_eq!(python_interpreter(&env, None).0, abs.join("python3").into_os_string());
+        // None on an absolute entry: the bare name, which the spawn reports.
+        let only_rel = |k: &str| (k == "PATH").then(|| "rel".to_owned());
+        assert_eq!(python_interpreter(&only_rel, None).0, OsString::from("python3"));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
