@@ -495,7 +495,7 @@ fn reserve(shared: &Shared, step: u64, rank: u32, world: u32, len: u64, reserved
         if round.peers.is_none() && round.ranks.len() < round.world as usize {
             return Err(format!(
                 "{}this round's nodes cannot agree on a step (a static job of several nodes, or a \
-                 rendezvous that hands out no node credentials): snapshots are off",
+                 rendezvous that answers no member list): snapshots are off",
                 holdings::NOT_SNAPSHOTTED
             ));
         }
