@@ -97,7 +97,7 @@ async fn one(service: &Service, n: u32, run_id: &str, snapshots: bool) -> Result
     // the whole member list, as an agent with `--snapshot-memory` above 0 does.
     let client =
         RendezvousClient::connect(backend, run_id, settings(n)).await.context("client")?.asking_members(snapshots);
-    let node = |i: u32| NodeInfo {
+    let node = move |i: u32| NodeInfo {
         node_id: format!("agent-{i:05}"),
         local_world_size: 8,
         store_addr: format!("10.0.{}.{}:29500", i / 250, i % 250 + 1).parse().expect("a valid address"),
