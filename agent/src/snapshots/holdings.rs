@@ -277,6 +277,20 @@ mod tests {
     }
 
     #[test]
+    fn buffers_still_being_sent_after_they_were_freed_count_against_the_cap() {
+        // A slow buddy: two freed parts of 100 bytes each still being copied out.
+        let mut h = Holdings::new(300);
+        h.begin_round(1, None);
+        h.outside = 200;
+        h.reserve(key(1, 1, 0), 1, 100, &(0..1)).unwrap();
+        let e = h.reserve(key(1, 2, 0), 1, 100, &(0..1)).unwrap_err();
+        assert!(e.contains("does not fit"), "{e}");
+        // Once the copies let go, the room is there again.
+        h.outside = 0;
+        h.reserve(key(1, 2, 0), 1, 100, &(0..1)).unwrap();
+    }
+
+    #[test]
     fn a_new_round_lets_go_of_steps_after_its_base_and_of_other_rounds() {
         let mut h = Holdings::new(1000);
         h.begin_round(1, None);
