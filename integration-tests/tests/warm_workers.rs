@@ -4,7 +4,8 @@
 //! dispositions and mask, descriptors, process group); a program that moves `sys.path` and its
 //! directory at import and imports its own modules runs as cold; a warm interpreter killed
 //! before use leaves its rank to start cold; none is left when the job ends, or when the agent
-//! is killed; a program that is not Python starts none.
+//! is killed; a program that is not Python starts none; files beside the program named like the
+//! bootstrap's own modules (`ast.py`, `json.py`) neither break it nor stop being the program's.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -149,6 +150,49 @@ fn a_module_run_warm_is_a_module_run_cold() {
         assert!(w["argv"][0].as_str().unwrap().ends_with("warmpkg/probe.py"), "{}", w["argv"]);
         assert_eq!(w["main_spec"], "'warmpkg.probe'");
     }
+}
+
+#[test]
+fn a_program_s_own_ast_json_and_select_beside_it_run_warm_as_they_run_cold() {
+    // Files named like modules the bootstrap itself uses, beside the program, and an installed
+    // module imported ahead that imports json: warm, the job runs (the bootstrap's own imports
+    // come from the library), and the program and that module get the program's own files, as
+    // a cold start's do (its directory first on sys.path).
+    let dir = tempdir();
+    let prog = dir.path().join("prog");
+    let site = dir.path().join("site-packages");
+    std::fs::create_dir(&prog).unwrap();
+    std::fs::create_dir(&site).unwrap();
+    for m in ["ast", "json", "select"] {
+        std::fs::write(prog.join(format!("{m}.py")), format!("WHERE = 'own {m}'\n")).unwrap();
+    }
+    std::fs::write(site.join("uses_json.py"), "import json\nWHERE = getattr(json, 'WHERE', json.__file__)\n").unwrap();
+    std::fs::write(
+        prog.join("train.py"),
+        "import uses_json\nimport ast, json, os, select\n\
+         warm = b'rlaunch_warm.py' in open('/proc/self/cmdline', 'rb').read()\n\
+         with open(os.path.join(os.environ['PROBE_DIR'], 'rank%s.txt' % os.environ['RANK']), 'w') as f:\n\
+         \x20   f.write(f'warm={warm} imported_ahead={uses_json.WHERE} ast={ast.WHERE} json={json.WHERE} select={select.WHERE}')\n",
+    )
+    .unwrap();
+    let run = |warm: &str| -> Vec<String> {
+        let probes = tempdir();
+        let mut r = std::process::Command::new(bin("rlaunch"));
+        r.args(["--standalone", "--nproc-per-node", "2", "--warm-workers", warm]).arg(prog.join("train.py"));
+        let mut r = clean(r, probes.path());
+        r.env("PYTHONPATH", &site);
+        let o = run_deadline(&mut r, DEADLINE);
+        assert!(o.status.success(), "--warm-workers {warm}: {}\n{}", stdout_of(&o), stderr_of(&o));
+        (0..2)
+            .map(|rank| {
+                let p = probes.path().join(format!("rank{rank}.txt"));
+                std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+            })
+            .collect()
+    };
+    let own = "imported_ahead=own json ast=own ast json=own json select=own select";
+    assert_eq!(run("off"), vec![format!("warm=False {own}"); 2], "cold");
+    assert_eq!(run("on"), vec![format!("warm=True {own}"); 2], "warm, as cold");
 }
 
 /// Warm interpreters this agent started that wait (their bootstrap lies in

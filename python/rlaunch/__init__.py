@@ -4,7 +4,9 @@
     rlaunch.snapshot.save(step, {"model": model.state_dict(), "optim": opt.state_dict()})
     got = rlaunch.snapshot.load()      # (step, state) or None
 
-Outside rlaunch both do nothing (and say so once), so one program runs both ways.
+Outside rlaunch both do nothing (and say so once), so one program runs both ways. ``load`` runs
+no code from the saved bytes: tensors, numpy arrays, plain containers and scalars load as they
+are; any other class only when named, ``load(allow=[MyClass])`` (see ``rlaunch.snapshot``).
 """
 
 from . import snapshot  # noqa: F401

@@ -13,8 +13,22 @@ the saved world did not have gets ``(step, None)``.
 
 Outside rlaunch (``RLAUNCH_SNAPSHOT`` unset) ``save`` returns False and ``load`` None, after one
 line on stderr.
+
+``load`` runs no code from the part's bytes (whoever can write a part must not run code in every
+rank that loads it): it builds what ``torch.load(weights_only=True)`` builds. Tensors, numpy
+arrays and numpy scalars travel as raw bytes; the structure may hold dict, list, tuple, set,
+frozenset, ``collections.OrderedDict`` and ``Counter``, int, float, complex, bool, None, str,
+bytes, bytearray, ``torch.Size``, ``torch.device``, torch's dtypes, layouts and qschemes. Any
+other class or function the structure names is refused (``GlobalNotAllowed``, naming it, before
+anything of it runs) unless the program allows it by name: ``load(allow=[MyClass])``,
+``load(allow=["mymodule.MyClass"])``, or ``torch.serialization.add_safe_globals([MyClass])``,
+which ``load`` honours as ``torch.load`` does. Globals of ``sys``, ``os``, ``posix`` and ``nt`` are
+never allowed (as in torch).
 """
 
+import codecs
+import collections
+import importlib
 import io
 import json
 import mmap
@@ -28,6 +42,8 @@ import threading
 SOCKET_ENV = "RLAUNCH_SNAPSHOT"
 _MAGIC = b"RLSNAPPY"
 _ALIGN = 64
+# Numpy scalars saved as their bytes: booleans, numbers, dates and durations, bytes and text.
+_RAW_SCALAR_KINDS = "biufcmMSU"
 
 _lock = threading.Lock()
 _conn = None
@@ -40,7 +56,16 @@ _MAX_MAPS = 4
 
 
 class SnapshotError(RuntimeError):
-    """The agent refused a save or load, or could not be reached."""
+    """The agent refused a save or load, or could not be reached, or a part cannot be read."""
+
+
+class GlobalNotAllowed(SnapshotError):
+    """A part's structure names a class or function (``name``, as ``module.qualname``) that
+    ``load`` does not allow: nothing of it was run."""
+
+    def __init__(self, message, name):
+        super().__init__(message)
+        self.name = name
 
 
 class _Full(Exception):
@@ -164,10 +189,16 @@ class _Pickler(pickle.Pickler):
             nbytes = flat.numel() * flat.element_size()
             return ("t", self._place(None, nbytes, flat),
                     str(t.dtype).split(".")[-1], tuple(t.shape), nbytes)
-        if np is not None and isinstance(obj, np.ndarray) and obj.dtype != object:
+        if np is not None and isinstance(obj, np.ndarray) and not obj.dtype.hasobject:
             a = np.ascontiguousarray(obj)
             return ("n", self._place(a.reshape(-1).view(np.uint8) if a.nbytes else None, a.nbytes, a),
                     a.dtype.str, tuple(a.shape), a.nbytes)
+        if (np is not None and isinstance(obj, np.generic) and obj.dtype.kind in _RAW_SCALAR_KINDS
+                and obj.dtype.itemsize):
+            # A numpy scalar (np.float32(0.5), often in a state) as its bytes: pickled, it would
+            # name numpy's reconstruction functions, which load does not run by default.
+            a = np.array(obj).reshape(1)
+            return ("g", self._place(a.view(np.uint8), a.nbytes, a), a.dtype.str, (), a.nbytes)
         return None
 
     def _place(self, data, nbytes, keep):
@@ -262,34 +293,190 @@ def _copy_into(mm, at, arr, nbytes, keep):
     del dst
 
 
+# What a part's structure may name without the program's leave: the globals torch.load
+# (weights_only=True) allows, of those Python's pickle writes for the plain values save keeps in
+# the structure (tensors, arrays and numpy scalars are raw bytes, never pickled).
+_PLAIN_GLOBALS = {
+    "collections.OrderedDict": collections.OrderedDict,
+    "collections.Counter": collections.Counter,
+    "builtins.set": set,
+    "builtins.frozenset": frozenset,
+    "builtins.complex": complex,
+    "builtins.bytearray": bytearray,
+    "_codecs.encode": codecs.encode,  # bytes, as pickle protocol 2 writes them
+}
+# Never allowed, whatever the program allows (as torch.load's weights_only).
+_NEVER = ("sys", "os", "posix", "nt")
+
+
+def _torch_global(module, name):
+    """torch's own value types that torch.load allows: dtypes, qschemes, Size, device, and the
+    layouts (by their name). None for anything else."""
+    if module != "torch" and (module, name) != ("torch.serialization", "_get_layout"):
+        return None
+    try:
+        import torch
+    except ImportError:
+        return None
+    if module == "torch.serialization":
+        return torch.serialization._get_layout
+    if name in ("Size", "device"):
+        return getattr(torch, name)
+    obj = vars(torch).get(name)  # vars: never torch's lazy-import __getattr__
+    return obj if isinstance(obj, (torch.dtype, torch.qscheme)) else None
+
+
+def _never(full):
+    return full.partition(".")[0] in _NEVER
+
+
+def _allowed(allow):
+    """``allow`` (and torch's safe globals, when torch is imported) as {"module.qualname": object}.
+    Names are resolved here, once, by the program's own imports: what a part's structure names is
+    only ever looked up in this table, never imported or traversed."""
+    if allow is None:
+        allow = ()
+    if isinstance(allow, (str, bytes)) or not hasattr(allow, "__iter__"):
+        raise TypeError("allow is a list of classes, functions or their 'module.qualname' names, "
+                        f"not {allow!r}")
+    table = {}
+
+    def add(obj, *names):
+        for n in names:
+            table[n] = obj
+
+    def canonical(obj):
+        module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+        return f"{module}.{qualname}" if module and qualname else None
+
+    for entry in allow:
+        if isinstance(entry, str):
+            obj = _resolve(entry)
+            names = [entry, canonical(obj)]
+        elif isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[1], str):
+            obj, names = entry[0], [entry[1]]
+        elif canonical(entry) is not None:
+            obj, names = entry, [canonical(entry)]
+        else:
+            raise TypeError(f"allow: {entry!r} is neither a class or function nor a 'module.qualname' name")
+        for n in names:
+            if n and _never(n):
+                raise ValueError(f"allow: `{n}` is never allowed: load refuses every global of "
+                                 f"{', '.join(_NEVER)}")
+        add(obj, *(n for n in names if n))
+    torch = sys.modules.get("torch")
+    get_safe = getattr(getattr(torch, "serialization", None), "get_safe_globals", None)
+    if get_safe is not None:
+        for entry in get_safe():
+            if isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[1], str):
+                obj, name = entry
+            else:
+                obj, name = entry, canonical(entry)
+            if name and not _never(name):
+                table.setdefault(name, obj)
+    return table
+
+
+def _resolve(name):
+    """The object a ``module.qualname`` name names, imported as the program would import it."""
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[cut:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            continue
+        return obj
+    raise ValueError(f"allow: `{name}` names nothing importable (give 'module.qualname', or the object)")
+
+
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file, mm, start):
+    """The structure of a part, built by the rules of torch.load(weights_only=True): every class
+    or function it names comes from the table of allowed ones (find_class is the one way a pickle
+    reaches a callable: REDUCE, NEWOBJ and BUILD only act on what it answered), and its
+    persistent ids are checked before they address the part's bytes."""
+
+    def __init__(self, file, mm, start, allowed):
         super().__init__(file)
         self.mm = mm
         self.start = start
+        self.allowed = allowed
+
+    def find_class(self, module, name):
+        full = f"{module}.{name}"
+        if _never(full):
+            raise GlobalNotAllowed(full, full)
+        obj = _PLAIN_GLOBALS.get(full)
+        if obj is None and module.startswith("torch"):
+            obj = _torch_global(module, name)
+        if obj is None:
+            obj = self.allowed.get(full)
+        if obj is None:
+            raise GlobalNotAllowed(full, full)
+        return obj
 
     def persistent_load(self, pid):
+        if type(pid) is not tuple or len(pid) != 5:
+            raise SnapshotError(f"an array reference that is not one: {pid!r}")
         kind, at, dtype, shape, nbytes = pid
+        if (kind not in ("t", "n", "g") or type(at) is not int or type(nbytes) is not int or at < 0
+                or nbytes < 0 or type(dtype) is not str or type(shape) is not tuple
+                or any(type(d) is not int or d < 0 for d in shape)):
+            raise SnapshotError(f"an array reference that is not one: {pid!r}")
         off = self.start + at
         if off + nbytes > len(self.mm):
             raise SnapshotError("a snapshot part is shorter than its header says")
         if kind == "t":
             import torch
-            dt = getattr(torch, dtype)
+
+            dt = vars(torch).get(dtype)
+            if not isinstance(dt, torch.dtype):
+                raise SnapshotError(f"a tensor of an unknown dtype {dtype!r}")
             if nbytes == 0:
                 return torch.empty(shape, dtype=dt)
             count = nbytes // torch.empty((), dtype=dt).element_size()
             return torch.frombuffer(self.mm, dtype=dt, count=count, offset=off).view(shape)
         import numpy as np
+
         dt = np.dtype(dtype)
+        if dt.hasobject or dt.itemsize == 0 and nbytes:
+            raise SnapshotError(f"an array of dtype {dtype!r}, which raw bytes cannot hold")
+        if kind == "g":
+            if nbytes != dt.itemsize:
+                raise SnapshotError(f"a numpy scalar of {nbytes} bytes for dtype {dtype!r}")
+            return np.frombuffer(self.mm, dtype=dt, count=1, offset=off)[0]
         if nbytes == 0:
             return np.empty(shape, dtype=dt)
         return np.frombuffer(self.mm, dtype=dt, count=nbytes // dt.itemsize, offset=off).reshape(shape)
 
 
-def load(rank=None):
+def _uses_extensions(header):
+    """Whether the structure names a global by copyreg's extension codes: the C unpickler takes
+    those from a process-wide cache, past find_class. Looked for only when a program registered
+    extensions (copyreg.add_extension); otherwise an extension code cannot resolve at all."""
+    import copyreg
+
+    if not (copyreg._inverted_registry or copyreg._extension_cache):
+        return False
+    import pickletools
+
+    return any(op.name.startswith("EXT") for op, _, _ in pickletools.genops(header))
+
+
+def load(rank=None, *, allow=()):
     """``(step, state)`` of the step this round restores, this rank's part (or ``rank``'s), or
-    None when there is none, or outside rlaunch. Every rank of a round gets the same step."""
+    None when there is none, or outside rlaunch. Every rank of a round gets the same step.
+
+    Runs no code from the part: its structure may name only what torch.load(weights_only=True)
+    allows (see the top of this module), the classes and functions in ``allow`` (the objects, or
+    their ``"module.qualname"`` names: allow only what you trust whoever saved the part with), and
+    those given to ``torch.serialization.add_safe_globals``. A part naming anything else raises
+    ``GlobalNotAllowed`` (its ``name`` says what), with nothing of it run."""
+    allowed = _allowed(allow)
     with _lock:
         s = _connection()
         if s is None:
@@ -310,9 +497,26 @@ def load(rank=None):
             mm = mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
+    step = answer["step"]
+    part = f"rank {rank}'s part of step {step}"
     if mm[:8] != _MAGIC:
-        raise SnapshotError(f"rank {rank}'s part of step {answer['step']} is not a Python snapshot")
+        raise SnapshotError(f"{part} is not a Python snapshot")
     (hlen,) = struct.unpack("<Q", mm[8:16])
     header = mm[16:16 + hlen]
-    state = _Unpickler(io.BytesIO(header), mm, _align(16 + hlen)).load()
-    return answer["step"], state
+    try:
+        if _uses_extensions(header):
+            raise GlobalNotAllowed("copyreg extension codes", "copyreg extension codes")
+        state = _Unpickler(io.BytesIO(header), mm, _align(16 + hlen), allowed).load()
+    except GlobalNotAllowed as e:
+        if _never(e.name):
+            why = f"which load never allows (no global of {', '.join(_NEVER)} is)"
+        else:
+            why = ("which load does not allow. By default a part may hold tensors, numpy arrays "
+                   "and scalars, plain containers and Python scalars; if you trust whoever saved "
+                   f"it, allow more by name: load(allow=[{e.name!r}])")
+        raise GlobalNotAllowed(f"{part} needs `{e.name}`, {why}; nothing of it was run", e.name) from None
+    except SnapshotError as e:
+        raise SnapshotError(f"{part} cannot be read: {e}") from e
+    except Exception as e:
+        raise SnapshotError(f"{part} cannot be read: {type(e).__name__}: {e}") from e
+    return step, state

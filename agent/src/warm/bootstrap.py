@@ -22,10 +22,44 @@
 #   looked one of them up, the interpreter starts again cold, in this same process (exec), so
 #   nothing imported with the wrong rank is ever used.
 #
+# The bootstrap's own modules (ast, json, select, runpy, ...) are imported first, before the
+# program's directory goes first on sys.path and without PYTHONPATH: from the interpreter's
+# library, so that a file of the program's with the same name (an `ast.py` beside `train.py`)
+# cannot break the bootstrap. Those of them that a cold start would import from a file (all but
+# the built-in and frozen ones) are then forgotten from sys.modules, with their packages, before
+# anything is imported for the program: the program, and the imports made ahead for it, import
+# them again with the program's directory first, as a cold start does (its own `ast.py`
+# included). What still differs: a built-in or frozen module the bootstrap imported (runpy,
+# importlib.util on 3.11) stays imported, as no file can shadow it anyway; and the bootstrap
+# itself goes on with the library's modules it holds.
+#
 # argv: bootstrap.py FD KIND TARGET (KIND: script or module).
 
 import os
 import sys
+
+_AT_START = frozenset(sys.modules)
+_path = sys.path[:]
+_pythonpath = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+# Without sys.path[0] (this file's directory; with -P it is not there) and PYTHONPATH's entries:
+# the interpreter's library first.
+sys.path[:] = [
+    p for i, p in enumerate(_path) if not (i == 0 and not getattr(sys.flags, "safe_path", False))
+    and os.path.abspath(p or ".") not in _pythonpath
+]
+import ast  # noqa: E402
+import builtins  # noqa: E402
+import importlib  # noqa: E402
+import importlib.machinery  # noqa: E402
+import json  # noqa: E402
+import runpy  # noqa: E402
+import select  # noqa: E402
+import signal  # noqa: E402
+
+sys.path[:] = _path
+del _path, _pythonpath
+_OWN_IMPORTS = frozenset(sys.modules) - _AT_START
+_PathFinder = importlib.machinery.PathFinder
 
 # Variables the warm interpreter was started with that an order may give otherwise (the node's
 # ranks moved in the new round). Read while the imports were made ahead (looked up through
@@ -92,18 +126,16 @@ def _module_file(name, first, as_main=False):
     """The file of module `name` (a package's `__init__.py`, or with `as_main` its
     `__main__.py`, as `-m` runs it), found without running any of its packages' code
     (importlib.util.find_spec would import the parents)."""
-    from importlib.machinery import PathFinder
-
     path = [first] + sys.path[1:]
     spec = None
     try:
         for part in name.split("."):
-            spec = PathFinder.find_spec(part, path)
+            spec = _PathFinder.find_spec(part, path)
             if spec is None:
                 return None
             path = list(spec.submodule_search_locations or [])
         if as_main and spec.submodule_search_locations:
-            main = PathFinder.find_spec("__main__", list(spec.submodule_search_locations))
+            main = _PathFinder.find_spec("__main__", list(spec.submodule_search_locations))
             return main.origin if main else None
     except (ImportError, ValueError):
         return None
@@ -113,8 +145,6 @@ def _module_file(name, first, as_main=False):
 def _leading_imports(path):
     """The absolute module names of the import statements `path` begins with (after its
     docstring), up to its first other statement."""
-    import ast
-
     try:
         with open(path, "rb") as f:
             tree = ast.parse(f.read(), filename=path)
@@ -144,17 +174,13 @@ def _warm_up(own_dir, program_file, fd):
     """Imports, ahead, what the program's leading imports name from installed distributions
     (see the top of this file). Stops as soon as the order comes. Any failure is the program's
     to meet, later, as it would cold."""
-    from importlib.machinery import PathFinder
-    import importlib
-    import select
-
     own = os.path.realpath(own_dir) + os.sep
     where = {}
 
     def origin(top):
         if top not in where:
             try:
-                spec = PathFinder.find_spec(top, sys.path)
+                spec = _PathFinder.find_spec(top, sys.path)
             except (ImportError, ValueError):
                 spec = None
             # Built-in and frozen modules are found by other finders, and cost nothing.
@@ -195,9 +221,21 @@ def _warm_up(own_dir, program_file, fd):
         os.environ.__class__ = plain
 
 
-def _become(message, kind, target, warm_env):
-    import json
+def _forget_own_imports():
+    """Forgets, from sys.modules, the bootstrap's own imports that a cold start would import
+    from files, and every module of their packages (see the top of this file); the bootstrap
+    keeps using the module objects it holds."""
+    def from_a_file(top):
+        spec = getattr(sys.modules.get(top), "__spec__", None)
+        return top in _OWN_IMPORTS and getattr(spec, "has_location", False)
 
+    from_files = {top for top in {name.partition(".")[0] for name in _OWN_IMPORTS} if from_a_file(top)}
+    for name in _OWN_IMPORTS:
+        if name.partition(".")[0] in from_files:
+            sys.modules.pop(name, None)
+
+
+def _become(message, kind, target, warm_env):
     order = json.loads(message)
     argv = [bytes.fromhex(a) for a in order["argv"]]
     at = order["target_index"]
@@ -241,18 +279,13 @@ def _become(message, kind, target, warm_env):
     # this file's names and filled as a cold start fills it. From here only locals are used.
     _sys, _os, _exec, _compile, _open, _isinstance, _getattr = sys, os, exec, compile, open, isinstance, getattr
     _BaseException, _SystemExit, _KeyboardInterrupt = BaseException, SystemExit, KeyboardInterrupt
-    import builtins
-    import importlib.machinery
-
+    _builtins, _signal = builtins, signal
     loader_class = importlib.machinery.SourceFileLoader
-    if kind == "module":
-        import runpy
-
-        run_module = runpy._run_module_as_main
+    run_module = runpy._run_module_as_main
     g = sys.modules["__main__"].__dict__
     g.clear()
     g.update(__name__="__main__", __doc__=None, __package__=None, __loader__=None, __spec__=None)
-    g["__builtins__"] = builtins
+    g["__builtins__"] = _builtins
     if _sys.version_info < (3, 14):
         # Before 3.14's lazy annotations, a script's __main__ starts with an empty dict of them.
         g["__annotations__"] = {}
@@ -284,12 +317,10 @@ def _become(message, kind, target, warm_env):
         tb = e.__traceback__.tb_next if e.__traceback__ is not None else None
         _sys.excepthook(type(e), e.with_traceback(tb), tb)
         if _isinstance(e, _KeyboardInterrupt):
-            import signal
-
             _sys.stdout.flush()
             _sys.stderr.flush()
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            _os.kill(_os.getpid(), signal.SIGINT)
+            _signal.signal(_signal.SIGINT, _signal.SIG_DFL)
+            _os.kill(_os.getpid(), _signal.SIGINT)
         _sys.exit(1)
 
 
@@ -305,7 +336,9 @@ def _main():
     else:
         own_dir = os.path.dirname(os.path.realpath(target))
         program_file = target
-    # Imports resolve as they will for the program: its own directory first.
+    # Imports resolve as they will for the program: its own directory first, and none of the
+    # bootstrap's own modules imported already that the program would import from a file.
+    _forget_own_imports()
     if not safe_path:
         sys.path[0] = own_dir
     if program_file:
