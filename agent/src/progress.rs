@@ -2,11 +2,16 @@
 //! its workers were started, when its ranks loaded the step their snapshots restore, when they
 //! saved a step, and when they saved again the newest step saved here before the round.
 //!
+//! Only this node's own ranks of the round count: a worker may load another rank's part
+//! (`load(rank=k)`, resharding to a new world size) or name any rank, and that rank's part
+//! loaded here says nothing of whether this node's ranks are restored.
+//!
 //! [`RoundProgress`] is pure (instants are milliseconds of a clock the caller passes); the
 //! [`Tracker`] around it is what the driver and the snapshot store share, and wakes the task
 //! that reports to the rendezvous when something new is known.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::ops::Range;
 use std::sync::{Mutex, PoisonError};
 use std::time::Instant;
 
@@ -19,7 +24,8 @@ const STEPS_KEPT: usize = 8;
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct RoundProgress {
     round: Option<u64>,
-    ranks: u32,
+    /// This node's ranks of the round (global ranks): the only ones that count.
+    ranks: Range<u32>,
     started: Option<u64>,
     /// Ranks that asked for their state; when the last did.
     asked: BTreeSet<u32>,
@@ -38,11 +44,11 @@ pub struct RoundProgress {
 }
 
 impl RoundProgress {
-    /// Round `round` started its `ranks` local workers at `now`.
-    pub fn begin(&mut self, round: u64, ranks: u32, now: u64) {
+    /// Round `round` started this node's workers, of global ranks `ranks`, at `now`.
+    pub fn begin(&mut self, round: u64, ranks: Range<u32>, now: u64) {
         *self = RoundProgress {
             round: Some(round),
-            ranks: ranks.max(1),
+            ranks,
             started: Some(now),
             step_before: self.newest,
             newest: self.newest,
@@ -55,13 +61,19 @@ impl RoundProgress {
         self.round = None;
     }
 
-    /// Rank `rank` asked for its part (its program is up). True when it was the last to.
+    /// How many of this node's ranks there are (each must count for a milestone).
+    fn local(&self) -> usize {
+        self.ranks.len().max(1)
+    }
+
+    /// Rank `rank` asked for its part (its program is up). True when it was the last of this
+    /// node's ranks to.
     pub fn asked(&mut self, rank: u32, now: u64) -> bool {
-        if self.round.is_none() || self.ready.is_some() {
+        if self.round.is_none() || self.ready.is_some() || !self.ranks.contains(&rank) {
             return false;
         }
         self.asked.insert(rank);
-        if self.asked.len() < self.ranks as usize {
+        if self.asked.len() < self.local() {
             return false;
         }
         self.ready = Some(now);
@@ -69,11 +81,12 @@ impl RoundProgress {
     }
 
     /// Rank `rank`'s part of `step` was loaded (`None`: nothing to restore). True when it
-    /// completed what this node restores.
+    /// completed what this node restores: a part of a rank not this node's counts for nothing.
     pub fn loaded(&mut self, rank: u32, step: Option<u64>, now: u64) -> bool {
-        let Some(step) = step.filter(|_| self.round.is_some() && self.restored.is_none()) else { return false };
+        let ours = self.round.is_some() && self.restored.is_none() && self.ranks.contains(&rank);
+        let Some(step) = step.filter(|_| ours) else { return false };
         self.loaded.insert(rank, step);
-        if self.loaded.len() < self.ranks as usize {
+        if self.loaded.len() < self.local() {
             return false;
         }
         let oldest = self.loaded.values().copied().min().unwrap_or(step);
@@ -83,12 +96,13 @@ impl RoundProgress {
 
     /// Rank `rank` saved `step`. True when that made something new known.
     pub fn saved(&mut self, rank: u32, step: u64, now: u64) -> bool {
-        if self.round.is_none() {
+        if self.round.is_none() || !self.ranks.contains(&rank) {
             return false;
         }
+        let local = self.local();
         let savers = self.saved.entry(step).or_default();
         savers.insert(rank);
-        let whole = savers.len() >= self.ranks as usize;
+        let whole = savers.len() >= local;
         while self.saved.len() > STEPS_KEPT {
             self.saved.pop_first();
         }
@@ -177,7 +191,8 @@ impl Tracker {
         }
     }
 
-    pub fn begin(&self, round: u64, ranks: u32) {
+    /// Round `round` starts this node's workers, of global ranks `ranks`.
+    pub fn begin(&self, round: u64, ranks: Range<u32>) {
         self.update(|p, now| {
             p.begin(round, ranks, now);
             true
@@ -228,7 +243,7 @@ mod tests {
         let mut p = RoundProgress::default();
         assert_eq!(p.report(0), None, "nothing before a round");
         // Round 1: two ranks save steps 1..=5; rank 1 also saves 6 before the fault.
-        p.begin(1, 2, 100);
+        p.begin(1, 0..2, 100);
         for step in 1..=5 {
             p.saved(0, step, 100 + step * 10);
             p.saved(1, step, 100 + step * 10);
@@ -242,7 +257,7 @@ mod tests {
         assert_eq!(p.report(210), None);
 
         // Round 2 restores step 4 (the last committed everywhere), redoes 5, then goes on.
-        p.begin(2, 2, 1000);
+        p.begin(2, 0..2, 1000);
         assert!(!p.asked(0, 1400) && p.asked(1, 1450) && !p.asked(1, 1460), "ready once, with the last rank");
         assert!(!p.loaded(0, Some(4), 1500), "one of two ranks");
         assert!(p.loaded(1, Some(4), 1600));
@@ -258,9 +273,37 @@ mod tests {
     }
 
     #[test]
+    fn only_this_nodes_own_ranks_count_toward_ready_restored_and_a_whole_step() {
+        // The second node of a round: global ranks 2 and 3. Rank 2 reshards: it loads its own
+        // part, then other nodes' ranks' parts (`load(rank=k)`), before rank 3 asked for anything.
+        let mut p = RoundProgress::default();
+        p.begin(4, 2..4, 0);
+        assert!(!p.asked(2, 10));
+        for k in [0, 1, 4, 7] {
+            assert!(!p.asked(k, 20), "rank {k} asked through rank 2: not this node's ready");
+        }
+        assert!(!p.loaded(2, Some(6), 30));
+        for k in [0, 1, 4, 7] {
+            assert!(!p.loaded(k, Some(6), 40), "rank {k}'s part loaded by rank 2: not a rank restored here");
+        }
+        // Steps saved by ranks of other nodes never make a step whole here.
+        assert!(!p.saved(2, 7, 50) && !p.saved(0, 7, 55) && !p.saved(1, 7, 56));
+        let (_, r) = p.report(60).unwrap();
+        assert_eq!((r.ready_ago_ms, r.restored, r.first_step), (None, None, None), "{r:?}");
+        // Rank 3 itself: now the node is ready, restored and has saved a whole step.
+        assert!(p.asked(3, 70));
+        assert!(p.loaded(3, Some(6), 80));
+        assert!(p.saved(3, 7, 90));
+        let (_, r) = p.report(100).unwrap();
+        assert_eq!(r.ready_ago_ms, Some(30));
+        assert_eq!(r.restored, Some(StepAgo { step: 6, ago_ms: 20 }));
+        assert_eq!(r.first_step, Some(StepAgo { step: 7, ago_ms: 10 }));
+    }
+
+    #[test]
     fn a_spare_has_nothing_before_and_a_partial_step_is_never_whole() {
         let mut p = RoundProgress::default();
-        p.begin(3, 4, 0);
+        p.begin(3, 0..4, 0);
         assert!(!p.loaded(0, None, 5), "nothing restored");
         for rank in 0..3 {
             assert!(!p.saved(rank, 9, 10));

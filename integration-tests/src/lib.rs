@@ -1,5 +1,12 @@
 //! Shared helpers for rlaunch's integration tests: where the built binaries are, running a
 //! command under a deadline, temporary directories, and waiting for conditions with deadlines.
+//!
+//! Files that helper processes write while a test reads them: a test never takes a file's
+//! existence for its content. A file read once whole (a pid, a port, a JSON record) is waited
+//! for until it parses ([`wait_for_file`], [`wait_for_pid`]), and this crate's helpers write
+//! such files whole ([`write_atomically`]: a temporary name, then a rename); a log appended to
+//! is read up to its last newline ([`complete_text`]), since a half-written last line can
+//! parse as a wrong value (`pid=12` of `pid=1234`).
 
 pub mod browser;
 pub mod netns;
@@ -112,6 +119,55 @@ pub fn wait_until(what: &str, deadline: Duration, mut cond: impl FnMut() -> bool
     }
 }
 
+/// Waits until `path` holds what `parse` accepts, and answers it; panics after `deadline`
+/// naming `what`, the file and what it last held. A file that exists may still be empty or
+/// half-written by the process making it: existence alone is never taken for content.
+pub fn wait_for_file<T>(what: &str, path: &Path, deadline: Duration, mut parse: impl FnMut(&str) -> Option<T>) -> T {
+    let start = Instant::now();
+    loop {
+        let text = std::fs::read(path).map(|b| String::from_utf8_lossy(&b).into_owned());
+        if let Some(v) = text.as_deref().ok().and_then(&mut parse) {
+            return v;
+        }
+        assert!(
+            start.elapsed() < deadline,
+            "timed out after {deadline:?} waiting for {what} in {}: {}",
+            path.display(),
+            match &text {
+                Ok(t) => format!("it holds {:?}", t.chars().take(200).collect::<String>()),
+                Err(e) => format!("{e}"),
+            }
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Waits until the pid file `path` holds a pid (a whole number, blanks around it allowed).
+pub fn wait_for_pid(path: &Path, deadline: Duration) -> i32 {
+    wait_for_file("a pid", path, deadline, |s| s.trim().parse().ok().filter(|p: &i32| *p > 0))
+}
+
+/// What `path` holds up to its last newline (nothing when it is absent): the lines a writer
+/// appending at the same time has finished.
+pub fn complete_text(path: &Path) -> String {
+    let mut text = std::fs::read(path).map(|b| String::from_utf8_lossy(&b).into_owned()).unwrap_or_default();
+    text.truncate(text.rfind('\n').map_or(0, |i| i + 1));
+    text
+}
+
+/// Writes `contents` to `path` so that no reader ever sees it present but empty or partial:
+/// written whole under a temporary name in the same directory (hidden, so that no test
+/// counting files by prefix or suffix counts it), then renamed over `path`.
+pub fn write_atomically(path: &Path, contents: impl AsRef<[u8]>) -> std::io::Result<()> {
+    let name = path.file_name().ok_or_else(|| std::io::Error::other(format!("{} names no file", path.display())))?;
+    let mut tmp = std::ffi::OsString::from(".");
+    tmp.push(name);
+    tmp.push(format!(".{}.tmp", std::process::id()));
+    let tmp = path.with_file_name(tmp);
+    std::fs::write(&tmp, contents)?;
+    std::fs::rename(&tmp, path)
+}
+
 /// Whether a process with this pid exists (and is not a zombie).
 pub fn pid_alive(pid: i32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
@@ -142,4 +198,58 @@ pub fn venv_python() -> PathBuf {
         p.display()
     );
     p
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pid_file_created_empty_is_waited_for_until_it_holds_the_pid() {
+        let dir = tempdir();
+        let path = dir.path().join("pid");
+        // As `std::fs::write` leaves it between creating the file and writing it.
+        std::fs::write(&path, "").unwrap();
+        let writer = {
+            let path = path.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(200));
+                std::fs::write(&path, "4242").unwrap();
+            })
+        };
+        assert_eq!(wait_for_pid(&path, Duration::from_secs(10)), 4242);
+        writer.join().unwrap();
+    }
+
+    #[test]
+    fn a_file_that_never_parses_fails_at_the_deadline_saying_what_it_held() {
+        let dir = tempdir();
+        let path = dir.path().join("pid");
+        std::fs::write(&path, "not a pid").unwrap();
+        let err = std::panic::catch_unwind(|| wait_for_pid(&path, Duration::from_millis(100))).unwrap_err();
+        let msg = err.downcast_ref::<String>().cloned().unwrap_or_default();
+        assert!(msg.contains("waiting for a pid") && msg.contains("\"not a pid\""), "{msg}");
+    }
+
+    #[test]
+    fn a_half_written_last_line_is_left_out() {
+        let dir = tempdir();
+        let path = dir.path().join("events.log");
+        assert_eq!(complete_text(&path), "", "absent: nothing");
+        std::fs::write(&path, "start pid=1234\nstart pid=12").unwrap();
+        assert_eq!(complete_text(&path), "start pid=1234\n");
+        std::fs::write(&path, "no newline yet").unwrap();
+        assert_eq!(complete_text(&path), "");
+    }
+
+    #[test]
+    fn an_atomic_write_replaces_the_file_whole_and_leaves_no_temporary() {
+        let dir = tempdir();
+        let path = dir.path().join("pid_rank0_attempt0");
+        write_atomically(&path, "1").unwrap();
+        write_atomically(&path, "23").unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "23");
+        let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names, [std::ffi::OsString::from("pid_rank0_attempt0")]);
+    }
 }

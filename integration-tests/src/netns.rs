@@ -510,9 +510,10 @@ pub struct Start {
     pub pid: i32,
 }
 
-/// Every worker start logged in `dir/events.log` so far, in order.
+/// Every worker start logged in `dir/events.log` so far, in order: whole lines only (a start
+/// being appended could otherwise parse with its pid cut short).
 pub fn starts(dir: &Path) -> Vec<Start> {
-    let text = std::fs::read_to_string(dir.join("events.log")).unwrap_or_default();
+    let text = crate::complete_text(&dir.join("events.log"));
     text.lines().filter_map(parse_start).collect()
 }
 

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
 
-use integration_tests::{pid_alive, rlaunch, tempdir, wait_deadline, wait_until};
+use integration_tests::{pid_alive, rlaunch, tempdir, wait_deadline, wait_for_file, wait_until};
 
 /// A worker (shell) that starts every kind of descendant, records their pids as
 /// `{kind}_r{RANK}_a{RESTART}.pid`, then sleeps `$1` seconds and exits with `$2` on attempt 0
@@ -38,9 +38,13 @@ fn recorded(dir: &Path, attempt: u32, ranks: u32) -> Vec<i32> {
         // `up_` is written after every pid file is complete.
         let up = dir.join(format!("up_r{r}_a{attempt}"));
         wait_until(&format!("{} to be written", up.display()), Duration::from_secs(20), || up.exists());
-        for kind in ["group", "setsid", "daemon", "pool"] {
+        for (kind, n) in [("group", 1), ("setsid", 1), ("daemon", 1), ("pool", 3)] {
+            // Whole lines, as many as the script writes: never a pid file read while written.
             let f = dir.join(format!("{kind}_r{r}_a{attempt}.pid"));
-            pids.extend(std::fs::read_to_string(&f).unwrap().split_whitespace().map(|p| p.parse::<i32>().unwrap()));
+            pids.extend(wait_for_file(&format!("{n} pid(s)"), &f, Duration::from_secs(5), |s| {
+                let p: Vec<i32> = s.lines().filter_map(|l| l.trim().parse().ok()).collect();
+                (s.ends_with('\n') && p.len() == n).then_some(p)
+            }));
         }
     }
     assert_eq!(pids.len(), 6 * ranks as usize);
@@ -143,10 +147,10 @@ fn a_recycled_pid_of_a_reaped_worker_is_never_signalled() {
     cmd.args(["--standalone", "--nproc-per-node", "2", "/bin/sh", "-c", &script]);
     let child = cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
     let pid_file = dir.path().join("pid_0");
-    wait_until("rank 0 to start", Duration::from_secs(20), || {
-        std::fs::read_to_string(&pid_file).is_ok_and(|s| s.ends_with('\n'))
+    // `echo` ends the pid with a newline: a pid cut short by a read mid-write has none.
+    let pid0 = wait_for_file("rank 0's pid", &pid_file, Duration::from_secs(20), |s| {
+        s.strip_suffix('\n')?.trim().parse().ok()
     });
-    let pid0: i32 = std::fs::read_to_string(&pid_file).unwrap().trim().parse().unwrap();
     wait_until("rank 0 to be gone", Duration::from_secs(10), || !pid_alive(pid0));
     std::thread::sleep(Duration::from_millis(300)); // and reaped
                                                     // Hand its pid to an unrelated process group leader (retry: other processes allocate too).
@@ -264,6 +268,7 @@ fn with_process_groups_a_child_in_the_workers_group_ends_with_a_sigkill_of_the_a
     cmd.args([&w, "1000", "0"]);
     let mut agent = cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
     recorded(dir.path(), 0, 1);
+    // Complete: `recorded` waited for every line of each.
     let pids_of = |kind: &str| -> Vec<i32> {
         std::fs::read_to_string(dir.path().join(format!("{kind}_r0_a0.pid")))
             .unwrap()

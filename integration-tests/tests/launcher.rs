@@ -166,23 +166,31 @@ fn killing_the_agent_with_sigkill_leaves_no_worker_alive() {
         .arg(dir.path())
         .args(["pidfile", "hang"]);
     let mut agent = cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
-    let pid_path = |r: u32| dir.path().join(format!("pid_rank{r}_attempt0"));
-    wait_until("workers to start", Duration::from_secs(20), || (0..3).all(|r| pid_path(r).exists()));
-    let pids: Vec<i32> = (0..3).map(|r| std::fs::read_to_string(pid_path(r)).unwrap().parse().unwrap()).collect();
+    // A pid file may exist before it holds the pid (issue 34: read empty once): wait for the pid.
+    let pids = worker_pids(dir.path(), 3);
     assert!(pids.iter().all(|p| pid_alive(*p)));
     agent.kill().unwrap();
     agent.wait().unwrap();
     wait_until("every worker to die with its agent", Duration::from_secs(5), || pids.iter().all(|p| !pid_alive(*p)));
 }
 
-fn spawn_and_wait_for_workers(args: &[&str], worker_args: &[&str], dir: &Path, n: u32) -> std::process::Child {
+/// The pids of attempt 0's `n` workers (`pidfile`), each waited for until its file holds it.
+fn worker_pids(dir: &Path, n: u32) -> Vec<i32> {
+    (0..n).map(|r| wait_for_pid(&dir.join(format!("pid_rank{r}_attempt0")), Duration::from_secs(20))).collect()
+}
+
+/// Starts the agent and waits until its `n` workers wrote their pids; answers the agent and them.
+fn spawn_and_wait_for_workers(
+    args: &[&str],
+    worker_args: &[&str],
+    dir: &Path,
+    n: u32,
+) -> (std::process::Child, Vec<i32>) {
     let mut cmd = rlaunch();
     cmd.args(args).arg(worker()).arg("--out").arg(dir).args(worker_args);
     let child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-    wait_until("workers to start", Duration::from_secs(20), || {
-        (0..n).all(|r| dir.join(format!("pid_rank{r}_attempt0")).exists())
-    });
-    child
+    let pids = worker_pids(dir, n);
+    (child, pids)
 }
 
 fn kill(pid: u32, sig: i32) {
@@ -193,7 +201,7 @@ fn kill(pid: u32, sig: i32) {
 #[test]
 fn sigterm_stops_the_workers_gracefully_and_exits_143() {
     let dir = tempdir();
-    let agent = spawn_and_wait_for_workers(
+    let (agent, _) = spawn_and_wait_for_workers(
         &["--standalone", "--nproc-per-node", "2"],
         &["record-signals", "pidfile", "hang"],
         dir.path(),
@@ -211,15 +219,12 @@ fn sigterm_stops_the_workers_gracefully_and_exits_143() {
 #[test]
 fn a_worker_ignoring_sigterm_is_killed_after_the_grace() {
     let dir = tempdir();
-    let agent = spawn_and_wait_for_workers(
+    let (agent, pids) = spawn_and_wait_for_workers(
         &["--standalone", "--nproc-per-node", "2", "--shutdown-timeout", "0.5"],
         &["ignore-term", "pidfile", "hang"],
         dir.path(),
         2,
     );
-    let pids: Vec<i32> = (0..2)
-        .map(|r| std::fs::read_to_string(dir.path().join(format!("pid_rank{r}_attempt0"))).unwrap().parse().unwrap())
-        .collect();
     // SIGTERM (a SIGINT would reach them as SIGINT first, which they do not ignore).
     kill(agent.id(), libc::SIGTERM);
     let o = wait_deadline(agent, Duration::from_secs(15));
@@ -234,15 +239,13 @@ fn sigterm_to_every_process_of_the_job_stops_it_without_a_restart() {
     // moment before the agent. The agent must not restart them in between.
     for delay_ms in [20, 200] {
         let dir = tempdir();
-        let agent = spawn_and_wait_for_workers(
+        let (agent, pids) = spawn_and_wait_for_workers(
             &["--standalone", "--nproc-per-node", "2", "--max-restarts", "3"],
             &["pidfile", "hang"],
             dir.path(),
             2,
         );
-        for r in 0..2 {
-            let pid: i32 =
-                std::fs::read_to_string(dir.path().join(format!("pid_rank{r}_attempt0"))).unwrap().parse().unwrap();
+        for pid in pids {
             kill(pid as u32, libc::SIGTERM);
         }
         std::thread::sleep(Duration::from_millis(delay_ms));
@@ -257,7 +260,7 @@ fn sigterm_to_every_process_of_the_job_stops_it_without_a_restart() {
 #[test]
 fn sigusr1_and_sigusr2_are_relayed_to_every_worker() {
     let dir = tempdir();
-    let agent = spawn_and_wait_for_workers(
+    let (agent, _) = spawn_and_wait_for_workers(
         &["--standalone", "--nproc-per-node", "2"],
         &["record-signals", "pidfile", "hang"],
         dir.path(),
@@ -364,7 +367,7 @@ fn grandchildren_do_not_outlive_the_job() {
     let dir = tempdir();
     let o = launch(&["--standalone", "--nproc-per-node", "1"], &["spawn-grandchild"], dir.path());
     assert!(o.status.success());
-    let pid: i32 = std::fs::read_to_string(dir.path().join("grandchild_rank0.pid")).unwrap().parse().unwrap();
+    let pid = wait_for_pid(&dir.path().join("grandchild_rank0.pid"), Duration::from_secs(5));
     wait_until("the grandchild to be killed", Duration::from_secs(5), || !pid_alive(pid));
 }
 

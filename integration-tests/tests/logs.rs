@@ -127,17 +127,20 @@ fn the_workers_store_listens_only_on_the_address_it_advertises() {
         .arg(worker())
         .arg("--out")
         .arg(dir.path())
-        .args(["dump-env", "touch", "dumped", "sleep", "3"]);
+        .args(["dump-env", "sleep", "3"]);
     let child = cmd
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let marker = dir.path().join("dumped_rank0_attempt0");
-    integration_tests::wait_until("the worker to dump its environment", DEADLINE, || marker.exists());
-    let env: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.path().join("env_rank0_attempt0.json")).unwrap()).unwrap();
+    // Read once it parses whole, not once it exists.
+    let env: serde_json::Value = integration_tests::wait_for_file(
+        "the worker's environment",
+        &dir.path().join("env_rank0_attempt0.json"),
+        DEADLINE,
+        |s| serde_json::from_str(s).ok(),
+    );
     let store_port: u16 = env["MASTER_PORT"].as_str().unwrap().parse().unwrap();
     // /proc/net/tcp: `sl local_address rem_address st …`, addresses as hex `IP:PORT`, 0A = LISTEN.
     let tcp = std::fs::read_to_string("/proc/net/tcp").unwrap()

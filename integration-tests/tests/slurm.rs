@@ -22,7 +22,9 @@ use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use integration_tests::netns::{formed, now_unix_f64, starts, write_script, Cluster, Host, Proc, Start};
-use integration_tests::{bin, pid_alive, repo_root, run_deadline, stderr_of, stdout_of, tempdir, wait_until, which};
+use integration_tests::{
+    bin, complete_text, pid_alive, repo_root, run_deadline, stderr_of, stdout_of, tempdir, wait_until, which,
+};
 
 /// Heartbeats every 0.5 s, a node is lost after 2 s without one (as in multinode.rs).
 const TTL_S: f64 = 2.0;
@@ -410,7 +412,8 @@ impl Slurm {
 
     /// The exit of step `job`.0's task on `host` (rlaunch) as slurmstepd logged it.
     fn task_exit(&self, host: &str, job: &str) -> Option<String> {
-        let log = std::fs::read_to_string(self.dir.join(format!("slurmd-{host}.log"))).unwrap_or_default();
+        // Whole lines only: `exit code 14` is what a half-written `exit code 143` reads as.
+        let log = complete_text(&self.dir.join(format!("slurmd-{host}.log")));
         let prefix = format!("[{job}.0] task ");
         log.lines()
             .filter_map(|l| l.split_once(&prefix).map(|(_, rest)| rest))
@@ -514,9 +517,10 @@ done
     path
 }
 
-/// The `kind` lines of the workers' event log, each as its fields.
+/// The `kind` lines of the workers' event log, each as its fields (whole lines only: one being
+/// appended could read with its pid cut short).
 fn events(dir: &Path, kind: &str) -> Vec<HashMap<String, String>> {
-    let text = std::fs::read_to_string(dir.join("events.log")).unwrap_or_default();
+    let text = complete_text(&dir.join("events.log"));
     text.lines()
         .filter_map(|l| l.strip_prefix(kind).and_then(|rest| rest.strip_prefix(' ')))
         .map(|rest| {

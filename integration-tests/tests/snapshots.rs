@@ -24,13 +24,14 @@ fn script() -> String {
     integration_tests::repo_root().join("integration-tests/py/snapshot_train.py").display().to_string()
 }
 
-/// What the ranks wrote: per rank, its log's lines.
+/// What the ranks wrote: per rank, its log's whole lines (read while ranks append to them, a
+/// last line half-written would parse as a step without its value, or a shorter number).
 fn logs(out: &Path) -> BTreeMap<u32, Vec<String>> {
     let mut m = BTreeMap::new();
     for e in std::fs::read_dir(out).expect("the output dir") {
         let name = e.expect("an entry").file_name().to_string_lossy().into_owned();
         if let Some(rank) = name.strip_prefix('r').and_then(|n| n.strip_suffix(".log")).and_then(|n| n.parse().ok()) {
-            let text = std::fs::read_to_string(out.join(&name)).expect("a rank's log");
+            let text = integration_tests::complete_text(&out.join(&name));
             m.insert(rank, text.lines().map(str::to_owned).collect());
         }
     }
@@ -472,4 +473,39 @@ fn a_save_interrupted_half_way_never_lets_a_later_save_read_its_answer() {
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success(), "{out}{}", stderr_of(&o));
     assert!(out.contains("restored 2 2000.0"), "the last save, whole: {out}");
+}
+
+#[test]
+fn load_runs_no_code_from_a_part_and_builds_other_classes_only_when_allowed_by_name() {
+    // `py/snapshot_untrusted.py`: rank 2 saves a part whose pickle calls os.system; every rank's
+    // load of it is refused, naming the global, before anything of it runs (no marker file),
+    // even with `allow=[os.system]`; rank 0's own class loads only once allowed by name; state
+    // dicts, tensors, numpy arrays and scalars, containers and Python scalars round-trip, and
+    // without torch (rank 1) too.
+    let out = tempdir();
+    let o = run_deadline(
+        Command::new(bin("rlaunch"))
+            .args(["--standalone", "--nproc-per-node", "3", "--max-restarts", "1"])
+            .arg(venv_python())
+            .arg(integration_tests::repo_root().join("integration-tests/py/snapshot_untrusted.py"))
+            .arg(out.path()),
+        Duration::from_secs(180),
+    );
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    let err = stderr_of(&o);
+    assert!(!out.path().join("pwned").exists(), "a part's bytes ran code:\n{stdout}{err}");
+    assert!(o.status.success(), "{stdout}{err}");
+    for rank in 0..3 {
+        assert!(stdout.contains(&format!("ok {rank}")), "rank {rank} finished:\n{stdout}{err}");
+        assert!(
+            stdout
+                .contains(&format!("rank {rank}: rank 2's part refused: rank 2's part of step 0 needs `posix.system`")),
+            "rank {rank} was refused rank 2's part, naming the global:\n{stdout}"
+        );
+    }
+    assert!(
+        stdout.contains("rank 0's part of step 0 needs `__main__.Point`, which load does not allow")
+            && stdout.contains("load(allow=['__main__.Point'])"),
+        "a class of the program's own is refused until allowed, and the error says how:\n{stdout}"
+    );
 }

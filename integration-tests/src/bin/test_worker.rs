@@ -1,6 +1,7 @@
 //! A misbehaving worker for rlaunch's integration tests. Behaviour is chosen by arguments:
 //!
-//! `test_worker [--out DIR] ACTION…` where each action runs in order:
+//! `test_worker [--out DIR] ACTION…` where each action runs in order (every file it writes
+//! whole, for a test may read it the moment it appears: `integration_tests::write_atomically`):
 //! - `dump-env`: write the environment to `DIR/env_rank{RANK}_attempt{RESTART}.json`
 //! - `fail-until-attempt N CODE`: exit with CODE while TORCHELASTIC_RESTART_COUNT < N
 //! - `fail-rank R CODE`: exit with CODE if RANK == R
@@ -19,6 +20,8 @@
 
 use std::io::Write;
 use std::path::PathBuf;
+
+use integration_tests::write_atomically;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::Duration;
 
@@ -50,7 +53,7 @@ fn main() {
                 let env: serde_json::Map<String, serde_json::Value> =
                     std::env::vars().map(|(k, v)| (k, serde_json::Value::String(v))).collect();
                 let path = out.join(format!("env_rank{rank}_attempt{attempt}.json"));
-                std::fs::write(path, serde_json::to_vec(&env).unwrap()).unwrap();
+                write_atomically(&path, serde_json::to_vec(&env).unwrap()).unwrap();
             }
             "fail-until-attempt" => {
                 let n: u32 = next().parse().unwrap();
@@ -160,15 +163,15 @@ fn main() {
             }
             "spawn-grandchild" => {
                 let child = std::process::Command::new("sleep").arg("1000").spawn().unwrap();
-                std::fs::write(out.join(format!("grandchild_rank{rank}.pid")), child.id().to_string()).unwrap();
+                write_atomically(&out.join(format!("grandchild_rank{rank}.pid")), child.id().to_string()).unwrap();
                 std::mem::forget(child);
             }
             "touch" => {
                 let name = next();
-                std::fs::write(out.join(format!("{name}_rank{rank}_attempt{attempt}")), b"").unwrap();
+                write_atomically(&out.join(format!("{name}_rank{rank}_attempt{attempt}")), b"").unwrap();
             }
             "pidfile" => {
-                std::fs::write(out.join(format!("pid_rank{rank}_attempt{attempt}")), std::process::id().to_string())
+                write_atomically(&out.join(format!("pid_rank{rank}_attempt{attempt}")), std::process::id().to_string())
                     .unwrap();
             }
             other => panic!("unknown action {other}"),

@@ -18,6 +18,16 @@
 //! never calls `rlaunch.snapshot`) is unknown, never guessed; the recovery then ends at the last
 //! instant known.
 //!
+//! What a member says of itself is taken only within what the service can know: a milestone
+//! is dated no earlier than its round closed and no later than its arrival; a failed worker's
+//! exit ([`failure_dated`]) no earlier than the round it failed in ran, and no longer before
+//! the report than its agent may take to send it ([`report_delay_ms`]). And every recovery
+//! ends: at training where it stood before, at the next fault, or at the latest
+//! [`RECOVERY_BOUND_MS`] after its round re-formed (the first start-up likewise after the
+//! first round closed) — a member that never reports (an older agent), or one whose step
+//! before no member saves again, would otherwise keep it open, and the job's goodput falling,
+//! until the next fault.
+//!
 //! Goodput is training time over wall time since the first round closed: the wall time less
 //! the first start-up (round closed → first step) and every recovery (fault → its end).
 
@@ -25,8 +35,33 @@ use std::collections::{BTreeMap, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
-use super::settings::Millis;
+use super::settings::{JobSettings, Millis};
 use rlaunch::contract::NodeProgress;
+
+/// A recovery (and the first start-up) ends at the latest this long after its round closed,
+/// whatever its members reported or failed to: an hour, far more than a program's start,
+/// restore and the steps it computes again between snapshots take.
+pub const RECOVERY_BOUND_MS: Millis = 60 * 60 * 1000;
+/// What an agent may take between seeing a worker exit and sending the report that no setting
+/// bounds: the survivors' stacks read (py-spy, 10 s per dump at most) or a hang's linger
+/// (10 s), with room to spare.
+pub const REPORT_ALLOWANCE_MS: Millis = 30_000;
+
+/// How long before its report an agent may have seen the exit it reports: it stops its workers
+/// first (the stop grace), sends again until the report is taken (within the join timeout),
+/// and takes [`REPORT_ALLOWANCE_MS`] for the rest.
+pub fn report_delay_ms(settings: &JobSettings) -> Millis {
+    JobSettings::ms(settings.stop_grace)
+        .saturating_add(JobSettings::ms(settings.join_timeout))
+        .saturating_add(REPORT_ALLOWANCE_MS)
+}
+
+/// A failed worker's exit, reported at `now` as seen `seen_ago_ms` before, in a round running
+/// since `since`: never before that round ran, never after `now`, never further back than
+/// [`report_delay_ms`].
+pub fn failure_dated(now: Millis, seen_ago_ms: u64, since: Millis, settings: &JobSettings) -> Millis {
+    now.saturating_sub(seen_ago_ms.min(report_delay_ms(settings))).clamp(since.min(now), now)
+}
 
 /// Recoveries kept in full (older ones count in the totals only).
 pub const KEEP_RECOVERIES: usize = 32;
@@ -100,6 +135,17 @@ fn is_zero(n: &u32) -> bool {
 }
 
 impl Milestones {
+    /// When training stood where it did before, for a round of `nodes` members that closed at
+    /// `closed`, seen at `now`: [`Milestones::end`], at the latest [`RECOVERY_BOUND_MS`] after
+    /// the close once that has passed (`None` until one of them).
+    fn end_by(&self, nodes: u32, closed: Millis, now: Millis) -> Option<Millis> {
+        let bound = closed.saturating_add(RECOVERY_BOUND_MS);
+        match self.end(nodes) {
+            Some(end) => Some(end.min(bound)),
+            None => (now >= bound).then_some(bound),
+        }
+    }
+
     /// When training stood where it did before, for a round of `nodes` members: once every
     /// member started its workers and the steps saved before the fault are saved again (`None`
     /// until then), else the latest instant reported.
@@ -143,15 +189,16 @@ pub struct Recovery {
 }
 
 impl Recovery {
-    /// When it ended (training where it stood before), or `None` while under way.
-    pub fn ended_at(&self) -> Option<Millis> {
-        let end = self.reformed_at.and_then(|_| self.progress.end(self.nodes));
-        end.or(self.cut_at)
+    /// When it ended as seen at `now` (training where it stood before, the next fault, or
+    /// [`RECOVERY_BOUND_MS`] after its round re-formed), or `None` while under way.
+    pub fn ended_at(&self, now: Millis) -> Option<Millis> {
+        let end = self.reformed_at.and_then(|closed| self.progress.end_by(self.nodes, closed, now));
+        [end, self.cut_at].into_iter().flatten().min()
     }
 
     /// The time it cost so far.
     pub fn lost_ms(&self, now: Millis) -> Millis {
-        self.ended_at().unwrap_or(now).saturating_sub(self.fault_at)
+        self.ended_at(now).unwrap_or(now).saturating_sub(self.fault_at)
     }
 
     /// Its phases in milliseconds, `None` where not (yet) known.
@@ -299,7 +346,7 @@ impl Accounting {
             return;
         }
         self.first_fault_at.get_or_insert(fault_at.min(now));
-        if let Some(last) = self.recoveries.back_mut().filter(|r| r.ended_at().is_none()) {
+        if let Some(last) = self.recoveries.back_mut().filter(|r| r.ended_at(now).is_none()) {
             // Never before its own fault (clocks of replicas may disagree: no clamp that panics).
             last.cut_at = Some(fault_at.min(now).max(last.fault_at));
         }
@@ -392,12 +439,18 @@ impl Accounting {
         }
     }
 
-    /// The first start-up: round 1 closed → its end (every member started, and the latest
-    /// instant reported), at the latest the first fault; `None` while under way.
-    pub fn startup_ms(&self) -> Option<Millis> {
+    /// When the first start-up ended as seen at `now`: every member started, and the latest
+    /// instant reported; at the latest the first fault, or [`RECOVERY_BOUND_MS`] after round 1
+    /// closed. `None` while under way (or before round 1 closed).
+    fn startup_end(&self, now: Millis) -> Option<Millis> {
         let began = self.began_at?;
-        let end = self.startup.end(self.startup_nodes).or(self.first_fault_at)?;
-        Some(end.min(self.first_fault_at.unwrap_or(end)).saturating_sub(began))
+        let end = self.startup.end_by(self.startup_nodes, began, now);
+        [end, self.first_fault_at].into_iter().flatten().min()
+    }
+
+    /// The first start-up as seen at `now`: round 1 closed → its end; `None` while under way.
+    pub fn startup_ms(&self, now: Millis) -> Option<Millis> {
+        Some(self.startup_end(now)?.saturating_sub(self.began_at?))
     }
 
     /// Time lost so far: the first start-up and every recovery.
@@ -406,11 +459,10 @@ impl Accounting {
         let now = ended.unwrap_or(now);
         // Intervals never overlap: each ends at the next one's fault at the latest.
         let next_fault = |i: usize| self.recoveries.get(i).map(|r| r.fault_at).unwrap_or(now).min(now);
-        let first = self.first_fault_at.unwrap_or(now).min(now);
-        let startup = self.startup.end(self.startup_nodes).unwrap_or(now).min(first);
+        let startup = self.startup_end(now).unwrap_or(now).min(now);
         let mut lost = startup.saturating_sub(began);
         for (i, r) in self.recoveries.iter().enumerate() {
-            let end = r.ended_at().unwrap_or(now).min(next_fault(i + 1));
+            let end = r.ended_at(now).unwrap_or(now).min(next_fault(i + 1));
             lost = lost.saturating_add(end.saturating_sub(r.fault_at));
         }
         lost.saturating_add(self.dropped_lost_ms)
