@@ -57,6 +57,12 @@ pub fn untrusted(dir: &Path, euid: u32) -> Option<String> {
         Err(e) => return Some(format!("{}: {e}", dir.display())),
     };
     for d in absolute.ancestors() {
+        // A link on the way is judged itself too: whoever owns it may point it elsewhere later.
+        if let Ok(link) = std::fs::symlink_metadata(d) {
+            if link.file_type().is_symlink() && link.uid() != 0 && link.uid() != euid {
+                return Some(format!("{} is a link that uid {} may point elsewhere", d.display(), link.uid()));
+            }
+        }
         match std::fs::metadata(d) {
             Ok(m) => {
                 if let Some(why) = judge(d, &m) {
@@ -95,7 +101,8 @@ pub fn bases() -> &'static [PathBuf] {
                 continue;
             }
             match untrusted(&candidate, euid) {
-                None => out.push(candidate),
+                // Resolved: what the workers are given never goes through a link again.
+                None => out.push(std::fs::canonicalize(&candidate).unwrap_or(candidate)),
                 Some(why) => tracing::warn!(
                     dir = %candidate.display(),
                     "not making this agent's runtime directories (snapshot socket, Python package, warm bootstrap, \
@@ -238,6 +245,11 @@ mod tests {
             std::fs::DirBuilder::new().mode(0o700).create(&theirs).unwrap();
             std::os::unix::fs::chown(&theirs, Some(4242), None).unwrap();
             assert!(untrusted(&theirs, euid).is_some_and(|w| w.contains("uid 4242")));
+            // A link another user owns, pointing somewhere trusted today: they may re-point it.
+            let planted = root.path().join("planted");
+            std::os::unix::fs::symlink(&own, &planted).unwrap();
+            std::os::unix::fs::lchown(&planted, Some(4242), None).unwrap();
+            assert!(untrusted(&planted, euid).is_some_and(|w| w.contains("a link that uid 4242")));
         }
     }
 

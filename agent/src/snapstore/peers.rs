@@ -345,11 +345,14 @@ fn ok(ch: &mut Channel, a: Answer) -> io::Result<()> {
 }
 
 fn serve(mut ch: Channel, round: u64, node: NodeId, shared: &Shared) -> io::Result<()> {
-    let (ranks, round_world) = {
+    let (ranks, round_world, my_ward) = {
         let st = shared.lock();
         let found = st.round.as_ref().filter(|r| r.tag == round).and_then(|r| {
-            let m = r.peers.as_ref()?.member(&node)?;
-            Some((m.ranks.clone(), r.world))
+            let p = r.peers.as_ref()?;
+            let m = p.member(&node)?;
+            // Copies come only from the node this one is the buddy of.
+            let ward = p.buddy_of(&node).is_some_and(|b| b.id == r.me);
+            Some((m.ranks.clone(), r.world, ward))
         });
         match found {
             Some(f) => f,
@@ -369,6 +372,8 @@ fn serve(mut ch: Channel, round: u64, node: NodeId, shared: &Shared) -> io::Resu
                 let key = Key { tag, step, rank };
                 let why = if !current || tag != round {
                     Some(format!("round {tag} is not the one this node runs"))
+                } else if !my_ward {
+                    Some(format!("this node is not node {node}'s buddy"))
                 } else if !ranks.contains(&rank) {
                     Some(format!("rank {rank} is not node {node}'s"))
                 } else if world != round_world {
@@ -632,6 +637,35 @@ mod tests {
         }
         assert!(cut, "a trickling handshake is cut");
         assert!(t0.elapsed() < HELLO_WITHIN + Duration::from_secs(2), "{:?}", t0.elapsed());
+    }
+
+    #[test]
+    fn copies_are_taken_only_from_the_node_this_one_is_the_buddy_of() {
+        // Ring me -> x -> y -> me: y's copies come here, x's go to y.
+        let store = SnapStore::start(1 << 20, Default::default()).unwrap();
+        let port = store.serve_peers("127.0.0.1:0").unwrap();
+        let addr: HostPort = format!("127.0.0.1:{port}").parse().unwrap();
+        let (x, y) = (Arc::new(Identity::generate().unwrap()), Arc::new(Identity::generate().unwrap()));
+        let members = [
+            member("me", 0, Some(addr.clone()), &store.shared.identity),
+            member("x", 2, None, &x),
+            member("y", 4, None, &y),
+        ];
+        store.begin_peer_round(7, "me", &members);
+        let me =
+            Peer { id: "me".into(), addr, key: secure::parse_public(&store.shared.identity.public_hex()).unwrap() };
+        let put6 = |ch: &mut Channel, rank: u32| -> Answer {
+            ch.send(&Msg::Put { tag: 7, step: 1, rank, world: 6, len: 1 }).unwrap();
+            let file = super::super::memfd().unwrap();
+            std::os::unix::fs::FileExt::write_all_at(&file, b"p", 0).unwrap();
+            ch.send_file(&file, 1).unwrap();
+            ch.recv().unwrap()
+        };
+        let a = put6(&mut connect(&me, &as_("x", 7, &x)).unwrap(), 2);
+        assert!(!a.ok && a.error.as_deref().is_some_and(|e| e.contains("not node x's buddy")), "{a:?}");
+        assert!(store.inventory().is_empty());
+        let a = put6(&mut connect(&me, &as_("y", 7, &y)).unwrap(), 4);
+        assert!(a.ok, "{a:?}");
     }
 
     #[test]
