@@ -102,7 +102,7 @@ pub(crate) async fn setup(
         None => None,
     };
     let node = NodeInfo {
-        snapshot_key: snapshot_addr.as_ref().and(snapshots).map(|s| s.public_key()),
+        snapshot_key: snapshot_addr.as_ref().and(snapshots).and_then(|s| s.public_key().ok()),
         snapshot_addr,
         snapshots: Vec::new(),
         node_id: format!("{host}-{}-{:08x}", std::process::id(), crate::random::rand_u32()),

@@ -60,7 +60,9 @@ pub(crate) struct Shared {
     /// The round's progress (steps saved and restored), for the recovery accounting.
     progress: Arc<crate::progress::Tracker>,
     /// This agent's key pair: the other members' agents know its public half from the round.
-    identity: Arc<secure::Identity>,
+    /// Made when first needed (serving peers): the crypto library's first use costs about 30 ms,
+    /// which a one-node job never pays.
+    identity: std::sync::OnceLock<Arc<secure::Identity>>,
 }
 
 struct State {
@@ -150,7 +152,7 @@ impl SnapStore {
             changed: Condvar::new(),
             outbox,
             progress,
-            identity: Arc::new(secure::Identity::generate()?),
+            identity: std::sync::OnceLock::new(),
         });
         let s = shared.clone();
         std::thread::Builder::new().name("snapshots".into()).spawn(move || accept(listener, s))?;
@@ -175,8 +177,8 @@ impl SnapStore {
     }
 
     /// The public half of this agent's key, as its join carries it (`NodeInfo::snapshot_key`).
-    pub fn public_key(&self) -> String {
-        self.shared.identity.public_hex()
+    pub fn public_key(&self) -> std::io::Result<String> {
+        Ok(self.shared.identity()?.public_hex())
     }
 
     /// Whether snapshots are held (`--snapshot-memory` above 0).
@@ -293,6 +295,7 @@ impl SnapStore {
 
     /// Serves the other members (copies, fetches, commits) on `bind`; answers the port.
     pub fn serve_peers(&self, bind: &str) -> std::io::Result<u16> {
+        self.shared.identity()?;
         let listener = std::net::TcpListener::bind(bind)?;
         let port = listener.local_addr()?.port();
         let s = self.shared.clone();
@@ -307,6 +310,15 @@ impl SnapStore {
 }
 
 impl Shared {
+    /// This agent's key pair, made on first use.
+    pub(crate) fn identity(&self) -> std::io::Result<&Arc<secure::Identity>> {
+        if let Some(id) = self.identity.get() {
+            return Ok(id);
+        }
+        let made = Arc::new(secure::Identity::generate()?);
+        Ok(self.identity.get_or_init(|| made))
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -601,8 +613,9 @@ fn commit(shared: &Shared, step: u64, rank: u32, reserved: &mut BTreeSet<Key>) -
     st.heard(tag, [Event::Held { step, rank, node: me }]);
     // A copy for the buddy, sent in the background.
     let round = st.round.as_ref().expect("checked above");
-    if let Some(to) = round.peers.as_ref().and_then(|p| p.members[p.buddy].peer()) {
-        let me = peers::Me { round: round.tag, id: round.me.clone(), identity: shared.identity.clone() };
+    let to = round.peers.as_ref().and_then(|p| p.members[p.buddy].peer());
+    if let (Some(to), Ok(identity)) = (to, shared.identity()) {
+        let me = peers::Me { round: round.tag, id: round.me.clone(), identity: identity.clone() };
         let _ = shared.outbox.send(peers::Job::Copy { key, to, me });
     }
     Ok(())
@@ -627,7 +640,8 @@ fn load(shared: &Shared, rank: Option<u32>) -> Reply {
         let peer = peers.member(&from).and_then(PeerMember::peer).ok_or_else(|| {
             format!("node {from}, which holds rank {rank}'s part of step {}, cannot be reached", plan.step)
         })?;
-        let me = peers::Me { round: round.tag, id: round.me.clone(), identity: shared.identity.clone() };
+        let identity = shared.identity().map_err(|e| format!("no key to reach other nodes with: {e}"))?;
+        let me = peers::Me { round: round.tag, id: round.me.clone(), identity: identity.clone() };
         drop(st);
         // Room for the part under the cap before a byte comes, of the plan's world only.
         let room = |world: u32, len: u64| {

@@ -235,7 +235,8 @@ fn acked(shared: &Shared, key: Key, buddy: NodeId) {
     round.acked.retain(|s, _| *s > key.step);
     let Some(peers) = &round.peers else { return };
     let to: Vec<Peer> = peers.members.iter().filter(|m| m.id != round.me).filter_map(|m| m.peer()).collect();
-    let me = Me { round: round.tag, id: round.me.clone(), identity: shared.identity.clone() };
+    let Ok(identity) = shared.identity() else { return };
+    let me = Me { round: round.tag, id: round.me.clone(), identity: identity.clone() };
     let _ = shared.outbox.send(Job::Announce { tag: key.tag, step: key.step, to, me });
 }
 
@@ -316,7 +317,7 @@ fn open(s: TcpStream, shared: &Shared) -> io::Result<(Channel, u64, NodeId)> {
     s.set_write_timeout(Some(HELLO_WITHIN))?;
     s.set_nodelay(true)?;
     let deadline = Instant::now() + HELLO_WITHIN;
-    let (mut ch, round, node) = secure::server(s, &shared.identity, deadline, |round, node| {
+    let (mut ch, round, node) = secure::server(s, shared.identity()?, deadline, |round, node| {
         let st = shared.lock();
         st.round
             .as_ref()
@@ -472,10 +473,13 @@ mod tests {
         let port = store.serve_peers("127.0.0.1:0").unwrap();
         let addr: HostPort = format!("127.0.0.1:{port}").parse().unwrap();
         let x = Arc::new(Identity::generate().unwrap());
-        let members = [member("me", 0, Some(addr.clone()), &store.shared.identity), member("x", 2, None, &x)];
+        let members = [member("me", 0, Some(addr.clone()), store.shared.identity().unwrap()), member("x", 2, None, &x)];
         store.begin_peer_round(7, "me", &members);
-        let me =
-            Peer { id: "me".into(), addr, key: secure::parse_public(&store.shared.identity.public_hex()).unwrap() };
+        let me = Peer {
+            id: "me".into(),
+            addr,
+            key: secure::parse_public(&store.shared.identity().unwrap().public_hex()).unwrap(),
+        };
         (store, me, x)
     }
 
@@ -647,13 +651,16 @@ mod tests {
         let addr: HostPort = format!("127.0.0.1:{port}").parse().unwrap();
         let (x, y) = (Arc::new(Identity::generate().unwrap()), Arc::new(Identity::generate().unwrap()));
         let members = [
-            member("me", 0, Some(addr.clone()), &store.shared.identity),
+            member("me", 0, Some(addr.clone()), store.shared.identity().unwrap()),
             member("x", 2, None, &x),
             member("y", 4, None, &y),
         ];
         store.begin_peer_round(7, "me", &members);
-        let me =
-            Peer { id: "me".into(), addr, key: secure::parse_public(&store.shared.identity.public_hex()).unwrap() };
+        let me = Peer {
+            id: "me".into(),
+            addr,
+            key: secure::parse_public(&store.shared.identity().unwrap().public_hex()).unwrap(),
+        };
         let put6 = |ch: &mut Channel, rank: u32| -> Answer {
             ch.send(&Msg::Put { tag: 7, step: 1, rank, world: 6, len: 1 }).unwrap();
             let file = super::super::memfd().unwrap();
