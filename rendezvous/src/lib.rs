@@ -15,6 +15,7 @@
 //!   deadline on a request body.
 //! - [`page`]: the status page `/` (embedded HTML, script, style) over the `/v1` API.
 //! - [`client`]: [`RendezvousClient`] over a [`Backend`].
+//! - [`clock`]: the shared wall clock (`now_ms`), read by the service and the etcd store alike.
 //! - [`tls`]: the service's certificate and key, a client's CA bundle, cleartext endpoints.
 //!
 //! # The client API (what the agent uses)
@@ -83,6 +84,7 @@
 
 pub mod api;
 pub mod client;
+pub mod clock;
 pub mod conn;
 pub mod detector;
 pub mod error;

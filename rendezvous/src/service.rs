@@ -7,7 +7,7 @@
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use tokio::task::JoinHandle;
@@ -25,10 +25,8 @@ use crate::store::Store;
 /// The longest a long-poll may be asked to wait.
 pub const MAX_WAIT: Duration = Duration::from_secs(60);
 
-/// Wall-clock milliseconds: the clock every replica and agent shares.
-pub fn now_ms() -> Millis {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as Millis).unwrap_or(0)
-}
+/// Wall-clock milliseconds: the clock every replica and agent shares ([`crate::clock`]).
+pub use crate::clock::now_ms;
 
 /// Answer to one join call; on the wire `{"status": "round", "data": RoundInfo}` or
 /// `{"status": "wait", "data": {"round", "state"}}` (tag first, so clients parse without

@@ -17,7 +17,7 @@ use crate::detector::{ProbeReport, ProbeRequest, Sent};
 use crate::error::RdzvError;
 use crate::round::{Decision, Event, Guard, Job, JobSettings, Millis};
 
-/// The state backend of a [`crate::service::Rendezvous`].
+/// The state backend of the service's `Rendezvous`.
 #[derive(Clone)]
 pub enum Store {
     Memory(memory::MemoryStore),

@@ -523,7 +523,7 @@ impl EtcdStore {
     /// ms).
     fn heard(&self, run_id: &str) -> HashMap<String, Millis> {
         let held = self.inner.leases.lock().unwrap_or_else(|p| p.into_inner()).heard_under(&alive_prefix(run_id));
-        let (now, mono) = (crate::service::now_ms(), Instant::now());
+        let (now, mono) = (crate::clock::now_ms(), Instant::now());
         held.into_iter()
             .map(|(id, at)| {
                 (id, now.saturating_sub(u64::try_from(mono.duration_since(at).as_millis()).unwrap_or(u64::MAX)))
@@ -973,7 +973,7 @@ impl EtcdStore {
             deletes.spawn(async move {
                 // When this process last heard from the node goes with the deletion, on the same
                 // lease: whichever replica decides the loss dates the fault with it.
-                let heard = crate::service::now_ms()
+                let heard = crate::clock::now_ms()
                     .saturating_sub(u64::try_from(held.heard.elapsed().as_millis()).unwrap_or(u64::MAX));
                 let mut ops = vec![TxnOp::delete(key.clone(), None)];
                 if let (Some(lapsed), Some(lease)) = (lapsed_key_of(&key), lapsed_lease) {
