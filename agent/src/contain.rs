@@ -19,7 +19,6 @@
 use std::ffi::CString;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -54,7 +53,8 @@ pub struct CgroupJob {
 pub struct Guard {
     /// Shared with the checker, which replaces it.
     watchdog: Arc<Mutex<Watchdog>>,
-    stop_checking: Arc<AtomicBool>,
+    /// Dropped to stop the checker: it wakes at once (a job's end never waits out a period).
+    stop_checking: Option<std::sync::mpsc::Sender<()>>,
     checker: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -70,14 +70,14 @@ impl Guard {
     fn start(plan: WatchdogPlan) -> std::io::Result<Guard> {
         let (pipe, pid) = spawn_watchdog(&plan)?;
         let watchdog = Arc::new(Mutex::new(Watchdog { pipe: pipe.into(), pid, groups: Vec::new() }));
-        let stop_checking = Arc::new(AtomicBool::new(false));
+        let (stop_checking, stop) = std::sync::mpsc::channel();
         let checker = {
-            let (watchdog, stop) = (watchdog.clone(), stop_checking.clone());
+            let watchdog = watchdog.clone();
             std::thread::Builder::new()
                 .name("rlaunch-watchdog-check".into())
                 .spawn(move || check_watchdog(&watchdog, &stop, &plan))?
         };
-        Ok(Guard { watchdog, stop_checking, checker: Some(checker) })
+        Ok(Guard { watchdog, stop_checking: Some(stop_checking), checker: Some(checker) })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Watchdog> {
@@ -106,7 +106,7 @@ impl Guard {
 
 impl Drop for Guard {
     fn drop(&mut self) {
-        self.stop_checking.store(true, Ordering::Release);
+        drop(self.stop_checking.take());
         if let Some(t) = self.checker.take() {
             let _ = t.join();
         }
@@ -304,9 +304,9 @@ impl CgroupJob {
 
 /// Until `stop`: every [`WATCHDOG_CHECK`], resumes a stopped watchdog and replaces a dead one
 /// (a worker of the agent's user may signal it; SIGKILL and SIGSTOP cannot be ignored).
-fn check_watchdog(watchdog: &Mutex<Watchdog>, stop: &AtomicBool, plan: &WatchdogPlan) {
-    while !stop.load(Ordering::Acquire) {
-        std::thread::sleep(WATCHDOG_CHECK);
+fn check_watchdog(watchdog: &Mutex<Watchdog>, stop: &std::sync::mpsc::Receiver<()>, plan: &WatchdogPlan) {
+    // Every period until the guard goes (its sender dropped: the wait ends at once).
+    while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = stop.recv_timeout(WATCHDOG_CHECK) {
         let mut w = watchdog.lock().unwrap_or_else(|p| p.into_inner());
         match watchdog_state(w.pid) {
             WatchdogState::Running => {}
