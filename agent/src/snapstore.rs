@@ -703,14 +703,12 @@ fn seal(file: &std::fs::File) -> std::io::Result<()> {
     let seals = libc::F_SEAL_WRITE | libc::F_SEAL_GROW | libc::F_SEAL_SHRINK | libc::F_SEAL_SEAL;
     // SAFETY: fcntl on a descriptor the File keeps open; F_ADD_SEALS takes an int.
     let r = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) };
+    // Already sealed (F_SEAL_SEAL refuses more seals): fine when it is write-sealed.
     if r < 0 {
-        // Already sealed (F_SEAL_SEAL): fine if it is write-sealed.
-        // SAFETY: as above; F_GET_SEALS takes no argument.
-        let got = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
-        if got >= 0 && got & libc::F_SEAL_WRITE != 0 {
-            return Ok(());
+        let e = std::io::Error::last_os_error();
+        if !sealed(file) {
+            return Err(e);
         }
-        return Err(std::io::Error::last_os_error());
     }
     Ok(())
 }

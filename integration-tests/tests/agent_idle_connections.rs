@@ -17,6 +17,24 @@ fn read(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_default()
 }
 
+/// Lets the worker go (creates `signal`) and waits for the agent's exit, killing it after
+/// `within` with its log in the panic.
+fn release(agent: &mut std::process::Child, signal: &Path, log: &Path, within: Duration) -> std::process::ExitStatus {
+    let _ = std::fs::write(signal, "");
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(status) = agent.try_wait().unwrap() {
+            return status;
+        }
+        if Instant::now() > deadline {
+            let _ = agent.kill();
+            let _ = agent.wait();
+            panic!("rlaunch did not end within {within:?} of its worker's release: {}", read(log));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 #[test]
 fn an_agent_keeps_serving_its_workers_store_with_10000_idle_connections_against_it() {
     let dir = tempdir();
@@ -39,21 +57,7 @@ i=0; while [ ! -e {done} ]; do sleep 0.1; i=$((i+1)); [ $i -gt 1200 ] && exit 7;
         .stderr(std::fs::File::create(&log).unwrap())
         .spawn()
         .expect("spawn rlaunch");
-    let finish = |agent: &mut std::process::Child| {
-        let _ = std::fs::write(&done, "");
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Some(status) = agent.try_wait().unwrap() {
-                return status;
-            }
-            if Instant::now() > deadline {
-                let _ = agent.kill();
-                let _ = agent.wait();
-                panic!("rlaunch did not end within 30 s of its worker's release: {}", read(&log));
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    };
+    let finish = |agent: &mut std::process::Child| release(agent, &done, &log, Duration::from_secs(30));
     wait_until("the worker published the store's port", Duration::from_secs(60), || {
         !read(&addr_file).trim().is_empty()
     });
@@ -126,21 +130,7 @@ echo second attempt ran"#,
         .stderr(std::fs::File::create(&log).unwrap())
         .spawn()
         .expect("spawn rlaunch");
-    let finish = |agent: &mut std::process::Child| {
-        let _ = std::fs::write(&go, "");
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if let Some(status) = agent.try_wait().unwrap() {
-                return status;
-            }
-            if Instant::now() > deadline {
-                let _ = agent.kill();
-                let _ = agent.wait();
-                panic!("rlaunch did not end within 60 s of its worker's release: {}", read(&log));
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    };
+    let finish = |agent: &mut std::process::Child| release(agent, &go, &log, Duration::from_secs(60));
     wait_until("the first attempt published the store's port", Duration::from_secs(60), || {
         !read(&addr_file).trim().is_empty()
     });

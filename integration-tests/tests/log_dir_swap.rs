@@ -219,25 +219,8 @@ fn a_tmpdir_others_may_write_holds_nothing_a_root_agent_runs() {
     let hostile = dir.path().join("tmp");
     std::fs::create_dir(&hostile).unwrap();
     std::fs::set_permissions(&hostile, std::fs::Permissions::from_mode(0o777)).unwrap();
-    // What the other user would plant there, were anything imported from it.
-    let planted = hostile.join("planted");
-    std::fs::create_dir_all(planted.join("rlaunch")).unwrap();
-    std::fs::write(planted.join("rlaunch/__init__.py"), "raise SystemExit(0)\n").unwrap();
-    let python = integration_tests::venv_python();
-    let program = dir.path().join("train.py");
-    std::fs::write(
-        &program,
-        "import os, rlaunch\nprint('program ran', os.path.dirname(rlaunch.__file__), flush=True)\n",
-    )
-    .unwrap();
-    let o = run_deadline(
-        rlaunch()
-            .env("TMPDIR", &hostile)
-            .args(["--standalone", "--nproc-per-node", "1", "--warm-workers", "on", "--no-python"])
-            .arg(&python)
-            .arg(&program),
-        DEADLINE,
-    );
+    let program = "import os, rlaunch\nprint('program ran', os.path.dirname(rlaunch.__file__), flush=True)\n";
+    let o = python_job(dir.path(), &hostile, program, "on");
     assert!(o.status.success(), "{}", stderr_of(&o));
     let out = stdout_of(&o);
     assert!(out.contains("program ran"), "the program itself ran: {out}");
@@ -258,20 +241,23 @@ fn a_tmpdir_too_long_for_the_socket_still_gives_workers_snapshots() {
     let dir = tempdir();
     let long = dir.path().join("d".repeat(100));
     std::fs::create_dir(&long).unwrap();
-    let program = dir.path().join("train.py");
-    std::fs::write(
-        &program,
-        "import os, rlaunch\nprint('socket', bool(os.environ.get('RLAUNCH_SNAPSHOT')), rlaunch.snapshot.save(1, {'x': 1}), flush=True)\n",
-    )
-    .unwrap();
-    let o = run_deadline(
-        rlaunch()
-            .env("TMPDIR", &long)
-            .args(["--standalone", "--nproc-per-node", "1", "--warm-workers", "off", "--no-python"])
-            .arg(integration_tests::venv_python())
-            .arg(&program),
-        DEADLINE,
-    );
+    let program = "import os, rlaunch\nprint('socket', bool(os.environ.get('RLAUNCH_SNAPSHOT')), rlaunch.snapshot.save(1, {'x': 1}), flush=True)\n";
+    let o = python_job(dir.path(), &long, program, "off");
     assert!(o.status.success(), "{}", stderr_of(&o));
     assert!(stdout_of(&o).contains("socket True True"), "{}\n{}", stdout_of(&o), stderr_of(&o));
+}
+
+/// Runs `program` (Python source, written to `dir/train.py`) on one worker under `--standalone`
+/// with `TMPDIR` set to `tmpdir` and `--warm-workers warm`.
+fn python_job(dir: &std::path::Path, tmpdir: &std::path::Path, program: &str, warm: &str) -> std::process::Output {
+    let path = dir.join("train.py");
+    std::fs::write(&path, program).unwrap();
+    run_deadline(
+        rlaunch()
+            .env("TMPDIR", tmpdir)
+            .args(["--standalone", "--nproc-per-node", "1", "--warm-workers", warm, "--no-python"])
+            .arg(integration_tests::venv_python())
+            .arg(&path),
+        DEADLINE,
+    )
 }

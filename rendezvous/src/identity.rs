@@ -12,12 +12,22 @@ use sha2::{Digest, Sha256};
 /// Bytes of randomness in a secret (hex-encoded on the wire: 64 characters).
 pub const SECRET_BYTES: usize = 32;
 
-fn hex(bytes: &[u8]) -> String {
+/// Bytes as lowercase hex, the form every secret, digest and key takes on the wire.
+pub fn hex(bytes: &[u8]) -> String {
     use std::fmt::Write as _;
     bytes.iter().fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
         let _ = write!(s, "{b:02x}");
         s
     })
+}
+
+/// Lowercase hex back to its bytes; `None` for anything else (uppercase included: one spelling
+/// per value).
+pub fn unhex(text: &str) -> Option<Vec<u8>> {
+    if !text.len().is_multiple_of(2) || !text.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
+        return None;
+    }
+    (0..text.len()).step_by(2).map(|i| u8::from_str_radix(&text[i..i + 2], 16).ok()).collect()
 }
 
 /// A fresh secret: 256 bits from the thread's CSPRNG (ChaCha, seeded by the OS), hex.

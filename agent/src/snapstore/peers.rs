@@ -545,19 +545,13 @@ mod tests {
         assert_eq!(e.kind(), io::ErrorKind::OutOfMemory);
     }
 
-    /// Reads one clear handshake frame.
+    /// The handshake's own clear frames, read within 5 s.
     fn read_clear(s: &mut TcpStream) -> secure::Handshake {
-        let mut head = [0u8; 4];
-        s.read_exact(&mut head).unwrap();
-        let mut body = vec![0u8; u32::from_le_bytes(head) as usize];
-        s.read_exact(&mut body).unwrap();
-        serde_json::from_slice(&body).unwrap()
+        secure::read_clear(s, Instant::now() + Duration::from_secs(5)).unwrap()
     }
 
     fn write_clear(s: &mut TcpStream, h: &secure::Handshake) {
-        let body = serde_json::to_vec(h).unwrap();
-        s.write_all(&(body.len() as u32).to_le_bytes()).unwrap();
-        s.write_all(&body).unwrap();
+        secure::write_clear(s, h).unwrap();
     }
 
     #[test]
@@ -574,15 +568,10 @@ mod tests {
             let secure::Handshake::Challenge { nonce: server_nonce, .. } = read_clear(&mut s) else {
                 panic!("a challenge")
             };
-            let shared = {
-                let key = me.key;
-                let x = x.clone();
-                move || x.shared_with(&key).unwrap()
-            };
             let (cn, sn) = (secure::parse_public(&nonce).unwrap(), secure::parse_public(&server_nonce).unwrap());
             let xk = secure::parse_public(&x.public_hex()).unwrap();
             let keys = secure::session(
-                &shared(),
+                &x.shared_with(&me.key).unwrap(),
                 &secure::Transcript {
                     round: 7,
                     client: "x",
@@ -593,8 +582,7 @@ mod tests {
                     server_nonce: &sn,
                 },
             );
-            let proof =
-                secure::Handshake::Proof { proof: keys.client_proof.iter().map(|b| format!("{b:02x}")).collect() };
+            let proof = secure::Handshake::Proof { proof: rlaunch_rendezvous::identity::hex(&keys.client_proof) };
             write_clear(&mut s, &proof);
             let mut head = [0u8; 4];
             s.read_exact(&mut head).unwrap(); // the sealed welcome: accepted

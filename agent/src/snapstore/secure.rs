@@ -32,6 +32,7 @@ use aws_lc_rs::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM, NONCE_LE
 use aws_lc_rs::agreement::{self, PrivateKey, UnparsedPublicKey, X25519};
 use aws_lc_rs::hkdf::{self, Salt, HKDF_SHA256};
 use aws_lc_rs::rand::{SecureRandom, SystemRandom};
+use rlaunch_rendezvous::identity::{hex, unhex};
 use serde::{Deserialize, Serialize};
 
 /// The length of a public key, and of a nonce of the handshake.
@@ -75,17 +76,6 @@ impl Identity {
 pub(crate) fn parse_public(text: &str) -> Option<[u8; KEY_LEN]> {
     let bytes = unhex(text)?;
     bytes.try_into().ok()
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(text: &str) -> Option<Vec<u8>> {
-    if !text.len().is_multiple_of(2) || !text.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
-        return None;
-    }
-    (0..text.len()).step_by(2).map(|i| u8::from_str_radix(&text[i..i + 2], 16).ok()).collect()
 }
 
 fn bad(why: &str) -> io::Error {
@@ -162,7 +152,7 @@ fn same(a: &[u8], b: &[u8]) -> bool {
     aws_lc_rs::constant_time::verify_slices_are_equal(a, b).is_ok()
 }
 
-fn write_clear(s: &mut TcpStream, h: &Handshake) -> io::Result<()> {
+pub(crate) fn write_clear(s: &mut TcpStream, h: &Handshake) -> io::Result<()> {
     let body = serde_json::to_vec(h).map_err(io::Error::other)?;
     let mut frame = Vec::with_capacity(4 + body.len());
     frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
@@ -172,7 +162,7 @@ fn write_clear(s: &mut TcpStream, h: &Handshake) -> io::Result<()> {
 
 /// Reads one handshake frame, the whole of it before `deadline` (a peer sending a byte now and
 /// then does not keep the connection).
-fn read_clear(s: &mut TcpStream, deadline: Instant) -> io::Result<Handshake> {
+pub(crate) fn read_clear(s: &mut TcpStream, deadline: Instant) -> io::Result<Handshake> {
     let mut head = [0u8; 4];
     read_by(s, &mut head, deadline)?;
     let len = u32::from_le_bytes(head) as usize;

@@ -24,7 +24,7 @@ pub fn validate_node(node: &NodeInfo) -> Result<(), Rejection> {
         fp.check().map_err(|m| Rejection::InvalidNode { message: m })?;
     }
     if let Some(key) = &node.snapshot_key {
-        if key.len() != 64 || !key.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
+        if crate::identity::unhex(key).is_none_or(|k| k.len() != 32) {
             return invalid("snapshot_key must be 64 lowercase hex digits (an X25519 public key)");
         }
     }
