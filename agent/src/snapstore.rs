@@ -744,3 +744,49 @@ fn lend(file: &std::fs::File) -> std::io::Result<OwnedFd> {
     let path = Path::new("/proc/self/fd").join(sealed.as_ref().unwrap_or(file).as_raw_fd().to_string());
     Ok(OwnedFd::from(std::fs::File::open(path)?))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lent_part_cannot_be_written_through_any_reopening_of_its_descriptor() {
+        let part = memfd().unwrap();
+        std::os::unix::fs::FileExt::write_all_at(&part, b"committed state", 0).unwrap();
+        let lent = lend(&part).unwrap();
+        // What a worker does with the descriptor it was handed: reopen it read-write.
+        let path = Path::new("/proc/self/fd").join(lent.as_raw_fd().to_string());
+        let reopened = std::fs::OpenOptions::new().read(true).write(true).open(&path);
+        let wrote = reopened.and_then(|f| std::os::unix::fs::FileExt::write_all_at(&f, b"forged", 0));
+        assert!(wrote.is_err(), "a lent part was written");
+        let mut got = vec![0u8; 15];
+        std::os::unix::fs::FileExt::read_exact_at(&part, &mut got, 0).unwrap();
+        assert_eq!(got, b"committed state");
+        // A part its writer still maps writable cannot be sealed: a sealed copy is lent instead,
+        // and the part itself is untouched.
+        let mapped = memfd().unwrap();
+        mapped.set_len(4096).unwrap();
+        // SAFETY: a fresh shared mapping of a memfd this test owns, unmapped below.
+        let map = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                mapped.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(map, libc::MAP_FAILED);
+        let copy = lend(&mapped).unwrap();
+        let path = Path::new("/proc/self/fd").join(copy.as_raw_fd().to_string());
+        let wrote = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .and_then(|f| std::os::unix::fs::FileExt::write_all_at(&f, b"x", 0));
+        assert!(wrote.is_err(), "the lent copy was written");
+        assert!(!sealed(&mapped), "the mapped part itself stays as it was");
+        // SAFETY: the mapping made above, of 4096 bytes.
+        unsafe { libc::munmap(map, 4096) };
+    }
+}

@@ -1769,6 +1769,28 @@ fn a_node_listing_too_many_snapshot_parts_or_ranks_outside_their_world_is_refuse
     }
 }
 
+#[test]
+fn the_largest_snapshot_inventory_a_join_may_list_stays_within_two_kilobytes() {
+    // The bloat the review measured: 64 sets of 64 ranges, tens of kB per join, kept for every
+    // pending node and rewritten into etcd at each change. Now refused; the most allowed is small.
+    use rlaunch::contract::{SnapshotSet, MAX_SNAPSHOT_RANGES, MAX_SNAPSHOT_SETS};
+    let world = 1 << 20;
+    let set = |n: usize, ranges: usize| SnapshotSet {
+        tag: u64::MAX - n as u64,
+        step: u64::MAX - n as u64,
+        world,
+        ranks: (0..ranges as u32).map(|r| (world - 2 * r - 2, world - 2 * r - 1)).collect(),
+    };
+    let bloated = NodeInfo { snapshots: (0..64).map(|n| set(n, 64)).collect(), ..node("a") };
+    assert!(serde_json::to_vec(&bloated.snapshots).unwrap().len() > 50_000);
+    assert!(validate_node(&bloated).is_err());
+    let largest =
+        NodeInfo { snapshots: (0..MAX_SNAPSHOT_SETS).map(|n| set(n, MAX_SNAPSHOT_RANGES)).collect(), ..node("a") };
+    assert!(validate_node(&largest).is_ok());
+    let bytes = serde_json::to_vec(&largest.snapshots).unwrap().len();
+    assert!(bytes <= 2048, "{bytes} bytes");
+}
+
 // ---- recovery accounting ----
 
 fn progress(job: &Job, id: &str, round: u64, p: rlaunch::contract::NodeProgress, now: Millis) -> (Job, Decision) {
