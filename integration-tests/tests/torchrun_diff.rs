@@ -700,10 +700,24 @@ fn unrecognized(stderr: &str) -> Vec<String> {
     flags
 }
 
+/// A line as torchrun prints it when its tail of a log file read half a line: the half, then
+/// on the next read the rest (here only the newline) behind the rank's prefix again, so the
+/// line ends in a bare `[default1]:`. That tear is torchrun's timing, not a difference: cut it.
+fn untorn(line: &str) -> &str {
+    let Some(at) = line.rfind("[default") else { return line };
+    let tail = &line[at + "[default".len()..];
+    let bare_prefix = tail.strip_suffix("]:").is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+    if bare_prefix && line[..at].contains("wkr:") {
+        &line[..at]
+    } else {
+        line
+    }
+}
+
 /// Worker lines (`wkr:` marked) of one stream, grouped by rank, each with what precedes the mark.
 fn console_lines(stream: &str, text: &str) -> Vec<String> {
     let mut by_rank: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    for line in text.lines().filter(|l| l.contains("wkr:")) {
+    for line in text.lines().filter(|l| l.contains("wkr:")).map(untorn) {
         let rank = line.split("rank=").nth(1).and_then(|r| r.split_whitespace().next()).unwrap_or("?");
         by_rank.entry(rank.to_string()).or_default().push(format!("{stream} rank {rank}: {}", line.trim_end()));
     }
@@ -1051,4 +1065,13 @@ fn rlaunch_behaves_as_torchrun_invocation_by_invocation() {
         cases.len(),
         failures.join("\n")
     );
+}
+
+#[test]
+fn a_line_torchrun_tore_in_its_tail_compares_as_the_whole_line() {
+    let torn = "[default1]:wkr:hello rank=1 attempt=0[default1]:";
+    assert_eq!(untorn(torn), "[default1]:wkr:hello rank=1 attempt=0");
+    for whole in ["[default1]:wkr:hello rank=1 attempt=0", "[default0]:wkr:says [default]: rank=0", "[default1]:"] {
+        assert_eq!(untorn(whole), whole);
+    }
 }
