@@ -11,7 +11,12 @@
 #   3. an unmodified PyTorch DDP script on NCCL (bench/gpu/ddp_nccl.py) under
 #      `rlaunch --standalone` and under torchrun in the same run (2 ranks on the one GPU where
 #      NCCL allows it, else 1), then a rank SIGKILLed mid-step under rlaunch: the group is
-#      restarted with no hang in NCCL and the job finishes from its checkpoint.
+#      restarted with no hang in NCCL and the job finishes from its checkpoint;
+#   4. bench/gpu/gpu_paths.py: snapshots of ~1 GiB of CUDA tensors (save against one
+#      device-to-host copy and torch.save, load back onto the device byte-equal), warm workers
+#      with a CUDA program (nothing on a device before the rank is known; crash to first CUDA
+#      step warm, cold and under torchrun), an NCCL rank killed mid-step resumed from its
+#      snapshot, and `train --device cuda` against the same MLP in PyTorch DDP.
 # Everything lands in bench/gpu/RESULTS.md (or $RLAUNCH_GPU_CHECK_OUT) with the device, the
 # versions and the date; raw logs in $RLAUNCH_GPU_CHECK_LOGS (default: a temporary folder).
 #
@@ -217,10 +222,18 @@ if [ $rc -ne 0 ] || [ "$restarted" -lt 1 ] || [ "$finished" -ne "$NPROC" ]; then
   echo "exit $rc after $wall s (timeout 150 s: a hang in NCCL would show as 124); restarted group resumed: $restarted; ranks finished in attempt 1: $finished of $NPROC."; echo
   echo '```'; grep -E 'ddp-nccl|restart|exit|signal|fail|Error|error' "$LOG/ddp-kill.txt" | grep -v '^\s*$' | head -30; echo '```'; } >> "$OUT"
 
+# ---- 4. what landed after the first GPU checks (bench/gpu/gpu_paths.py) ----------------------
+# Snapshots of CUDA tensors, warm workers with CUDA, a rank of an NCCL job killed mid-step with
+# snapshots, the Rust runtime against PyTorch on the same MLP; each beside its peer.
+paths_rc=0
+say "running the snapshot, warm-worker and Rust-against-PyTorch checks (gpu_paths.py)"
+RLAUNCH_CUDA_LIB_DIRS="$RLAUNCH_CUDA_LIB_DIRS" timeout 420 "$PY" bench/gpu/gpu_paths.py --rlaunch "$RLAUNCH" \
+  --train "$TRAIN" --out "$OUT" --logs "$LOG" --nproc "$NPROC" ${RLAUNCH_GPU_PATHS_ONLY:+--only "$RLAUNCH_GPU_PATHS_ONLY"} || paths_rc=1
+
 say "report: $OUT; logs: $LOG"
-if [ "$check_rc" -eq 0 ] && [ "$train_rc" -eq 0 ] && [ "$torch_rc" -eq 0 ]; then
+if [ "$check_rc" -eq 0 ] && [ "$train_rc" -eq 0 ] && [ "$torch_rc" -eq 0 ] && [ "$paths_rc" -eq 0 ]; then
   say "every check passed"
   exit 0
 fi
-say "FAILED (gpu_check exit $check_rc, train comparison $train_rc, PyTorch NCCL $torch_rc); see $OUT and $LOG"
+say "FAILED (gpu_check exit $check_rc, train comparison $train_rc, PyTorch NCCL $torch_rc, new paths $paths_rc); see $OUT and $LOG"
 exit 1
