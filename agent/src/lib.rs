@@ -148,6 +148,14 @@ pub async fn run(config: AgentConfig) -> Result<RunOutcome, AgentError> {
 }
 
 async fn run_inner(config: AgentConfig) -> Result<RunOutcome, AgentError> {
+    // No process of this user, the workers included, may read this agent's memory (its
+    // snapshot key's private half, every rank's parts) through ptrace or /proc/<pid>/mem, and
+    // no core dump of it is written. Workers exec their program, which makes them dumpable
+    // again (py-spy still reads their stacks).
+    // SAFETY: prctl(PR_SET_DUMPABLE) takes plain integers and touches no memory of ours.
+    if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) } != 0 {
+        warn!(error = %std::io::Error::last_os_error(), "cannot make the agent undumpable");
+    }
     // The stores and the probe endpoint hold a descriptor per client: the common soft limit of
     // 1024 would run out long before the connection caps do (issue 26, item 3).
     match rlaunch::store::raise_open_files() {

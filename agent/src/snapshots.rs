@@ -25,6 +25,11 @@ pub fn buddies(members: &[NodeId]) -> BTreeMap<NodeId, NodeId> {
     members.iter().enumerate().map(|(i, m)| (m.clone(), members[(i + 1) % members.len()].clone())).collect()
 }
 
+/// Most steps the ledger follows at once (the last committed among them). Members save in
+/// lockstep (each step's gradients are all-reduced), and a node keeps the steps in progress
+/// after the last committed one only within its memory cap: a handful are open at once.
+pub const MAX_OPEN_STEPS: usize = 64;
+
 /// What the ledger hears.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Event {
@@ -72,6 +77,12 @@ impl Ledger {
                     return;
                 }
                 self.held.entry(step).or_default().entry(rank).or_default().insert(node);
+                // A member announcing steps far ahead (or lying) must not grow this without end:
+                // the newest steps go first, so the ones an honest round works on (just after
+                // the last committed) stay.
+                while self.held.len() > MAX_OPEN_STEPS {
+                    self.held.pop_last();
+                }
                 if self.whole(step) {
                     self.committed.insert(step);
                     // What is older than a committed step may go.
@@ -138,6 +149,28 @@ impl Ledger {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_member_announcing_endless_future_steps_keeps_the_ledger_bounded_and_the_round_committing() {
+        // Issue 34 (Medium): Complete messages for steps far ahead grew the ledger without end.
+        let (names, home) = layout(2, 1);
+        let buddy = buddies(&names);
+        let mut l = Ledger::new(home.clone());
+        for e in save(1, &home, &buddy) {
+            l.apply(e);
+        }
+        assert_eq!(l.last_committed(), Some(1));
+        for step in 2..100_000u64 {
+            l.apply(Event::Held { step: step * 1_000, rank: 1, node: "n1".into() });
+            l.apply(Event::Held { step: step * 1_000, rank: 1, node: "n0".into() });
+        }
+        assert!(l.held.len() <= MAX_OPEN_STEPS, "{} steps followed", l.held.len());
+        // The honest next step still commits.
+        for e in save(2, &home, &buddy) {
+            l.apply(e);
+        }
+        assert_eq!(l.last_committed(), Some(2));
+    }
 
     /// `nodes` nodes of `per` ranks each: node i holds ranks i*per..(i+1)*per.
     fn layout(nodes: usize, per: u32) -> (Vec<NodeId>, BTreeMap<u32, NodeId>) {

@@ -174,19 +174,42 @@ fn a_recycled_pid_of_a_reaped_worker_is_never_signalled() {
     let _ = victim.wait();
 }
 
-/// The agent's children that are forks of itself (same executable): its containment watchdog.
+/// The agent's containment watchdogs: its children that are forks of itself (same executable)
+/// leading a session of their own. A child between fork and exec (a worker, a probe, a version
+/// query) shares the executable for a moment too, and a worker's calls `setsid`: only the ones
+/// still so 100 ms later count, read until two readings agree.
 fn watchdogs(agent: u32) -> Vec<i32> {
     let exe = std::fs::read_link(format!("/proc/{agent}/exe")).unwrap();
-    let mut found = Vec::new();
-    for t in std::fs::read_dir(format!("/proc/{agent}/task")).into_iter().flatten().flatten() {
-        let list = std::fs::read_to_string(t.path().join("children")).unwrap_or_default();
-        for pid in list.split_whitespace().filter_map(|p| p.parse::<i32>().ok()) {
-            if std::fs::read_link(format!("/proc/{pid}/exe")).is_ok_and(|e| e == exe) && pid_alive(pid) {
-                found.push(pid);
+    let read = || {
+        let mut found = Vec::new();
+        for t in std::fs::read_dir(format!("/proc/{agent}/task")).into_iter().flatten().flatten() {
+            let list = std::fs::read_to_string(t.path().join("children")).unwrap_or_default();
+            for pid in list.split_whitespace().filter_map(|p| p.parse::<i32>().ok()) {
+                let forked = std::fs::read_link(format!("/proc/{pid}/exe")).is_ok_and(|e| e == exe);
+                if forked && session(pid) == Some(pid) && pid_alive(pid) {
+                    found.push(pid);
+                }
             }
         }
+        found.sort_unstable();
+        found
+    };
+    let mut last = read();
+    for _ in 0..50 {
+        std::thread::sleep(Duration::from_millis(100));
+        let now = read();
+        if now == last {
+            return now;
+        }
+        last = now;
     }
-    found
+    panic!("the agent's forks never settled: {last:?}");
+}
+
+/// The session id of `pid` (field 6 of `/proc/{pid}/stat`).
+fn session(pid: i32) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(") ")?.1.split_whitespace().nth(3)?.parse().ok()
 }
 
 fn signal(pid: i32, sig: &str) {
@@ -220,9 +243,16 @@ fn cgroup_job(dir: &Path) -> (std::process::Child, Vec<i32>, String, i32) {
 fn sigkill_agent_and_expect_nothing_left(mut agent: std::process::Child, pids: &[i32], cgroup: &str) {
     agent.kill().unwrap(); // SIGKILL
     agent.wait().unwrap();
-    wait_until("every descendant to be gone within a second", Duration::from_secs(1), || {
-        pids.iter().all(|p| !pid_alive(*p))
-    });
+    let t = std::time::Instant::now();
+    while pids.iter().any(|p| pid_alive(*p)) && t.elapsed() < Duration::from_secs(1) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let left: Vec<String> = pids
+        .iter()
+        .filter(|p| pid_alive(**p))
+        .map(|p| format!("{p}: {}", std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default().trim()))
+        .collect();
+    assert!(left.is_empty(), "a second after the agent's SIGKILL, descendants still run: {left:#?}");
     wait_until("the job's cgroup to be removed", Duration::from_secs(5), || !Path::new(cgroup).exists());
 }
 
@@ -239,7 +269,11 @@ fn the_watchdog_survives_sigterm_and_sigstop_and_still_acts_on_a_sigkill_of_the_
     wait_until("the agent to resume its stopped watchdog", Duration::from_secs(5), || {
         !matches!(state(dog), Some('T' | 't'))
     });
-    assert!(pid_alive(dog), "the watchdog is alive after SIGTERM and SIGQUIT");
+    assert!(
+        pid_alive(dog),
+        "the watchdog is alive after SIGTERM and SIGQUIT (agent's forks now: {:?})",
+        watchdogs(agent.id())
+    );
     sigkill_agent_and_expect_nothing_left(agent, &pids, &cgroup);
 }
 

@@ -207,6 +207,46 @@ fn a_non_root_agent_takes_a_group_or_world_writable_log_dir() {
     }
 }
 
+/// Issue 34 (Low): the agent's memory holds its snapshot key's private half and every rank's
+/// parts; a worker runs as the agent's user. It could read the agent's memory (ptrace,
+/// `/proc/<pid>/mem`) and what `/proc/<pid>/environ` and `maps` say of it. Now the agent is not dumpable: none of that, for any process of its user.
+#[test]
+fn a_worker_of_the_agents_own_user_cannot_read_the_agents_memory() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    assert_root();
+    let dir = tempdir();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let exe = dir.path().join("rlaunch");
+    std::fs::copy(bin("rlaunch"), &exe).expect("copy rlaunch");
+    std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let logs = dir.path().join("logs");
+    std::fs::create_dir(&logs).unwrap();
+    std::os::unix::fs::chown(&logs, Some(65534), Some(65534)).unwrap();
+    // The worker's parent is its agent; each read says "open" or "closed".
+    let probe = r#"echo "agent uid $(stat -c %u /proc/$PPID/status) me $(id -u)";
+for f in environ maps; do
+  if head -c 1 /proc/$PPID/$f >/dev/null 2>&1; then echo "$f open"; else echo "$f closed"; fi
+done"#;
+    let o = run_deadline(
+        Command::new(&exe)
+            .uid(65534)
+            .gid(65534)
+            .env("HOME", dir.path())
+            .current_dir(dir.path())
+            .args(["--rdzv-backend", "static", "--rdzv-id", "S", "--nproc-per-node", "1", "--log-dir"])
+            .arg(&logs)
+            .args(["/bin/sh", "-c", probe]),
+        DEADLINE,
+    );
+    let out = stdout_of(&o);
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    assert!(out.contains("me 65534"), "{out}");
+    for f in ["environ", "maps"] {
+        assert!(out.contains(&format!("{f} closed")), "the worker read the agent's {f}:\n{out}");
+    }
+}
+
 /// A `$TMPDIR` another user may write (a per-user one kept by `sudo -E`, one a scheduler set):
 /// a root agent makes none of its runtime directories there (the Python package put first on
 /// the workers' `PYTHONPATH`, the snapshot socket, the warm bootstrap, the default logs), so

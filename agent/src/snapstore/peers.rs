@@ -7,9 +7,10 @@
 //! member of the round this agent runs, or that cannot prove it, is refused; so is any request
 //! about a round other than the current one. Frames are JSON; a part's bytes follow its frame.
 //!
-//! Connections are bounded: at most [`MAX_HANDSHAKES`] strangers in their handshake at once
-//! (the oldest is dropped for a newer one, and each has [`HELLO_WITHIN`] for the whole
-//! handshake, not per read), and [`MAX_PEER_CONNECTIONS`] proven members.
+//! Connections are bounded: at most [`MAX_HANDSHAKES`] strangers in their handshake at once and
+//! [`MAX_HANDSHAKES_PER_ADDRESS`] from one address (the oldest of the busiest address is
+//! dropped for a newer one, and each has [`HELLO_WITHIN`] for the whole handshake, not per
+//! read), and [`MAX_PEER_CONNECTIONS`] proven members.
 
 use std::collections::{HashMap, VecDeque};
 use std::fs::File;
@@ -248,31 +249,49 @@ pub(crate) const MAX_HANDSHAKES: usize = 64;
 /// A connection's whole handshake must come within this.
 pub(crate) const HELLO_WITHIN: Duration = Duration::from_secs(2);
 
+/// Most handshakes from one address at once: a flood from one host cuts only its own.
+pub(crate) const MAX_HANDSHAKES_PER_ADDRESS: usize = 8;
+
 /// The connections in their handshake, oldest first, to drop one when a newer comes.
 #[derive(Default)]
 struct Handshaking {
     next: AtomicU64,
-    open: Mutex<VecDeque<(u64, TcpStream)>>,
+    open: Mutex<VecDeque<(u64, std::net::IpAddr, TcpStream)>>,
 }
 
 impl Handshaking {
-    /// Registers `s`; at the bound, the oldest handshake is cut.
+    /// Registers `s`. Past [`MAX_HANDSHAKES_PER_ADDRESS`] from its address, that address's
+    /// oldest handshake is cut; past [`MAX_HANDSHAKES`] in all, the oldest of the address that
+    /// has the most: strangers flooding from a few hosts never cut a member's handshake.
     fn enter(&self, s: &TcpStream) -> Option<u64> {
         let id = self.next.fetch_add(1, Ordering::SeqCst);
         let clone = s.try_clone().ok()?;
+        let ip = s.peer_addr().ok()?.ip();
         let mut open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
-        if open.len() >= MAX_HANDSHAKES {
-            if let Some((_, oldest)) = open.pop_front() {
-                debug!("too many snapshot peer handshakes at once: the oldest is cut");
-                let _ = oldest.shutdown(std::net::Shutdown::Both);
+        let from = |open: &VecDeque<(u64, std::net::IpAddr, TcpStream)>, ip: std::net::IpAddr| {
+            open.iter().filter(|(_, a, _)| *a == ip).count()
+        };
+        let victim = if from(&open, ip) >= MAX_HANDSHAKES_PER_ADDRESS {
+            Some(ip)
+        } else if open.len() >= MAX_HANDSHAKES {
+            open.iter().map(|(_, a, _)| *a).max_by_key(|a| from(&open, *a))
+        } else {
+            None
+        };
+        if let Some(victim) = victim {
+            if let Some(i) = open.iter().position(|(_, a, _)| *a == victim) {
+                if let Some((_, _, oldest)) = open.remove(i) {
+                    debug!(from = %victim, "too many snapshot peer handshakes at once: the oldest is cut");
+                    let _ = oldest.shutdown(std::net::Shutdown::Both);
+                }
             }
         }
-        open.push_back((id, clone));
+        open.push_back((id, ip, clone));
         Some(id)
     }
 
     fn leave(&self, id: u64) {
-        self.open.lock().unwrap_or_else(PoisonError::into_inner).retain(|(i, _)| *i != id);
+        self.open.lock().unwrap_or_else(PoisonError::into_inner).retain(|(i, _, _)| *i != id);
     }
 }
 
@@ -629,6 +648,54 @@ mod tests {
         }
         assert!(cut, "a trickling handshake is cut");
         assert!(t0.elapsed() < HELLO_WITHIN + Duration::from_secs(2), "{:?}", t0.elapsed());
+    }
+
+    #[test]
+    fn a_flood_of_handshakes_from_one_address_never_cuts_a_members_handshake_from_another() {
+        // Issue 34 (Medium): strangers opening handshakes faster than members evicted a member's
+        // handshake in progress (the oldest was cut for any newer one).
+        let (_store, me, x) = store();
+        let (port, me_key) = (me.addr.port(), me.key);
+        // The member, from 127.0.0.2, starts its handshake and waits in it.
+        let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+        sock.bind(&"127.0.0.2:0".parse::<std::net::SocketAddr>().unwrap().into()).unwrap();
+        sock.connect(&format!("127.0.0.1:{port}").parse::<std::net::SocketAddr>().unwrap().into()).unwrap();
+        let mut s: TcpStream = sock.into();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let nonce = "22".repeat(32);
+        write_clear(
+            &mut s,
+            &secure::Handshake::Hello { round: 7, node: "x".into(), to: "me".into(), nonce: nonce.clone() },
+        );
+        let secure::Handshake::Challenge { nonce: server_nonce, .. } = read_clear(&mut s) else {
+            panic!("a challenge")
+        };
+        // Strangers from 127.0.0.1: twice the whole bound, each registered (a byte sent).
+        let addr = format!("127.0.0.1:{port}");
+        let mut flood: Vec<TcpStream> = (0..2 * MAX_HANDSHAKES).map(|_| TcpStream::connect(&addr).unwrap()).collect();
+        for f in &mut flood {
+            let _ = f.write_all(&[1]);
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        // The member's handshake is still open: its proof is taken.
+        let (cn, sn) = (secure::parse_public(&nonce).unwrap(), secure::parse_public(&server_nonce).unwrap());
+        let xk = secure::parse_public(&x.public_hex()).unwrap();
+        let keys = secure::session(
+            &x.shared_with(&me_key).unwrap(),
+            &secure::Transcript {
+                round: 7,
+                client: "x",
+                server: "me",
+                client_key: &xk,
+                server_key: &me_key,
+                client_nonce: &cn,
+                server_nonce: &sn,
+            },
+        );
+        write_clear(&mut s, &secure::Handshake::Proof { proof: rlaunch_rendezvous::identity::hex(&keys.client_proof) });
+        let mut head = [0u8; 4];
+        s.read_exact(&mut head).expect("the member's handshake survived the flood: the sealed welcome came");
+        drop(flood);
     }
 
     #[test]

@@ -95,6 +95,10 @@ pub struct Job {
     /// Digest of `members`, computed when the round closed (answers carry it, not the list).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub members_digest: String,
+    /// The round `members` closed in: the tag its members' snapshot parts were saved under
+    /// (0 before any round closed, or in a state written before it was kept).
+    #[serde(default)]
+    pub members_round: u64,
     /// Group ranks by node id, built on first use per round: finding a member among 10,000
     /// is a lookup, not a scan. Not stored; a stale entry is detected and scanned past.
     #[serde(skip)]
@@ -200,6 +204,7 @@ impl Job {
             version: 0,
             members: Vec::new(),
             members_digest: String::new(),
+            members_round: 0,
             member_index: MemberIndex::default(),
             pending: Vec::new(),
             previous: Vec::new(),

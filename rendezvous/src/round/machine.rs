@@ -10,7 +10,7 @@ use super::node::{fingerprint_digest, fingerprint_summary, validate_node, MAX_FI
 use super::recovery::{MarkKind, NAMED_NODES};
 use super::settings::{JobSettings, Millis, SCALE_UP_TTLS};
 use crate::detector::{ProbeReport, Sent};
-use rlaunch::contract::{Member, NodeInfo, NodeProgress, RootCause};
+use rlaunch::contract::{Member, NodeInfo, NodeProgress, RootCause, SnapshotSet};
 
 /// Applies one event to a job at time `now`. Pure: the same inputs give the same outputs.
 /// A rejected event returns the job unchanged.
@@ -649,11 +649,16 @@ fn close_round(job: &mut Job, now: Millis, reason: String) -> Decision {
         .chain(job.fingerprint_reference.as_deref())
         .collect();
     job.fingerprints.retain(|d, _| keep.contains(d.as_str()));
+    // What each node may be believed to hold, judged by the round that just ended, before its
+    // members are replaced.
+    let believed: Vec<Vec<SnapshotSet>> =
+        order.iter().map(|p| credible_snapshots(&job.members, job.members_round, &p.node)).collect();
     let mut offset = 0u32;
     job.members = order
         .into_iter()
+        .zip(believed)
         .enumerate()
-        .map(|(rank, p)| {
+        .map(|(rank, (p, snapshots))| {
             let m = Member {
                 node_id: p.node.node_id,
                 group_rank: u32::try_from(rank).unwrap_or(u32::MAX),
@@ -663,13 +668,14 @@ fn close_round(job: &mut Job, now: Millis, reason: String) -> Decision {
                 probe_addr: p.node.probe_addr,
                 snapshot_addr: p.node.snapshot_addr,
                 snapshot_key: p.node.snapshot_key,
-                snapshots: p.node.snapshots,
+                snapshots,
             };
             offset = offset.saturating_add(m.local_world_size);
             m
         })
         .collect();
     job.members_digest = members_digest(&job.members);
+    job.members_round = job.round;
     let ids: Vec<&str> = job.members.iter().map(|m| m.node_id.as_str()).collect();
     let world = job.members.iter().map(|m| m.local_world_size).sum();
     job.accounting.round_closed(now, job.round, &ids, world);
@@ -692,6 +698,56 @@ fn close_round(job: &mut Job, now: Millis, reason: String) -> Decision {
         }
     }
     decide(Action::RoundClosed { round: job.round }, reason)
+}
+
+/// The snapshot parts of `node`'s join that the round closing believes it holds, judged by the
+/// round that ended (`last`, closed as round `last_round`): a member restores what the others
+/// say they hold, so a node must not make them restore (and free their own copies for) parts it
+/// never had. Of parts saved in `last_round`, a node holds its own ranks' (it ran them) and
+/// those of the member before it in the ring (it is that member's buddy, which sends it each
+/// part), in that round's world; of parts saved earlier, only what the last round believed it
+/// held. Nothing of a node that was not a member of the last round: its agent is new (a
+/// restarted agent is a new node), so it holds nothing of this job. Parts a node fetched to
+/// restore count only from the next round it saves in (its own and its buddy's, as above).
+pub(crate) fn credible_snapshots(last: &[Member], last_round: u64, node: &NodeInfo) -> Vec<SnapshotSet> {
+    let Some(i) = last.iter().position(|m| m.node_id == node.node_id) else { return Vec::new() };
+    let me = &last[i];
+    let before = &last[(i + last.len() - 1) % last.len()];
+    let world = last.iter().fold(0u32, |w, m| w.saturating_add(m.local_world_size));
+    let ring = [(me.ranks().start, me.ranks().end), (before.ranks().start, before.ranks().end)];
+    node.snapshots
+        .iter()
+        .filter_map(|set| {
+            let allowed: Vec<(u32, u32)> = if set.tag == last_round && set.world == world {
+                ring.to_vec()
+            } else if set.tag < last_round {
+                me.snapshots
+                    .iter()
+                    .filter(|b| (b.tag, b.step, b.world) == (set.tag, set.step, set.world))
+                    .flat_map(|b| b.ranks.iter().copied())
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            let ranks = intersect(&set.ranks, &allowed);
+            (!ranks.is_empty()).then(|| SnapshotSet { ranks, ..set.clone() })
+        })
+        .collect()
+}
+
+/// The ranks in both lists of half-open ranges, as sorted, disjoint, non-adjacent ranges.
+fn intersect(a: &[(u32, u32)], b: &[(u32, u32)]) -> Vec<(u32, u32)> {
+    let mut pieces: Vec<(u32, u32)> =
+        a.iter().flat_map(|&(s, e)| b.iter().map(move |&(t, f)| (s.max(t), e.min(f)))).filter(|(s, e)| s < e).collect();
+    pieces.sort_unstable();
+    let mut out: Vec<(u32, u32)> = Vec::with_capacity(pieces.len());
+    for (s, e) in pieces {
+        match out.last_mut() {
+            Some(last) if s <= last.1 => last.1 = last.1.max(e),
+            _ => out.push((s, e)),
+        }
+    }
+    out
 }
 
 /// How the nodes about to form a round differ, against the job's first fingerprint when one of

@@ -1791,6 +1791,136 @@ fn the_largest_snapshot_inventory_a_join_may_list_stays_within_two_kilobytes() {
     assert!(bytes <= 2048, "{bytes} bytes");
 }
 
+/// A set of parts as a join lists it: (tag, step, world, rank ranges).
+type Listed = (u64, u64, u32, Vec<(u32, u32)>);
+/// What a round believes of each member: node -> (tag, step, world) -> rank ranges.
+type Believed = BTreeMap<String, BTreeMap<(u64, u64, u32), Vec<(u32, u32)>>>;
+
+/// A node's join for the next round, listing `sets`.
+fn holding(id: &str, sets: &[Listed]) -> NodeInfo {
+    use rlaunch::contract::SnapshotSet;
+    let snapshots = sets
+        .iter()
+        .map(|(tag, step, world, ranks)| SnapshotSet { tag: *tag, step: *step, world: *world, ranks: ranks.clone() })
+        .collect();
+    NodeInfo { snapshots, ..node(id) }
+}
+
+/// Each member's believed parts after a round closed: node -> (tag, step, world) -> ranks.
+fn believed(job: &Job) -> Believed {
+    job.members
+        .iter()
+        .map(|m| (m.node_id.clone(), m.snapshots.iter().map(|s| ((s.tag, s.step, s.world), s.ranks.clone())).collect()))
+        .collect()
+}
+
+/// Fails the running round and has every node in `joins` join the next, which closes.
+fn next_round(job: &Job, joins: Vec<NodeInfo>, now: Millis) -> Job {
+    let round = job.round;
+    let rc = rc(json!({"rank": 0, "exit_code": 1}));
+    let failed_by = job.members[0].node_id.clone();
+    let (mut job, d) = step(job, Event::ReportFailure { node_id: failed_by, round, root_cause: rc }, now);
+    assert!(matches!(d.action, Action::RoundOpened { .. }), "{d:?}");
+    for (i, n) in joins.into_iter().enumerate() {
+        job = step(&job, Event::Join(n), now + 1 + i as Millis).0;
+    }
+    assert!(matches!(job.phase, Phase::Running { .. }) && job.round == round + 1, "{:?}", job.phase);
+    job
+}
+
+#[test]
+fn a_member_is_believed_to_hold_only_its_own_and_its_ring_predecessors_parts_of_the_last_round() {
+    // Issue 34, the hostile review's High: a member listing a fake inventory (every rank of a
+    // newer step, every rank of the honest step, a step of a round not yet run) became the
+    // plan's source for every rank, and the honest members freed their real copies for it. Now
+    // the round believes of each node only what it can have: of round 1 (a: ranks 0-1, b: 2-3,
+    // c: 4-5; each the buddy of the one before it), its own ranks and its predecessor's.
+    let mut s = settings(3, 3);
+    s.max_restarts = 5;
+    let job = running(&["a", "b", "c"], s);
+    assert_eq!(job.members_round, 1);
+    let all = vec![(0, 6)];
+    let job = next_round(
+        &job,
+        vec![
+            holding("a", &[(1, 10, 6, vec![(0, 2), (4, 6)])]),
+            // The liar: everything of step 10, a whole step 99 nobody saved, a future round's,
+            // an earlier round's it never held, and a world that was not round 1's.
+            holding(
+                "b",
+                &[
+                    (1, 10, 6, all.clone()),
+                    (1, 99, 6, all.clone()),
+                    (7, 11, 6, all.clone()),
+                    (0, 5, 6, all.clone()),
+                    (1, 12, 8, vec![(0, 8)]),
+                ],
+            ),
+            holding("c", &[(1, 10, 6, vec![(2, 6)])]),
+        ],
+        2_000,
+    );
+    let b = believed(&job);
+    assert_eq!(b["a"], BTreeMap::from([((1, 10, 6), vec![(0, 2), (4, 6)])]));
+    // b is believed for its own ranks (2-3) and a's (0-1), of each round-1 set of the world it had.
+    assert_eq!(b["b"], BTreeMap::from([((1, 10, 6), vec![(0, 4)]), ((1, 99, 6), vec![(0, 4)])]));
+    assert_eq!(b["c"], BTreeMap::from([((1, 10, 6), vec![(2, 6)])]));
+    // So step 99 is not whole anywhere: no member restores from it, none frees step 10 for it.
+    let holders_of_99: Vec<(u32, u32)> = b.values().filter_map(|m| m.get(&(1, 99, 6))).flatten().copied().collect();
+    assert_eq!(holders_of_99, [(0, 4)]);
+    assert_eq!(job.members_round, 2);
+
+    // Round 3: parts of round 1 are believed only as far as round 2 believed them, and a node
+    // that was not a member of round 2 (d, new) holds nothing of this job.
+    let job = next_round(
+        &job,
+        vec![
+            holding("a", &[(1, 10, 6, vec![(0, 2), (4, 6)])]),
+            holding("b", &[(1, 10, 6, all.clone()), (2, 20, 6, all.clone())]),
+            holding("c", &[(1, 10, 6, vec![(2, 6)])]),
+        ],
+        4_000,
+    );
+    let b = believed(&job);
+    assert_eq!(b["b"][&(1, 10, 6)], vec![(0, 4)]);
+    assert_eq!(b["b"][&(2, 20, 6)], vec![(0, 4)], "round 2's ring: b's ranks and a's");
+    let mut s = settings(1, 4);
+    s.max_restarts = 5;
+    let mut grown = job.clone();
+    grown.settings = s;
+    let (grown, _) =
+        step(&grown, Event::Join(holding("d", &[(3, 30, 6, all.clone()), (2, 20, 6, all.clone())])), 5_000);
+    let grown = next_round(
+        &grown,
+        vec![
+            holding("a", &[]),
+            holding("b", &[]),
+            holding("c", &[]),
+            holding("d", &[(3, 30, 6, all.clone()), (2, 20, 6, all.clone())]),
+        ],
+        6_000,
+    );
+    assert!(believed(&grown)["d"].is_empty(), "{:?}", believed(&grown)["d"]);
+}
+
+#[test]
+fn the_ranges_a_node_is_believed_for_are_merged_and_never_more_than_it_listed() {
+    use super::machine::credible_snapshots;
+    let job = running(&["a", "b"], settings(2, 2));
+    // a: ranks 0-1, b: 2-3; a's predecessor is b.
+    let a = holding("a", &[(1, 5, 4, vec![(1, 3)]), (1, 6, 4, vec![(0, 1), (3, 4)])]);
+    let got = credible_snapshots(&job.members, job.members_round, &a);
+    let got: Vec<(u64, Vec<(u32, u32)>)> = got.into_iter().map(|s| (s.step, s.ranks)).collect();
+    assert_eq!(got, [(5, vec![(1, 3)]), (6, vec![(0, 1), (3, 4)])]);
+    // A job of one node: its predecessor is itself.
+    let solo = running(&["a"], settings(1, 1));
+    let a = holding("a", &[(1, 5, 4, vec![(0, 4)])]);
+    let got = credible_snapshots(&solo.members, solo.members_round, &a);
+    assert!(got.is_empty(), "round 1's world was 2, not 4: {got:?}");
+    let a = holding("a", &[(1, 5, 2, vec![(0, 2)])]);
+    assert_eq!(credible_snapshots(&solo.members, solo.members_round, &a)[0].ranks, [(0, 2)]);
+}
+
 // ---- recovery accounting ----
 
 fn progress(job: &Job, id: &str, round: u64, p: rlaunch::contract::NodeProgress, now: Millis) -> (Job, Decision) {
