@@ -650,7 +650,7 @@ fn load(shared: &Shared, rank: Option<u32>) -> Reply {
             }
             buffer_for(shared, key, world, len)
         };
-        let fetched = peers::fetch(&peer, &me, key, room);
+        let fetched = peers::fetch(&peer, &me, key, room, || abandon(shared, key));
         st = shared.lock();
         let held_now = |st: &State| st.holdings.get(&key).is_some_and(|p| p.whole) && st.buffers.contains_key(&key);
         match fetched {

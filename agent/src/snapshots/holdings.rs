@@ -45,6 +45,19 @@ pub struct Grant {
     pub reuse: Option<Key>,
 }
 
+/// Most steps of one rank in progress at once (saved, not yet committed). Ranks save in
+/// lockstep and a step commits once its copies are acknowledged, so an honest rank has one or
+/// two; a rank (or the node whose copies these are) running far ahead, or announcing steps it
+/// never took, is refused beyond this instead of filling the cap.
+pub const MAX_OPEN_PER_RANK: usize = 8;
+/// What a part counts against the cap at least: a buffer (and its descriptor) costs a page
+/// however few bytes it holds.
+pub const MIN_CHARGE: u64 = 4096;
+
+fn charge(len: u64) -> u64 {
+    len.max(MIN_CHARGE)
+}
+
 /// How a refusal that leaves training going starts (the client returns `False` and says it
 /// once): the step is not snapshotted, the last committed one stays.
 pub const NOT_SNAPSHOTTED: &str = "not snapshotted: ";
@@ -67,8 +80,9 @@ impl Holdings {
         Holdings { cap, ..Holdings::default() }
     }
 
+    /// What the held parts count against the cap (each at least [`MIN_CHARGE`]).
     pub fn used(&self) -> u64 {
-        self.parts.values().map(|p| p.len).sum()
+        self.parts.values().map(|p| charge(p.len)).sum()
     }
 
     pub fn get(&self, key: &Key) -> Option<&Part> {
@@ -125,14 +139,26 @@ impl Holdings {
                 format!("rank {}'s part of step {} is being saved by another request", key.rank, key.step)
             });
         }
+        let open = self
+            .parts
+            .keys()
+            .filter(|k| k.rank == key.rank && k.tag == self.tag && self.base.is_none_or(|(_, s)| k.step > s))
+            .count();
+        if key.tag == self.tag && open >= MAX_OPEN_PER_RANK {
+            return Err(format!(
+                "{NOT_SNAPSHOTTED}rank {} already has {open} steps saved and not yet committed (at most \
+                 {MAX_OPEN_PER_RANK}: their copies are not acknowledged); the last committed step stays",
+                key.rank
+            ));
+        }
         let free: Vec<Key> = self
             .droppable()
             .into_iter()
             .filter(|k| k.rank == key.rank || k.tag != self.tag || !local.contains(&k.rank))
             .collect();
-        let kept: u64 =
-            self.parts.iter().filter(|(k, _)| !free.contains(k)).map(|(_, p)| p.len).sum::<u64>() + self.outside;
-        if kept.saturating_add(len) > self.cap {
+        let kept: u64 = self.parts.iter().filter(|(k, _)| !free.contains(k)).map(|(_, p)| charge(p.len)).sum::<u64>()
+            + self.outside;
+        if kept.saturating_add(charge(len)) > self.cap {
             return Err(format!(
                 "{NOT_SNAPSHOTTED}rank {}'s part of step {} ({} MiB) does not fit in this node's snapshot memory \
                  (--snapshot-memory {} MiB, {} MiB of it holding the last committed step and the \
@@ -243,6 +269,9 @@ pub fn plan(inventories: &BTreeMap<NodeId, Vec<Have>>, runs: &BTreeMap<u32, Node
 mod tests {
     use super::*;
 
+    /// A part's size in these tests' units: a page, the least a part counts.
+    const P: u64 = MIN_CHARGE;
+
     fn key(tag: u64, step: u64, rank: u32) -> Key {
         Key { tag, step, rank }
     }
@@ -253,49 +282,78 @@ mod tests {
 
     #[test]
     fn the_base_and_steps_in_progress_stay_and_the_rest_goes_under_the_cap() {
-        let mut h = Holdings::new(300);
+        let mut h = Holdings::new(300 * P);
         assert!(h.begin_round(1, None).is_empty());
-        h.reserve(key(1, 1, 0), 1, 100, &(0..2)).unwrap();
+        h.reserve(key(1, 1, 0), 1, 100 * P, &(0..2)).unwrap();
         h.commit(&key(1, 1, 0));
         // Step 1 not committed yet: step 2 is in progress beside it.
-        let g = h.reserve(key(1, 2, 0), 1, 100, &(0..2)).unwrap();
+        let g = h.reserve(key(1, 2, 0), 1, 100 * P, &(0..2)).unwrap();
         assert_eq!(g, Grant::default());
         h.commit(&key(1, 2, 0));
         assert!(h.committed(1, 1));
         assert!(h.committed(1, 2));
         assert!(!h.committed(1, 1), "the base never goes back");
         // Step 3 reuses the buffer of step 1, which may go once 2 is committed.
-        let g = h.reserve(key(1, 3, 0), 1, 100, &(0..2)).unwrap();
+        let g = h.reserve(key(1, 3, 0), 1, 100 * P, &(0..2)).unwrap();
         assert_eq!(g, Grant { free: vec![], reuse: Some(key(1, 1, 0)) });
-        assert_eq!(h.used(), 200);
+        assert_eq!(h.used(), 200 * P);
         // A fourth part that does not fit is refused and changes nothing.
-        h.reserve(key(1, 4, 0), 1, 100, &(0..2)).unwrap();
-        let e = h.reserve(key(1, 5, 0), 1, 100, &(0..2)).unwrap_err();
+        h.reserve(key(1, 4, 0), 1, 100 * P, &(0..2)).unwrap();
+        let e = h.reserve(key(1, 5, 0), 1, 100 * P, &(0..2)).unwrap_err();
         assert!(e.contains("--snapshot-memory"), "{e}");
-        assert_eq!(h.used(), 300);
+        assert_eq!(h.used(), 300 * P);
         assert!(h.get(&key(1, 2, 0)).is_some_and(|p| p.whole), "the last committed step stays");
+    }
+
+    #[test]
+    fn a_rank_far_ahead_of_its_commits_is_refused_past_a_few_steps_and_tiny_parts_cost_a_page() {
+        // Issue 34 (Medium): the node whose copies these are put parts of steps far ahead, and
+        // parts of no bytes, each a buffer and a descriptor, until the cap was full and the
+        // node's own saves were refused.
+        let mut h = Holdings::new(1 << 30);
+        h.begin_round(1, None);
+        let remote = 0..0; // no local rank: copies for another node
+        for step in 1..=MAX_OPEN_PER_RANK as u64 {
+            h.reserve(key(1, 1_000_000 + step, 5), 8, 0, &remote).unwrap();
+            h.commit(&key(1, 1_000_000 + step, 5));
+        }
+        let e = h.reserve(key(1, 2_000_000, 5), 8, 0, &remote).unwrap_err();
+        assert!(e.starts_with(NOT_SNAPSHOTTED) && e.contains("not yet committed"), "{e}");
+        assert_eq!(h.used(), MAX_OPEN_PER_RANK as u64 * MIN_CHARGE, "each empty part costs a page");
+        // Another rank (this node's own) still saves.
+        h.reserve(key(1, 1, 0), 8, 100, &(0..1)).unwrap();
+        // Once a step commits, the steps before it are no longer in progress: room again.
+        h.committed(1, 1_000_000 + MAX_OPEN_PER_RANK as u64);
+        h.reserve(key(1, 2_000_000, 5), 8, 0, &remote).unwrap();
+        // And with a small cap, tiny parts fill it by pages, not bytes.
+        let mut h = Holdings::new(4 * MIN_CHARGE);
+        h.begin_round(1, None);
+        for r in 0..4 {
+            h.reserve(key(1, 1, r), 8, 1, &remote).unwrap();
+        }
+        assert!(h.reserve(key(1, 1, 4), 8, 1, &remote).is_err(), "4 one-byte parts fill 4 pages");
     }
 
     #[test]
     fn buffers_still_being_sent_after_they_were_freed_count_against_the_cap() {
         // A slow buddy: two freed parts of 100 bytes each still being copied out.
-        let mut h = Holdings::new(300);
+        let mut h = Holdings::new(300 * P);
         h.begin_round(1, None);
-        h.outside = 200;
-        h.reserve(key(1, 1, 0), 1, 100, &(0..1)).unwrap();
-        let e = h.reserve(key(1, 2, 0), 1, 100, &(0..1)).unwrap_err();
+        h.outside = 200 * P;
+        h.reserve(key(1, 1, 0), 1, 100 * P, &(0..1)).unwrap();
+        let e = h.reserve(key(1, 2, 0), 1, 100 * P, &(0..1)).unwrap_err();
         assert!(e.contains("does not fit"), "{e}");
         // Once the copies let go, the room is there again.
         h.outside = 0;
-        h.reserve(key(1, 2, 0), 1, 100, &(0..1)).unwrap();
+        h.reserve(key(1, 2, 0), 1, 100 * P, &(0..1)).unwrap();
     }
 
     #[test]
     fn a_new_round_lets_go_of_steps_after_its_base_and_of_other_rounds() {
-        let mut h = Holdings::new(1000);
+        let mut h = Holdings::new(1000 * P);
         h.begin_round(1, None);
         for step in [5, 6, 7] {
-            h.reserve(key(1, step, 0), 2, 10, &(0..2)).unwrap();
+            h.reserve(key(1, step, 0), 2, 10 * P, &(0..2)).unwrap();
             h.commit(&key(1, step, 0));
         }
         h.committed(1, 6);
@@ -303,42 +361,42 @@ mod tests {
         let gone = h.begin_round(2, Some((1, 6)));
         assert_eq!(gone, vec![key(1, 5, 0), key(1, 7, 0)], "all but the base");
         assert_eq!(h.inventory(), vec![have(1, 6, 0, 2)], "what went is in no inventory");
-        let g = h.reserve(key(2, 7, 0), 2, 10, &(0..2)).unwrap();
+        let g = h.reserve(key(2, 7, 0), 2, 10 * P, &(0..2)).unwrap();
         assert_eq!(g, Grant::default());
         assert!(h.get(&key(1, 6, 0)).is_some(), "the base stays until a newer step commits");
         h.commit(&key(2, 7, 0));
         assert!(h.committed(2, 7));
-        let g = h.reserve(key(2, 8, 0), 2, 10, &(0..2)).unwrap();
+        let g = h.reserve(key(2, 8, 0), 2, 10 * P, &(0..2)).unwrap();
         assert_eq!(g.reuse, Some(key(1, 6, 0)), "the old base goes with the next save");
     }
 
     #[test]
     fn a_reservation_being_written_is_never_reused_and_a_step_is_saved_once() {
-        let mut h = Holdings::new(1000);
+        let mut h = Holdings::new(1000 * P);
         h.begin_round(1, None);
-        h.reserve(key(1, 1, 0), 2, 10, &(0..2)).unwrap();
+        h.reserve(key(1, 1, 0), 2, 10 * P, &(0..2)).unwrap();
         h.commit(&key(1, 1, 0));
-        h.reserve(key(1, 1, 1), 2, 10, &(0..2)).unwrap();
+        h.reserve(key(1, 1, 1), 2, 10 * P, &(0..2)).unwrap();
         h.commit(&key(1, 1, 1));
         h.committed(1, 1);
         // Restored: the round begins at step 1; a save of step 1 again is refused, not a
         // rewrite of the held part in place.
         h.begin_round(2, Some((1, 1)));
-        let e = h.reserve(key(1, 1, 0), 2, 10, &(0..2)).unwrap_err();
+        let e = h.reserve(key(1, 1, 0), 2, 10 * P, &(0..2)).unwrap_err();
         assert!(e.starts_with(NOT_SNAPSHOTTED) && e.contains("already held"), "{e}");
         // Rank 0 writes step 2 (reserved, not whole); rank 1's reservation never takes it.
-        h.reserve(key(2, 2, 0), 2, 10, &(0..2)).unwrap();
+        h.reserve(key(2, 2, 0), 2, 10 * P, &(0..2)).unwrap();
         h.committed(2, 2);
-        let g = h.reserve(key(2, 3, 1), 2, 10, &(0..2)).unwrap();
+        let g = h.reserve(key(2, 3, 1), 2, 10 * P, &(0..2)).unwrap();
         assert!(!g.free.contains(&key(2, 2, 0)) && g.reuse != Some(key(2, 2, 0)), "{g:?}");
-        assert!(h.reserve(key(2, 2, 0), 2, 10, &(0..2)).is_err(), "a second writer of the same part is refused");
+        assert!(h.reserve(key(2, 2, 0), 2, 10 * P, &(0..2)).is_err(), "a second writer of the same part is refused");
         // Rank 1's save does not free rank 0's old buffer (its worker may map it); rank 0's does.
         h.commit(&key(2, 2, 0));
         h.commit(&key(2, 3, 1));
-        h.reserve(key(2, 3, 0), 2, 10, &(0..2)).unwrap();
+        h.reserve(key(2, 3, 0), 2, 10 * P, &(0..2)).unwrap();
         h.commit(&key(2, 3, 0));
         h.committed(2, 3);
-        let g = h.reserve(key(2, 4, 1), 2, 10, &(0..2)).unwrap();
+        let g = h.reserve(key(2, 4, 1), 2, 10 * P, &(0..2)).unwrap();
         assert!(g.free.iter().chain(g.reuse.iter()).all(|k| k.rank == 1), "{g:?}");
     }
 
@@ -361,13 +419,13 @@ mod tests {
 
     #[test]
     fn an_abandoned_reservation_is_no_part_and_is_in_no_inventory() {
-        let mut h = Holdings::new(100);
+        let mut h = Holdings::new(100 * P);
         h.begin_round(3, None);
-        h.reserve(key(3, 1, 0), 1, 10, &(0..2)).unwrap();
+        h.reserve(key(3, 1, 0), 1, 10 * P, &(0..2)).unwrap();
         assert!(h.inventory().is_empty(), "reserved is not held");
         h.abandon(&key(3, 1, 0));
         assert_eq!(h.used(), 0);
-        h.reserve(key(3, 1, 0), 1, 10, &(0..2)).unwrap();
+        h.reserve(key(3, 1, 0), 1, 10 * P, &(0..2)).unwrap();
         h.commit(&key(3, 1, 0));
         h.abandon(&key(3, 1, 0));
         assert_eq!(h.inventory(), vec![have(3, 1, 0, 1)], "a whole part is never abandoned");

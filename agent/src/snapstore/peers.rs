@@ -103,11 +103,23 @@ pub(crate) fn fetch(
     me: &Me,
     key: Key,
     mut room: impl FnMut(u32, u64) -> Result<Arc<File>, String>,
+    mut let_go: impl FnMut(),
 ) -> io::Result<(u32, u64, Arc<File>)> {
     // The holder may still be starting this round: its answer "not this round" is waited out.
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        match fetch_once(peer, me, key, &mut room) {
+        let mut made_room = false;
+        let mut room_once = |world: u32, len: u64| {
+            made_room = true;
+            room(world, len)
+        };
+        let got = fetch_once(peer, me, key, &mut room_once);
+        if got.is_err() && made_room {
+            // The transfer was cut after room was made: that reservation goes, or the next try
+            // would find it in its own way ("being saved by another request").
+            let_go();
+        }
+        match got {
             Ok(got) => return Ok(got),
             Err(e) if e.kind() != io::ErrorKind::OutOfMemory && Instant::now() < deadline => {
                 debug!(error = %e, "fetching a snapshot part; trying again");
@@ -560,7 +572,7 @@ mod tests {
         // A part nobody holds is refused, not invented; a fetch the cap has no room for makes
         // no buffer and is not tried again.
         assert!(fetch_once(&me, &as_("x", 7, &x), Key { tag: 7, step: 2, rank: 2 }, &mut { room }).is_err());
-        let e = fetch(&me, &as_("x", 7, &x), Key { tag: 7, step: 1, rank: 2 }, no_room).err().unwrap();
+        let e = fetch(&me, &as_("x", 7, &x), Key { tag: 7, step: 1, rank: 2 }, no_room, || {}).err().unwrap();
         assert_eq!(e.kind(), io::ErrorKind::OutOfMemory);
     }
 
@@ -728,6 +740,53 @@ mod tests {
         assert!(store.inventory().is_empty());
         let a = put6(&mut connect(&me, &as_("y", 7, &y)).unwrap(), 4);
         assert!(a.ok, "{a:?}");
+    }
+
+    #[test]
+    fn a_fetch_cut_off_mid_part_is_tried_again_and_its_first_reservation_does_not_stand_in_its_way() {
+        // Issue 34 (Low): a fetch whose transfer was cut after it reserved room tried again and
+        // was refused by its own leftover reservation ("being saved by another request").
+        let (holder, me, x) = store();
+        let part = vec![7u8; 1 << 20];
+        put(&mut connect(&me, &as_("x", 7, &x)).unwrap(), 7, 2, &part).unwrap();
+        // A relay that cuts its first connection after 64 kB from the holder, then relays whole.
+        let relay = TcpListener::bind("127.0.0.1:0").unwrap();
+        let via: HostPort = format!("127.0.0.1:{}", relay.local_addr().unwrap().port()).parse().unwrap();
+        let target = format!("127.0.0.1:{}", me.addr.port());
+        std::thread::spawn(move || {
+            for (n, client) in relay.incoming().enumerate() {
+                let Ok(client) = client else { return };
+                let server = TcpStream::connect(&target).unwrap();
+                let (mut c_in, mut s_out) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+                std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut c_in, &mut s_out);
+                });
+                let (mut s_in, mut c_out) = (server, client);
+                std::thread::spawn(move || {
+                    let limit = if n == 0 { 64 << 10 } else { u64::MAX };
+                    let _ = std::io::copy(&mut (&mut s_in).take(limit), &mut c_out);
+                    let _ = c_out.shutdown(std::net::Shutdown::Both);
+                    let _ = s_in.shutdown(std::net::Shutdown::Both);
+                });
+            }
+        });
+        // The fetching node: x, whose store reserves room as a load does.
+        let fetcher = SnapStore::start(1 << 30, Default::default()).unwrap();
+        let key = Key { tag: 7, step: 1, rank: 2 };
+        let shared = &fetcher.shared;
+        let peer = Peer { addr: via, ..me.clone() };
+        let (world, len, file) = fetch(
+            &peer,
+            &as_("x", 7, &x),
+            key,
+            |world, len| super::super::buffer_for(shared, key, world, len),
+            || super::super::abandon(shared, key),
+        )
+        .expect("the second try fetches the part");
+        let mut got = vec![0u8; len as usize];
+        std::os::unix::fs::FileExt::read_exact_at(&*file, &mut got, 0).unwrap();
+        assert_eq!((world, got == part), (4, true));
+        drop(holder);
     }
 
     #[test]
