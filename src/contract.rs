@@ -596,6 +596,13 @@ pub struct SnapshotSet {
 pub const MAX_SNAPSHOT_SETS: usize = 8;
 pub const MAX_SNAPSHOT_RANGES: usize = 8;
 
+/// Most nodes of a round whose members keep snapshots in each other's memory: each member talks
+/// to every other (announcements of whole steps) and its agent serves at most this many of
+/// them, and the member list every join would carry grows the round's cost with the square of
+/// the job. Past this, the rendezvous answers no member list and the agents keep no snapshots
+/// for the round (`save` returns `False`, saying why).
+pub const MAX_SNAPSHOT_NODES: usize = 512;
+
 /// A member of a closed round.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Member {

@@ -557,7 +557,18 @@ impl Io<'_> {
                 Some(e) if p.group_world_size > 1 && !p.members.is_empty() => {
                     snap.begin_peer_round(p.round, &e.node.node_id, &p.members)
                 }
-                _ => snap.begin_local_round(p.round, p.world_size, ranks),
+                _ => {
+                    if p.group_world_size > 1 {
+                        warn!(
+                            round = p.round,
+                            nodes = p.group_world_size,
+                            "no snapshots in this round: its nodes have no member list to agree on a step by (a \
+                             static job, a round of more than {} nodes, or an older rendezvous); `save` returns False",
+                            rlaunch::contract::MAX_SNAPSHOT_NODES
+                        );
+                    }
+                    snap.begin_local_round(p.round, p.world_size, ranks)
+                }
             }
         }
         let specs = worker_specs(self.config, &p, &master, self.ctx);

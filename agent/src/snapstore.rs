@@ -506,9 +506,11 @@ fn reserve(shared: &Shared, step: u64, rank: u32, world: u32, len: u64, reserved
         let round = st.round.as_ref().expect("planned");
         if round.peers.is_none() && round.ranks.len() < round.world as usize {
             return Err(format!(
-                "{}this round's nodes cannot agree on a step (a static job of several nodes, or a \
-                 rendezvous that answers no member list): snapshots are off",
-                holdings::NOT_SNAPSHOTTED
+                "{}this round's nodes cannot agree on a step (a static job of several nodes, a \
+                 round of more than {} nodes, or a rendezvous that answers no member list): \
+                 snapshots are off",
+                holdings::NOT_SNAPSHOTTED,
+                rlaunch::contract::MAX_SNAPSHOT_NODES
             ));
         }
         if !round.ranks.contains(&rank) || world != round.world {

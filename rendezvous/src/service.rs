@@ -53,6 +53,8 @@ struct JoinView {
 
 impl JoinView {
     fn of(job: &Job, node_id: &str, members: bool) -> Self {
+        // Past the nodes snapshots support, no member list: it would make every answer O(N).
+        let members = members && job.members.len() <= rlaunch::contract::MAX_SNAPSHOT_NODES;
         let info = job.placement(node_id, members);
         let terminal = Rendezvous::terminal_error(job);
         let tracked = info.is_some() || terminal.is_some() || job.is_member(node_id) || job.tracks(node_id);

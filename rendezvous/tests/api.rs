@@ -1178,3 +1178,28 @@ async fn the_client_does_not_follow_a_redirect_with_a_nodes_join() {
     serving.abort();
     collecting.abort();
 }
+
+/// Issue 34: with snapshots on, every join answer carried the whole member list, so a round's
+/// cost grew with the square of the job (3,000 nodes: 15 s to close). The agents' snapshot
+/// protocol is all-to-all and takes at most `MAX_SNAPSHOT_NODES` members; past that, the list is
+/// not sent (the agents say snapshots are off for the round) and the round costs what it costs
+/// without snapshots.
+#[tokio::test]
+async fn past_the_nodes_snapshots_support_a_join_answers_no_member_list() {
+    use rlaunch::contract::MAX_SNAPSHOT_NODES;
+    use rlaunch_rendezvous::service::JoinAnswer;
+    let rdzv = Rendezvous::in_memory();
+    for (n, listed) in [(3usize, true), (MAX_SNAPSHOT_NODES, true), (MAX_SNAPSHOT_NODES + 1, false)] {
+        let mut s = fast(n as u32, n as u32);
+        s.node_ttl = Duration::from_secs(60);
+        s.join_timeout = Duration::from_secs(120);
+        let run = format!("big{n}");
+        for i in 0..n - 1 {
+            rdzv.join(&run, &s, node(&format!("n{i}")), None, true, Duration::ZERO).await.expect("joins");
+        }
+        let last = rdzv.join(&run, &s, node("last"), None, true, Duration::from_secs(5)).await.expect("joins");
+        let JoinAnswer::Round(info) = last.answer else { panic!("the round closed: {:?}", last.answer) };
+        assert_eq!(info.group_world_size as usize, n);
+        assert_eq!(info.members.len(), if listed { n } else { 0 }, "{n} nodes");
+    }
+}

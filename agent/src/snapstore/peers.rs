@@ -255,7 +255,7 @@ fn acked(shared: &Shared, key: Key, buddy: NodeId) {
 
 /// Most proven members' connections served at once: a member talks to each other member over
 /// one connection, plus fetches; anything past this is closed at once.
-const MAX_PEER_CONNECTIONS: usize = 512;
+const MAX_PEER_CONNECTIONS: usize = rlaunch::contract::MAX_SNAPSHOT_NODES;
 /// Most connections in their handshake at once; a newer one drops the oldest.
 pub(crate) const MAX_HANDSHAKES: usize = 64;
 /// A connection's whole handshake must come within this.
