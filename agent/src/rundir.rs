@@ -149,21 +149,34 @@ impl RunDir {
         Err(last)
     }
 
+    /// Made under a name [`sweep`] passes over (a leading dot), locked, then renamed into
+    /// place: another agent's sweep never sees it between its making and its lock (it would
+    /// take the lock and remove a live agent's directory).
     fn make(path: PathBuf) -> io::Result<RunDir> {
-        std::fs::DirBuilder::new().mode(0o700).create(&path)?;
-        let lock = std::fs::OpenOptions::new()
+        let name = path.file_name().ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "no file name"))?;
+        let making = path.with_file_name(format!(".{}", name.to_string_lossy()));
+        std::fs::DirBuilder::new().mode(0o700).create(&making)?;
+        let locked = std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
             .mode(0o600)
             .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(path.join(LOCK_FILE))?;
-        // SAFETY: flock on a descriptor the File keeps open.
-        if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-            let e = io::Error::last_os_error();
-            let _ = std::fs::remove_dir_all(&path);
-            return Err(e);
+            .open(making.join(LOCK_FILE))
+            .and_then(|lock| {
+                // SAFETY: flock on a descriptor the File keeps open.
+                if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                std::fs::rename(&making, &path)?;
+                Ok(lock)
+            });
+        match locked {
+            Ok(lock) => Ok(RunDir { path, _lock: lock }),
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&making);
+                Err(e)
+            }
         }
-        Ok(RunDir { path, _lock: lock })
     }
 
     pub fn path(&self) -> &Path {
@@ -251,6 +264,33 @@ mod tests {
             std::os::unix::fs::lchown(&planted, Some(4242), None).unwrap();
             assert!(untrusted(&planted, euid).is_some_and(|w| w.contains("a link that uid 4242")));
         }
+    }
+
+    #[test]
+    fn a_sweep_running_while_another_agent_makes_its_directory_never_removes_it() {
+        // Issue 34 (Low): a directory was visible to other agents' sweeps between its making and
+        // its lock, and a sweep in that window took the lock and removed a live agent's directory.
+        let base = tempfile::tempdir().unwrap();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let sweeper = {
+            let (base, stop) = (base.path().to_owned(), stop.clone());
+            std::thread::spawn(move || {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    sweep(&base, "rlaunch-race");
+                }
+            })
+        };
+        let mut lost = 0;
+        for i in 0..3000 {
+            let d = RunDir::make(base.path().join(format!("rlaunch-race-1-{i:08x}"))).unwrap();
+            std::thread::yield_now();
+            if !d.path().join(LOCK_FILE).exists() {
+                lost += 1;
+            }
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        sweeper.join().unwrap();
+        assert_eq!(lost, 0, "live directories removed by a concurrent sweep");
     }
 
     #[test]
