@@ -436,6 +436,15 @@ pub fn worker_program(args: &Args, python: &OsString) -> Result<Vec<OsString>, U
     }
     let (first, rest) = args.program.split_first().expect("clap requires PROGRAM");
     let mut argv = Vec::with_capacity(args.program.len() + 3);
+    let needs_python = args.module
+        || (!args.no_python && (first.to_string_lossy().ends_with(".py") || is_python_source(Path::new(first))));
+    if needs_python && python.is_empty() {
+        return usage(
+            "no Python interpreter for the program: none of PYTHON_EXEC, RLAUNCH_PYTHON, $VIRTUAL_ENV, \
+             $CONDA_PREFIX, a python beside rlaunch, nor python3 on PATH's absolute entries (relative \
+             entries are never searched); set PYTHON_EXEC",
+        );
+    }
     if args.module {
         argv.extend([python.clone(), "-u".into(), "-m".into()]);
     } else if !args.no_python && (first.to_string_lossy().ends_with(".py") || is_python_source(Path::new(first))) {
@@ -462,7 +471,8 @@ fn is_python_source(program: &Path) -> bool {
 /// The Python interpreter for `*.py` programs and `-m`, and why: `PYTHON_EXEC` (torchrun's),
 /// `RLAUNCH_PYTHON`, the active virtualenv's or conda env's, the one beside rlaunch itself (a
 /// pip-installed rlaunch in a venv), else `python3` from PATH's absolute entries (never a
-/// relative one), resolved here once.
+/// relative one), resolved here once. None of them: an empty name, which a Python program is
+/// refused with (a bare `python3` would be looked up on the workers' PATH, relative entries too).
 pub fn python_interpreter(env: &dyn Fn(&str) -> Option<String>, own_exe: Option<PathBuf>) -> (OsString, String) {
     for var in ["PYTHON_EXEC", "RLAUNCH_PYTHON"] {
         if let Some(p) = env(var).filter(|p| !p.is_empty()) {
@@ -487,7 +497,7 @@ pub fn python_interpreter(env: &dyn Fn(&str) -> Option<String>, own_exe: Option<
         std::env::split_paths(&path).filter(|d| d.is_absolute()).map(|d| d.join("python3")).find(|p| p.is_file());
     match found {
         Some(p) => (p.into_os_string(), "python3 from PATH".to_owned()),
-        None => ("python3".into(), "python3 from PATH".to_owned()),
+        None => (OsString::new(), "no python3 on PATH's absolute entries".to_owned()),
     }
 }
 
@@ -1048,9 +1058,18 @@ mod interpreter_tests {
         let path = format!("rel:{}", abs.display());
         let env = |k: &str| (k == "PATH").then(|| path.clone());
         assert_eq!(python_interpreter(&env, None).0, abs.join("python3").into_os_string());
-        // None on an absolute entry: the bare name, which the spawn reports.
+        // None on an absolute entry: no interpreter, and a Python program is refused before
+        // anything starts (a bare `python3` was looked up on the workers' PATH, `rel` too).
         let only_rel = |k: &str| (k == "PATH").then(|| "rel".to_owned());
-        assert_eq!(python_interpreter(&only_rel, None).0, OsString::from("python3"));
+        let (none, why) = python_interpreter(&only_rel, None);
+        assert!(none.is_empty(), "{none:?} ({why})");
+        for program in [&["rlaunch", "train.py"][..], &["rlaunch", "-m", "pkg.train"]] {
+            let e = Args::try_parse_from(program).unwrap().into_config(&none, &only_rel).expect_err("refused");
+            assert!(e.to_string().contains("PYTHON_EXEC"), "{e}");
+        }
+        // A program that is not Python needs none.
+        let args = Args::try_parse_from(["rlaunch", "--no-python", "/bin/true"]).unwrap();
+        assert!(args.into_config(&none, &only_rel).is_ok());
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
