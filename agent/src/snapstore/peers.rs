@@ -145,10 +145,15 @@ fn fetch_once(
     Ok((world, len, file))
 }
 
-/// The replicator: sends copies and announcements in order, one connection per member kept
-/// open. A copy of a part whose rank already has a newer one waiting is skipped (the newer
-/// commits instead).
+/// The replicator: sends copies to the buddy in order, one connection kept open; announcements
+/// go to a thread of their own ([`announce`]), so a slow or silent member never holds up the
+/// copies every commit waits for. A copy of a part whose rank already has a newer one waiting is
+/// skipped (the newer commits instead).
 pub(crate) fn replicate(jobs: Receiver<Job>, shared: Weak<Shared>) {
+    let (announcements, heard) = std::sync::mpsc::channel();
+    if let Err(e) = std::thread::Builder::new().name("snapshot-announce".into()).spawn(move || announce(heard)) {
+        warn!(error = %e, "cannot start the snapshot announcer: steps will not commit");
+    }
     let mut conns: HashMap<(NodeId, u64), Channel> = HashMap::new();
     let mut queue: VecDeque<Job> = VecDeque::new();
     // Buddies already said unreachable in a round: said once, then quietly.
@@ -196,17 +201,73 @@ pub(crate) fn replicate(jobs: Receiver<Job>, shared: Weak<Shared>) {
                     Err(e) => debug!(rank = key.rank, step = key.step, error = %e, "a snapshot part was not copied"),
                 }
             }
-            Job::Announce { tag, step, to, me } => {
-                for peer in to {
-                    let r = with_conn(&mut conns, &peer, &me, |ch| {
-                        ch.send(&Msg::Complete { tag, step })?;
-                        answered(ch).map(|_| ())
-                    });
-                    if let Err(e) = r {
-                        debug!(node = %peer.id, step, error = %e, "announcing a whole step");
-                    }
+            announcement @ Job::Announce { .. } => {
+                let _ = announcements.send(announcement);
+            }
+        }
+    }
+}
+
+/// A member that did not answer an announcement is passed over for this long.
+const QUIET_AFTER_FAILURE: Duration = Duration::from_secs(5);
+/// Members told at once: one slow member holds up only its share.
+const ANNOUNCERS: usize = 8;
+
+/// Tells the members that a step is whole here and on the buddy. Only the newest step of a
+/// round waiting is told (it supersedes the older); members are told in parallel, and one that
+/// failed is passed over for [`QUIET_AFTER_FAILURE`].
+fn announce(jobs: Receiver<Job>) {
+    let mut conns: HashMap<(NodeId, u64), Channel> = HashMap::new();
+    let mut quiet: HashMap<NodeId, Instant> = HashMap::new();
+    while let Ok(first) = jobs.recv() {
+        let mut newest = first;
+        for j in jobs.try_iter() {
+            if let (Job::Announce { tag: t, step: s, .. }, Job::Announce { tag: nt, step: ns, .. }) = (&j, &newest) {
+                if (*t, *s) >= (*nt, *ns) {
+                    newest = j;
                 }
             }
+        }
+        let Job::Announce { tag, step, to, me } = newest else { continue };
+        let now = Instant::now();
+        quiet.retain(|_, until| *until > now);
+        let due: Vec<Peer> = to.into_iter().filter(|p| !quiet.contains_key(&p.id)).collect();
+        conns.retain(|(_, round), _| *round == me.round);
+        let chunk = due.len().div_ceil(ANNOUNCERS).max(1);
+        let failed: Vec<NodeId> = std::thread::scope(|sc| {
+            let handles: Vec<_> = due
+                .chunks(chunk)
+                .map(|peers| {
+                    let mut mine: HashMap<(NodeId, u64), Channel> =
+                        peers.iter().filter_map(|p| conns.remove_entry(&(p.id.clone(), me.round))).collect();
+                    let me = &me;
+                    sc.spawn(move || {
+                        let mut failed = Vec::new();
+                        for peer in peers {
+                            let r = with_conn(&mut mine, peer, me, |ch| {
+                                ch.send(&Msg::Complete { tag, step })?;
+                                answered(ch).map(|_| ())
+                            });
+                            if let Err(e) = r {
+                                debug!(node = %peer.id, step, error = %e, "announcing a whole step");
+                                failed.push(peer.id.clone());
+                            }
+                        }
+                        (mine, failed)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .filter_map(|h| h.join().ok())
+                .flat_map(|(mine, failed)| {
+                    conns.extend(mine);
+                    failed
+                })
+                .collect()
+        });
+        for id in failed {
+            quiet.insert(id, Instant::now() + QUIET_AFTER_FAILURE);
         }
     }
 }
@@ -481,6 +542,7 @@ mod tests {
     use super::*;
     use crate::snapstore::SnapStore;
     use rlaunch::contract::Member;
+    use std::collections::BTreeSet;
     use std::io::{Read, Write};
 
     fn member(id: &str, offset: u32, addr: Option<HostPort>, key: &Identity) -> Member {
@@ -787,6 +849,58 @@ mod tests {
         std::os::unix::fs::FileExt::read_exact_at(&*file, &mut got, 0).unwrap();
         assert_eq!((world, got == part), (4, true));
         drop(holder);
+    }
+
+    #[test]
+    fn a_member_that_never_answers_holds_up_no_copy_to_the_buddy() {
+        // Issue 34 (Medium): one replicator thread sent copies and announcements in order, so a
+        // member that accepted connections and never answered stalled every later copy to the
+        // buddy (and with it every commit) for the handshake's deadline, again at each step.
+        let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+        let silent_addr: HostPort = format!("127.0.0.1:{}", silent.local_addr().unwrap().port()).parse().unwrap();
+        std::thread::spawn(move || {
+            let mut held = Vec::new();
+            for c in silent.incoming() {
+                held.extend(c.ok()); // accepted, never read or written
+            }
+        });
+        let me = SnapStore::start(1 << 20, Default::default()).unwrap();
+        let me_addr: HostPort = format!("127.0.0.1:{}", me.serve_peers("127.0.0.1:0").unwrap()).parse().unwrap();
+        let buddy = SnapStore::start(1 << 20, Default::default()).unwrap();
+        let buddy_addr: HostPort = format!("127.0.0.1:{}", buddy.serve_peers("127.0.0.1:0").unwrap()).parse().unwrap();
+        let s = Identity::generate().unwrap();
+        let members = [
+            member("me", 0, Some(me_addr), me.shared.identity().unwrap()),
+            member("buddy", 2, Some(buddy_addr), buddy.shared.identity().unwrap()),
+            member("silent", 4, Some(silent_addr), &s),
+        ];
+        me.begin_peer_round(7, "me", &members);
+        buddy.begin_peer_round(7, "buddy", &members);
+        let save = |step: u64| {
+            let mut reserved = BTreeSet::new();
+            for rank in 0..2 {
+                super::super::reserve(&me.shared, step, rank, 6, 64, &mut reserved).unwrap();
+                super::super::commit(&me.shared, step, rank, &mut reserved).unwrap();
+            }
+        };
+        let on_buddy = |step: u64| buddy.inventory().iter().any(|set| set.step == step && set.ranks == [(0, 2)]);
+        let wait = |step: u64| {
+            let t = Instant::now();
+            while !on_buddy(step) {
+                assert!(t.elapsed() < Duration::from_secs(10), "step {step} never reached the buddy");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            t.elapsed()
+        };
+        save(1);
+        wait(1);
+        // Step 1 is whole here and on the buddy: its announcement now waits on the silent member.
+        std::thread::sleep(Duration::from_millis(100));
+        for step in 2..=4 {
+            save(step);
+            let took = wait(step);
+            assert!(took < Duration::from_secs(1), "step {step}'s copy waited {took:?} behind the silent member");
+        }
     }
 
     #[test]
