@@ -905,3 +905,32 @@ async fn parts_that_no_header_names_are_collected_by_the_jobs_next_write() {
     assert_eq!(job.pending.len(), 2502, "the state reads back whole");
     c.delete("/rlaunch/", Some(etcd_client::DeleteOptions::new().with_prefix())).await.expect("clean up");
 }
+
+/// Issue 34 (item 7): the service never compacted etcd, whose history (every state write is a
+/// revision) grew its database until etcd's quota made every write fail. Now each replica
+/// compacts the history older than `keep`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_history_older_than_the_kept_window_is_compacted() {
+    use rlaunch_rendezvous::store::etcd::{Compaction, EtcdStore};
+    let etcd = Etcd::start().await;
+    let store = EtcdStore::connect(std::slice::from_ref(&etcd.endpoint)).await.expect("store connects");
+    store.set_compaction(Compaction { keep: Duration::from_millis(500), every: Duration::from_millis(200) });
+    let rdzv = rlaunch_rendezvous::Rendezvous::new(rlaunch_rendezvous::Store::Etcd(store));
+    let mut c = etcd_client::Client::connect([etcd.endpoint.as_str()], None).await.expect("etcd client");
+    let old = c.put("/other/key", "v0", None).await.expect("put").header().expect("header").revision();
+    // The service writes a job's state meanwhile, as a job would.
+    rdzv.join("compacted", &settings(1, 1), node("a"), None, false, Duration::ZERO).await.expect("joins");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let at_old = c.get("/other/key", Some(etcd_client::GetOptions::new().with_revision(old))).await;
+        match at_old {
+            Err(e) if e.to_string().contains("compacted") => break,
+            other => assert!(Instant::now() < deadline, "revision {old} never compacted: {other:?}"),
+        }
+        c.put("/other/key", "v1", None).await.expect("put");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The service goes on over the compacted history.
+    let st = rdzv.status("compacted").await.expect("status");
+    assert_eq!(st.round, 1);
+}

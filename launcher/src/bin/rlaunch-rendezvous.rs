@@ -56,6 +56,11 @@ struct Args {
     /// How long to keep trying to reach etcd at start (it may come up after this service).
     #[arg(long, env = "RLAUNCH_RDZV_ETCD_WAIT_MS", default_value_t = 30_000)]
     etcd_wait_ms: u64,
+    /// Seconds of etcd's history kept: older revisions are compacted every minute (every job's
+    /// writes add revisions; uncompacted, etcd's database grows to its quota and refuses writes).
+    /// 0 keeps everything (for an etcd compacted by its own `--auto-compaction-retention`).
+    #[arg(long, env = "RLAUNCH_RDZV_ETCD_HISTORY_S", default_value_t = 300)]
+    etcd_history_s: u64,
     /// Most jobs the service holds at once (finished and failed ones count for an hour); a join
     /// that would create one more is refused with 429.
     #[arg(long, env = "RLAUNCH_RDZV_MAX_JOBS", default_value_t = Limits::default().max_jobs)]
@@ -200,7 +205,14 @@ async fn main() -> Result<()> {
     let store = match args.store {
         StoreKind::Memory => Store::memory(),
         StoreKind::Etcd => {
-            Store::Etcd(connect_etcd(&args.etcd_endpoints, Duration::from_millis(args.etcd_wait_ms)).await?)
+            let store = connect_etcd(&args.etcd_endpoints, Duration::from_millis(args.etcd_wait_ms)).await?;
+            let keep = Duration::from_secs(args.etcd_history_s);
+            let every = if keep.is_zero() { Duration::MAX } else { keep.min(Duration::from_secs(60)) };
+            store.set_compaction(rlaunch_rendezvous::store::etcd::Compaction {
+                keep: if keep.is_zero() { Duration::MAX } else { keep },
+                every,
+            });
+            Store::Etcd(store)
         }
     };
     let rdzv = Rendezvous::with_limits(
