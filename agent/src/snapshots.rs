@@ -338,4 +338,192 @@ mod tests {
             }
         }
     }
+
+    /// Issue 34: random worlds across rounds with the rules production uses end to end: each
+    /// member lists what it holds as it joins (a liar lists more), the round believes of it what
+    /// [`rlaunch_rendezvous::round::credible_snapshots`] allows, every member plans the restore
+    /// with [`holdings::plan`], and each node keeps the planned step and fetches its ranks'
+    /// parts. Copies to the buddy get lost (a slow or cut buddy), nodes are lost and join at
+    /// random. After every round: an honest holder the plan names really holds the part; a
+    /// liar is named only for ranks it ran or was the buddy of when the step was saved; and
+    /// while every part of the last committed step still has a live, honest holder, something is
+    /// restored.
+    #[test]
+    fn random_worlds_with_a_liar_restore_only_real_parts_and_never_lose_a_surviving_commit() {
+        use super::holdings::{plan, Have, Key};
+        use rlaunch::contract::Member;
+        use rlaunch_rendezvous::round::credible_snapshots;
+        type Part = (u64, u64, u32, u32); // tag, step, rank, world
+        const L: u32 = 2;
+        for seed in 1..400u64 {
+            let mut rng = crate::random::XorShift(seed.wrapping_mul(0x2545_F491_4F6C_DD1D) | 1);
+            let mut next_id = 0;
+            let fresh = |next_id: &mut usize| {
+                *next_id += 1;
+                format!("n{next_id}")
+            };
+            let mut alive: Vec<NodeId> = (0..3 + rng.below(3)).map(|_| fresh(&mut next_id)).collect();
+            let liar =
+                if rng.below(2) == 0 { Some(alive[rng.below(alive.len() as u64) as usize].clone()) } else { None };
+            let mut truth: BTreeMap<NodeId, BTreeSet<Part>> =
+                alive.iter().map(|n| (n.clone(), BTreeSet::new())).collect();
+            // Per round: each rank's home and that home's buddy.
+            let mut ring_of: BTreeMap<u64, BTreeMap<u32, (NodeId, NodeId)>> = BTreeMap::new();
+            let mut last: Vec<Member> = Vec::new();
+            let mut step = 0u64;
+            let mut committed: Option<(u64, u64, u32)> = None; // tag, step, world
+            for tag in 1..12u64 {
+                // The round closes: each node's listing, believed as the rendezvous believes it.
+                let sets_of = |n: &NodeId,
+                               truth: &BTreeMap<NodeId, BTreeSet<Part>>,
+                               rng: &mut crate::random::XorShift| {
+                    let mut have: Vec<Have> = truth[n]
+                        .iter()
+                        .map(|&(tag, step, rank, world)| Have { key: Key { tag, step, rank }, world })
+                        .collect();
+                    if liar.as_ref() == Some(n) {
+                        // Every rank of a step nobody saved, and of the real steps it knows of.
+                        let world = (alive.len() as u32) * L;
+                        let fake = step + 1 + rng.below(5);
+                        have.extend((0..world).map(|rank| Have { key: Key { tag: tag - 1, step: fake, rank }, world }));
+                        for &(t, s, _, w) in truth[n].iter() {
+                            have.extend((0..w).map(|rank| Have { key: Key { tag: t, step: s, rank }, world: w }));
+                        }
+                        have.sort();
+                        have.dedup();
+                    }
+                    crate::snapstore::to_sets(&have)
+                };
+                let members: Vec<Member> = alive
+                    .iter()
+                    .enumerate()
+                    .map(|(i, n)| {
+                        let node = rlaunch::contract::NodeInfo {
+                            node_id: n.clone(),
+                            local_world_size: L,
+                            store_addr: "127.0.0.1:1".parse().unwrap(),
+                            probe_addr: None,
+                            fingerprint: None,
+                            snapshot_addr: None,
+                            snapshot_key: None,
+                            snapshots: sets_of(n, &truth, &mut rng),
+                        };
+                        let snapshots = credible_snapshots(&last, tag - 1, &node);
+                        Member {
+                            node_id: n.clone(),
+                            group_rank: i as u32,
+                            local_world_size: L,
+                            rank_offset: i as u32 * L,
+                            store_addr: node.store_addr,
+                            probe_addr: None,
+                            snapshot_addr: None,
+                            snapshot_key: None,
+                            snapshots,
+                        }
+                    })
+                    .collect();
+                let world = alive.len() as u32 * L;
+                let inventories: BTreeMap<NodeId, Vec<Have>> =
+                    members.iter().map(|m| (m.node_id.clone(), crate::snapstore::from_sets(&m.snapshots))).collect();
+                let runs: BTreeMap<u32, NodeId> =
+                    members.iter().flat_map(|m| m.ranks().map(move |r| (r, m.node_id.clone()))).collect();
+                let p = plan(&inventories, &runs, 2);
+                if let Some(p) = &p {
+                    for (rank, from) in &p.from {
+                        let part = (p.tag, p.step, *rank, p.world);
+                        if liar.as_ref() == Some(from) {
+                            let credible = ring_of
+                                .get(&p.tag)
+                                .and_then(|r| r.get(rank))
+                                .is_some_and(|(h, b)| from == h || from == b);
+                            assert!(credible, "seed {seed}: the liar named for rank {rank} of round {}", p.tag);
+                        } else {
+                            assert!(
+                                truth[from].contains(&part),
+                                "seed {seed}: {from} named for {part:?} and does not hold it"
+                            );
+                        }
+                    }
+                } else if let Some((ct, cs, cw)) = committed {
+                    // The last committed step, where every part still has a live, honest holder
+                    // that held it since it was saved (home or buddy then).
+                    let survives = (0..cw).all(|r| {
+                        truth.iter().any(|(n, held)| {
+                            liar.as_ref() != Some(n) && held.contains(&(ct, cs, r, cw)) && {
+                                let (home, buddy) = &ring_of[&ct][&r];
+                                n == home || n == buddy
+                            }
+                        })
+                    });
+                    assert!(
+                        !survives,
+                        "seed {seed}: step {cs} of round {ct} survives on live nodes and nothing is restored"
+                    );
+                }
+                // The round begins: each node keeps only the planned step, then fetches its
+                // ranks' parts (a fetch from a node that does not hold the part fails).
+                let fetched: Vec<(NodeId, Part)> = p
+                    .iter()
+                    .flat_map(|p| p.from.iter().map(move |(rank, from)| (p, *rank, from)))
+                    .filter(|(p, rank, from)| truth[*from].contains(&(p.tag, p.step, *rank, p.world)))
+                    .filter_map(|(p, rank, _)| Some((runs.get(&rank)?.clone(), (p.tag, p.step, rank, p.world))))
+                    .collect();
+                for held in truth.values_mut() {
+                    held.retain(|&(t, s, _, _)| p.as_ref().is_some_and(|p| (t, s) == (p.tag, p.step)));
+                }
+                for (n, part) in fetched {
+                    truth.get_mut(&n).expect("a member").insert(part);
+                }
+                step = p.as_ref().map_or(0, |p| p.step + 1);
+                ring_of.insert(
+                    tag,
+                    members
+                        .iter()
+                        .enumerate()
+                        .flat_map(|(i, m)| {
+                            let buddy = members[(i + 1) % members.len()].node_id.clone();
+                            m.ranks().map(move |r| (r, (m.node_id.clone(), buddy.clone())))
+                        })
+                        .collect(),
+                );
+                // Saving: a few steps, each copy to the buddy lost now and then.
+                for _ in 0..rng.below(4) {
+                    let mut whole = true;
+                    for (i, m) in members.iter().enumerate() {
+                        let buddy = &members[(i + 1) % members.len()].node_id;
+                        for r in m.ranks() {
+                            truth.get_mut(&m.node_id).unwrap().insert((tag, step, r, world));
+                            if rng.below(5) != 0 {
+                                truth.get_mut(buddy).unwrap().insert((tag, step, r, world));
+                            } else {
+                                whole = false;
+                            }
+                        }
+                    }
+                    if whole {
+                        committed = Some((tag, step, world));
+                        // Older steps of this round and before may go (the new base).
+                        for held in truth.values_mut() {
+                            held.retain(|&(t, s, _, _)| (t, s) >= (tag, step));
+                        }
+                    }
+                    step += 1;
+                }
+                last = members;
+                // A fault ends the round: a node lost, a node joining, or a worker's failure.
+                match rng.below(3) {
+                    0 if alive.len() > 2 => {
+                        let lost = alive.remove(rng.below(alive.len() as u64) as usize);
+                        truth.remove(&lost);
+                    }
+                    1 if alive.len() < 6 => {
+                        let n = fresh(&mut next_id);
+                        truth.insert(n.clone(), BTreeSet::new());
+                        alive.push(n);
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
 }

@@ -709,7 +709,7 @@ fn close_round(job: &mut Job, now: Millis, reason: String) -> Decision {
 /// held. Nothing of a node that was not a member of the last round: its agent is new (a
 /// restarted agent is a new node), so it holds nothing of this job. Parts a node fetched to
 /// restore count only from the next round it saves in (its own and its buddy's, as above).
-pub(crate) fn credible_snapshots(last: &[Member], last_round: u64, node: &NodeInfo) -> Vec<SnapshotSet> {
+pub fn credible_snapshots(last: &[Member], last_round: u64, node: &NodeInfo) -> Vec<SnapshotSet> {
     let Some(i) = last.iter().position(|m| m.node_id == node.node_id) else { return Vec::new() };
     let me = &last[i];
     let before = &last[(i + last.len() - 1) % last.len()];
