@@ -5,6 +5,10 @@
 //!
 //! `cargo build --release -p rlaunch-launcher --bins && cargo build --release -p rlaunch-rendezvous --examples &&
 //!  target/release/examples/rdzv_bench --agents 100,1000,3000,10000 [--etcd URL [--no-memory]] [--snapshots]`
+//!
+//! `BENCH_TRACE=1` prints each status poll while the agents join and, after the last join, how
+//! many joins were answered every 2 s (this inflates the measured time); `BENCH_JOIN_WAIT_S`
+//! bounds the wait for the first N-1 joins (600 s).
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -114,9 +118,19 @@ async fn one(service: &Service, n: u32, run_id: &str, snapshots: bool) -> Result
         joins.push(tokio::spawn(async move { c.join(node(i)).await }));
     }
     // Wait until the first n-1 are all pending.
-    let deadline = Instant::now() + Duration::from_secs(600);
+    let deadline = Instant::now()
+        + Duration::from_secs(std::env::var("BENCH_JOIN_WAIT_S").ok().and_then(|s| s.parse().ok()).unwrap_or(600));
     loop {
-        if let Ok(st) = client.status().await {
+        let ts = Instant::now();
+        let st = client.status().await;
+        if std::env::var("BENCH_TRACE").is_ok() {
+            eprintln!(
+                "status after {:?}: {:?}",
+                ts.elapsed(),
+                st.as_ref().map(|s| s.pending.len()).map_err(|e| e.to_string())
+            );
+        }
+        if let Ok(st) = st {
             if st.pending.len() as u32 == n - 1 {
                 break;
             }
@@ -140,6 +154,17 @@ async fn one(service: &Service, n: u32, run_id: &str, snapshots: bool) -> Result
     }
     let t0 = Instant::now();
     let last = client.join(node(n - 1)).await.context("last join")?;
+    if std::env::var("BENCH_TRACE").is_ok() {
+        eprintln!("last join answered after {:?}", t0.elapsed());
+        for _ in 0..20 {
+            let done = joins.iter().filter(|j| j.is_finished()).count();
+            eprintln!("{:?}: {done} joins answered", t0.elapsed());
+            if done == joins.len() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_secs(2)).await;
+        }
+    }
     let mut answer_bytes = 0;
     for j in joins {
         let info = j.await.context("join task")?.map_err(|e| anyhow::anyhow!("join: {e:?}"))?;

@@ -87,6 +87,11 @@ pub struct JoinRequest {
     /// The secret an earlier join answered (none for a node's first join).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secret: Option<crate::identity::Secret>,
+    /// For a node's first join: the secret it asks to be keyed with (64 lowercase hex digits,
+    /// random), so that a first answer lost on the way (a timeout) costs nothing: the retry
+    /// proposes the same and is its own retry, not a stranger using the node's id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub proposed_secret: Option<crate::identity::Secret>,
     /// Whether the answer should list every member (an agent needs only its own placement
     /// and the digest).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -265,7 +270,9 @@ async fn join(
         }
     }
     let secret = req.secret.as_deref();
-    Ok(Json(app.rdzv.join(&run_id, &req.settings, req.node, secret, req.members, wait_of(req.wait_ms)).await?))
+    let proposed = req.proposed_secret.as_deref();
+    let wait = wait_of(req.wait_ms);
+    Ok(Json(app.rdzv.join_proposing(&run_id, &req.settings, req.node, secret, proposed, req.members, wait).await?))
 }
 
 /// Bound on resolving the host names a joining node advertises: past it the join is answered

@@ -67,6 +67,8 @@ struct Inner {
     transport: Transport,
     /// Each node's secret, as its last join answered: in memory only, never written anywhere.
     secrets: Arc<Mutex<HashMap<String, String>>>,
+    /// Secrets proposed for first joins, by node id ([`RendezvousClient::proposal`]).
+    proposals: Arc<Mutex<HashMap<String, String>>>,
     /// etcd only: the lease keep-alive task of each node this process joined.
     keepers: Mutex<HashMap<String, JoinHandle<()>>>,
 }
@@ -254,6 +256,7 @@ impl RendezvousClient {
             inner: Arc::new(Inner {
                 transport,
                 secrets: Arc::new(Mutex::new(HashMap::new())),
+                proposals: Arc::new(Mutex::new(HashMap::new())),
                 keepers: Mutex::new(HashMap::new()),
             }),
         })
@@ -283,6 +286,18 @@ impl RendezvousClient {
         self.inner.secrets.lock().unwrap_or_else(|p| p.into_inner()).get(node_id).cloned().map(Into::into)
     }
 
+    /// The secret this client proposes for `node_id`'s first join, the same on every retry
+    /// until an answer keys the node (a lost first answer then costs nothing).
+    fn proposal(&self, node_id: &str) -> String {
+        self.inner
+            .proposals
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(node_id.to_owned())
+            .or_insert_with(crate::identity::mint)
+            .clone()
+    }
+
     fn forget_secret(&self, node_id: &str) {
         self.inner.secrets.lock().unwrap_or_else(|p| p.into_inner()).remove(node_id);
     }
@@ -293,17 +308,29 @@ impl RendezvousClient {
         let secret = self.secret(&node.node_id);
         let joined: Joined = match &self.inner.transport {
             Transport::Http(h) => {
+                let proposed_secret = secret.is_none().then(|| self.proposal(&node.node_id).into());
                 let body = JoinRequest {
                     settings: self.settings.clone(),
                     node: node.clone(),
                     secret,
+                    proposed_secret,
                     members: self.members,
                     wait_ms: Some(wait.as_millis() as u64),
                 };
                 h.call(Method::POST, &self.path("join"), Some(json(&body)), wait + POLL_SLACK).await?
             }
             Transport::Local { rdzv, .. } => {
-                rdzv.join(&self.run_id, &self.settings, node.clone(), secret.as_deref(), self.members, wait).await?
+                let proposed = secret.is_none().then(|| self.proposal(&node.node_id));
+                rdzv.join_proposing(
+                    &self.run_id,
+                    &self.settings,
+                    node.clone(),
+                    secret.as_deref(),
+                    proposed.as_deref(),
+                    self.members,
+                    wait,
+                )
+                .await?
             }
         };
         if !joined.secret.is_empty() {

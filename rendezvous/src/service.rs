@@ -314,6 +314,30 @@ impl Rendezvous {
         members: bool,
         wait: Duration,
     ) -> Result<Joined, RdzvError> {
+        self.join_proposing(run_id, settings, node, secret, None, members, wait).await
+    }
+
+    /// [`Rendezvous::join`] where a node new to the job may propose the secret it is keyed with
+    /// (64 lowercase hex digits): its retry after a lost answer proposes the same and is taken
+    /// as its own, where a minted secret it never received would lock it out for a TTL.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn join_proposing(
+        &self,
+        run_id: &str,
+        settings: &JobSettings,
+        node: NodeInfo,
+        secret: Option<&str>,
+        proposed: Option<&str>,
+        members: bool,
+        wait: Duration,
+    ) -> Result<Joined, RdzvError> {
+        if let Some(p) = proposed {
+            if p.len() != 2 * crate::identity::SECRET_BYTES || crate::identity::unhex(p).is_none() {
+                return Err(RdzvError::BadRequest {
+                    message: "proposed_secret must be 64 lowercase hex digits".to_owned(),
+                });
+            }
+        }
         validate_run_id(run_id)?;
         settings.validate()?;
         if settings.max_nodes > self.limits.max_nodes {
@@ -326,7 +350,7 @@ impl Rendezvous {
         // join must not keep a dead node's key alive).
         let registered = self.store.register_join(run_id, &node.node_id, secret, settings.node_ttl).await?;
         let mut guard = self.guard(secret);
-        guard.minted = Some(crate::identity::mint());
+        guard.minted = Some(proposed.map_or_else(crate::identity::mint, str::to_owned));
         let id = node.node_id.as_str();
         let joined = |job: &Job, guard: &Guard| {
             (JoinView::of(job, id, members), crate::round::secret_after_join(job, id, guard))

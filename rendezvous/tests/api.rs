@@ -846,6 +846,32 @@ async fn a_lost_join_answer_costs_a_wait_not_the_node_id() {
     c.heartbeat("a", Default::default()).await.expect("the client holds the new secret");
 }
 
+/// A first join whose answer is lost (the client timed out while the service, under a join
+/// storm, was slow) used to lock its node out for a TTL and a probe timeout: the job held a key
+/// minted for a secret the agent never got. At 10,000 agents on two cores, some 600 of them,
+/// silent that long, were taken for lost and the round failed. Now a first join proposes the
+/// secret, and its retry proposes the same: taken as its own, at once.
+#[tokio::test]
+async fn a_first_join_answer_lost_costs_nothing_when_the_retry_proposes_the_same_secret() {
+    let rdzv = Rendezvous::in_memory();
+    let s = fast(2, 2);
+    let mine = "ab".repeat(32);
+    let lost = rdzv.join_proposing("lp", &s, node("a"), None, Some(&mine), false, Duration::ZERO).await.expect("join");
+    assert_eq!(lost.secret, mine, "keyed with what it proposed");
+    // The retry, as the agent never saw that answer: accepted at once, same secret.
+    let again = rdzv.join_proposing("lp", &s, node("a"), None, Some(&mine), false, Duration::ZERO).await;
+    assert_eq!(again.expect("its own retry").secret, mine);
+    // Someone proposing another secret for that id is a stranger.
+    let other = "cd".repeat(32);
+    let e = rdzv.join_proposing("lp", &s, node("a"), None, Some(&other), false, Duration::ZERO).await.unwrap_err();
+    assert!(matches!(e, RdzvError::Forbidden { .. }), "{e:?}");
+    // A proposal that is not 64 lowercase hex digits is refused.
+    for bad in ["", "abc", &"AB".repeat(32), &"zz".repeat(32)] {
+        let e = rdzv.join_proposing("lp", &s, node("b"), None, Some(bad), false, Duration::ZERO).await.unwrap_err();
+        assert!(matches!(e, RdzvError::BadRequest { .. }), "{bad:?}: {e:?}");
+    }
+}
+
 #[tokio::test]
 async fn the_service_bounds_jobs_and_nodes_per_job_and_names_the_flag() {
     use rlaunch_rendezvous::service::Limits;
