@@ -255,15 +255,19 @@ def blobs(samples, dim, classes):
     return x, y
 
 
+def process_group():
+    """This rank's device (its LOCAL_RANK's) and a process group on it, as torchrun gives one."""
+    dev = device(int(os.environ["LOCAL_RANK"]))
+    set_device(dev)
+    dist.init_process_group(BACKEND, **({} if DRY else {"device_id": dev}))
+    return dev, dist.get_rank(), dist.get_world_size()
+
+
 def kill(out, attempt, a):
     import rlaunch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    local_rank = int(os.environ["LOCAL_RANK"])
-    dev = device(local_rank)
-    set_device(dev)
-    dist.init_process_group(BACKEND, **({} if DRY else {"device_id": dev}))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    dev, rank, world = process_group()
     model = mlp_model(64, 1024, 8, 1234).to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     x, y = blobs(16384, 64, 8)
@@ -310,11 +314,7 @@ def kill(out, attempt, a):
 def mlp(out, attempt, a):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    local_rank = int(os.environ["LOCAL_RANK"])
-    dev = device(local_rank)
-    set_device(dev)
-    dist.init_process_group(BACKEND, **({} if DRY else {"device_id": dev}))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    dev, rank, world = process_group()
     model = mlp_model(a.dim, a.hidden, a.classes, 0).to(dev)
     ddp = DDP(model, device_ids=None if DRY else [dev.index])
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)

@@ -170,20 +170,26 @@ fn an_untrusted_parent_of_a_log_dir_not_made_yet_is_refused_as_root() {
     assert!(err.contains("belongs to uid 65534"), "{err}");
 }
 
+/// A directory user 65534 may enter, holding a copy of rlaunch it can run: the checkout may sit
+/// below a directory only root may enter (a clone in a `mktemp -d` folder, 0700).
+fn rlaunch_for_nobody() -> (tempfile::TempDir, std::path::PathBuf) {
+    use std::os::unix::fs::PermissionsExt;
+    assert_root();
+    let dir = tempdir();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let exe = dir.path().join("rlaunch");
+    std::fs::copy(bin("rlaunch"), &exe).expect("copy rlaunch");
+    std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
+    (dir, exe)
+}
+
 /// A non-root agent takes the directories torchrun takes: a setgid team directory (2775) and a
 /// Kubernetes emptyDir (0777). Only its own files are at stake there.
 #[test]
 fn a_non_root_agent_takes_a_group_or_world_writable_log_dir() {
     use std::os::unix::fs::PermissionsExt;
     use std::os::unix::process::CommandExt;
-    assert_root();
-    let dir = tempdir();
-    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    // A copy of rlaunch that user 65534 can reach: the checkout may sit below a directory only
-    // root may enter (a clone in a `mktemp -d` folder, 0700).
-    let exe = dir.path().join("rlaunch");
-    std::fs::copy(bin("rlaunch"), &exe).expect("copy rlaunch");
-    std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let (dir, exe) = rlaunch_for_nobody();
     // The team directory is root's, its group the agent's.
     for (name, mode) in [("team", 0o2775), ("emptydir", 0o777)] {
         let logs = dir.path().join(name);
@@ -209,17 +215,12 @@ fn a_non_root_agent_takes_a_group_or_world_writable_log_dir() {
 
 /// Issue 34 (Low): the agent's memory holds its snapshot key's private half and every rank's
 /// parts; a worker runs as the agent's user. It could read the agent's memory (ptrace,
-/// `/proc/<pid>/mem`) and what `/proc/<pid>/environ` and `maps` say of it. Now the agent is not dumpable: none of that, for any process of its user.
+/// `/proc/<pid>/mem`) and what `/proc/<pid>/environ` and `maps` say of it. Now the agent is
+/// not dumpable: none of that, for any process of its user.
 #[test]
 fn a_worker_of_the_agents_own_user_cannot_read_the_agents_memory() {
-    use std::os::unix::fs::PermissionsExt;
     use std::os::unix::process::CommandExt;
-    assert_root();
-    let dir = tempdir();
-    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    let exe = dir.path().join("rlaunch");
-    std::fs::copy(bin("rlaunch"), &exe).expect("copy rlaunch");
-    std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let (dir, exe) = rlaunch_for_nobody();
     let logs = dir.path().join("logs");
     std::fs::create_dir(&logs).unwrap();
     std::os::unix::fs::chown(&logs, Some(65534), Some(65534)).unwrap();

@@ -274,15 +274,9 @@ pub const EXIT_CODES: &str = "Exit codes:
   1        rlaunch itself failed (store, log directory, rendezvous)
   127      the program could not be started";
 
-/// A command line that parses but makes no sense: reported like a clap error, exit code 2.
-#[derive(Debug)]
-pub struct UsageError(pub String);
-
-impl std::fmt::Display for UsageError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
+/// Defined beside the config files it is also raised for (which import nothing of this
+/// module), and used here.
+pub use crate::config_file::UsageError;
 
 fn usage<T>(msg: impl Into<String>) -> Result<T, UsageError> {
     Err(UsageError(msg.into()))

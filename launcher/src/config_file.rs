@@ -19,8 +19,6 @@ use std::io::Read;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use crate::cli::UsageError;
-
 /// One setting a file gave, and which file.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FileSetting {
@@ -195,6 +193,17 @@ pub fn parse(text: &str, path: &Path, known: &dyn Fn(&str) -> bool) -> Result<Ve
         out.push((name, value));
     }
     Ok(out)
+}
+
+/// A command line (or config file) that parses but makes no sense: reported like a clap
+/// error, exit code 2.
+#[derive(Debug)]
+pub struct UsageError(pub String);
+
+impl std::fmt::Display for UsageError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
 }
 
 #[cfg(test)]
