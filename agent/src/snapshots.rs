@@ -12,6 +12,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+pub mod core;
+pub mod error;
 pub mod holdings;
 
 pub type NodeId = String;

@@ -1,21 +1,25 @@
 //! The node's snapshot store: the Unix socket the workers save to and load from
-//! (`rlaunch::snapshot`'s wire), the memfds that hold the parts, and the round's plan. What to
-//! keep, what to free and which step a round restores are decided by the pure
-//! [`crate::snapshots`]; this file only carries those decisions out.
+//! (`rlaunch::snapshot`'s wire) and the memfds that hold the parts. Every decision (what to
+//! keep, free, copy, announce, fetch, which step a round restores, how long to wait) is the
+//! pure [`crate::snapshots::core`]'s: this file feeds it what happens and carries its actions
+//! out, moving only descriptors and bytes.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use rlaunch::contract::{HostPort, Member, SnapshotSet};
+use rlaunch::contract::{Member, SnapshotSet};
 use rlaunch::snapshot::{recv_frame, send_frame, Answer, Request, SOCKET_ENV};
 use tracing::{info, warn};
 
-use crate::snapshots::holdings::{self, Have, Holdings, Key, Plan};
-use crate::snapshots::{Event, Ledger, NodeId};
+use crate::snapshots::core::{Action, Core, Input, RoundMember};
+use crate::snapshots::error::SnapError;
+use crate::snapshots::holdings::{Have, Key};
+use crate::snapshots::NodeId;
 
 /// The Python package (`import rlaunch`), written beside the socket and put on the workers'
 /// `PYTHONPATH`, so a job started by an `rlaunch` installed any way finds it.
@@ -24,9 +28,6 @@ const PY_SNAPSHOT: &str = include_str!("../../python/rlaunch/snapshot.py");
 
 /// The workers' socket, in the store's directory.
 const SOCKET_FILE: &str = "agent.sock";
-
-/// How long a save or load waits for the round's plan before it is refused.
-const PLAN_WAIT: Duration = Duration::from_secs(120);
 
 /// The node's default cap: a quarter of its memory.
 pub fn default_cap() -> u64 {
@@ -63,68 +64,50 @@ pub(crate) struct Shared {
     /// Made when first needed (serving peers): the crypto library's first use costs about 30 ms,
     /// which a one-node job never pays.
     identity: std::sync::OnceLock<Arc<secure::Identity>>,
+    /// Numbers the workers' connections (a reservation's writer).
+    connections: AtomicU64,
 }
 
 struct State {
-    holdings: Holdings,
-    /// Each part's buffer (whole or being written).
+    /// Every decision.
+    core: Core,
+    /// Each part's buffer (whole or being written), as the core's actions made and freed them.
     buffers: BTreeMap<Key, Arc<std::fs::File>>,
-    /// Parts handed to a worker by `load`: it maps them, so their buffers are never written again.
-    lent: BTreeSet<Key>,
-    /// Buffers no longer held but still read (a copy being sent, a fetch): counted against the
-    /// cap until the last reader lets go.
-    draining: Vec<(Arc<std::fs::File>, u64)>,
-    round: Option<Round>,
+    /// The round's members that hold snapshots: how to reach each and its key.
+    directory: BTreeMap<NodeId, peers::Peer>,
+    /// Every member's key it proves itself with (one without an address may still connect).
+    keys: BTreeMap<NodeId, [u8; secure::KEY_LEN]>,
 }
 
-struct Round {
-    tag: u64,
-    world: u32,
-    ranks: std::ops::Range<u32>,
-    me: NodeId,
-    ledger: Ledger,
-    /// `None` while the members' inventories are gathered.
-    plan: Option<Option<Plan>>,
-    /// The other members, when the round has any.
-    peers: Option<Peers>,
-    /// Per step of this round: this node's ranks whose part the buddy acknowledged.
-    acked: BTreeMap<u64, BTreeSet<u32>>,
-}
-
-/// A round's members as the snapshot store sees them.
-#[derive(Clone)]
-pub(crate) struct Peers {
-    pub members: Vec<PeerMember>,
-    /// Index of this node's buddy in `members`.
-    pub buddy: usize,
-}
-
-#[derive(Clone)]
-pub(crate) struct PeerMember {
-    pub id: NodeId,
-    pub addr: Option<HostPort>,
-    /// Its public key (`Member::snapshot_key`), which it proves itself with.
-    pub key: Option<[u8; secure::KEY_LEN]>,
-    pub ranks: std::ops::Range<u32>,
-}
-
-impl PeerMember {
-    /// How to reach and recognise it; `None` when it cannot hold snapshots.
-    pub(crate) fn peer(&self) -> Option<peers::Peer> {
-        Some(peers::Peer { id: self.id.clone(), addr: self.addr.clone()?, key: self.key? })
-    }
-}
-
-impl Peers {
-    fn member(&self, id: &str) -> Option<&PeerMember> {
-        self.members.iter().find(|m| m.id == id)
-    }
-
-    /// Whose parts a member's copies are: the member before it in the ring.
-    fn buddy_of(&self, id: &str) -> Option<&PeerMember> {
-        let i = self.members.iter().position(|m| m.id == id)?;
-        self.members.get((i + 1) % self.members.len())
-    }
+/// What a request gets once the core's side actions are carried out.
+pub(crate) enum Reply {
+    Refused(SnapError),
+    Wait(Instant),
+    Done,
+    Restore {
+        step: Option<u64>,
+        world: Option<u32>,
+    },
+    /// Room made: the buffer to write.
+    Buffer(Arc<std::fs::File>),
+    Lend {
+        file: Arc<std::fs::File>,
+        step: u64,
+        world: u32,
+        len: u64,
+    },
+    Read {
+        ticket: u64,
+        file: Arc<std::fs::File>,
+        world: u32,
+        len: u64,
+    },
+    Fetch {
+        key: Key,
+        from: peers::Peer,
+        until: Instant,
+        me: peers::Me,
+    },
 }
 
 impl SnapStore {
@@ -143,16 +126,16 @@ impl SnapStore {
         let (outbox, jobs) = std::sync::mpsc::channel();
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
-                holdings: Holdings::new(cap),
+                core: Core::new(cap),
                 buffers: BTreeMap::new(),
-                lent: BTreeSet::new(),
-                draining: Vec::new(),
-                round: None,
+                directory: BTreeMap::new(),
+                keys: BTreeMap::new(),
             }),
             changed: Condvar::new(),
             outbox,
             progress,
             identity: std::sync::OnceLock::new(),
+            connections: AtomicU64::new(0),
         });
         let s = shared.clone();
         std::thread::Builder::new().name("snapshots".into()).spawn(move || accept(listener, s))?;
@@ -189,30 +172,10 @@ impl SnapStore {
     /// A round (or fixed attempt) `tag` starts with `world` ranks, `ranks` of them here, this node
     /// alone in it: the plan comes from what this node holds.
     pub fn begin_local_round(&self, tag: u64, world: u32, ranks: std::ops::Range<u32>) {
-        let me: NodeId = "local".into();
         let mut st = self.shared.lock();
-        let runs: BTreeMap<u32, NodeId> = ranks.clone().map(|r| (r, me.clone())).collect();
-        let inventories = BTreeMap::from([(me.clone(), st.holdings.inventory())]);
-        let plan = holdings::plan(&inventories, &runs, 1);
-        let free = st.holdings.begin_round(tag, plan.as_ref().map(|p| (p.tag, p.step)));
-        st.release(&free);
-        match &plan {
-            Some(p) => {
-                info!(step = p.step, saved_in_round = p.tag, "this round restores the snapshot of step {}", p.step)
-            }
-            None => tracing::debug!("no snapshot to restore"),
-        }
-        let home = (0..world).map(|r| (r, me.clone())).collect();
-        st.round = Some(Round {
-            tag,
-            world,
-            ranks,
-            me,
-            ledger: Ledger::new(home),
-            plan: Some(plan),
-            peers: None,
-            acked: BTreeMap::new(),
-        });
+        st.directory.clear();
+        st.keys.clear();
+        self.shared.ask_locked(&mut st, Input::LocalRound { tag, world, ranks });
         drop(st);
         self.shared.changed.notify_all();
     }
@@ -222,75 +185,39 @@ impl SnapStore {
     /// copied to this node's buddy (the next member), and the members tell each other which
     /// steps are whole on their node and its buddy.
     pub fn begin_peer_round(&self, tag: u64, me: &str, members: &[Member]) {
-        let mut inventories: BTreeMap<NodeId, Vec<Have>> = BTreeMap::new();
-        let mut runs: BTreeMap<u32, NodeId> = BTreeMap::new();
-        let mut home: BTreeMap<u32, NodeId> = BTreeMap::new();
-        for m in members {
-            inventories.insert(m.node_id.clone(), from_sets(&m.snapshots));
-            for r in m.rank_offset..m.rank_offset.saturating_add(m.local_world_size) {
-                runs.insert(r, m.node_id.clone());
-                home.insert(r, m.node_id.clone());
-            }
-        }
-        // Every member must hold snapshots, or its ranks would start afresh while the others
-        // restore: a mix. A member without them (`--snapshot-memory 0`, an older agent) has no
-        // snapshot address, or no key to prove itself with.
-        let unfit = |m: &&Member| {
-            m.snapshot_addr.is_none() || m.snapshot_key.as_deref().and_then(secure::parse_public).is_none()
-        };
-        let plan = match members.iter().find(unfit) {
-            Some(m) => {
-                warn!(node = %m.node_id, "a member of this round holds no snapshots: nothing is restored, and no step commits");
-                None
-            }
-            None => holdings::plan(&inventories, &runs, 2),
-        };
-        let peer_members: Vec<PeerMember> = members
+        let mut directory = BTreeMap::new();
+        let mut keys = BTreeMap::new();
+        let round: Vec<RoundMember> = members
             .iter()
-            .map(|m| PeerMember {
-                id: m.node_id.clone(),
-                addr: m.snapshot_addr.clone(),
-                key: m.snapshot_key.as_deref().and_then(secure::parse_public),
-                ranks: m.rank_offset..m.rank_offset.saturating_add(m.local_world_size),
+            .map(|m| {
+                // A member without snapshots (`--snapshot-memory 0`, an older agent) has no
+                // snapshot address, or no key to prove itself with.
+                let key = m.snapshot_key.as_deref().and_then(secure::parse_public);
+                if let Some(key) = key {
+                    keys.insert(m.node_id.clone(), key);
+                }
+                if let (Some(addr), Some(key)) = (m.snapshot_addr.clone(), key) {
+                    directory.insert(m.node_id.clone(), peers::Peer { id: m.node_id.clone(), addr, key });
+                }
+                RoundMember {
+                    id: m.node_id.clone(),
+                    ranks: m.rank_offset..m.rank_offset.saturating_add(m.local_world_size),
+                    inventory: from_sets(&m.snapshots),
+                    fit: directory.contains_key(&m.node_id),
+                }
             })
             .collect();
-        let Some(i) = peer_members.iter().position(|m| m.id == me) else {
-            warn!("this node is not among the round's members: snapshots are not restored");
-            return;
-        };
-        let world = home.len() as u32;
-        let ranks = peer_members[i].ranks.clone();
-        let buddy = (i + 1) % peer_members.len();
         let mut st = self.shared.lock();
-        let free = st.holdings.begin_round(tag, plan.as_ref().map(|p| (p.tag, p.step)));
-        st.release(&free);
-        match &plan {
-            Some(p) => info!(
-                step = p.step,
-                saved_in_round = p.tag,
-                from = ?p.from.values().collect::<BTreeSet<_>>(),
-                "this round restores the snapshot of step {}",
-                p.step
-            ),
-            None => tracing::debug!("no snapshot to restore"),
-        }
-        st.round = Some(Round {
-            tag,
-            world,
-            ranks,
-            me: me.to_owned(),
-            ledger: Ledger::new(home),
-            plan: Some(plan),
-            peers: Some(Peers { members: peer_members, buddy }),
-            acked: BTreeMap::new(),
-        });
+        st.directory = directory;
+        st.keys = keys;
+        self.shared.ask_locked(&mut st, Input::PeerRound { tag, me: me.to_owned(), members: round });
         drop(st);
         self.shared.changed.notify_all();
     }
 
     /// What this node holds, as it joins a round.
     pub fn inventory(&self) -> Vec<SnapshotSet> {
-        to_sets(&self.shared.lock().holdings.inventory())
+        to_sets(&self.shared.lock().core.inventory())
     }
 
     /// Serves the other members (copies, fetches, commits) on `bind`; answers the port.
@@ -305,7 +232,7 @@ impl SnapStore {
 
     /// The workers are stopped: nothing is saved until the next round begins.
     pub fn end_round(&self) {
-        self.shared.lock().round = None;
+        self.shared.ask(Input::EndRound);
     }
 }
 
@@ -323,61 +250,143 @@ impl Shared {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Waits (bounded) for a round whose plan is known.
-    fn planned(&self) -> Result<std::sync::MutexGuard<'_, State>, String> {
-        let deadline = Instant::now() + PLAN_WAIT;
+    /// Who this node is in the round running, for the connections it opens.
+    fn me(&self, st: &State) -> Option<peers::Me> {
+        let (round, id) = st.core.running()?;
+        let identity = self.identity().ok()?.clone();
+        Some(peers::Me { round, id: id.clone(), identity })
+    }
+
+    /// Steps the core with `input`, carries out its side actions and answers the request's own.
+    pub(crate) fn ask(&self, input: Input) -> Reply {
+        let mut st = self.lock();
+        let reply = self.ask_locked(&mut st, input);
+        drop(st);
+        self.changed.notify_all();
+        reply
+    }
+
+    /// [`Shared::ask`], asked again at each change while the core says to wait (until the
+    /// deadline it names).
+    pub(crate) fn ask_waiting(&self, input: Input) -> Reply {
         let mut st = self.lock();
         loop {
-            if st.round.as_ref().is_some_and(|r| r.plan.is_some()) {
-                return Ok(st);
+            match self.ask_locked(&mut st, input.clone()) {
+                Reply::Wait(until) => {
+                    self.changed.notify_all();
+                    let left = until.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+                    st = self.changed.wait_timeout(st, left).unwrap_or_else(PoisonError::into_inner).0;
+                }
+                reply => {
+                    drop(st);
+                    self.changed.notify_all();
+                    return reply;
+                }
             }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err("no round is running on this node (the workers are being stopped or started)".into());
-            }
-            st = self.changed.wait_timeout(st, left).unwrap_or_else(PoisonError::into_inner).0;
         }
+    }
+
+    fn ask_locked(&self, st: &mut State, input: Input) -> Reply {
+        let acts = st.core.step(input, Instant::now());
+        let mut reply = Reply::Done;
+        for act in acts {
+            match act {
+                Action::Free(k) => {
+                    st.buffers.remove(&k);
+                }
+                Action::Seal(k) => {
+                    if let Some(Err(e)) = st.buffers.get(&k).map(|f| seal(f)) {
+                        warn!(error = %e, "cannot seal a snapshot part");
+                    }
+                }
+                Action::Copy { key, to } => {
+                    if let (Some(to), Some(me)) = (st.directory.get(&to).cloned(), self.me(st)) {
+                        let _ = self.outbox.send(peers::Job::Copy { key, to, me });
+                    }
+                }
+                Action::Announce { tag, step, to } => {
+                    let to: Vec<peers::Peer> = to.iter().filter_map(|id| st.directory.get(id).cloned()).collect();
+                    if let Some(me) = self.me(st) {
+                        let _ = self.outbox.send(peers::Job::Announce { tag, step, to, me });
+                    }
+                }
+                Action::Saved { rank, step } => self.progress.saved(rank, step),
+                Action::Committed { step } => tracing::debug!(step, "snapshot committed"),
+                Action::Planned(Some(p)) => info!(
+                    step = p.step,
+                    saved_in_round = p.tag,
+                    from = ?p.from.values().collect::<BTreeSet<_>>(),
+                    "this round restores the snapshot of step {}",
+                    p.step
+                ),
+                Action::Planned(None) => tracing::debug!("no snapshot to restore"),
+                Action::Unfit(node) => {
+                    warn!(node = %node, "a member of this round holds no snapshots: nothing is restored, and no step commits")
+                }
+                Action::NotAMember => warn!("this node is not among the round's members: snapshots are not restored"),
+                Action::Abandoned(k) => {
+                    warn!(
+                        rank = k.rank,
+                        step = k.step,
+                        "a worker went while saving its snapshot: that part was never held"
+                    )
+                }
+                Action::Make { key, len, reuse } => {
+                    reply = match make_buffer(st, key, len, reuse) {
+                        Ok(file) => Reply::Buffer(file),
+                        Err(e) => {
+                            // Nothing is written: the reservation goes.
+                            let _ = self.ask_locked(st, Input::Abandon { key });
+                            Reply::Refused(SnapError::Buffer(e.to_string()))
+                        }
+                    }
+                }
+                Action::Refuse(e) => reply = Reply::Refused(e),
+                Action::Wait { until } => reply = Reply::Wait(until),
+                Action::Done => reply = Reply::Done,
+                Action::Restore { step, world } => reply = Reply::Restore { step, world },
+                Action::Lend { key, step, world, len } => {
+                    reply = match st.buffers.get(&key) {
+                        Some(file) => Reply::Lend { file: file.clone(), step, world, len },
+                        None => Reply::Refused(SnapError::NotHere { rank: key.rank, step }),
+                    }
+                }
+                Action::Read { ticket, key, world, len } => {
+                    reply = match st.buffers.get(&key) {
+                        Some(file) => Reply::Read { ticket, file: file.clone(), world, len },
+                        None => {
+                            let _ = st.core.step(Input::ReadDone { ticket }, Instant::now());
+                            Reply::Refused(SnapError::NotHeld { rank: key.rank, step: key.step, tag: key.tag })
+                        }
+                    }
+                }
+                Action::Fetch { key, from, until } => {
+                    reply = match (st.directory.get(&from).cloned(), self.me(st)) {
+                        (Some(from), Some(me)) => Reply::Fetch { key, from, until, me },
+                        _ => {
+                            let error = "no key to reach other nodes with".to_string();
+                            let failed = Input::FetchFailed { key, from: from.clone(), addr: String::new(), error };
+                            let _ = st.core.step(failed, Instant::now());
+                            Reply::Refused(SnapError::Unreachable { node: from, rank: key.rank, step: key.step })
+                        }
+                    }
+                }
+            }
+        }
+        reply
     }
 }
 
-impl State {
-    fn release(&mut self, keys: &[Key]) {
-        for k in keys {
-            if let Some(buf) = self.buffers.remove(k) {
-                self.drain(buf);
-            }
-            self.lent.remove(k);
-        }
-    }
-
-    /// A buffer no longer held: still counted while anyone else reads it.
-    fn drain(&mut self, buf: Arc<std::fs::File>) {
-        if Arc::strong_count(&buf) > 1 {
-            let len = buf.metadata().map(|m| m.len()).unwrap_or(0);
-            self.draining.push((buf, len));
-        }
-    }
-
-    /// The bytes of buffers no longer held that are still read; those let go are forgotten.
-    fn outside(&mut self) -> u64 {
-        self.draining.retain(|(b, _)| Arc::strong_count(b) > 1);
-        self.draining.iter().map(|(_, len)| len).sum()
-    }
-
-    /// Feeds round `tag`'s ledger; a newly committed step becomes the base and frees what
-    /// it makes obsolete.
-    fn heard(&mut self, tag: u64, events: impl IntoIterator<Item = Event>) {
-        let Some(round) = self.round.as_mut().filter(|r| r.tag == tag) else { return };
-        let before = round.ledger.last_committed();
-        for e in events {
-            round.ledger.apply(e);
-        }
-        let after = round.ledger.last_committed();
-        if let (Some(c), true) = (after, after != before) {
-            tracing::debug!(step = c, "snapshot committed");
-            self.holdings.committed(tag, c);
-        }
-    }
+/// The buffer the core granted `key`: `reuse`'s (its pages are there: a save into it is one
+/// copy, no page faults), else a new memfd, sized to `len`.
+fn make_buffer(st: &mut State, key: Key, len: u64, reuse: Option<Key>) -> std::io::Result<Arc<std::fs::File>> {
+    let file = match reuse.and_then(|k| st.buffers.remove(&k)) {
+        Some(f) => f,
+        None => Arc::new(memfd()?),
+    };
+    file.set_len(len)?;
+    st.buffers.insert(key, file.clone());
+    Ok(file)
 }
 
 /// An inventory in the wire's compact form: ranks as ranges, per (tag, step, world).
@@ -440,7 +449,7 @@ fn accept(listener: UnixListener, shared: Arc<Shared>) {
 /// One worker's connection: requests in order; reservations it leaves unwritten are abandoned
 /// when it goes.
 fn serve(sock: UnixStream, shared: Arc<Shared>) {
-    let mut reserved: BTreeSet<Key> = BTreeSet::new();
+    let writer = shared.connections.fetch_add(1, Ordering::SeqCst);
     loop {
         let (body, fd) = match recv_frame(&sock) {
             Ok(Some(frame)) => frame,
@@ -452,8 +461,8 @@ fn serve(sock: UnixStream, shared: Arc<Shared>) {
         };
         drop(fd); // a worker never passes one
         let (answer, fd) = match serde_json::from_slice::<Request>(&body) {
-            Ok(req) => handle(&shared, req, &mut reserved),
-            Err(e) => (Answer::refused(format!("not a snapshot request: {e}")), None),
+            Ok(req) => handle(&shared, writer, req),
+            Err(e) => refused(SnapError::NotARequest(e.to_string())),
         };
         let body = serde_json::to_vec(&answer).expect("an answer serializes");
         if let Err(e) = send_frame(&sock, &body, fd.as_ref().map(|f| f.as_fd())) {
@@ -461,232 +470,131 @@ fn serve(sock: UnixStream, shared: Arc<Shared>) {
             break;
         }
     }
-    for k in reserved {
-        abandon(&shared, k);
-        warn!(rank = k.rank, step = k.step, "a worker went while saving its snapshot: that part was never held");
-    }
+    shared.ask(Input::WriterGone { writer });
 }
 
-fn handle(shared: &Shared, req: Request, reserved: &mut BTreeSet<Key>) -> (Answer, Option<OwnedFd>) {
+fn refused(e: SnapError) -> (Answer, Option<OwnedFd>) {
+    (Answer { full: e.not_snapshotted(), ..Answer::refused(e.to_string()) }, None)
+}
+
+fn handle(shared: &Shared, writer: u64, req: Request) -> (Answer, Option<OwnedFd>) {
     let result = match req {
-        Request::Reserve { step, rank, world, len } => reserve(shared, step, rank, world, len, reserved),
-        Request::Commit { step, rank } => commit(shared, step, rank, reserved).map(|()| {
-            shared.progress.saved(rank, step);
-            (Answer::default(), None)
-        }),
+        Request::Reserve { step, rank, world, len } => {
+            reserve(shared, writer, step, rank, world, len).map(|fd| (Answer::default(), Some(fd)))
+        }
+        Request::Commit { step, rank } => commit(shared, writer, step, rank).map(|()| (Answer::default(), None)),
         Request::Load { rank } => {
             if let Some(rank) = rank {
                 shared.progress.asked(rank);
             }
-            load(shared, rank)
+            load(shared, rank).inspect(|(a, _)| {
+                if let Some(rank) = rank {
+                    shared.progress.loaded(rank, a.step);
+                }
+            })
         }
-        .inspect(|(a, _)| {
-            if let Some(rank) = rank {
-                shared.progress.loaded(rank, a.step);
-            }
-        }),
     };
     match result {
         Ok((mut a, fd)) => {
             a.ok = true;
             (a, fd)
         }
-        Err(why) => {
-            let full = why.starts_with(holdings::NOT_SNAPSHOTTED);
-            (Answer { full, ..Answer::refused(why) }, None)
-        }
+        Err(e) => refused(e),
     }
 }
 
-type Reply = Result<(Answer, Option<OwnedFd>), String>;
-
-fn reserve(shared: &Shared, step: u64, rank: u32, world: u32, len: u64, reserved: &mut BTreeSet<Key>) -> Reply {
-    let key = {
-        let st = shared.planned()?;
-        let round = st.round.as_ref().expect("planned");
-        if round.peers.is_none() && round.ranks.len() < round.world as usize {
-            return Err(format!(
-                "{}this round's nodes cannot agree on a step (a static job of several nodes, a \
-                 round of more than {} nodes, or a rendezvous that answers no member list): \
-                 snapshots are off",
-                holdings::NOT_SNAPSHOTTED,
-                rlaunch::contract::MAX_SNAPSHOT_NODES
-            ));
-        }
-        if !round.ranks.contains(&rank) || world != round.world {
-            return Err(format!(
-                "rank {rank} of a world of {world}: this node runs ranks {}..{} of {} in this round",
-                round.ranks.start, round.ranks.end, round.world
-            ));
-        }
-        Key { tag: round.tag, step, rank }
-    };
-    let file = buffer_for(shared, key, world, len)?;
-    let fd = file.as_fd().try_clone_to_owned().map_err(|e| e.to_string())?;
-    reserved.insert(key);
-    Ok((Answer::default(), Some(fd)))
+fn unexpected() -> SnapError {
+    SnapError::Buffer("the snapshot store answered out of turn".into())
 }
 
-/// Room and a buffer of `len` bytes for `key`'s part, reserved (not held until committed):
-/// the buffer of a part that may go is reused when nobody maps or reads it.
-pub(crate) fn buffer_for(shared: &Shared, key: Key, world: u32, len: u64) -> Result<Arc<std::fs::File>, String> {
-    let mut st = shared.lock();
-    let local = st.round.as_ref().map_or(0..0, |r| r.ranks.clone());
-    st.holdings.outside = st.outside();
-    let grant = st.holdings.reserve(key, world, len, &local)?;
-    let reused = grant.reuse.and_then(|k| {
-        let lent = st.lent.remove(&k);
-        let buf = st.buffers.remove(&k)?;
-        // A lent buffer is mapped by a worker (and sealed), one being copied elsewhere is read:
-        // never rewrite.
-        if !lent && Arc::strong_count(&buf) == 1 && !sealed(&buf) {
-            Some(buf)
-        } else {
-            st.drain(buf);
-            None
-        }
-    });
-    st.release(&grant.free);
-    let file = match reused {
-        Some(f) => f,
-        None => match memfd() {
-            Ok(f) => Arc::new(f),
-            Err(e) => {
-                st.holdings.abandon(&key);
-                return Err(format!("cannot make a buffer for the snapshot: {e}"));
-            }
-        },
-    };
-    if let Err(e) = file.set_len(len) {
-        st.holdings.abandon(&key);
-        return Err(format!("cannot size the snapshot buffer to {len} bytes: {e}"));
-    }
-    st.buffers.insert(key, file.clone());
-    Ok(file)
-}
-
-/// A reservation whose writer went: nothing of it is held.
-pub(crate) fn abandon(shared: &Shared, key: Key) {
-    let mut st = shared.lock();
-    st.holdings.abandon(&key);
-    if st.holdings.get(&key).is_none() {
-        st.release(&[key]);
+pub(crate) fn reserve(
+    shared: &Shared,
+    writer: u64,
+    step: u64,
+    rank: u32,
+    world: u32,
+    len: u64,
+) -> Result<OwnedFd, SnapError> {
+    let since = Instant::now();
+    match shared.ask_waiting(Input::Reserve { writer, step, rank, world, len, since }) {
+        Reply::Buffer(file) => file.as_fd().try_clone_to_owned().map_err(|e| {
+            shared.ask(Input::WriterGone { writer });
+            SnapError::Buffer(e.to_string())
+        }),
+        Reply::Refused(e) => Err(e),
+        _ => Err(unexpected()),
     }
 }
 
-/// A copy for another node arrived whole: held here, and the ledger hears it.
-pub(crate) fn commit_copy(shared: &Shared, key: Key, _from: &str) -> bool {
-    let mut st = shared.lock();
-    let Some(me) = st.round.as_ref().filter(|r| r.tag == key.tag).map(|r| r.me.clone()) else {
-        drop(st);
-        abandon(shared, key);
-        return false;
-    };
-    if !st.holdings.commit(&key) {
-        return false;
+pub(crate) fn commit(shared: &Shared, writer: u64, step: u64, rank: u32) -> Result<(), SnapError> {
+    match shared.ask(Input::Commit { writer, step, rank }) {
+        Reply::Refused(e) => Err(e),
+        _ => Ok(()),
     }
-    // Written by this agent alone, and never again: sealed, so nothing can change it.
-    if let Some(file) = st.buffers.get(&key) {
-        if let Err(e) = seal(file) {
-            warn!(error = %e, "cannot seal a snapshot copy");
-        }
-    }
-    st.heard(key.tag, [Event::Held { step: key.step, rank: key.rank, node: me }]);
-    true
 }
 
-/// `key`'s part when it is held whole here: its world, length and buffer.
-pub(crate) fn whole_part(shared: &Shared, key: Key) -> Option<(u32, u64, Arc<std::fs::File>)> {
-    let st = shared.lock();
-    let part = st.holdings.get(&key).copied().filter(|p| p.whole)?;
-    Some((part.world, part.len, st.buffers.get(&key)?.clone()))
+/// Room under the cap for a fetched part, once its holder said how big it is.
+pub(crate) fn fetch_room(
+    shared: &Shared,
+    key: Key,
+    from: &str,
+    world: u32,
+    len: u64,
+) -> Result<Arc<std::fs::File>, SnapError> {
+    match shared.ask(Input::FetchRoom { key, from: from.to_owned(), world, len }) {
+        Reply::Buffer(file) => Ok(file),
+        Reply::Refused(e) => Err(e),
+        _ => Err(unexpected()),
+    }
 }
 
-fn commit(shared: &Shared, step: u64, rank: u32, reserved: &mut BTreeSet<Key>) -> Result<(), String> {
-    let mut st = shared.lock();
-    let Some(round) = st.round.as_ref() else {
-        return Err("the round ended while the snapshot was written: it is not held".into());
-    };
-    let (tag, me) = (round.tag, round.me.clone());
-    let key = Key { tag, step, rank };
-    if !reserved.remove(&key) || !st.holdings.commit(&key) {
-        return Err(format!("rank {rank}'s part of step {step} was never reserved in this round"));
-    }
-    st.heard(tag, [Event::Held { step, rank, node: me }]);
-    // A copy for the buddy, sent in the background.
-    let round = st.round.as_ref().expect("checked above");
-    let to = round.peers.as_ref().and_then(|p| p.members[p.buddy].peer());
-    if let (Some(to), Ok(identity)) = (to, shared.identity()) {
-        let me = peers::Me { round: round.tag, id: round.me.clone(), identity: identity.clone() };
-        let _ = shared.outbox.send(peers::Job::Copy { key, to, me });
-    }
-    Ok(())
-}
-
-fn load(shared: &Shared, rank: Option<u32>) -> Reply {
-    let mut st = shared.planned()?;
-    let round = st.round.as_ref().expect("planned");
-    let Some(plan) = round.plan.clone().flatten() else { return Ok((Answer::default(), None)) };
-    let rank = rank.ok_or("a load names the rank whose part it wants")?;
-    let Some(from) = plan.from.get(&rank).cloned() else {
-        // A rank the saved world did not have (the world grew): the step, and no part; the
-        // program reads the saved ranks' parts to reshard.
-        return Ok((Answer { step: Some(plan.step), world: Some(plan.world), ..Answer::default() }, None));
-    };
-    let key = Key { tag: plan.tag, step: plan.step, rank };
-    let held = st.holdings.get(&key).is_some_and(|p| p.whole) && st.buffers.contains_key(&key);
-    if !held {
-        // On another member: fetched (without the lock), then held here like a copy.
-        let peers =
-            round.peers.clone().ok_or_else(|| format!("rank {rank}'s part of step {} is not here", plan.step))?;
-        let peer = peers.member(&from).and_then(PeerMember::peer).ok_or_else(|| {
-            format!("node {from}, which holds rank {rank}'s part of step {}, cannot be reached", plan.step)
-        })?;
-        let identity = shared.identity().map_err(|e| format!("no key to reach other nodes with: {e}"))?;
-        let me = peers::Me { round: round.tag, id: round.me.clone(), identity: identity.clone() };
-        drop(st);
-        // Room for the part under the cap before a byte comes, of the plan's world only.
-        let room = |world: u32, len: u64| {
-            if world != plan.world {
-                return Err(format!("node {from} holds that part for a world of {world}, not {}", plan.world));
-            }
-            buffer_for(shared, key, world, len)
-        };
-        let fetched = peers::fetch(&peer, &me, key, room, || abandon(shared, key));
-        st = shared.lock();
-        let held_now = |st: &State| st.holdings.get(&key).is_some_and(|p| p.whole) && st.buffers.contains_key(&key);
-        match fetched {
-            Ok((_, len, file)) => {
-                info!(rank, step = plan.step, from = %from, mib = len >> 20, "fetched a snapshot part from another node");
-                if !st.round.as_ref().is_some_and(|r| r.plan.as_ref().is_some_and(|p| p.as_ref() == Some(&plan))) {
-                    drop(st);
-                    abandon(shared, key);
-                    return Err("the round ended while the part was fetched".into());
-                }
-                if !held_now(&st) {
-                    st.holdings.commit(&key);
-                    let _ = seal(&file);
-                }
-            }
-            // Another load of the same part fetched it meanwhile.
-            Err(_) if held_now(&st) => {}
-            Err(e) => {
-                drop(st);
-                abandon(shared, key);
-                return Err(format!(
-                    "fetching rank {rank}'s part of step {} from node {from} ({}): {e}",
-                    plan.step, peer.addr
+fn load(shared: &Shared, rank: Option<u32>) -> Result<(Answer, Option<OwnedFd>), SnapError> {
+    let since = Instant::now();
+    // A part fetched is lent at the next turn; a fetch another load made is waited for.
+    for _ in 0..4 {
+        match shared.ask_waiting(Input::Load { rank, since }) {
+            Reply::Restore { step, world } => return Ok((Answer { step, world, ..Answer::default() }, None)),
+            Reply::Lend { file, step, world, len } => {
+                // Sealed before it is lent (outside the lock: a sealed copy may be made): no
+                // descriptor of it, however reopened, can write it.
+                let fd = lend(&file).map_err(|e| SnapError::Buffer(format!("cannot lend the snapshot buffer: {e}")))?;
+                return Ok((
+                    Answer { step: Some(step), world: Some(world), len: Some(len), ..Answer::default() },
+                    Some(fd),
                 ));
             }
+            Reply::Fetch { key, from, until, me } => {
+                let fetched = peers::fetch(
+                    &from,
+                    &me,
+                    key,
+                    until,
+                    |world, len| fetch_room(shared, key, &from.id, world, len),
+                    || {
+                        shared.ask(Input::Abandon { key });
+                    },
+                );
+                let input = match fetched {
+                    Ok((_, len, _)) => {
+                        info!(rank = key.rank, step = key.step, from = %from.id, mib = len >> 20, "fetched a snapshot part from another node");
+                        Input::FetchArrived { key }
+                    }
+                    Err(e) => Input::FetchFailed {
+                        key,
+                        from: from.id.clone(),
+                        addr: from.addr.to_string(),
+                        error: e.to_string(),
+                    },
+                };
+                if let Reply::Refused(e) = shared.ask(input) {
+                    return Err(e);
+                }
+            }
+            Reply::Refused(e) => return Err(e),
+            _ => return Err(unexpected()),
         }
     }
-    let (Some(file), Some(part)) = (st.buffers.get(&key).cloned(), st.holdings.get(&key).copied()) else {
-        return Err(format!("rank {rank}'s part of step {} is no longer held here", plan.step));
-    };
-    // Sealed before it is lent: no descriptor of it, however reopened, can write it.
-    let fd = lend(&file).map_err(|e| format!("cannot lend the snapshot buffer: {e}"))?;
-    st.lent.insert(key);
-    Ok((Answer { step: Some(plan.step), world: Some(part.world), len: Some(part.len), ..Answer::default() }, Some(fd)))
+    Err(unexpected())
 }
 
 pub(crate) fn memfd() -> std::io::Result<std::fs::File> {

@@ -11,6 +11,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use super::error::SnapError;
 use super::NodeId;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
@@ -57,10 +58,6 @@ pub const MIN_CHARGE: u64 = 4096;
 fn charge(len: u64) -> u64 {
     len.max(MIN_CHARGE)
 }
-
-/// How a refusal that leaves training going starts (the client returns `False` and says it
-/// once): the step is not snapshotted, the last committed one stays.
-pub const NOT_SNAPSHOTTED: &str = "not snapshotted: ";
 
 #[derive(Debug, Clone, Default)]
 pub struct Holdings {
@@ -128,15 +125,25 @@ impl Holdings {
     /// another local rank's old buffers stay, its worker may still map them), and refuses,
     /// changing nothing, when the cap is still too small, or when the part is already held or
     /// being written (a step is saved once; a rewrite in place could lose the held one).
-    pub fn reserve(&mut self, key: Key, world: u32, len: u64, local: &std::ops::Range<u32>) -> Result<Grant, String> {
+    ///
+    /// `read`: parts someone reads now (a copy being sent, a part served): freed, their bytes
+    /// stay until the reader lets go, so they still count. `no_reuse`: parts whose buffer must
+    /// never be written again (read, lent to a worker, sealed).
+    pub fn reserve(
+        &mut self,
+        key: Key,
+        world: u32,
+        len: u64,
+        local: &std::ops::Range<u32>,
+        read: &BTreeSet<Key>,
+        no_reuse: &BTreeSet<Key>,
+    ) -> Result<Grant, SnapError> {
+        let (rank, step) = (key.rank, key.step);
         if let Some(p) = self.parts.get(&key) {
             return Err(if p.whole {
-                format!(
-                    "{NOT_SNAPSHOTTED}rank {}'s part of step {} is already held (a step is saved once)",
-                    key.rank, key.step
-                )
+                SnapError::AlreadyHeld { rank, step }
             } else {
-                format!("rank {}'s part of step {} is being saved by another request", key.rank, key.step)
+                SnapError::BeingSaved { rank, step }
             });
         }
         let open = self
@@ -145,33 +152,26 @@ impl Holdings {
             .filter(|k| k.rank == key.rank && k.tag == self.tag && self.base.is_none_or(|(_, s)| k.step > s))
             .count();
         if key.tag == self.tag && open >= MAX_OPEN_PER_RANK {
-            return Err(format!(
-                "{NOT_SNAPSHOTTED}rank {} already has {open} steps saved and not yet committed (at most \
-                 {MAX_OPEN_PER_RANK}: their copies are not acknowledged); the last committed step stays",
-                key.rank
-            ));
+            return Err(SnapError::TooManyOpen { rank, open, most: MAX_OPEN_PER_RANK });
         }
         let free: Vec<Key> = self
             .droppable()
             .into_iter()
             .filter(|k| k.rank == key.rank || k.tag != self.tag || !local.contains(&k.rank))
             .collect();
-        let kept: u64 = self.parts.iter().filter(|(k, _)| !free.contains(k)).map(|(_, p)| charge(p.len)).sum::<u64>()
+        let kept: u64 = self
+            .parts
+            .iter()
+            .filter(|(k, _)| !free.contains(k) || read.contains(k))
+            .map(|(_, p)| charge(p.len))
+            .sum::<u64>()
             + self.outside;
         if kept.saturating_add(charge(len)) > self.cap {
-            return Err(format!(
-                "{NOT_SNAPSHOTTED}rank {}'s part of step {} ({} MiB) does not fit in this node's snapshot memory \
-                 (--snapshot-memory {} MiB, {} MiB of it holding the last committed step and the \
-                 steps in progress); the last committed step stays",
-                key.rank,
-                key.step,
-                mib(len),
-                mib(self.cap),
-                mib(kept)
-            ));
+            return Err(SnapError::NoRoom { rank, step, len, cap: self.cap, kept });
         }
         // Reuse the buffer of a part of the same rank (its worker maps it), else any.
-        let reuse = free.iter().find(|k| k.rank == key.rank).or(free.first()).copied();
+        let reusable = || free.iter().filter(|k| !no_reuse.contains(k));
+        let reuse = reusable().find(|k| k.rank == key.rank).or(reusable().next()).copied();
         for k in &free {
             self.parts.remove(k);
         }
@@ -208,10 +208,6 @@ impl Holdings {
         self.base = Some((tag, step));
         true
     }
-}
-
-fn mib(b: u64) -> u64 {
-    b.div_ceil(1 << 20)
 }
 
 /// The snapshot a round restores.
@@ -271,6 +267,7 @@ mod tests {
 
     /// A part's size in these tests' units: a page, the least a part counts.
     const P: u64 = MIN_CHARGE;
+    const NONE: BTreeSet<Key> = BTreeSet::new();
 
     fn key(tag: u64, step: u64, rank: u32) -> Key {
         Key { tag, step, rank }
@@ -284,23 +281,23 @@ mod tests {
     fn the_base_and_steps_in_progress_stay_and_the_rest_goes_under_the_cap() {
         let mut h = Holdings::new(300 * P);
         assert!(h.begin_round(1, None).is_empty());
-        h.reserve(key(1, 1, 0), 1, 100 * P, &(0..2)).unwrap();
+        h.reserve(key(1, 1, 0), 1, 100 * P, &(0..2), &NONE, &NONE).unwrap();
         h.commit(&key(1, 1, 0));
         // Step 1 not committed yet: step 2 is in progress beside it.
-        let g = h.reserve(key(1, 2, 0), 1, 100 * P, &(0..2)).unwrap();
+        let g = h.reserve(key(1, 2, 0), 1, 100 * P, &(0..2), &NONE, &NONE).unwrap();
         assert_eq!(g, Grant::default());
         h.commit(&key(1, 2, 0));
         assert!(h.committed(1, 1));
         assert!(h.committed(1, 2));
         assert!(!h.committed(1, 1), "the base never goes back");
         // Step 3 reuses the buffer of step 1, which may go once 2 is committed.
-        let g = h.reserve(key(1, 3, 0), 1, 100 * P, &(0..2)).unwrap();
+        let g = h.reserve(key(1, 3, 0), 1, 100 * P, &(0..2), &NONE, &NONE).unwrap();
         assert_eq!(g, Grant { free: vec![], reuse: Some(key(1, 1, 0)) });
         assert_eq!(h.used(), 200 * P);
         // A fourth part that does not fit is refused and changes nothing.
-        h.reserve(key(1, 4, 0), 1, 100 * P, &(0..2)).unwrap();
-        let e = h.reserve(key(1, 5, 0), 1, 100 * P, &(0..2)).unwrap_err();
-        assert!(e.contains("--snapshot-memory"), "{e}");
+        h.reserve(key(1, 4, 0), 1, 100 * P, &(0..2), &NONE, &NONE).unwrap();
+        let e = h.reserve(key(1, 5, 0), 1, 100 * P, &(0..2), &NONE, &NONE).unwrap_err();
+        assert!(e.to_string().contains("--snapshot-memory"), "{e}");
         assert_eq!(h.used(), 300 * P);
         assert!(h.get(&key(1, 2, 0)).is_some_and(|p| p.whole), "the last committed step stays");
     }
@@ -314,24 +311,28 @@ mod tests {
         h.begin_round(1, None);
         let remote = 0..0; // no local rank: copies for another node
         for step in 1..=MAX_OPEN_PER_RANK as u64 {
-            h.reserve(key(1, 1_000_000 + step, 5), 8, 0, &remote).unwrap();
+            h.reserve(key(1, 1_000_000 + step, 5), 8, 0, &remote, &NONE, &NONE).unwrap();
             h.commit(&key(1, 1_000_000 + step, 5));
         }
-        let e = h.reserve(key(1, 2_000_000, 5), 8, 0, &remote).unwrap_err();
-        assert!(e.starts_with(NOT_SNAPSHOTTED) && e.contains("not yet committed"), "{e}");
+        let e = h.reserve(key(1, 2_000_000, 5), 8, 0, &remote, &NONE, &NONE).unwrap_err();
+        assert!(
+            matches!(e, SnapError::TooManyOpen { .. })
+                && e.to_string().starts_with(super::super::error::NOT_SNAPSHOTTED),
+            "{e}"
+        );
         assert_eq!(h.used(), MAX_OPEN_PER_RANK as u64 * MIN_CHARGE, "each empty part costs a page");
         // Another rank (this node's own) still saves.
-        h.reserve(key(1, 1, 0), 8, 100, &(0..1)).unwrap();
+        h.reserve(key(1, 1, 0), 8, 100, &(0..1), &NONE, &NONE).unwrap();
         // Once a step commits, the steps before it are no longer in progress: room again.
         h.committed(1, 1_000_000 + MAX_OPEN_PER_RANK as u64);
-        h.reserve(key(1, 2_000_000, 5), 8, 0, &remote).unwrap();
+        h.reserve(key(1, 2_000_000, 5), 8, 0, &remote, &NONE, &NONE).unwrap();
         // And with a small cap, tiny parts fill it by pages, not bytes.
         let mut h = Holdings::new(4 * MIN_CHARGE);
         h.begin_round(1, None);
         for r in 0..4 {
-            h.reserve(key(1, 1, r), 8, 1, &remote).unwrap();
+            h.reserve(key(1, 1, r), 8, 1, &remote, &NONE, &NONE).unwrap();
         }
-        assert!(h.reserve(key(1, 1, 4), 8, 1, &remote).is_err(), "4 one-byte parts fill 4 pages");
+        assert!(h.reserve(key(1, 1, 4), 8, 1, &remote, &NONE, &NONE).is_err(), "4 one-byte parts fill 4 pages");
     }
 
     #[test]
@@ -340,12 +341,12 @@ mod tests {
         let mut h = Holdings::new(300 * P);
         h.begin_round(1, None);
         h.outside = 200 * P;
-        h.reserve(key(1, 1, 0), 1, 100 * P, &(0..1)).unwrap();
-        let e = h.reserve(key(1, 2, 0), 1, 100 * P, &(0..1)).unwrap_err();
-        assert!(e.contains("does not fit"), "{e}");
+        h.reserve(key(1, 1, 0), 1, 100 * P, &(0..1), &NONE, &NONE).unwrap();
+        let e = h.reserve(key(1, 2, 0), 1, 100 * P, &(0..1), &NONE, &NONE).unwrap_err();
+        assert!(e.to_string().contains("does not fit"), "{e}");
         // Once the copies let go, the room is there again.
         h.outside = 0;
-        h.reserve(key(1, 2, 0), 1, 100 * P, &(0..1)).unwrap();
+        h.reserve(key(1, 2, 0), 1, 100 * P, &(0..1), &NONE, &NONE).unwrap();
     }
 
     #[test]
@@ -353,7 +354,7 @@ mod tests {
         let mut h = Holdings::new(1000 * P);
         h.begin_round(1, None);
         for step in [5, 6, 7] {
-            h.reserve(key(1, step, 0), 2, 10 * P, &(0..2)).unwrap();
+            h.reserve(key(1, step, 0), 2, 10 * P, &(0..2), &NONE, &NONE).unwrap();
             h.commit(&key(1, step, 0));
         }
         h.committed(1, 6);
@@ -361,12 +362,12 @@ mod tests {
         let gone = h.begin_round(2, Some((1, 6)));
         assert_eq!(gone, vec![key(1, 5, 0), key(1, 7, 0)], "all but the base");
         assert_eq!(h.inventory(), vec![have(1, 6, 0, 2)], "what went is in no inventory");
-        let g = h.reserve(key(2, 7, 0), 2, 10 * P, &(0..2)).unwrap();
+        let g = h.reserve(key(2, 7, 0), 2, 10 * P, &(0..2), &NONE, &NONE).unwrap();
         assert_eq!(g, Grant::default());
         assert!(h.get(&key(1, 6, 0)).is_some(), "the base stays until a newer step commits");
         h.commit(&key(2, 7, 0));
         assert!(h.committed(2, 7));
-        let g = h.reserve(key(2, 8, 0), 2, 10 * P, &(0..2)).unwrap();
+        let g = h.reserve(key(2, 8, 0), 2, 10 * P, &(0..2), &NONE, &NONE).unwrap();
         assert_eq!(g.reuse, Some(key(1, 6, 0)), "the old base goes with the next save");
     }
 
@@ -374,29 +375,32 @@ mod tests {
     fn a_reservation_being_written_is_never_reused_and_a_step_is_saved_once() {
         let mut h = Holdings::new(1000 * P);
         h.begin_round(1, None);
-        h.reserve(key(1, 1, 0), 2, 10 * P, &(0..2)).unwrap();
+        h.reserve(key(1, 1, 0), 2, 10 * P, &(0..2), &NONE, &NONE).unwrap();
         h.commit(&key(1, 1, 0));
-        h.reserve(key(1, 1, 1), 2, 10 * P, &(0..2)).unwrap();
+        h.reserve(key(1, 1, 1), 2, 10 * P, &(0..2), &NONE, &NONE).unwrap();
         h.commit(&key(1, 1, 1));
         h.committed(1, 1);
         // Restored: the round begins at step 1; a save of step 1 again is refused, not a
         // rewrite of the held part in place.
         h.begin_round(2, Some((1, 1)));
-        let e = h.reserve(key(1, 1, 0), 2, 10 * P, &(0..2)).unwrap_err();
-        assert!(e.starts_with(NOT_SNAPSHOTTED) && e.contains("already held"), "{e}");
+        let e = h.reserve(key(1, 1, 0), 2, 10 * P, &(0..2), &NONE, &NONE).unwrap_err();
+        assert!(e.not_snapshotted() && matches!(e, SnapError::AlreadyHeld { .. }), "{e}");
         // Rank 0 writes step 2 (reserved, not whole); rank 1's reservation never takes it.
-        h.reserve(key(2, 2, 0), 2, 10 * P, &(0..2)).unwrap();
+        h.reserve(key(2, 2, 0), 2, 10 * P, &(0..2), &NONE, &NONE).unwrap();
         h.committed(2, 2);
-        let g = h.reserve(key(2, 3, 1), 2, 10 * P, &(0..2)).unwrap();
+        let g = h.reserve(key(2, 3, 1), 2, 10 * P, &(0..2), &NONE, &NONE).unwrap();
         assert!(!g.free.contains(&key(2, 2, 0)) && g.reuse != Some(key(2, 2, 0)), "{g:?}");
-        assert!(h.reserve(key(2, 2, 0), 2, 10 * P, &(0..2)).is_err(), "a second writer of the same part is refused");
+        assert!(
+            h.reserve(key(2, 2, 0), 2, 10 * P, &(0..2), &NONE, &NONE).is_err(),
+            "a second writer of the same part is refused"
+        );
         // Rank 1's save does not free rank 0's old buffer (its worker may map it); rank 0's does.
         h.commit(&key(2, 2, 0));
         h.commit(&key(2, 3, 1));
-        h.reserve(key(2, 3, 0), 2, 10 * P, &(0..2)).unwrap();
+        h.reserve(key(2, 3, 0), 2, 10 * P, &(0..2), &NONE, &NONE).unwrap();
         h.commit(&key(2, 3, 0));
         h.committed(2, 3);
-        let g = h.reserve(key(2, 4, 1), 2, 10 * P, &(0..2)).unwrap();
+        let g = h.reserve(key(2, 4, 1), 2, 10 * P, &(0..2), &NONE, &NONE).unwrap();
         assert!(g.free.iter().chain(g.reuse.iter()).all(|k| k.rank == 1), "{g:?}");
     }
 
@@ -421,11 +425,11 @@ mod tests {
     fn an_abandoned_reservation_is_no_part_and_is_in_no_inventory() {
         let mut h = Holdings::new(100 * P);
         h.begin_round(3, None);
-        h.reserve(key(3, 1, 0), 1, 10 * P, &(0..2)).unwrap();
+        h.reserve(key(3, 1, 0), 1, 10 * P, &(0..2), &NONE, &NONE).unwrap();
         assert!(h.inventory().is_empty(), "reserved is not held");
         h.abandon(&key(3, 1, 0));
         assert_eq!(h.used(), 0);
-        h.reserve(key(3, 1, 0), 1, 10 * P, &(0..2)).unwrap();
+        h.reserve(key(3, 1, 0), 1, 10 * P, &(0..2), &NONE, &NONE).unwrap();
         h.commit(&key(3, 1, 0));
         h.abandon(&key(3, 1, 0));
         assert_eq!(h.inventory(), vec![have(3, 1, 0, 1)], "a whole part is never abandoned");

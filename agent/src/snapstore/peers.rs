@@ -27,9 +27,10 @@ use serde::{Deserialize, Serialize};
 use tracing::{debug, warn};
 
 use super::secure::{self, Channel, Identity, KEY_LEN};
-use super::{NodeId, Shared};
+use super::{NodeId, Reply, Shared};
+use crate::snapshots::core::Input;
+use crate::snapshots::error::SnapError;
 use crate::snapshots::holdings::Key;
-use crate::snapshots::Event;
 
 const CONNECT_WITHIN: Duration = Duration::from_secs(3);
 /// A peer silent this long on a connection is given up.
@@ -102,11 +103,12 @@ pub(crate) fn fetch(
     peer: &Peer,
     me: &Me,
     key: Key,
-    mut room: impl FnMut(u32, u64) -> Result<Arc<File>, String>,
+    until: Instant,
+    mut room: impl FnMut(u32, u64) -> Result<Arc<File>, SnapError>,
     mut let_go: impl FnMut(),
 ) -> io::Result<(u32, u64, Arc<File>)> {
-    // The holder may still be starting this round: its answer "not this round" is waited out.
-    let deadline = Instant::now() + Duration::from_secs(20);
+    // The holder may still be starting this round: its answer "not this round" is waited out,
+    // until the deadline the core set.
     loop {
         let mut made_room = false;
         let mut room_once = |world: u32, len: u64| {
@@ -121,7 +123,7 @@ pub(crate) fn fetch(
         }
         match got {
             Ok(got) => return Ok(got),
-            Err(e) if e.kind() != io::ErrorKind::OutOfMemory && Instant::now() < deadline => {
+            Err(e) if e.kind() != io::ErrorKind::OutOfMemory && Instant::now() < until => {
                 debug!(error = %e, "fetching a snapshot part; trying again");
                 std::thread::sleep(Duration::from_millis(200));
             }
@@ -134,7 +136,7 @@ fn fetch_once(
     peer: &Peer,
     me: &Me,
     key: Key,
-    room: &mut impl FnMut(u32, u64) -> Result<Arc<File>, String>,
+    room: &mut impl FnMut(u32, u64) -> Result<Arc<File>, SnapError>,
 ) -> io::Result<(u32, u64, Arc<File>)> {
     let mut ch = connect(peer, me)?;
     ch.send(&Msg::Get { tag: key.tag, step: key.step, rank: key.rank })?;
@@ -151,7 +153,8 @@ fn fetch_once(
 /// skipped (the newer commits instead).
 pub(crate) fn replicate(jobs: Receiver<Job>, shared: Weak<Shared>) {
     let (announcements, heard) = std::sync::mpsc::channel();
-    if let Err(e) = std::thread::Builder::new().name("snapshot-announce".into()).spawn(move || announce(heard)) {
+    let told = shared.clone();
+    if let Err(e) = std::thread::Builder::new().name("snapshot-announce".into()).spawn(move || announce(heard, told)) {
         warn!(error = %e, "cannot start the snapshot announcer: steps will not commit");
     }
     let mut conns: HashMap<(NodeId, u64), Channel> = HashMap::new();
@@ -176,9 +179,10 @@ pub(crate) fn replicate(jobs: Receiver<Job>, shared: Weak<Shared>) {
                     continue;
                 }
                 let Some(strong) = shared.upgrade() else { return };
-                let part = super::whole_part(&strong, key);
+                let Reply::Read { ticket, file, world, len } = strong.ask(Input::Read { key, by: None }) else {
+                    continue; // freed meanwhile: a newer part commits instead
+                };
                 drop(strong);
-                let Some((world, len, file)) = part else { continue };
                 let result = with_conn(&mut conns, &to, &me, |ch| {
                     let (tag, step, rank) = (key.tag, key.step, key.rank);
                     ch.send(&Msg::Put { tag, step, rank, world, len })?;
@@ -186,10 +190,11 @@ pub(crate) fn replicate(jobs: Receiver<Job>, shared: Weak<Shared>) {
                     answered(ch).map(|_| ())
                 });
                 drop(file);
+                let Some(shared) = shared.upgrade() else { return };
+                shared.ask(Input::ReadDone { ticket });
                 match result {
                     Ok(()) => {
-                        let Some(shared) = shared.upgrade() else { return };
-                        acked(&shared, key, to.id);
+                        shared.ask(Input::CopyAcked { key, by: to.id });
                     }
                     Err(e) if said.insert((to.id.clone(), key.tag)) => warn!(
                         rank = key.rank,
@@ -208,17 +213,14 @@ pub(crate) fn replicate(jobs: Receiver<Job>, shared: Weak<Shared>) {
     }
 }
 
-/// A member that did not answer an announcement is passed over for this long.
-const QUIET_AFTER_FAILURE: Duration = Duration::from_secs(5);
 /// Members told at once: one slow member holds up only its share.
 const ANNOUNCERS: usize = 8;
 
 /// Tells the members that a step is whole here and on the buddy. Only the newest step of a
 /// round waiting is told (it supersedes the older); members are told in parallel, and one that
-/// failed is passed over for [`QUIET_AFTER_FAILURE`].
-fn announce(jobs: Receiver<Job>) {
+/// failed is reported to the core, which passes it over for a while.
+fn announce(jobs: Receiver<Job>, shared: Weak<Shared>) {
     let mut conns: HashMap<(NodeId, u64), Channel> = HashMap::new();
-    let mut quiet: HashMap<NodeId, Instant> = HashMap::new();
     while let Ok(first) = jobs.recv() {
         let mut newest = first;
         for j in jobs.try_iter() {
@@ -228,10 +230,7 @@ fn announce(jobs: Receiver<Job>) {
                 }
             }
         }
-        let Job::Announce { tag, step, to, me } = newest else { continue };
-        let now = Instant::now();
-        quiet.retain(|_, until| *until > now);
-        let due: Vec<Peer> = to.into_iter().filter(|p| !quiet.contains_key(&p.id)).collect();
+        let Job::Announce { tag, step, to: due, me } = newest else { continue };
         conns.retain(|(_, round), _| *round == me.round);
         let chunk = due.len().div_ceil(ANNOUNCERS).max(1);
         let failed: Vec<NodeId> = std::thread::scope(|sc| {
@@ -266,8 +265,9 @@ fn announce(jobs: Receiver<Job>) {
                 })
                 .collect()
         });
-        for id in failed {
-            quiet.insert(id, Instant::now() + QUIET_AFTER_FAILURE);
+        let Some(shared) = shared.upgrade() else { return };
+        for node in failed {
+            shared.ask(Input::AnnounceFailed { node });
         }
     }
 }
@@ -292,26 +292,6 @@ fn with_conn(
     f(&mut ch)?;
     conns.insert(id, ch);
     Ok(())
-}
-
-/// The buddy holds `key`'s copy: the ledger hears it, and once every rank of this node has
-/// its part of the step at home and on the buddy, the other members are told.
-fn acked(shared: &Shared, key: Key, buddy: NodeId) {
-    let mut st = shared.lock();
-    st.heard(key.tag, [Event::Held { step: key.step, rank: key.rank, node: buddy }]);
-    let Some(round) = st.round.as_mut().filter(|r| r.tag == key.tag) else { return };
-    let ranks = round.ranks.clone();
-    let done = round.acked.entry(key.step).or_default();
-    done.insert(key.rank);
-    if !ranks.clone().all(|r| done.contains(&r)) {
-        return;
-    }
-    round.acked.retain(|s, _| *s > key.step);
-    let Some(peers) = &round.peers else { return };
-    let to: Vec<Peer> = peers.members.iter().filter(|m| m.id != round.me).filter_map(|m| m.peer()).collect();
-    let Ok(identity) = shared.identity() else { return };
-    let me = Me { round: round.tag, id: round.me.clone(), identity: identity.clone() };
-    let _ = shared.outbox.send(Job::Announce { tag: key.tag, step: key.step, to, me });
 }
 
 /// Most proven members' connections served at once: a member talks to each other member over
@@ -411,13 +391,13 @@ fn open(s: TcpStream, shared: &Shared) -> io::Result<(Channel, u64, NodeId)> {
     let deadline = Instant::now() + HELLO_WITHIN;
     let (mut ch, round, node) = secure::server(s, shared.identity()?, deadline, |round, node| {
         let st = shared.lock();
-        st.round
-            .as_ref()
-            .filter(|r| r.tag == round)
-            .and_then(|r| {
-                let key = r.peers.as_ref()?.member(node)?.key?;
-                Some((r.me.clone(), key))
+        st.core
+            .admits(round, node)
+            .then(|| {
+                let key = *st.keys.get(node)?;
+                Some((st.core.running()?.1.clone(), key))
             })
+            .flatten()
             .ok_or_else(|| {
                 format!("node {} is not a member of round {round} here", node.chars().take(200).collect::<String>())
             })
@@ -438,99 +418,55 @@ fn ok(ch: &mut Channel, a: Answer) -> io::Result<()> {
 }
 
 fn serve(mut ch: Channel, round: u64, node: NodeId, shared: &Shared) -> io::Result<()> {
-    let (ranks, round_world, my_ward) = {
-        let st = shared.lock();
-        let found = st.round.as_ref().filter(|r| r.tag == round).and_then(|r| {
-            let p = r.peers.as_ref()?;
-            let m = p.member(&node)?;
-            // Copies come only from the node this one is the buddy of.
-            let ward = p.buddy_of(&node).is_some_and(|b| b.id == r.me);
-            Some((m.ranks.clone(), r.world, ward))
-        });
-        match found {
-            Some(f) => f,
-            None => return Ok(()), // the round ended during the handshake
-        }
-    };
     loop {
         let msg: Msg = match ch.recv() {
             Ok(m) => m,
             Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
             Err(e) => return Err(e),
         };
-        // Every request is about the round the hello named, which must still be this agent's.
-        let current = shared.lock().round.as_ref().is_some_and(|r| r.tag == round);
+        // Every request is judged by the core against the round the hello named.
         match msg {
             Msg::Put { tag, step, rank, world, len } => {
                 let key = Key { tag, step, rank };
-                let why = if !current || tag != round {
-                    Some(format!("round {tag} is not the one this node runs"))
-                } else if !my_ward {
-                    Some(format!("this node is not node {node}'s buddy"))
-                } else if !ranks.contains(&rank) {
-                    Some(format!("rank {rank} is not node {node}'s"))
-                } else if world != round_world {
-                    Some(format!("a world of {world}: round {round} has {round_world} ranks"))
-                } else {
-                    None
-                };
-                let file = match why {
-                    Some(w) => Err(w),
-                    None => super::buffer_for(shared, key, world, len),
-                };
-                match file {
-                    Err(why) => {
-                        ch.drain(len)?;
-                        refuse(&mut ch, why)?;
-                    }
-                    Ok(file) => {
+                match shared.ask(Input::Offer { from: node.clone(), round, key, world, len }) {
+                    Reply::Buffer(file) => {
                         if let Err(e) = ch.receive_into(&file, len) {
                             drop(file);
-                            super::abandon(shared, key);
+                            shared.ask(Input::Abandon { key });
                             return Err(e);
                         }
                         drop(file);
-                        if super::commit_copy(shared, key, &node) {
-                            ok(&mut ch, Answer::default())?;
-                        } else {
-                            refuse(&mut ch, "the round ended while the copy came".into())?;
+                        match shared.ask(Input::CopyArrived { key }) {
+                            Reply::Refused(why) => refuse(&mut ch, why.to_string())?,
+                            _ => ok(&mut ch, Answer::default())?,
                         }
+                    }
+                    Reply::Refused(why) => {
+                        ch.drain(len)?;
+                        refuse(&mut ch, why.to_string())?;
+                    }
+                    _ => {
+                        ch.drain(len)?;
+                        refuse(&mut ch, "the snapshot store answered out of turn".into())?;
                     }
                 }
             }
             Msg::Get { tag, step, rank } => {
                 let key = Key { tag, step, rank };
-                match super::whole_part(shared, key).filter(|_| current && tag <= round) {
-                    Some((world, len, file)) => {
-                        ok(&mut ch, Answer { world: Some(world), len: Some(len), ..Answer::default() })?;
-                        ch.send_file(&file, len)?;
+                match shared.ask(Input::Read { key, by: Some((node.clone(), round)) }) {
+                    Reply::Read { ticket, file, world, len } => {
+                        let sent = ok(&mut ch, Answer { world: Some(world), len: Some(len), ..Answer::default() })
+                            .and_then(|()| ch.send_file(&file, len));
+                        drop(file);
+                        shared.ask(Input::ReadDone { ticket });
+                        sent?;
                     }
-                    None => {
-                        refuse(&mut ch, format!("rank {rank}'s part of step {step} (round {tag}) is not held here"))?
-                    }
+                    Reply::Refused(why) => refuse(&mut ch, why.to_string())?,
+                    _ => refuse(&mut ch, "the snapshot store answered out of turn".into())?,
                 }
             }
             Msg::Complete { tag, step } => {
-                let mut st = shared.lock();
-                let events = st.round.as_ref().filter(|r| r.tag == tag && tag == round).and_then(|r| {
-                    let p = r.peers.as_ref()?;
-                    let buddy = p.buddy_of(&node)?.id.clone();
-                    Some(
-                        ranks
-                            .clone()
-                            .flat_map(|rank| {
-                                [
-                                    Event::Held { step, rank, node: node.clone() },
-                                    Event::Held { step, rank, node: buddy.clone() },
-                                ]
-                            })
-                            .collect::<Vec<_>>(),
-                    )
-                });
-                if let Some(events) = events {
-                    st.heard(tag, events);
-                }
-                drop(st);
+                shared.ask(Input::Complete { from: node.clone(), round, tag, step });
                 ok(&mut ch, Answer::default())?;
             }
         }
@@ -541,8 +477,7 @@ fn serve(mut ch: Channel, round: u64, node: NodeId, shared: &Shared) -> io::Resu
 mod tests {
     use super::*;
     use crate::snapstore::SnapStore;
-    use rlaunch::contract::Member;
-    use std::collections::BTreeSet;
+    use rlaunch::contract::{Member, SnapshotSet};
     use std::io::{Read, Write};
 
     fn member(id: &str, offset: u32, addr: Option<HostPort>, key: &Identity) -> Member {
@@ -588,8 +523,8 @@ mod tests {
         ch.recv()
     }
 
-    fn no_room(_: u32, _: u64) -> Result<Arc<File>, String> {
-        Err("no room".into())
+    fn no_room(_: u32, _: u64) -> Result<Arc<File>, SnapError> {
+        Err(SnapError::Buffer("no room".into()))
     }
 
     #[test]
@@ -621,9 +556,9 @@ mod tests {
         let held = store.inventory();
         assert_eq!(held.len(), 1);
         assert_eq!((held[0].tag, held[0].step, held[0].ranks.clone()), (7, 1, vec![(2, 3)]));
-        let room = |_: u32, len: u64| -> Result<Arc<File>, String> {
-            let f = super::super::memfd().map_err(|e| e.to_string())?;
-            f.set_len(len).map_err(|e| e.to_string())?;
+        let room = |_: u32, len: u64| -> Result<Arc<File>, SnapError> {
+            let f = super::super::memfd().map_err(|e| SnapError::Buffer(e.to_string()))?;
+            f.set_len(len).map_err(|e| SnapError::Buffer(e.to_string()))?;
             Ok(Arc::new(f))
         };
         let (world, len, file) =
@@ -634,7 +569,8 @@ mod tests {
         // A part nobody holds is refused, not invented; a fetch the cap has no room for makes
         // no buffer and is not tried again.
         assert!(fetch_once(&me, &as_("x", 7, &x), Key { tag: 7, step: 2, rank: 2 }, &mut { room }).is_err());
-        let e = fetch(&me, &as_("x", 7, &x), Key { tag: 7, step: 1, rank: 2 }, no_room, || {}).err().unwrap();
+        let until = Instant::now() + Duration::from_secs(20);
+        let e = fetch(&me, &as_("x", 7, &x), Key { tag: 7, step: 1, rank: 2 }, until, no_room, || {}).err().unwrap();
         assert_eq!(e.kind(), io::ErrorKind::OutOfMemory);
     }
 
@@ -832,17 +768,25 @@ mod tests {
                 });
             }
         });
-        // The fetching node: x, whose store reserves room as a load does.
+        // The fetching node: x, in a round whose plan restores that part from `me`, its store
+        // reserving room as a load does.
         let fetcher = SnapStore::start(1 << 30, Default::default()).unwrap();
         let key = Key { tag: 7, step: 1, rank: 2 };
+        let mut holder_listing = member("me", 0, Some(me.addr.clone()), holder.shared.identity().unwrap());
+        holder_listing.snapshots = vec![SnapshotSet { tag: 7, step: 1, world: 4, ranks: vec![(0, 4)] }];
+        let fetching = member("x", 2, Some(via.clone()), &x);
+        fetcher.begin_peer_round(8, "x", &[holder_listing, fetching]);
         let shared = &fetcher.shared;
         let peer = Peer { addr: via, ..me.clone() };
         let (world, len, file) = fetch(
             &peer,
             &as_("x", 7, &x),
             key,
-            |world, len| super::super::buffer_for(shared, key, world, len),
-            || super::super::abandon(shared, key),
+            Instant::now() + Duration::from_secs(20),
+            |world, len| super::super::fetch_room(shared, key, "me", world, len),
+            || {
+                shared.ask(Input::Abandon { key });
+            },
         )
         .expect("the second try fetches the part");
         let mut got = vec![0u8; len as usize];
@@ -877,10 +821,9 @@ mod tests {
         me.begin_peer_round(7, "me", &members);
         buddy.begin_peer_round(7, "buddy", &members);
         let save = |step: u64| {
-            let mut reserved = BTreeSet::new();
             for rank in 0..2 {
-                super::super::reserve(&me.shared, step, rank, 6, 64, &mut reserved).unwrap();
-                super::super::commit(&me.shared, step, rank, &mut reserved).unwrap();
+                super::super::reserve(&me.shared, 1, step, rank, 6, 64).unwrap();
+                super::super::commit(&me.shared, 1, step, rank).unwrap();
             }
         };
         let on_buddy = |step: u64| buddy.inventory().iter().any(|set| set.step == step && set.ranks == [(0, 2)]);
@@ -912,9 +855,7 @@ mod tests {
         // The server notices the close; the reservation goes, nothing is in the inventory.
         let deadline = Instant::now() + Duration::from_secs(5);
         loop {
-            let st = store.shared.lock();
-            let reserved = st.holdings.get(&Key { tag: 7, step: 1, rank: 3 }).is_some();
-            drop(st);
+            let reserved = store.shared.lock().core.used() > 0;
             if !reserved {
                 break;
             }
