@@ -190,14 +190,23 @@ impl Drop for RunDir {
     }
 }
 
+/// A directory still under its making name this long belongs to an agent killed while making
+/// it (making takes microseconds).
+const MAKING_WITHIN: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// Removes `{base}/{prefix}-*` directories of this user that no running agent holds (their
-/// lock can be taken): those of agents killed before they could clean up.
+/// lock can be taken): those of agents killed before they could clean up; and `.{prefix}-*`
+/// ones (still under their making name) older than [`MAKING_WITHIN`], of agents killed while
+/// making them.
 pub fn sweep(base: &Path, prefix: &str) {
     let Ok(entries) = std::fs::read_dir(base) else { return };
     let euid = crate::logdir::euid();
     let start = format!("{prefix}-");
+    let making = format!(".{prefix}-");
     for e in entries.flatten() {
-        if !e.file_name().to_string_lossy().starts_with(&start) {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let half_made = name.starts_with(&making);
+        if !name.starts_with(&start) && !half_made {
             continue;
         }
         let path = e.path();
@@ -205,11 +214,25 @@ pub fn sweep(base: &Path, prefix: &str) {
         if !m.is_dir() || m.uid() != euid {
             continue;
         }
+        if half_made {
+            let old = m.modified().ok().and_then(|t| t.elapsed().ok()).is_some_and(|age| age >= MAKING_WITHIN);
+            if !old {
+                continue;
+            }
+        }
         let lock = std::fs::OpenOptions::new()
             .read(true)
             .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(path.join(LOCK_FILE));
-        let Ok(lock) = lock else { continue };
+        let lock = match lock {
+            Ok(lock) => lock,
+            // Killed between making the directory and its lock file.
+            Err(e) if half_made && e.kind() == io::ErrorKind::NotFound => {
+                let _ = std::fs::remove_dir_all(&path);
+                continue;
+            }
+            Err(_) => continue,
+        };
         // SAFETY: flock on a descriptor the File keeps open.
         if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
             tracing::debug!(dir = %path.display(), "removing a killed agent's runtime directory");
@@ -303,9 +326,24 @@ mod tests {
         std::fs::write(dead_path.join(LOCK_FILE), b"").unwrap();
         let other = base.path().join("something-else");
         std::fs::create_dir(&other).unwrap();
+        // Killed while making: a directory under its making name, with or without its lock
+        // file, old; and one being made now, which stays.
+        let old = std::time::SystemTime::now() - MAKING_WITHIN - std::time::Duration::from_secs(1);
+        let half_locked = base.path().join(".rlaunch-test-3-cc");
+        std::fs::create_dir(&half_locked).unwrap();
+        std::fs::write(half_locked.join(LOCK_FILE), b"").unwrap();
+        let half_bare = base.path().join(".rlaunch-test-4-dd");
+        std::fs::create_dir(&half_bare).unwrap();
+        for d in [&half_locked, &half_bare] {
+            std::fs::File::open(d).unwrap().set_modified(old).unwrap();
+        }
+        let being_made = base.path().join(".rlaunch-test-5-ee");
+        std::fs::create_dir(&being_made).unwrap();
         sweep(base.path(), "rlaunch-test");
         assert!(live.path().exists(), "a running agent's directory stays");
         assert!(!dead_path.exists(), "a killed agent's directory goes");
         assert!(other.exists(), "what is not the agent's stays");
+        assert!(!half_locked.exists() && !half_bare.exists(), "half-made directories of killed agents go");
+        assert!(being_made.exists(), "a directory being made now stays");
     }
 }

@@ -12,9 +12,10 @@ use super::settings::{JobSettings, Millis, MAX_NODES, SCALE_UP_TTLS};
 use crate::detector::{self, Health, ProbeRequest, Timing, Verdict};
 use rlaunch::contract::{HostPort, Member, NodeInfo, RootCause, RoundInfo};
 
-/// Group ranks by node id for [`Job::member`]; equal to any other (it is a cache).
+/// Group ranks by node id for [`Job::member`], and the round's world size; equal to any other
+/// (it is a cache).
 #[derive(Debug, Clone, Default)]
-pub struct MemberIndex(std::sync::OnceLock<HashMap<String, usize>>);
+pub struct MemberIndex(std::sync::OnceLock<(HashMap<String, usize>, u32)>);
 
 impl PartialEq for MemberIndex {
     fn eq(&self, _: &Self) -> bool {
@@ -34,6 +35,187 @@ pub struct Pending {
     /// node's own copy is dropped at join).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fingerprint_digest: Option<String>,
+}
+
+/// The nodes waiting for the next round, in join order, with an index by node id kept as the
+/// list changes: whether a node is pending is a lookup, not a scan of up to 10,000 entries on
+/// every join and every woken long-poll. Stored (and compared) as the plain list.
+#[derive(Debug, Clone, Default)]
+pub struct PendingList {
+    list: Vec<Pending>,
+    index: HashMap<String, usize>,
+}
+
+impl PendingList {
+    fn reindex(&mut self) {
+        self.index = self.list.iter().enumerate().map(|(i, p)| (p.node.node_id.clone(), i)).collect();
+    }
+
+    /// Adds a node not yet pending (one already pending is updated in place instead).
+    pub fn push(&mut self, p: Pending) {
+        if let Some(&i) = self.index.get(&p.node.node_id) {
+            self.list[i] = p;
+            return;
+        }
+        self.index.insert(p.node.node_id.clone(), self.list.len());
+        self.list.push(p);
+    }
+
+    pub fn contains(&self, node_id: &str) -> bool {
+        self.index.contains_key(node_id)
+    }
+
+    pub fn get(&self, node_id: &str) -> Option<&Pending> {
+        self.index.get(node_id).map(|&i| &self.list[i])
+    }
+
+    /// The node's entry, to update its details (never its id).
+    pub fn get_mut(&mut self, node_id: &str) -> Option<&mut Pending> {
+        self.index.get(node_id).map(|&i| &mut self.list[i])
+    }
+
+    pub fn retain(&mut self, keep: impl FnMut(&Pending) -> bool) {
+        let before = self.list.len();
+        self.list.retain(keep);
+        if self.list.len() != before {
+            self.reindex();
+        }
+    }
+
+    pub fn clear(&mut self) {
+        self.list.clear();
+        self.index.clear();
+    }
+
+    /// Removes `node_id`'s entry; a lookup when it is not pending.
+    pub fn remove(&mut self, node_id: &str) -> Option<Pending> {
+        let i = self.index.remove(node_id)?;
+        let gone = self.list.remove(i);
+        for p in &self.list[i..] {
+            if let Some(j) = self.index.get_mut(&p.node.node_id) {
+                *j -= 1;
+            }
+        }
+        Some(gone)
+    }
+}
+
+impl From<Vec<Pending>> for PendingList {
+    fn from(list: Vec<Pending>) -> PendingList {
+        let mut out = PendingList { list, index: HashMap::new() };
+        // A list read from a store with a node twice keeps its first entry.
+        let mut seen = std::collections::HashSet::new();
+        out.list.retain(|p| seen.insert(p.node.node_id.clone()));
+        out.reindex();
+        out
+    }
+}
+
+impl std::ops::Deref for PendingList {
+    type Target = [Pending];
+    fn deref(&self) -> &[Pending] {
+        &self.list
+    }
+}
+
+impl PartialEq for PendingList {
+    fn eq(&self, other: &Self) -> bool {
+        self.list == other.list
+    }
+}
+
+impl Eq for PendingList {}
+
+impl Serialize for PendingList {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.list.serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for PendingList {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Vec::<Pending>::deserialize(d).map(PendingList::from)
+    }
+}
+
+/// Node ids in an order that matters (the previous round's survivors, in rank order), with a
+/// set kept beside them: membership is a lookup. Stored (and compared) as the plain list.
+#[derive(Debug, Clone, Default)]
+pub struct NodeIds {
+    list: Vec<String>,
+    set: std::collections::HashSet<String>,
+}
+
+impl NodeIds {
+    pub fn contains(&self, node_id: &str) -> bool {
+        self.set.contains(node_id)
+    }
+
+    pub fn retain(&mut self, mut keep: impl FnMut(&String) -> bool) {
+        let set = &mut self.set;
+        self.list.retain(|id| {
+            let k = keep(id);
+            if !k {
+                set.remove(id);
+            }
+            k
+        });
+    }
+
+    /// Removes `node_id`; a lookup when it is not there.
+    pub fn remove(&mut self, node_id: &str) -> bool {
+        if !self.set.remove(node_id) {
+            return false;
+        }
+        self.list.retain(|id| id != node_id);
+        true
+    }
+
+    pub fn clear(&mut self) {
+        self.list.clear();
+        self.set.clear();
+    }
+}
+
+impl From<Vec<String>> for NodeIds {
+    fn from(mut list: Vec<String>) -> NodeIds {
+        let mut set = std::collections::HashSet::new();
+        list.retain(|id| set.insert(id.clone()));
+        NodeIds { list, set }
+    }
+}
+
+impl std::ops::Deref for NodeIds {
+    type Target = [String];
+    fn deref(&self) -> &[String] {
+        &self.list
+    }
+}
+
+impl PartialEq for NodeIds {
+    fn eq(&self, other: &Self) -> bool {
+        self.list == other.list
+    }
+}
+
+impl Eq for NodeIds {}
+
+impl<const N: usize> PartialEq<[&str; N]> for NodeIds {
+    fn eq(&self, other: &[&str; N]) -> bool {
+        self.list.len() == N && self.list.iter().zip(other).all(|(a, b)| a == b)
+    }
+}
+
+impl Serialize for NodeIds {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.list.serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for NodeIds {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Vec::<String>::deserialize(d).map(NodeIds::from)
+    }
 }
 
 /// Why a job failed, for callers that treat a join timeout differently.
@@ -104,10 +286,10 @@ pub struct Job {
     #[serde(skip)]
     pub member_index: MemberIndex,
     /// Nodes waiting for the next round to close, in join order (standbys beyond MAX too).
-    pub pending: Vec<Pending>,
+    pub pending: PendingList,
     /// Surviving members of the previous round, in their old rank order, expected to rejoin the
     /// forming round; when all are back the last call is skipped.
-    pub previous: Vec<String>,
+    pub previous: NodeIds,
     /// Members of the running round that reported success.
     pub succeeded: Vec<String>,
     /// Last time each live node (member, pending or previous) was heard from.
@@ -206,8 +388,8 @@ impl Job {
             members_digest: String::new(),
             members_round: 0,
             member_index: MemberIndex::default(),
-            pending: Vec::new(),
-            previous: Vec::new(),
+            pending: PendingList::default(),
+            previous: NodeIds::default(),
             succeeded: Vec::new(),
             last_seen: BTreeMap::new(),
             health: BTreeMap::new(),
@@ -284,7 +466,7 @@ impl Job {
     pub fn tracks(&self, node_id: &str) -> bool {
         (matches!(self.phase, Phase::Running { .. }) && self.is_member(node_id))
             || self.is_pending(node_id)
-            || self.previous.iter().any(|p| p == node_id)
+            || self.previous.contains(node_id)
     }
 
     pub fn is_member(&self, node_id: &str) -> bool {
@@ -293,10 +475,7 @@ impl Job {
 
     /// The member `node_id` of the last closed round, through the index.
     pub fn member(&self, node_id: &str) -> Option<&Member> {
-        let index = self
-            .member_index
-            .0
-            .get_or_init(|| self.members.iter().enumerate().map(|(i, m)| (m.node_id.clone(), i)).collect());
+        let index = &self.member_index.0.get_or_init(|| self.index_members()).0;
         match index.get(node_id).and_then(|i| self.members.get(*i)) {
             Some(m) if m.node_id == node_id => Some(m),
             // Members changed since the index was built (only ever in tests that edit them).
@@ -330,12 +509,27 @@ impl Job {
     }
 
     pub(super) fn is_pending(&self, node_id: &str) -> bool {
-        self.pending.iter().any(|p| p.node.node_id == node_id)
+        self.pending.contains(node_id)
     }
 
     /// Ranks in the round; the bounds on nodes and workers per node keep it within `u32`.
+    /// Summed once per round (it is in every answer to 10,000 nodes).
     pub fn world_size(&self) -> u32 {
-        self.members.iter().fold(0u32, |sum, m| sum.saturating_add(m.local_world_size))
+        let (_, world) = self.member_index.0.get_or_init(|| self.index_members());
+        if self.members.len() != self.member_index.0.get().map_or(0, |(by_id, _)| by_id.len()) {
+            // Members changed since the index was built (only ever in tests that edit them).
+            return Self::sum_world(&self.members);
+        }
+        *world
+    }
+
+    fn sum_world(members: &[Member]) -> u32 {
+        members.iter().fold(0u32, |sum, m| sum.saturating_add(m.local_world_size))
+    }
+
+    fn index_members(&self) -> (HashMap<String, usize>, u32) {
+        let by_id = self.members.iter().enumerate().map(|(i, m)| (m.node_id.clone(), i)).collect();
+        (by_id, Self::sum_world(&self.members))
     }
 
     /// The round this node runs in, if the job is running a round that includes it, with the

@@ -42,7 +42,7 @@ mod status;
 
 pub use event::{Action, Decision, Event, Rejection, RoundCause};
 pub use guard::{apply_guarded, apply_joining, authorize, secret_after_join, Guard};
-pub use job::{Earlier, FailureKind, Job, MemberIndex, Pending, Phase};
+pub use job::{Earlier, FailureKind, Job, MemberIndex, NodeIds, Pending, PendingList, Phase};
 pub use machine::{apply, apply_in_place, credible_snapshots};
 pub use node::{
     advertised, canonical_ip, check_advertised, fingerprint_digest, fingerprint_summary, pin_advertised_names,
