@@ -66,6 +66,8 @@ pub(crate) struct Shared {
     identity: std::sync::OnceLock<Arc<secure::Identity>>,
     /// Numbers the workers' connections (a reservation's writer).
     connections: AtomicU64,
+    /// Inputs the core was stepped with (a waiting request costs one per change, not a spin).
+    steps: AtomicU64,
 }
 
 struct State {
@@ -88,8 +90,12 @@ pub(crate) enum Reply {
         step: Option<u64>,
         world: Option<u32>,
     },
-    /// Room made: the buffer to write.
-    Buffer(Arc<std::fs::File>),
+    /// Room made: the buffer to write, and the reservation its reports name.
+    Buffer {
+        file: Arc<std::fs::File>,
+        key: Key,
+        generation: u64,
+    },
     Lend {
         file: Arc<std::fs::File>,
         step: u64,
@@ -107,6 +113,7 @@ pub(crate) enum Reply {
         from: peers::Peer,
         until: Instant,
         me: peers::Me,
+        fetch: u64,
     },
 }
 
@@ -136,6 +143,7 @@ impl SnapStore {
             progress,
             identity: std::sync::OnceLock::new(),
             connections: AtomicU64::new(0),
+            steps: AtomicU64::new(0),
         });
         let s = shared.clone();
         std::thread::Builder::new().name("snapshots".into()).spawn(move || accept(listener, s))?;
@@ -273,7 +281,7 @@ impl Shared {
         loop {
             match self.ask_locked(&mut st, input.clone()) {
                 Reply::Wait(until) => {
-                    self.changed.notify_all();
+                    // A wait changed nothing: nobody else is woken for it.
                     let left = until.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
                     st = self.changed.wait_timeout(st, left).unwrap_or_else(PoisonError::into_inner).0;
                 }
@@ -287,6 +295,7 @@ impl Shared {
     }
 
     fn ask_locked(&self, st: &mut State, input: Input) -> Reply {
+        self.steps.fetch_add(1, Ordering::Relaxed);
         let acts = st.core.step(input, Instant::now());
         let mut reply = Reply::Done;
         for act in acts {
@@ -331,12 +340,12 @@ impl Shared {
                         "a worker went while saving its snapshot: that part was never held"
                     )
                 }
-                Action::Make { key, len, reuse } => {
+                Action::Make { key, len, reuse, generation } => {
                     reply = match make_buffer(st, key, len, reuse) {
-                        Ok(file) => Reply::Buffer(file),
+                        Ok(file) => Reply::Buffer { file, key, generation },
                         Err(e) => {
                             // Nothing is written: the reservation goes.
-                            let _ = self.ask_locked(st, Input::Abandon { key });
+                            let _ = self.ask_locked(st, Input::Abandon { key, generation });
                             Reply::Refused(SnapError::Buffer(e.to_string()))
                         }
                     }
@@ -360,13 +369,15 @@ impl Shared {
                         }
                     }
                 }
-                Action::Fetch { key, from, until } => {
+                Action::Fetch { key, from, until, fetch } => {
                     reply = match (st.directory.get(&from).cloned(), self.me(st)) {
-                        (Some(from), Some(me)) => Reply::Fetch { key, from, until, me },
+                        (Some(from), Some(me)) => Reply::Fetch { key, from, until, me, fetch },
                         _ => {
                             let error = "no key to reach other nodes with".to_string();
-                            let failed = Input::FetchFailed { key, from: from.clone(), addr: String::new(), error };
-                            let _ = st.core.step(failed, Instant::now());
+                            let addr = String::new();
+                            let failed =
+                                Input::FetchFailed { key, fetch, generation: None, from: from.clone(), addr, error };
+                            let _ = self.ask_locked(st, failed);
                             Reply::Refused(SnapError::Unreachable { node: from, rank: key.rank, step: key.step })
                         }
                     }
@@ -504,7 +515,7 @@ fn handle(shared: &Shared, writer: u64, req: Request) -> (Answer, Option<OwnedFd
 }
 
 fn unexpected() -> SnapError {
-    SnapError::Buffer("the snapshot store answered out of turn".into())
+    SnapError::OutOfTurn
 }
 
 pub(crate) fn reserve(
@@ -517,8 +528,8 @@ pub(crate) fn reserve(
 ) -> Result<OwnedFd, SnapError> {
     let since = Instant::now();
     match shared.ask_waiting(Input::Reserve { writer, step, rank, world, len, since }) {
-        Reply::Buffer(file) => file.as_fd().try_clone_to_owned().map_err(|e| {
-            shared.ask(Input::WriterGone { writer });
+        Reply::Buffer { file, key, generation } => file.as_fd().try_clone_to_owned().map_err(|e| {
+            shared.ask(Input::Abandon { key, generation });
             SnapError::Buffer(e.to_string())
         }),
         Reply::Refused(e) => Err(e),
@@ -533,16 +544,17 @@ pub(crate) fn commit(shared: &Shared, writer: u64, step: u64, rank: u32) -> Resu
     }
 }
 
-/// Room under the cap for a fetched part, once its holder said how big it is.
+/// Room under the cap for a fetched part, once its holder said how big it is: the buffer and
+/// the reservation's generation.
 pub(crate) fn fetch_room(
     shared: &Shared,
     key: Key,
     from: &str,
     world: u32,
     len: u64,
-) -> Result<Arc<std::fs::File>, SnapError> {
+) -> Result<(Arc<std::fs::File>, u64), SnapError> {
     match shared.ask(Input::FetchRoom { key, from: from.to_owned(), world, len }) {
-        Reply::Buffer(file) => Ok(file),
+        Reply::Buffer { file, generation, .. } => Ok((file, generation)),
         Reply::Refused(e) => Err(e),
         _ => Err(unexpected()),
     }
@@ -557,33 +569,43 @@ fn load(shared: &Shared, rank: Option<u32>) -> Result<(Answer, Option<OwnedFd>),
             Reply::Lend { file, step, world, len } => {
                 // Sealed before it is lent (outside the lock: a sealed copy may be made): no
                 // descriptor of it, however reopened, can write it.
-                let fd = lend(&file).map_err(|e| SnapError::Buffer(format!("cannot lend the snapshot buffer: {e}")))?;
+                let fd = lend(&file).map_err(|e| SnapError::Lend(e.to_string()))?;
                 return Ok((
                     Answer { step: Some(step), world: Some(world), len: Some(len), ..Answer::default() },
                     Some(fd),
                 ));
             }
-            Reply::Fetch { key, from, until, me } => {
+            Reply::Fetch { key, from, until, me, fetch } => {
+                // The room of the try in progress: a cut try lets go of exactly that.
+                let granted = std::cell::Cell::new(None);
                 let fetched = peers::fetch(
                     &from,
                     &me,
                     key,
                     until,
-                    |world, len| fetch_room(shared, key, &from.id, world, len),
+                    |world, len| {
+                        let (file, generation) = fetch_room(shared, key, &from.id, world, len)?;
+                        granted.set(Some(generation));
+                        Ok(file)
+                    },
                     || {
-                        shared.ask(Input::Abandon { key });
+                        if let Some(generation) = granted.take() {
+                            shared.ask(Input::Abandon { key, generation });
+                        }
                     },
                 );
-                let input = match fetched {
-                    Ok((_, len, _)) => {
+                let input = match (fetched, granted.get()) {
+                    (Ok((_, len, _)), Some(generation)) => {
                         info!(rank = key.rank, step = key.step, from = %from.id, mib = len >> 20, "fetched a snapshot part from another node");
-                        Input::FetchArrived { key }
+                        Input::FetchArrived { key, fetch, generation }
                     }
-                    Err(e) => Input::FetchFailed {
+                    (got, generation) => Input::FetchFailed {
                         key,
+                        fetch,
+                        generation,
                         from: from.id.clone(),
                         addr: from.addr.to_string(),
-                        error: e.to_string(),
+                        error: got.err().map_or_else(|| "no room was made for it".into(), |e| e.to_string()),
                     },
                 };
                 if let Reply::Refused(e) = shared.ask(input) {
@@ -658,6 +680,26 @@ fn lend(file: &std::fs::File) -> std::io::Result<OwnedFd> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn requests_waiting_for_a_round_do_not_wake_each_other() {
+        // Found reviewing the core: each waiting request woke the others as it went back to
+        // waiting, so two saves made before a round began spun on both cores until it did.
+        let store = SnapStore::start(1 << 20, Default::default()).unwrap();
+        let waiters: Vec<_> = (0..2)
+            .map(|rank| {
+                let shared = store.shared.clone();
+                std::thread::spawn(move || reserve(&shared, rank, 1, rank as u32, 2, 64).is_ok())
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(300));
+        let steps = store.shared.steps.load(Ordering::Relaxed);
+        assert!(steps <= 4, "{steps} core steps while two requests waited 300 ms for a round");
+        store.begin_local_round(1, 2, 0..2);
+        for w in waiters {
+            assert!(w.join().unwrap(), "a waiting save is answered once the round begins");
+        }
+    }
 
     #[test]
     fn a_lent_part_cannot_be_written_through_any_reopening_of_its_descriptor() {

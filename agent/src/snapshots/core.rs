@@ -63,8 +63,10 @@ pub enum Input {
     Commit { writer: u64, step: u64, rank: u32 },
     /// A worker's connection closed: what it reserved and never committed goes.
     WriterGone { writer: u64 },
-    /// A reservation whose bytes will not come (its buffer could not be made, a transfer cut).
-    Abandon { key: Key },
+    /// A reservation whose bytes will not come (its buffer could not be made, a transfer cut):
+    /// the one [`Action::Make`] granted as `generation` (a later reservation of the same key is
+    /// never touched by a stale report).
+    Abandon { key: Key, generation: u64 },
     /// Bytes of a whole part wanted: by a member (`by`: its id and the round its hello named),
     /// or by this node's copy to the buddy (`None`).
     Read { key: Key, by: Option<(NodeId, u64)> },
@@ -74,18 +76,18 @@ pub enum Input {
     CopyAcked { key: Key, by: NodeId },
     /// A member offers a copy for this node (a hello proved it `from`, a member of `round`).
     Offer { from: NodeId, round: u64, key: Key, world: u32, len: u64 },
-    /// An offered copy's bytes are in.
-    CopyArrived { key: Key },
+    /// An offered copy's bytes are in, in the buffer granted as `generation`.
+    CopyArrived { key: Key, generation: u64 },
     /// `from` says every part its ranks saved for `step` is held on it and on its buddy.
     Complete { from: NodeId, round: u64, tag: u64, step: u64 },
     /// A worker loads the round's snapshot; asked first at `since`.
     Load { rank: Option<u32>, since: Instant },
     /// A fetch's holder answered: the part is `len` bytes of a world of `world`.
     FetchRoom { key: Key, from: NodeId, world: u32, len: u64 },
-    /// A fetched part's bytes are in.
-    FetchArrived { key: Key },
-    /// A fetch failed, retries included.
-    FetchFailed { key: Key, from: NodeId, addr: String, error: String },
+    /// Fetch `fetch`'s bytes are in, in the buffer granted as `generation`.
+    FetchArrived { key: Key, fetch: u64, generation: u64 },
+    /// Fetch `fetch` failed, retries included; `generation`: the room it had been granted.
+    FetchFailed { key: Key, fetch: u64, generation: Option<u64>, from: NodeId, addr: String, error: String },
     /// A member did not take an announcement.
     AnnounceFailed { node: NodeId },
 }
@@ -100,8 +102,9 @@ pub enum Action {
     Done,
     /// A load's answer without a part: the step restored and its world (none: nothing is).
     Restore { step: Option<u64>, world: Option<u32> },
-    /// Give the request a buffer of `len` bytes for `key`: `reuse`'s, else a new one.
-    Make { key: Key, len: u64, reuse: Option<Key> },
+    /// Give the request a buffer of `len` bytes for `key`: `reuse`'s, else a new one. Reports
+    /// about it name `generation`.
+    Make { key: Key, len: u64, reuse: Option<Key>, generation: u64 },
     /// Forget `key`'s buffer.
     Free(Key),
     /// Seal `key`'s buffer: nothing writes it again.
@@ -110,8 +113,8 @@ pub enum Action {
     Lend { key: Key, step: u64, world: u32, len: u64 },
     /// Hand `key`'s bytes to the reader; report [`Input::ReadDone`] with `ticket` after.
     Read { ticket: u64, key: Key, world: u32, len: u64 },
-    /// Fetch `key` from member `from`, giving up at `until`.
-    Fetch { key: Key, from: NodeId, until: Instant },
+    /// Fetch `key` from member `from`, giving up at `until`; its reports name `fetch`.
+    Fetch { key: Key, from: NodeId, until: Instant, fetch: u64 },
     /// Copy `key` to the buddy `to` (in the background).
     Copy { key: Key, to: NodeId },
     /// Tell `to` that `step` of round `tag` is whole here and on the buddy.
@@ -173,7 +176,11 @@ pub struct Core {
     /// Lent to a worker (it maps them) or sealed: never written again.
     fixed: BTreeSet<Key>,
     reads: BTreeMap<u64, Reading>,
-    fetching: BTreeSet<Key>,
+    /// Parts fetched now, and by which fetch.
+    fetching: BTreeMap<Key, u64>,
+    /// Rooms of fetches of an earlier round, still written by their fetch: counted (by
+    /// generation) until it reports, no longer holding their key.
+    orphans: BTreeMap<u64, u64>,
     quiet: BTreeMap<NodeId, Instant>,
 }
 
@@ -191,7 +198,8 @@ impl Core {
             writers: BTreeMap::new(),
             fixed: BTreeSet::new(),
             reads: BTreeMap::new(),
-            fetching: BTreeSet::new(),
+            fetching: BTreeMap::new(),
+            orphans: BTreeMap::new(),
             quiet: BTreeMap::new(),
         }
     }
@@ -248,7 +256,8 @@ impl Core {
             .filter(|r| !(self.current(&r.key) && self.generation.get(&r.key) == Some(&r.generation)))
             .filter(|r| seen.insert((r.key, r.generation)))
             .map(|r| r.charge)
-            .sum()
+            .sum::<u64>()
+            + self.orphans.values().sum::<u64>()
     }
 
     /// Parts held now that someone reads.
@@ -335,7 +344,12 @@ impl Core {
                     acts.push(Action::Abandoned(key));
                 }
             }
-            Input::Abandon { key } => self.abandon(key, &mut acts),
+            Input::Abandon { key, generation } => {
+                self.orphans.remove(&generation);
+                if self.is(key, generation) {
+                    self.abandon(key, &mut acts);
+                }
+            }
             Input::Read { key, by } => {
                 let allowed = match &by {
                     None => true,
@@ -380,8 +394,8 @@ impl Core {
                     None => self.make(key, world, len, Writer::Copy, &mut acts),
                 }
             }
-            Input::CopyArrived { key } => {
-                let ours = self.round.as_ref().is_some_and(|r| r.tag == key.tag);
+            Input::CopyArrived { key, generation } => {
+                let ours = self.round.as_ref().is_some_and(|r| r.tag == key.tag) && self.is(key, generation);
                 if ours && self.writers.get(&key) == Some(&Writer::Copy) && self.holdings.commit(&key) {
                     self.writers.remove(&key);
                     // Written by this agent alone, and never again: sealed.
@@ -391,7 +405,9 @@ impl Core {
                     self.heard(key.tag, [Event::Held { step: key.step, rank: key.rank, node: me }], &mut acts);
                     acts.push(Action::Done);
                 } else {
-                    self.abandon(key, &mut acts);
+                    if self.is(key, generation) {
+                        self.abandon(key, &mut acts);
+                    }
                     acts.push(Action::Refuse(SnapError::RoundEnded));
                 }
             }
@@ -426,22 +442,29 @@ impl Core {
                     Some(_) => self.make(key, world, len, Writer::Fetch, &mut acts),
                 }
             }
-            Input::FetchArrived { key } => {
-                self.fetching.remove(&key);
+            Input::FetchArrived { key, fetch, generation } => {
+                self.fetched(key, fetch);
+                self.orphans.remove(&generation);
                 let planned = self.plan().is_some_and(|p| p.tag == key.tag && p.step == key.step);
-                if planned && self.writers.get(&key) == Some(&Writer::Fetch) && self.holdings.commit(&key) {
+                let mine = self.is(key, generation) && self.writers.get(&key) == Some(&Writer::Fetch);
+                if planned && mine && self.holdings.commit(&key) {
                     self.writers.remove(&key);
                     self.fixed.insert(key);
                     acts.push(Action::Seal(key));
                     acts.push(Action::Done);
                 } else {
-                    self.abandon(key, &mut acts);
+                    if mine {
+                        self.abandon(key, &mut acts);
+                    }
                     acts.push(Action::Refuse(SnapError::RoundEnded));
                 }
             }
-            Input::FetchFailed { key, from, addr, error } => {
-                self.fetching.remove(&key);
-                if self.writers.get(&key) == Some(&Writer::Fetch) {
+            Input::FetchFailed { key, fetch, generation, from, addr, error } => {
+                self.fetched(key, fetch);
+                if let Some(g) = generation {
+                    self.orphans.remove(&g);
+                }
+                if generation.is_some_and(|g| self.is(key, g)) && self.writers.get(&key) == Some(&Writer::Fetch) {
                     self.abandon(key, &mut acts);
                 }
                 // Another load of the same part may have brought it meanwhile.
@@ -478,8 +501,19 @@ impl Core {
         for k in self.holdings.begin_round(tag, plan.as_ref().map(|p| (p.tag, p.step))) {
             self.forget(&k, acts);
         }
-        // Fetches of an earlier plan are no longer waited for.
+        // Fetches of an earlier round are no longer waited for, and the rooms they write stop
+        // holding their key (this round's fetch of the same part gets room of its own); their
+        // bytes count until each reports.
         self.fetching.clear();
+        let stale: Vec<Key> = self.writers.iter().filter(|(_, w)| **w == Writer::Fetch).map(|(k, _)| *k).collect();
+        for key in stale {
+            let charge = self.holdings.get(&key).map_or(0, |p| charge(p.len));
+            if let Some(generation) = self.generation.get(&key).copied() {
+                self.orphans.insert(generation, charge);
+            }
+            self.holdings.abandon(&key);
+            self.forget(&key, acts);
+        }
         let order: Vec<NodeId> = members.iter().map(|m| m.id.clone()).collect();
         acts.push(Action::Planned(plan.clone()));
         self.round = Some(Round {
@@ -513,11 +547,24 @@ impl Core {
                     self.writers.remove(r);
                     self.fixed.remove(r);
                 }
-                self.generation.insert(key, self.next);
+                let generation = self.next;
                 self.next += 1;
+                self.generation.insert(key, generation);
                 self.writers.insert(key, writer);
-                acts.push(Action::Make { key, len, reuse: grant.reuse });
+                acts.push(Action::Make { key, len, reuse: grant.reuse, generation });
             }
+        }
+    }
+
+    /// Whether `generation` is `key`'s reservation now.
+    fn is(&self, key: Key, generation: u64) -> bool {
+        self.generation.get(&key) == Some(&generation)
+    }
+
+    /// Fetch `fetch` of `key` is over: a later fetch of the same key stays waited for.
+    fn fetched(&mut self, key: Key, fetch: u64) {
+        if self.fetching.get(&key) == Some(&fetch) {
+            self.fetching.remove(&key);
         }
     }
 
@@ -610,7 +657,7 @@ impl Core {
             acts.push(Action::Refuse(SnapError::NotHere { rank, step: plan.step }));
         } else if !round.member(&from).is_some_and(|m| m.fit) {
             acts.push(Action::Refuse(SnapError::Unreachable { node: from, rank, step: plan.step }));
-        } else if self.fetching.contains(&key) {
+        } else if self.fetching.contains_key(&key) {
             // Another load fetches it now: this one takes it when it is here.
             acts.extend(wait(
                 since,
@@ -625,8 +672,10 @@ impl Core {
                 },
             ));
         } else {
-            self.fetching.insert(key);
-            acts.push(Action::Fetch { key, from, until: now + FETCH_WITHIN });
+            let fetch = self.next;
+            self.next += 1;
+            self.fetching.insert(key, fetch);
+            acts.push(Action::Fetch { key, from, until: now + FETCH_WITHIN, fetch });
         }
     }
 }

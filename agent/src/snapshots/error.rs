@@ -48,6 +48,10 @@ pub enum SnapError {
     NotHeld { rank: u32, step: u64, tag: u64 },
     /// A buffer could not be made or sized (the I/O's own failure).
     Buffer(String),
+    /// A part could not be lent (sealed, or copied sealed) to the worker.
+    Lend(String),
+    /// The store answered a request with an action of another request (a defect).
+    OutOfTurn,
     /// Fetching the plan's part from the member that holds it failed.
     Fetch { rank: u32, step: u64, node: NodeId, addr: String, error: String },
     /// Bytes that are no request of the snapshot wire.
@@ -136,6 +140,8 @@ impl fmt::Display for SnapError {
                 write!(f, "rank {rank}'s part of step {step} (round {tag}) is not held here")
             }
             SnapError::Buffer(e) => write!(f, "cannot make a buffer for the snapshot: {e}"),
+            SnapError::Lend(e) => write!(f, "cannot lend the snapshot part to the worker: {e}"),
+            SnapError::OutOfTurn => f.write_str("the snapshot store answered out of turn (a defect of rlaunch)"),
             SnapError::Fetch { rank, step, node, addr, error } => {
                 write!(f, "fetching rank {rank}'s part of step {step} from node {node} ({addr}): {error}")
             }

@@ -112,8 +112,10 @@ pub(crate) fn fetch(
     loop {
         let mut made_room = false;
         let mut room_once = |world: u32, len: u64| {
-            made_room = true;
-            room(world, len)
+            let got = room(world, len);
+            // Only room this try was given is let go (a refusal names another's reservation).
+            made_room = got.is_ok();
+            got
         };
         let got = fetch_once(peer, me, key, &mut room_once);
         if got.is_err() && made_room {
@@ -429,14 +431,14 @@ fn serve(mut ch: Channel, round: u64, node: NodeId, shared: &Shared) -> io::Resu
             Msg::Put { tag, step, rank, world, len } => {
                 let key = Key { tag, step, rank };
                 match shared.ask(Input::Offer { from: node.clone(), round, key, world, len }) {
-                    Reply::Buffer(file) => {
+                    Reply::Buffer { file, generation, .. } => {
                         if let Err(e) = ch.receive_into(&file, len) {
                             drop(file);
-                            shared.ask(Input::Abandon { key });
+                            shared.ask(Input::Abandon { key, generation });
                             return Err(e);
                         }
                         drop(file);
-                        match shared.ask(Input::CopyArrived { key }) {
+                        match shared.ask(Input::CopyArrived { key, generation }) {
                             Reply::Refused(why) => refuse(&mut ch, why.to_string())?,
                             _ => ok(&mut ch, Answer::default())?,
                         }
@@ -777,15 +779,22 @@ mod tests {
         let fetching = member("x", 2, Some(via.clone()), &x);
         fetcher.begin_peer_round(8, "x", &[holder_listing, fetching]);
         let shared = &fetcher.shared;
+        let granted = std::cell::Cell::new(None);
         let peer = Peer { addr: via, ..me.clone() };
         let (world, len, file) = fetch(
             &peer,
             &as_("x", 7, &x),
             key,
             Instant::now() + Duration::from_secs(20),
-            |world, len| super::super::fetch_room(shared, key, "me", world, len),
+            |world, len| {
+                let (file, generation) = super::super::fetch_room(shared, key, "me", world, len)?;
+                granted.set(Some(generation));
+                Ok(file)
+            },
             || {
-                shared.ask(Input::Abandon { key });
+                if let Some(generation) = granted.take() {
+                    shared.ask(Input::Abandon { key, generation });
+                }
             },
         )
         .expect("the second try fetches the part");

@@ -18,6 +18,22 @@ fn made(acts: &[Action]) -> Option<(Key, Option<Key>)> {
     })
 }
 
+/// The reservation granted: its key and generation.
+fn granted(acts: &[Action]) -> Option<(Key, u64)> {
+    acts.iter().find_map(|a| match a {
+        Action::Make { key, generation, .. } => Some((*key, *generation)),
+        _ => None,
+    })
+}
+
+/// The fetch asked for: its id.
+fn fetch_of(acts: &[Action]) -> Option<u64> {
+    acts.iter().find_map(|a| match a {
+        Action::Fetch { fetch, .. } => Some(*fetch),
+        _ => None,
+    })
+}
+
 fn refused(acts: &[Action]) -> Option<&SnapError> {
     acts.iter().find_map(|a| match a {
         Action::Refuse(e) => Some(e),
@@ -111,16 +127,16 @@ fn copies_are_taken_only_from_the_member_this_node_is_the_buddy_of_for_its_own_r
     for (input, want) in cases {
         assert_eq!(refused(&core.step(input.clone(), t)), Some(&want), "{input:?}");
     }
-    let (key, _) = made(&core.step(offer("c", 1, 1, 4, 6), t)).expect("c's own rank, to its buddy");
-    let acts = core.step(Input::CopyArrived { key }, t);
+    let (key, generation) = granted(&core.step(offer("c", 1, 1, 4, 6), t)).expect("c's own rank, to its buddy");
+    let acts = core.step(Input::CopyArrived { key, generation }, t);
     assert!(acts.contains(&Action::Seal(key)) && acts.contains(&Action::Done), "{acts:?}");
     assert!(core.holds(&key).is_some());
     // A second copy of the same part is refused: a step is saved once.
     assert_eq!(refused(&core.step(offer("c", 1, 1, 4, 6), t)), Some(&SnapError::AlreadyHeld { rank: 4, step: 1 }));
     // Bytes that arrive after the round ended are no part.
-    let (key, _) = made(&core.step(offer("c", 1, 1, 5, 6), t)).unwrap();
+    let (key, generation) = granted(&core.step(offer("c", 1, 1, 5, 6), t)).unwrap();
     core.step(Input::EndRound, t);
-    assert_eq!(refused(&core.step(Input::CopyArrived { key }, t)), Some(&SnapError::RoundEnded));
+    assert_eq!(refused(&core.step(Input::CopyArrived { key, generation }, t)), Some(&SnapError::RoundEnded));
     assert!(core.holds(&key).is_none() && core.inventory().len() == 1);
 }
 
@@ -188,14 +204,15 @@ fn a_load_fetches_once_with_a_deadline_and_a_second_load_of_the_part_waits_for_i
     assert!(matches!(&acts[..], [Action::Planned(Some(p))] if p.step == 4), "{acts:?}");
     let key = Key { tag: 1, step: 4, rank: 0 };
     let acts = core.step(Input::Load { rank: Some(0), since: t }, t);
-    assert_eq!(acts, vec![Action::Fetch { key, from: n("b"), until: t + FETCH_WITHIN }]);
+    let fetch = fetch_of(&acts).unwrap();
+    assert_eq!(acts, vec![Action::Fetch { key, from: n("b"), until: t + FETCH_WITHIN, fetch }]);
     let again = core.step(Input::Load { rank: Some(0), since: t }, t);
     assert_eq!(again, vec![Action::Wait { until: t + FETCH_WITHIN }]);
     // The holder answers a part of another world: refused, nothing made.
     let e = core.step(Input::FetchRoom { key, from: n("b"), world: 3, len: P }, t);
     assert_eq!(refused(&e), Some(&SnapError::OtherWorld { node: n("b"), world: 3, want: 2 }));
-    assert!(made(&core.step(Input::FetchRoom { key, from: n("b"), world: 2, len: P }, t)).is_some());
-    assert!(core.step(Input::FetchArrived { key }, t).contains(&Action::Seal(key)));
+    let (_, generation) = granted(&core.step(Input::FetchRoom { key, from: n("b"), world: 2, len: P }, t)).unwrap();
+    assert!(core.step(Input::FetchArrived { key, fetch, generation }, t).contains(&Action::Seal(key)));
     match core.step(Input::Load { rank: Some(0), since: t }, t).as_slice() {
         [Action::Lend { key: k, step: 4, world: 2, len }] => assert_eq!((*k, *len), (key, P)),
         other => panic!("{other:?}"),
@@ -206,13 +223,67 @@ fn a_load_fetches_once_with_a_deadline_and_a_second_load_of_the_part_waits_for_i
     // A failed fetch whose part nobody brought is refused with the holder's name.
     let mut core = Core::new(100 * P);
     core.step(Input::PeerRound { tag: 2, me: n("a"), members }, t);
-    core.step(Input::Load { rank: Some(0), since: t }, t);
-    core.step(Input::FetchRoom { key, from: n("b"), world: 2, len: P }, t);
-    let e = core.step(Input::FetchFailed { key, from: n("b"), addr: "b:1".into(), error: "reset".into() }, t);
+    let fetch = fetch_of(&core.step(Input::Load { rank: Some(0), since: t }, t)).unwrap();
+    let (_, generation) = granted(&core.step(Input::FetchRoom { key, from: n("b"), world: 2, len: P }, t)).unwrap();
+    let failed = |generation| Input::FetchFailed {
+        key,
+        fetch,
+        generation,
+        from: n("b"),
+        addr: "b:1".into(),
+        error: "reset".into(),
+    };
+    let e = core.step(failed(Some(generation)), t);
     assert!(matches!(refused(&e), Some(SnapError::Fetch { node, .. }) if node == "b"), "{e:?}");
     assert_eq!(core.used(), 0, "the cut fetch's room is given back");
     // A load of the part may try again: a new fetch.
     assert!(matches!(core.step(Input::Load { rank: Some(0), since: t }, t)[..], [Action::Fetch { .. }]));
+}
+
+#[test]
+fn a_fetch_left_over_from_an_earlier_round_never_touches_the_fetch_of_this_one() {
+    // Found reviewing the core: a fetch of round 2 still retrying when round 3 began with the
+    // same plan reported its failure by key alone, and took down round 3's reservation of the
+    // part mid-transfer (its bytes then went to a buffer nothing counted); a stale arrival could
+    // seal another fetch's half-written buffer as whole.
+    let t = Instant::now();
+    let mut core = Core::new(100 * P);
+    let have = |rank| Have { key: Key { tag: 1, step: 4, rank }, world: 2 };
+    let members = vec![member("a", 0..1, vec![have(1)]), member("b", 1..2, vec![have(0), have(1)])];
+    let key = Key { tag: 1, step: 4, rank: 0 };
+    core.step(Input::PeerRound { tag: 2, me: n("a"), members: members.clone() }, t);
+    let stale = fetch_of(&core.step(Input::Load { rank: Some(0), since: t }, t)).unwrap();
+    let (_, stale_room) = granted(&core.step(Input::FetchRoom { key, from: n("b"), world: 2, len: P }, t)).unwrap();
+    // Round 3, the same plan: its load fetches anew and gets room.
+    core.step(Input::EndRound, t);
+    core.step(Input::PeerRound { tag: 3, me: n("a"), members }, t);
+    let fetch = fetch_of(&core.step(Input::Load { rank: Some(0), since: t }, t)).expect("a new fetch");
+    assert_ne!(fetch, stale);
+    let (_, generation) = granted(&core.step(Input::FetchRoom { key, from: n("b"), world: 2, len: P }, t))
+        .expect("the stale room went with its round");
+    assert_ne!(generation, stale_room);
+    // The stale fetch reports: arrived, failed, its room abandoned. Nothing of this round's moves.
+    for stale_report in [
+        Input::FetchArrived { key, fetch: stale, generation: stale_room },
+        Input::FetchFailed {
+            key,
+            fetch: stale,
+            generation: Some(stale_room),
+            from: n("b"),
+            addr: String::new(),
+            error: "old".into(),
+        },
+        Input::Abandon { key, generation: stale_room },
+    ] {
+        let acts = core.step(stale_report.clone(), t);
+        assert!(!acts.iter().any(|a| matches!(a, Action::Free(_) | Action::Seal(_))), "{stale_report:?}: {acts:?}");
+        assert!(core.holds(&key).is_none(), "a half-written part taken for whole");
+        assert_eq!(core.used(), P, "this round's room still counted");
+    }
+    // A second load still waits for this round's fetch, which then lands.
+    assert!(matches!(core.step(Input::Load { rank: Some(0), since: t }, t)[..], [Action::Wait { .. }]));
+    assert!(core.step(Input::FetchArrived { key, fetch, generation }, t).contains(&Action::Seal(key)));
+    assert!(matches!(core.step(Input::Load { rank: Some(0), since: t }, t)[..], [Action::Lend { .. }]));
 }
 
 #[test]
@@ -433,10 +504,10 @@ impl Sim {
             Msg::Copy { from, to, key, ticket, world, len } => {
                 let tag = self.tag;
                 let acts = self.step(&to, Input::Offer { from: from.clone(), round: tag, key, world, len });
-                if let Some((key, _)) = made(&acts) {
+                if let Some((key, generation)) = granted(&acts) {
                     if self.rng.below(6) == 0 {
-                        self.step(&to, Input::Abandon { key }); // the connection was cut mid-part
-                    } else if self.step(&to, Input::CopyArrived { key }).contains(&Action::Done) {
+                        self.step(&to, Input::Abandon { key, generation }); // the connection was cut mid-part
+                    } else if self.step(&to, Input::CopyArrived { key, generation }).contains(&Action::Done) {
                         self.msgs.push(Msg::Ack { to: from.clone(), key, by: to });
                     }
                 }
@@ -470,8 +541,8 @@ impl Sim {
             if !(theirs && ward) {
                 assert!(refused(&acts).is_some(), "a copy the liar may not give was taken: {acts:?}");
                 self.seen.lies_refused += 1;
-            } else if let Some((key, _)) = made(&acts) {
-                self.step(&to, Input::Abandon { key });
+            } else if let Some((key, generation)) = granted(&acts) {
+                self.step(&to, Input::Abandon { key, generation });
             }
         }
     }
@@ -485,7 +556,7 @@ impl Sim {
         let since = self.now;
         for _ in 0..3 {
             let acts = self.step(&id, Input::Load { rank: Some(rank), since });
-            let Some(Action::Fetch { key, from, .. }) =
+            let Some(Action::Fetch { key, from, fetch, .. }) =
                 acts.iter().find(|a| matches!(a, Action::Fetch { .. })).cloned()
             else {
                 return;
@@ -497,13 +568,22 @@ impl Sim {
                 vec![]
             };
             let Some(Action::Read { ticket, world, len, .. }) = read.first().cloned() else {
-                let e = Input::FetchFailed { key, from, addr: String::new(), error: "gone".into() };
+                let e = Input::FetchFailed {
+                    key,
+                    fetch,
+                    generation: None,
+                    from,
+                    addr: String::new(),
+                    error: "gone".into(),
+                };
                 self.step(&id, e);
                 return;
             };
             let room = self.step(&id, Input::FetchRoom { key, from: from.clone(), world, len });
-            if made(&room).is_some() && self.step(&id, Input::FetchArrived { key }).contains(&Action::Done) {
-                self.seen.fetched += 1;
+            if let Some((_, generation)) = granted(&room) {
+                if self.step(&id, Input::FetchArrived { key, fetch, generation }).contains(&Action::Done) {
+                    self.seen.fetched += 1;
+                }
             }
             self.step(&from, Input::ReadDone { ticket });
         }
