@@ -162,6 +162,13 @@ impl NodeIds {
         });
     }
 
+    /// Adds `node_id` at the end, unless it is there already.
+    pub fn push(&mut self, node_id: String) {
+        if self.set.insert(node_id.clone()) {
+            self.list.push(node_id);
+        }
+    }
+
     /// Removes `node_id`; a lookup when it is not there.
     pub fn remove(&mut self, node_id: &str) -> bool {
         if !self.set.remove(node_id) {
@@ -291,7 +298,7 @@ pub struct Job {
     /// forming round; when all are back the last call is skipped.
     pub previous: NodeIds,
     /// Members of the running round that reported success.
-    pub succeeded: Vec<String>,
+    pub succeeded: NodeIds,
     /// Last time each live node (member, pending or previous) was heard from.
     pub last_seen: BTreeMap<String, Millis>,
     /// The failure detector's view of those nodes: recent arrivals, suspicions and probes.
@@ -390,7 +397,7 @@ impl Job {
             member_index: MemberIndex::default(),
             pending: PendingList::default(),
             previous: NodeIds::default(),
-            succeeded: Vec::new(),
+            succeeded: NodeIds::default(),
             last_seen: BTreeMap::new(),
             health: BTreeMap::new(),
             suspects: Vec::new(),
@@ -569,7 +576,7 @@ impl Job {
     /// quiet: it is only forgotten after a TTL, never probed.
     pub(super) fn lapsed(&self, node_id: &str, now: Millis) -> bool {
         let last = self.last_seen.get(node_id).copied();
-        if self.succeeded.iter().any(|s| s == node_id) {
+        if self.succeeded.contains(node_id) {
             let ttl = JobSettings::ms(self.settings.node_ttl);
             return last.is_none_or(|seen| now.saturating_sub(seen) >= ttl);
         }
@@ -585,7 +592,7 @@ impl Job {
     /// and survivors of the previous round on their way back.
     pub fn watched(&self) -> Vec<&str> {
         let running = matches!(self.phase, Phase::Running { .. });
-        let succeeded: HashSet<&str> = self.succeeded.iter().map(String::as_str).collect();
+        let succeeded = &self.succeeded;
         let mut ids: Vec<&str> = self
             .members
             .iter()
@@ -630,14 +637,10 @@ impl Job {
     /// Where `node_id`'s agent answers probes: its probe endpoint, else its store (the one it
     /// joined with last: a pending node's newer details first).
     fn addr_of(&self, node_id: &str) -> Option<&HostPort> {
-        self.pending
-            .iter()
-            .find(|p| p.node.node_id == node_id)
-            .map(|p| p.node.probe_addr.as_ref().unwrap_or(&p.node.store_addr))
-            .or_else(|| {
-                let m = self.members.iter().find(|m| m.node_id == node_id)?;
-                Some(m.probe_addr.as_ref().unwrap_or(&m.store_addr))
-            })
+        self.pending.get(node_id).map(|p| p.node.probe_addr.as_ref().unwrap_or(&p.node.store_addr)).or_else(|| {
+            let m = self.member(node_id)?;
+            Some(m.probe_addr.as_ref().unwrap_or(&m.store_addr))
+        })
     }
 
     /// The probes `prober` owes: every suspected node whose probe round asked it.
@@ -771,7 +774,7 @@ impl Job {
     /// forming round stays in the old round's members until the next closes).
     pub(super) fn prune_health(&mut self) {
         let watched: HashSet<String> = self.watched().into_iter().map(str::to_owned).collect();
-        let succeeded: HashSet<&String> = self.succeeded.iter().collect();
+        let succeeded = &self.succeeded;
         self.health.retain(|id, _| watched.contains(id) || succeeded.contains(id));
         self.suspects.retain(|id| watched.contains(id));
     }

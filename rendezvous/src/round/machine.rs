@@ -388,14 +388,15 @@ fn node_succeeded(job: &mut Job, node_id: &str, round: u64, now: Millis) -> Deci
     if !job.is_member(node_id) {
         return reject(Rejection::NotMember { node_id: node_id.to_owned(), round });
     }
-    if job.succeeded.iter().any(|s| s == node_id) {
+    if job.succeeded.contains(node_id) {
         return decide(Action::Nothing, format!("success of {node_id} already noted"));
     }
     job.succeeded.push(node_id.to_owned());
     if let Some(h) = job.health.get_mut(node_id) {
         h.suspicion = None;
     }
-    if job.members.iter().all(|m| job.succeeded.contains(&m.node_id)) {
+    // Only members' successes are noted, each once: all succeeded when the counts agree.
+    if job.succeeded.len() == job.members.len() {
         job.phase = Phase::Finished { at: now };
         job.pending.clear();
         return decide(Action::Finished, format!("every member of round {} succeeded: job finished", job.round));
@@ -425,7 +426,7 @@ fn leave(job: &mut Job, node_id: &str, now: Millis) -> Decision {
     if matches!(job.phase, Phase::Running { .. }) && job.is_member(node_id) {
         job.last_seen.remove(node_id);
         job.health.remove(node_id);
-        if job.succeeded.iter().any(|s| s == node_id) {
+        if job.succeeded.contains(node_id) {
             return decide(Action::Updated, format!("node {node_id} left after succeeding"));
         }
         let reason = format!("node {node_id} left running round {}", job.round);
