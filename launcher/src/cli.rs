@@ -797,7 +797,24 @@ pub fn parse(argv: Vec<OsString>, env: &dyn Fn(&str) -> Option<String>) -> Resul
         sources.push((name, value, source));
     }
     let mut args = args;
-    crate::slurm::apply(&mut args, &mut sources, env, gpu_count);
+    let unset = |name: &str| sources.iter().any(|(n, _, src)| n == name && (src == "default" || src == "unset"));
+    let wanted = crate::slurm::Unset {
+        nnodes: unset("nnodes"),
+        rdzv_endpoint: args.rdzv_endpoint.trim().is_empty() && unset("rdzv-endpoint"),
+        nproc_per_node: unset("nproc-per-node"),
+    };
+    let placed =
+        args.standalone || args.node_rank.is_some() || args.master_addr.is_some() || args.master_port.is_some();
+    for f in crate::slurm::fill(wanted, placed, env, gpu_count) {
+        match f.name {
+            "nnodes" => args.nnodes = f.value.clone(),
+            "rdzv-endpoint" => args.rdzv_endpoint = f.value.clone(),
+            _ => args.nproc_per_node = f.value.clone(),
+        }
+        if let Some(entry) = sources.iter_mut().find(|(n, _, _)| n == f.name) {
+            *entry = (f.name.to_owned(), f.value, f.from);
+        }
+    }
     Ok((args, sources))
 }
 
@@ -1065,5 +1082,73 @@ mod interpreter_tests {
         let args = Args::try_parse_from(["rlaunch", "--no-python", "/bin/true"]).unwrap();
         assert!(args.into_config(&none, &only_rel).is_ok());
         let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+#[cfg(test)]
+mod slurm_tests {
+    use std::ffi::OsString;
+
+    use super::*;
+    use crate::slurm::rdzv_port;
+
+    fn fake_env(pairs: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Option<String> {
+        move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+    }
+
+    fn argv(v: &[&str]) -> Vec<OsString> {
+        v.iter().map(OsString::from).collect()
+    }
+
+    const SLURM: &[(&str, &str)] = &[
+        ("SLURM_JOB_ID", "77"),
+        ("SLURM_NNODES", "2"),
+        ("SLURM_NODEID", "1"),
+        ("SLURM_JOB_NODELIST", "gpu[03-04]"),
+        ("SLURM_GPUS_ON_NODE", "4"),
+    ];
+
+    #[test]
+    fn under_srun_slurm_fills_in_the_flags_nobody_gave_and_flags_win() {
+        let env = fake_env(SLURM);
+        let (a, sources) = parse(argv(&["rlaunch", "train.py"]), &env).unwrap();
+        let port = rdzv_port("77", None);
+        assert_eq!(
+            (a.nnodes.as_str(), a.rdzv_endpoint.as_str(), a.nproc_per_node.as_str()),
+            ("2", format!("gpu03:{port}").as_str(), "4")
+        );
+        assert_eq!(a.backend().0, "rlaunch");
+        assert_eq!(a.elastic_run_id(&env).unwrap().0, "slurm-77");
+        let src = |name: &str| sources.iter().find(|(n, _, _)| n == name).map(|(_, _, s)| s.clone()).unwrap();
+        assert_eq!(src("nnodes"), "Slurm (SLURM_NNODES)");
+        assert_eq!(src("rdzv-endpoint"), "Slurm (the first host of SLURM_JOB_NODELIST, the step's port)");
+        // Explicit flags always win.
+        let (a, _) =
+            parse(argv(&["rlaunch", "--nproc-per-node", "2", "--rdzv-endpoint", "svc:1", "train.py"]), &env).unwrap();
+        assert_eq!((a.nnodes.as_str(), a.rdzv_endpoint.as_str(), a.nproc_per_node.as_str()), ("2", "svc:1", "2"));
+        // Standalone and static rendezvous are left alone.
+        let (a, _) = parse(argv(&["rlaunch", "--standalone", "train.py"]), &env).unwrap();
+        assert_eq!((a.nnodes.as_str(), a.rdzv_endpoint.as_str()), ("1:1", ""));
+        let (a, _) = parse(argv(&["rlaunch", "--node-rank", "0", "--master-addr", "h", "train.py"]), &env).unwrap();
+        assert_eq!(a.rdzv_endpoint, "");
+        // Not under Slurm: nothing changes.
+        let (a, _) = parse(argv(&["rlaunch", "train.py"]), &fake_env(&[])).unwrap();
+        assert_eq!((a.nnodes.as_str(), a.rdzv_endpoint.as_str(), a.nproc_per_node.as_str()), ("1:1", "", "1"));
+    }
+
+    #[test]
+    fn a_step_on_part_of_the_job_takes_its_own_nodes_and_port() {
+        // `srun -N1 -r1` inside a 2-node job: the step runs on gpu04 alone.
+        let mut vars = SLURM.to_vec();
+        vars.extend([("SLURM_STEP_ID", "3"), ("SLURM_STEP_NUM_NODES", "1"), ("SLURM_STEP_NODELIST", "gpu04")]);
+        let env = fake_env(vars.leak());
+        let (a, sources) = parse(argv(&["rlaunch", "train.py"]), &env).unwrap();
+        assert_eq!(
+            (a.nnodes.as_str(), a.rdzv_endpoint.as_str()),
+            ("1", format!("gpu04:{}", rdzv_port("77", Some("3"))).as_str())
+        );
+        let src = |name: &str| sources.iter().find(|(n, _, _)| n == name).map(|(_, _, s)| s.clone()).unwrap();
+        assert_eq!(src("nnodes"), "Slurm (SLURM_STEP_NUM_NODES)");
+        assert_eq!(a.elastic_run_id(&env).unwrap().0, "slurm-77.3");
     }
 }

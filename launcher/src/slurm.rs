@@ -2,8 +2,6 @@
 //! variables stand in for the flags nobody gave ([`apply`]), and the job and step ids make the
 //! elastic run id ([`run_id`]).
 
-use crate::cli::{Args, Sources};
-
 /// The ports rlaunch's agents host the rendezvous on when Slurm names the first node: one per
 /// job step, [`rdzv_port`], so that jobs sharing a node (and two `srun`s of one job) do not
 /// meet on one port, as they would on torchrun's fixed 29400. Below Linux's ephemeral ports and
@@ -40,57 +38,68 @@ pub fn first_host(list: &str) -> Option<String> {
     (!out.is_empty()).then_some(out)
 }
 
-/// Under `srun` (SLURM_JOB_ID set), what Slurm knows stands in for the flags nobody gave:
+/// Which settings nobody gave, so Slurm's environment may fill them in.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Unset {
+    pub nnodes: bool,
+    pub rdzv_endpoint: bool,
+    pub nproc_per_node: bool,
+}
+
+/// A setting filled in from Slurm's environment: the flag's name, its value, where it came from
+/// (as `--print-config` shows it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Filled {
+    pub name: &'static str,
+    pub value: String,
+    pub from: String,
+}
+
+/// Under `srun`, what Slurm's environment stands in for, of the settings `unset` names:
 /// `--nnodes` from the step's node count (SLURM_STEP_NUM_NODES, else the job's SLURM_NNODES),
 /// `--rdzv-endpoint` from the first host of the step's nodes (SLURM_STEP_NODELIST, else the
 /// job's SLURM_JOB_NODELIST) on the step's port ([`rdzv_port`]; its agent hosts the
 /// rendezvous), `--nproc-per-node` from the node's GPUs (SLURM_GPUS_ON_NODE, else the GPUs this
-/// process sees). A flag, the environment or a config file always wins, and
-/// nothing applies to `--standalone` or a static rendezvous (`--node-rank`, `--master-addr`).
-/// The run id from SLURM_JOB_ID is [`run_id`]'s (through [`Args::elastic_run_id`]).
-pub fn apply(args: &mut Args, sources: &mut Sources, env: &dyn Fn(&str) -> Option<String>, gpus: fn() -> u32) {
-    let Some(job) = env("SLURM_JOB_ID").filter(|s| !s.is_empty()) else { return };
-    if args.standalone || args.node_rank.is_some() || args.master_addr.is_some() || args.master_port.is_some() {
-        return;
+/// process sees). A flag, the environment or a config file always wins (the caller says what is
+/// unset), and nothing applies to `--standalone` or a static rendezvous (`placed`: `--node-rank`,
+/// `--master-addr`, `--master-port`). The run id from SLURM_JOB_ID is [`run_id`]'s.
+pub fn fill(unset: Unset, placed: bool, env: &dyn Fn(&str) -> Option<String>, gpus: fn() -> u32) -> Vec<Filled> {
+    let mut out = Vec::new();
+    let Some(job) = env("SLURM_JOB_ID").filter(|s| !s.is_empty()) else { return out };
+    if placed {
+        return out;
     }
-    let unset = |sources: &Sources, name: &str| {
-        sources.iter().any(|(n, _, src)| n == name && (src == "default" || src == "unset"))
-    };
-    let set = |sources: &mut Sources, name: &str, value: &str, from: &str| {
-        if let Some(entry) = sources.iter_mut().find(|(n, _, _)| n == name) {
-            *entry = (name.to_owned(), value.to_owned(), format!("Slurm ({from})"));
-        }
-    };
-    if unset(sources, "nnodes") {
+    let mut filled =
+        |name, value: String, from: &str| out.push(Filled { name, value, from: format!("Slurm ({from})") });
+    if unset.nnodes {
         // A step may run on part of the job's nodes (`srun -N1`): the step's count first.
         if let Some((n, var)) = ["SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES"]
             .iter()
             .find_map(|v| env(v).and_then(|n| n.trim().parse::<u32>().ok()).filter(|n| *n >= 1).map(|n| (n, *v)))
         {
-            args.nnodes = n.to_string();
-            set(sources, "nnodes", &args.nnodes, var);
+            filled("nnodes", n.to_string(), var);
         }
     }
-    if args.rdzv_endpoint.trim().is_empty() && unset(sources, "rdzv-endpoint") {
+    if unset.rdzv_endpoint {
         if let Some((host, var)) = ["SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"]
             .iter()
             .find_map(|v| env(v).and_then(|l| first_host(&l)).map(|h| (h, *v)))
         {
             let step = env("SLURM_STEP_ID").filter(|s| !s.is_empty());
-            args.rdzv_endpoint = format!("{host}:{}", rdzv_port(&job, step.as_deref()));
-            set(sources, "rdzv-endpoint", &args.rdzv_endpoint, &format!("the first host of {var}, the step's port"));
+            let value = format!("{host}:{}", rdzv_port(&job, step.as_deref()));
+            filled("rdzv-endpoint", value, &format!("the first host of {var}, the step's port"));
         }
     }
-    if unset(sources, "nproc-per-node") {
+    if unset.nproc_per_node {
         let (n, from) = match env("SLURM_GPUS_ON_NODE").and_then(|g| g.trim().parse::<u32>().ok()) {
             Some(n) => (n, "SLURM_GPUS_ON_NODE"),
             None => (gpus(), "the node's GPUs"),
         };
         if (1..=4096).contains(&n) {
-            args.nproc_per_node = n.to_string();
-            set(sources, "nproc-per-node", &args.nproc_per_node, from);
+            filled("nproc-per-node", n.to_string(), from);
         }
     }
+    out
 }
 
 /// Under Slurm, the elastic run id and where it came from: `slurm-{job}.{step}` with
@@ -106,18 +115,7 @@ pub fn run_id(env: &dyn Fn(&str) -> Option<String>) -> Option<(String, String)> 
 
 #[cfg(test)]
 mod tests {
-    use std::ffi::OsString;
-
     use super::*;
-    use crate::cli::parse;
-
-    fn fake_env(pairs: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Option<String> {
-        move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
-    }
-
-    fn argv(v: &[&str]) -> Vec<OsString> {
-        v.iter().map(OsString::from).collect()
-    }
 
     #[test]
     fn slurm_host_lists_give_their_first_host() {
@@ -129,58 +127,6 @@ mod tests {
         for bad in ["", "n[]", "]x", "[,]"] {
             assert_eq!(first_host(bad), None, "{bad:?}");
         }
-    }
-
-    const SLURM: &[(&str, &str)] = &[
-        ("SLURM_JOB_ID", "77"),
-        ("SLURM_NNODES", "2"),
-        ("SLURM_NODEID", "1"),
-        ("SLURM_JOB_NODELIST", "gpu[03-04]"),
-        ("SLURM_GPUS_ON_NODE", "4"),
-    ];
-
-    #[test]
-    fn under_srun_slurm_fills_in_the_flags_nobody_gave_and_flags_win() {
-        let env = fake_env(SLURM);
-        let (a, sources) = parse(argv(&["rlaunch", "train.py"]), &env).unwrap();
-        let port = rdzv_port("77", None);
-        assert_eq!(
-            (a.nnodes.as_str(), a.rdzv_endpoint.as_str(), a.nproc_per_node.as_str()),
-            ("2", format!("gpu03:{port}").as_str(), "4")
-        );
-        assert_eq!(a.backend().0, "rlaunch");
-        assert_eq!(a.elastic_run_id(&env).unwrap().0, "slurm-77");
-        let src = |name: &str| sources.iter().find(|(n, _, _)| n == name).map(|(_, _, s)| s.clone()).unwrap();
-        assert_eq!(src("nnodes"), "Slurm (SLURM_NNODES)");
-        assert_eq!(src("rdzv-endpoint"), "Slurm (the first host of SLURM_JOB_NODELIST, the step's port)");
-        // Explicit flags always win.
-        let (a, _) =
-            parse(argv(&["rlaunch", "--nproc-per-node", "2", "--rdzv-endpoint", "svc:1", "train.py"]), &env).unwrap();
-        assert_eq!((a.nnodes.as_str(), a.rdzv_endpoint.as_str(), a.nproc_per_node.as_str()), ("2", "svc:1", "2"));
-        // Standalone and static rendezvous are left alone.
-        let (a, _) = parse(argv(&["rlaunch", "--standalone", "train.py"]), &env).unwrap();
-        assert_eq!((a.nnodes.as_str(), a.rdzv_endpoint.as_str()), ("1:1", ""));
-        let (a, _) = parse(argv(&["rlaunch", "--node-rank", "0", "--master-addr", "h", "train.py"]), &env).unwrap();
-        assert_eq!(a.rdzv_endpoint, "");
-        // Not under Slurm: nothing changes.
-        let (a, _) = parse(argv(&["rlaunch", "train.py"]), &fake_env(&[])).unwrap();
-        assert_eq!((a.nnodes.as_str(), a.rdzv_endpoint.as_str(), a.nproc_per_node.as_str()), ("1:1", "", "1"));
-    }
-
-    #[test]
-    fn a_step_on_part_of_the_job_takes_its_own_nodes_and_port() {
-        // `srun -N1 -r1` inside a 2-node job: the step runs on gpu04 alone.
-        let mut vars = SLURM.to_vec();
-        vars.extend([("SLURM_STEP_ID", "3"), ("SLURM_STEP_NUM_NODES", "1"), ("SLURM_STEP_NODELIST", "gpu04")]);
-        let env = fake_env(vars.leak());
-        let (a, sources) = parse(argv(&["rlaunch", "train.py"]), &env).unwrap();
-        assert_eq!(
-            (a.nnodes.as_str(), a.rdzv_endpoint.as_str()),
-            ("1", format!("gpu04:{}", rdzv_port("77", Some("3"))).as_str())
-        );
-        let src = |name: &str| sources.iter().find(|(n, _, _)| n == name).map(|(_, _, s)| s.clone()).unwrap();
-        assert_eq!(src("nnodes"), "Slurm (SLURM_STEP_NUM_NODES)");
-        assert_eq!(a.elastic_run_id(&env).unwrap().0, "slurm-77.3");
     }
 
     #[test]
@@ -201,14 +147,22 @@ mod tests {
 
     #[test]
     fn under_srun_without_gpus_one_worker_per_node_stays() {
-        let env = fake_env(&[("SLURM_JOB_ID", "5"), ("SLURM_JOB_NODELIST", "n1")]);
-        let (mut a, mut sources) = parse(argv(&["rlaunch", "x"]), &fake_env(&[])).unwrap();
-        apply(&mut a, &mut sources, &env, || 0);
+        let env = |k: &str| {
+            [("SLURM_JOB_ID", "5"), ("SLURM_JOB_NODELIST", "n1")]
+                .iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        };
+        let all = Unset { nnodes: true, rdzv_endpoint: true, nproc_per_node: true };
+        let got = fill(all, false, &env, || 0);
+        let value = |got: &[Filled], name: &str| got.iter().find(|f| f.name == name).map(|f| f.value.clone());
         assert_eq!(
-            (a.nproc_per_node.as_str(), a.rdzv_endpoint.as_str()),
-            ("1", format!("n1:{}", rdzv_port("5", None)).as_str())
+            (value(&got, "nproc-per-node").unwrap_or_else(|| "1".into()), value(&got, "rdzv-endpoint").unwrap()),
+            ("1".to_string(), format!("n1:{}", rdzv_port("5", None)))
         );
-        apply(&mut a, &mut sources, &env, || 8);
-        assert_eq!(a.nproc_per_node, "8", "the GPUs this node sees");
+        let got = fill(Unset { nproc_per_node: true, ..Unset::default() }, false, &env, || 8);
+        assert_eq!(value(&got, "nproc-per-node").as_deref(), Some("8"), "the GPUs this node sees");
+        // A static rendezvous or --standalone: nothing is filled in.
+        assert!(fill(all, true, &env, || 8).is_empty());
     }
 }
