@@ -20,6 +20,11 @@ use std::time::Duration;
 
 use rlaunch::contract::{HangTimeout, HostPort, RootCause, RoundInfo};
 
+mod events;
+pub use events::{
+    Action, CallError, Cause, Event, Outcome, Report, ReportKind, RunOutcome, SnapshotRound, Watch, WorkersEnd,
+};
+
 /// Milliseconds on the driver's monotonic clock (made-up numbers in tests).
 pub type Millis = u64;
 
@@ -65,6 +70,29 @@ pub struct Placement {
 }
 
 impl Placement {
+    /// A fixed membership's placement (standalone, static): node `group_rank` of `nnodes`, each
+    /// with `nproc` workers, the store at `master` (`None`: this agent serves it).
+    pub fn fixed(
+        group_rank: u32,
+        nnodes: u32,
+        nproc: u32,
+        master: Option<HostPort>,
+        hang_timeout: Option<HangTimeout>,
+    ) -> Placement {
+        Placement {
+            round: 1,
+            group_rank,
+            group_world_size: nnodes,
+            rank_offset: group_rank.saturating_mul(nproc),
+            world_size: nnodes.saturating_mul(nproc),
+            master,
+            restart_count: 0,
+            hang_timeout,
+            fingerprint_diff: Vec::new(),
+            members: Vec::new(),
+        }
+    }
+
     /// The placement a closed round gives this node.
     pub fn from_round(r: &RoundInfo) -> Placement {
         Placement {
@@ -91,6 +119,41 @@ pub enum Membership {
     Elastic { node_ttl: Duration, join_timeout: Duration },
 }
 
+/// What this node runs besides its workers, which the core's decisions take into account.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Features {
+    /// Snapshots in the agents' memory (`--snapshot-memory` above 0, the store started).
+    pub snapshots: bool,
+    /// Warm workers (`--warm-workers`, a Python program).
+    pub warm_workers: bool,
+    /// Workers per node (`--nproc-per-node`).
+    pub local_world_size: u32,
+}
+
+/// How long after a round's workers start the next set of warm workers is started: the imports
+/// of a new set take seconds of CPU, which the round's first steps should not share.
+pub const REFILL_AFTER: Duration = Duration::from_secs(2);
+
+/// How a round keeps its snapshots, and what to tell the operator: with its members when the
+/// membership is elastic and the round says who they are; otherwise on this node alone, and a
+/// round of several nodes then keeps none it could restore across them (said once per round).
+pub fn snapshot_round(p: &Placement, elastic: bool, local_world_size: u32) -> (SnapshotRound, Option<String>) {
+    if elastic && p.group_world_size > 1 && !p.members.is_empty() {
+        return (SnapshotRound::Peers { round: p.round, members: p.members.clone() }, None);
+    }
+    let note = (p.group_world_size > 1).then(|| {
+        format!(
+            "no snapshots in round {} of {} nodes: its nodes have no member list to agree on a step by (a static \
+             job, a round of more than {} nodes, or an older rendezvous); `save` returns False",
+            p.round,
+            p.group_world_size,
+            rlaunch::contract::MAX_SNAPSHOT_NODES
+        )
+    });
+    let ranks = p.rank_offset..p.rank_offset.saturating_add(local_world_size);
+    (SnapshotRound::Local { round: p.round, world_size: p.world_size, ranks }, note)
+}
+
 /// Whether this node's stacks are read and shared before its workers are stopped for a round
 /// that ended elsewhere: only when that round ended by a failure (a node lost or a scale-up
 /// pauses no worker for nothing). `failed_round` is the rendezvous' last failed round, `None`
@@ -100,195 +163,6 @@ pub fn stacks_worth_sharing(round: u64, failed_round: Option<Option<u64>>) -> bo
         Some(last) => last == Some(round),
         None => true,
     }
-}
-
-/// The rendezvous error behind a [`CallError`], carried whole to the outcome it may end in (the
-/// `source` of the agent's error): no text in its place, no side channel. Shared, so events
-/// stay cheap to clone; equal when they say the same (tests compare events).
-#[derive(Debug, Clone)]
-pub struct Cause(pub std::sync::Arc<rlaunch_rendezvous::RdzvError>);
-
-impl Cause {
-    pub fn new(e: rlaunch_rendezvous::RdzvError) -> Cause {
-        Cause(std::sync::Arc::new(e))
-    }
-}
-
-impl PartialEq for Cause {
-    fn eq(&self, other: &Cause) -> bool {
-        std::sync::Arc::ptr_eq(&self.0, &other.0) || self.0.to_string() == other.0.to_string()
-    }
-}
-
-impl Eq for Cause {}
-
-impl std::fmt::Display for Cause {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.0.fmt(f)
-    }
-}
-
-/// A rendezvous call that did not succeed, as the core needs to tell them apart.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum CallError {
-    /// Unreachable, a 5xx, an etcd election: the same call may succeed later.
-    Transient(Cause),
-    /// The rendezvous refused the call (a 4xx other than the ones below): sending it again
-    /// cannot help.
-    Refused(Cause),
-    /// This node is unknown to the job or not a member of the round (declared lost).
-    NotMember,
-    JobFinished,
-    JobFailed(String),
-}
-
-/// How this node's worker group ended by itself.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum WorkersEnd {
-    /// Every worker exited 0; the group's processes are gone.
-    Succeeded,
-    /// The first failure; the other workers may still run.
-    Failed(Box<RootCause>),
-    /// No progress for the hang timeout (`--hang-timeout`); every worker still runs. A failure
-    /// like any other, except that in a job of several nodes it is announced before anything is
-    /// stopped (see [`Phase::Lingering`]).
-    Hung(Box<RootCause>),
-}
-
-/// What the rendezvous said to a watch.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Watch {
-    NoChange,
-    NewRound(u64),
-    Finished,
-    Failed(String),
-}
-
-/// A report to the rendezvous, sent until acknowledged.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Report {
-    Success {
-        round: u64,
-    },
-    /// The root cause is already [`RootCause::bounded`].
-    Failure {
-        round: u64,
-        root_cause: Box<RootCause>,
-    },
-    Leave,
-}
-
-impl Report {
-    fn kind(&self) -> ReportKind {
-        match self {
-            Report::Success { .. } => ReportKind::Success,
-            Report::Failure { .. } => ReportKind::Failure,
-            Report::Leave => ReportKind::Leave,
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ReportKind {
-    Success,
-    Failure,
-    Leave,
-}
-
-/// Something that happened.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Event {
-    /// The first event of a run.
-    Start,
-    /// The join call answered: a closed round including this node, or why not.
-    Joined(Result<RoundInfo, CallError>),
-    /// This node's workers ended by themselves.
-    WorkersEnded(WorkersEnd),
-    /// A `StopWorkers` finished: no process of this node's workers is left.
-    WorkersStopped,
-    /// A watch of `round` answered.
-    Watched { round: u64, answer: Result<Watch, CallError> },
-    /// A report was answered.
-    Reported { kind: ReportKind, result: Result<(), CallError> },
-    /// A heartbeat was answered.
-    Heartbeat(Result<(), CallError>),
-    /// The job's last root cause as the rendezvous keeps it (after `FetchRootCause`).
-    /// With the round whose failure it is, when the rendezvous says.
-    RootCauseFetched(Option<Box<RootCause>>, Option<u64>),
-    /// A signal reached the agent.
-    Signal(i32),
-    /// Time passed (the driver ticks a few times per heartbeat interval).
-    Tick,
-}
-
-/// How the run ended.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Outcome {
-    /// The job is over for this node, as the launcher reports it.
-    Run(RunOutcome),
-    /// The rendezvous could not be used (unreachable for the whole join timeout, a join
-    /// refused, a job that failed without a root cause): the agent's own failure.
-    Rendezvous { message: String, source: Option<Cause> },
-}
-
-/// How a job ended on this node.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum RunOutcome {
-    Succeeded {
-        restarts: u32,
-    },
-    /// Workers failed and the restart budget is spent (or the failure could not be reported).
-    Failed {
-        root_cause: Box<RootCause>,
-        restarts: u32,
-    },
-    /// The agent was told to stop by a signal.
-    Interrupted {
-        signal: i32,
-    },
-}
-
-impl RunOutcome {
-    /// The launcher's exit code: 0, the failing worker's own code (128+signal if it was killed
-    /// by one), or 128+signal when the agent itself was stopped by a signal.
-    pub fn exit_code(&self) -> i32 {
-        match self {
-            RunOutcome::Succeeded { .. } => 0,
-            RunOutcome::Failed { root_cause, .. } => match root_cause.exit.shell_code() {
-                0 => 1,
-                c => c,
-            },
-            RunOutcome::Interrupted { signal } => 128 + signal,
-        }
-    }
-}
-
-/// Something to do.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Action {
-    /// Elastic: serve a fresh workers' store and join the next round with it.
-    Join,
-    /// Start this node's workers (the previous ones are gone).
-    StartWorkers(Placement),
-    /// Stop the workers: `first` (SIGTERM; SIGINT when the agent got one, so that Python's
-    /// `KeyboardInterrupt` runs), then SIGTERM, then SIGKILL after the grace; answered by
-    /// `WorkersStopped`.
-    StopWorkers { first: i32 },
-    /// Take the running workers' stacks (with `--hang-timeout`) and tell the rendezvous where
-    /// they stood when `round` ended by something elsewhere; comes right before `StopWorkers`.
-    ShareStacks { round: u64 },
-    /// Pass a signal on to every worker.
-    Relay(i32),
-    /// Long-poll the rendezvous for the end of `round`.
-    Watch { round: u64 },
-    /// Send a report; answered by `Reported`.
-    Send(Report),
-    /// Ask the rendezvous for the job's last root cause; answered by `RootCauseFetched`.
-    FetchRootCause,
-    /// Say something to the operator (the driver logs it as a warning).
-    Note(String),
-    /// The run is over.
-    Exit(Outcome),
 }
 
 /// What to do once this node's workers are gone.
@@ -404,6 +278,9 @@ pub struct Core {
     handled: Vec<i32>,
     /// Whether a join ever answered with a round (a job over before that is someone else's).
     ever_joined: bool,
+    features: Features,
+    /// When to start the next set of warm workers, and for which placement.
+    refill_at: Option<(Millis, Placement)>,
 }
 
 fn ms(d: Duration) -> Millis {
@@ -468,7 +345,15 @@ impl Core {
             stop_first: libc::SIGTERM,
             handled: DEFAULT_HANDLED_SIGNALS.to_vec(),
             ever_joined: false,
+            features: Features::default(),
+            refill_at: None,
         }
+    }
+
+    /// What this node runs besides its workers (snapshots, warm workers).
+    pub fn with_features(mut self, features: Features) -> Core {
+        self.features = features;
+        self
     }
 
     /// Whether the run is over.
@@ -501,6 +386,9 @@ impl Core {
         if Self::is_contact(&event) {
             self.last_contact = self.last_contact.max(now);
         }
+        if matches!(event, Event::WorkersStopped | Event::WorkersEnded(_)) {
+            out.push(Action::EndRound { flush_console: event == Event::WorkersStopped });
+        }
         match event {
             Event::Start => self.on_start(now, &mut out),
             Event::Joined(answer) => self.on_joined(answer, now, &mut out),
@@ -512,6 +400,12 @@ impl Core {
             Event::RootCauseFetched(rc, round) => self.on_root_cause(rc, round, now, &mut out),
             Event::Signal(sig) => self.on_signal(sig, now, &mut out),
             Event::Tick => self.on_tick(now, &mut out),
+        }
+        if let Some((at, _)) = &self.refill_at {
+            if *at <= now && self.phase != Phase::Done {
+                let (_, placement) = self.refill_at.take().expect("just matched");
+                out.push(Action::FillWarm(placement));
+            }
         }
         out
     }
@@ -539,7 +433,16 @@ impl Core {
         self.started_at = now;
         self.success_acked = false;
         self.unreachable_since = None;
+        if self.features.snapshots {
+            let (snapshots, note) =
+                snapshot_round(&placement, self.elastic().is_some(), self.features.local_world_size);
+            out.extend(note.map(Action::Note));
+            out.push(Action::BeginSnapshots(snapshots));
+        }
         out.push(Action::StartWorkers(placement.clone()));
+        if self.features.warm_workers {
+            self.refill_at = Some((now.saturating_add(ms(REFILL_AFTER)), placement.clone()));
+        }
         if self.elastic().is_some() {
             self.watch_retry_at = None;
             out.push(Action::Watch { round: placement.round });

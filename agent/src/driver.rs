@@ -13,15 +13,21 @@ use rlaunch::contract::{Host, HostPort, NodeInfo};
 use rlaunch::store::StoreHandle;
 use rlaunch_rendezvous::{RdzvError, RendezvousClient, WatchEvent};
 
+use crate::config::{AgentConfig, RendezvousConfig};
 use crate::core::{
-    Action, CallError, Core, Event, Membership, Outcome, Placement, Report, ReportKind, Watch, WorkersEnd,
+    Action, CallError, Core, Event, Features, Membership, Outcome, Placement, Report, ReportKind, RunOutcome,
+    SnapshotRound, Watch, WorkersEnd,
 };
 use crate::elastic::{self, call_error, store_bind, ElasticSetup};
+use crate::error::AgentError;
 use crate::hangwatch;
+use crate::node::{start_store, Ctx};
 use crate::output::DupFilter;
+use crate::process;
+use crate::signals::Signals;
+use crate::spec::{static_store_bind, warm_templates, worker_specs};
 use crate::supervisor::{Action as SupAction, Event as SupEvent, HangPolicy, Supervisor};
 use crate::workers::{GroupIo, WorkerGroup};
-use crate::{process, start_store, worker_specs, AgentConfig, AgentError, Ctx, RendezvousConfig, RunOutcome, Signals};
 
 /// How often the core's clock ticks (fencing, retries).
 const TICK: Duration = Duration::from_millis(100);
@@ -42,14 +48,19 @@ pub(crate) async fn run(config: &AgentConfig, ctx: &Ctx<'_>, signals: &mut Signa
         calls: JoinSet::new(),
         join: None,
         watching_hangs: false,
-        refill: None,
     };
     if let Some(pool) = ctx.warm {
         // Before the first rendezvous: a spare has its workers warm before any fault.
-        pool.fill(&crate::warm_templates(config, None, ctx));
+        pool.fill(&warm_templates(config, None, &ctx.view()));
     }
     let membership = io.setup().await?;
-    let result = drive(Core::new(membership).with_handled_signals(&config.handled_signals), &mut io, rx, signals).await;
+    let features = Features {
+        snapshots: ctx.snapshots.is_some_and(|s| s.enabled()),
+        warm_workers: ctx.warm.is_some(),
+        local_world_size: config.nproc_per_node,
+    };
+    let core = Core::new(membership).with_handled_signals(&config.handled_signals).with_features(features);
+    let result = drive(core, &mut io, rx, signals).await;
     io.calls.abort_all();
     if let Some(e) = io.elastic.take() {
         e.finish().await;
@@ -78,21 +89,6 @@ async fn drive(
         };
         // Forget finished calls (a watch every few seconds for days adds up).
         while io.calls.try_join_next().is_some() {}
-        if matches!(event, Event::WorkersStopped) {
-            io.ctx.console.flush();
-        }
-        if matches!(event, Event::WorkersStopped | Event::WorkersEnded(_)) {
-            if let Some(snap) = io.ctx.snapshots {
-                snap.end_round();
-            }
-            io.ctx.progress.end();
-        }
-        if let (Some(pool), Some((at, _))) = (io.ctx.warm, &io.refill) {
-            if tokio::time::Instant::now() >= *at {
-                let (_, p) = io.refill.take().expect("just matched");
-                pool.fill(&crate::warm_templates(io.config, Some(&p), io.ctx));
-            }
-        }
         let now = u64::try_from(start.elapsed().as_millis()).unwrap_or(u64::MAX);
         for action in core.step(event, now) {
             if let Some(outcome) = io.perform(action).await? {
@@ -316,8 +312,6 @@ struct Io<'a> {
     join: Option<AbortHandle>,
     /// The running group reads stacks (`--hang-timeout`, the job's).
     watching_hangs: bool,
-    /// When to start the next set of warm workers, and for which round's placement.
-    refill: Option<(tokio::time::Instant, Placement)>,
 }
 
 /// The core's view of a call's result.
@@ -329,18 +323,8 @@ impl Io<'_> {
     /// Prepares the mode: the membership the core runs.
     async fn setup(&mut self) -> Result<Membership, AgentError> {
         let config = self.config;
-        let placement = |group_rank, group_world_size, master| Placement {
-            round: 1,
-            group_rank,
-            group_world_size,
-            rank_offset: group_rank * config.nproc_per_node,
-            world_size: group_world_size * config.nproc_per_node,
-            master,
-            restart_count: 0,
-            hang_timeout: config.job.hang_timeout,
-            fingerprint_diff: Vec::new(),
-            members: Vec::new(),
-        };
+        let (nproc, hang_timeout) = (config.nproc_per_node, config.job.hang_timeout);
+        let placement = |group_rank, nnodes, master| Placement::fixed(group_rank, nnodes, nproc, master, hang_timeout);
         match &config.rendezvous {
             RendezvousConfig::Standalone => {
                 Ok(Membership::Fixed { placement: placement(0, 1, None), max_restarts: config.job.max_restarts })
@@ -348,8 +332,7 @@ impl Io<'_> {
             RendezvousConfig::Static { node_rank, nnodes, master } => {
                 let mut master = master.clone();
                 if *node_rank == 0 {
-                    let bind = if *nnodes == 1 { master.to_string() } else { format!("0.0.0.0:{}", master.port()) };
-                    let store = start_store(&bind, config.store_max_bytes).await?;
+                    let store = start_store(&static_store_bind(&master, *nnodes), config.store_max_bytes).await?;
                     // Port 0: the one the OS picked.
                     master = Host::from(&master).with_port(store.local_addr().port());
                     self.store = Some(store);
@@ -388,6 +371,21 @@ impl Io<'_> {
         match action {
             Action::Join => self.join().await?,
             Action::StartWorkers(p) => self.start_workers(p).await?,
+            Action::BeginSnapshots(round) => self.begin_snapshots(round),
+            Action::EndRound { flush_console } => {
+                if flush_console {
+                    self.ctx.console.flush();
+                }
+                if let Some(snap) = self.ctx.snapshots {
+                    snap.end_round();
+                }
+                self.ctx.progress.end();
+            }
+            Action::FillWarm(p) => {
+                if let Some(pool) = self.ctx.warm {
+                    pool.fill(&warm_templates(self.config, Some(&p), &self.ctx.view()));
+                }
+            }
             Action::StopWorkers { first } => self.command(GroupCmd::Stop { first }),
             Action::ShareStacks { round } => self.share_stacks(round).await,
             Action::Relay(sig) => self.command(GroupCmd::Signal(sig)),
@@ -493,7 +491,7 @@ impl Io<'_> {
         self.store = None; // closes the previous round's store and every connection to it
         let e = self.elastic.as_mut().expect("joins come only from an elastic core");
         let bind = store_bind(self.config, &e.advertise);
-        let store = start_store(&bind.to_string(), self.config.store_max_bytes).await?;
+        let store = start_store(&bind, self.config.store_max_bytes).await?;
         e.node.store_addr = e.advertise.with_port(store.local_addr().port());
         // The parts held now decide, with every other member's, what the next round restores.
         e.node.snapshots = self.ctx.snapshots.filter(|s| s.enabled()).map(|s| s.inventory()).unwrap_or_default();
@@ -526,7 +524,8 @@ impl Io<'_> {
             None => {
                 // Standalone: a fresh store per attempt on loopback.
                 self.store = None;
-                let store = start_store("127.0.0.1:0", self.config.store_max_bytes).await?;
+                let loopback = HostPort::new("127.0.0.1", 0).expect("a loopback address is a valid host");
+                let store = start_store(&loopback, self.config.store_max_bytes).await?;
                 let port = store.local_addr().port();
                 self.store = Some(store);
                 HostPort::new("127.0.0.1", port).expect("a loopback address is a valid host")
@@ -551,27 +550,7 @@ impl Io<'_> {
                 warn!("  {l}");
             }
         }
-        if let Some(snap) = self.ctx.snapshots.filter(|s| s.enabled()) {
-            let ranks = p.rank_offset..p.rank_offset.saturating_add(self.config.nproc_per_node);
-            match &self.elastic {
-                Some(e) if p.group_world_size > 1 && !p.members.is_empty() => {
-                    snap.begin_peer_round(p.round, &e.node.node_id, &p.members)
-                }
-                _ => {
-                    if p.group_world_size > 1 {
-                        warn!(
-                            round = p.round,
-                            nodes = p.group_world_size,
-                            "no snapshots in this round: its nodes have no member list to agree on a step by (a \
-                             static job, a round of more than {} nodes, or an older rendezvous); `save` returns False",
-                            rlaunch::contract::MAX_SNAPSHOT_NODES
-                        );
-                    }
-                    snap.begin_local_round(p.round, p.world_size, ranks)
-                }
-            }
-        }
-        let specs = worker_specs(self.config, &p, &master, self.ctx);
+        let specs = worker_specs(self.config, &p, &master, &self.ctx.view());
         // Before any worker runs: a warm one may ask for its state at once.
         self.ctx.progress.begin(p.round, p.rank_offset..p.rank_offset.saturating_add(self.config.nproc_per_node));
         let io = self.group_io(p.restart_count)?;
@@ -584,10 +563,6 @@ impl Io<'_> {
             self.ctx.containment.clone(),
             self.ctx.warm,
         )?;
-        if self.ctx.warm.is_some() {
-            // The next set, once this round's first steps have had the CPUs to themselves.
-            self.refill = Some((tokio::time::Instant::now() + crate::warm::REFILL_AFTER, p.clone()));
-        }
         self.watching_hangs = p.hang_timeout.is_some();
         let hang = p.hang_timeout.map(|timeout| {
             let (py_spy, refused) = hangwatch::find_py_spy(&self.config.program, self.ctx.agent_env);
@@ -608,6 +583,18 @@ impl Io<'_> {
         Ok(())
     }
 
+    /// Opens the round's snapshots as the core chose.
+    fn begin_snapshots(&self, round: SnapshotRound) {
+        let Some(snap) = self.ctx.snapshots.filter(|s| s.enabled()) else { return };
+        match round {
+            SnapshotRound::Peers { round, members } => {
+                let e = self.elastic.as_ref().expect("a round with members comes only from an elastic core");
+                snap.begin_peer_round(round, &e.node.node_id, &members)
+            }
+            SnapshotRound::Local { round, world_size, ranks } => snap.begin_local_round(round, world_size, ranks),
+        }
+    }
+
     /// The console, stdin and this attempt's duplicate filters (torchrun keeps one filtered log
     /// per attempt: `attempt_{n}/filtered_stdout.log`).
     fn group_io(&self, attempt: u32) -> Result<GroupIo, AgentError> {
@@ -621,7 +608,12 @@ impl Io<'_> {
             open(&self.config.duplicate_stdout_filters, "filtered_stdout.log")?,
             open(&self.config.duplicate_stderr_filters, "filtered_stderr.log")?,
         ];
-        Ok(GroupIo { console: self.ctx.console.clone(), stdin: self.ctx.stdin.clone(), dup, log_root: root.clone() })
+        Ok(GroupIo {
+            console: self.ctx.console.clone(),
+            stdin: self.ctx.stdin.router().cloned(),
+            dup,
+            log_root: root.clone(),
+        })
     }
 
     fn send(&mut self, report: Report) {

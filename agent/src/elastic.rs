@@ -18,8 +18,10 @@ use rlaunch_rendezvous::detector::{ProbeReport, ProbeRequest};
 use rlaunch_rendezvous::{Backend, Beat, HeartbeatAnswer, RdzvError, Rendezvous, RendezvousClient};
 
 use crate::beats::{self, Beats, PROBE_ATTEMPTS};
+use crate::config::{AgentConfig, DynamicBackend, DynamicRendezvous};
 use crate::core::{CallError, Cause, Event};
-use crate::{AgentConfig, AgentError, DynamicBackend, DynamicRendezvous};
+use crate::error::AgentError;
+use crate::node::start_store;
 
 /// Aborts a background task when dropped (heartbeats, an agent-hosted server).
 struct AbortOnDrop(JoinHandle<()>);
@@ -82,7 +84,7 @@ pub(crate) async fn setup(
         .asking_members(snapshots.is_some());
     // Other members probe this agent here while it lives (the round's store comes and goes):
     // a store of its own that holds nothing and only answers pings.
-    let probe = crate::start_store(&store_bind(config, &advertise).to_string(), PROBE_STORE_BYTES).await?;
+    let probe = start_store(&store_bind(config, &advertise), PROBE_STORE_BYTES).await?;
     let probe_addr = Some(advertise.with_port(probe.local_addr().port()));
     // And a UDP echo on the same port, which loss delays far less than a TCP handshake.
     let udp = match tokio::net::UdpSocket::bind(probe.local_addr()).await {
@@ -93,7 +95,7 @@ pub(crate) async fn setup(
         }
     };
     // The other members' agents reach this one here for snapshot copies and fetches.
-    let snapshot_addr = match snapshots.map(|s| s.serve_peers(&store_bind(config, &advertise).to_string())) {
+    let snapshot_addr = match snapshots.map(|s| s.serve_peers(&store_bind(config, &advertise))) {
         Some(Ok(port)) => Some(advertise.with_port(port)),
         Some(Err(e)) => {
             warn!(error = %e, "cannot serve snapshots to other nodes: snapshots stay on this node");
@@ -399,7 +401,7 @@ pub(crate) fn call_error(e: RdzvError) -> CallError {
 /// (`--store-bind` for setups that need more). A host name may resolve here to another address
 /// than other nodes see (Debian's 127.0.1.1 in /etc/hosts): then every address, as an address
 /// literal cannot mislead.
-pub(crate) fn store_bind(config: &crate::AgentConfig, advertise: &Host) -> HostPort {
+pub(crate) fn store_bind(config: &AgentConfig, advertise: &Host) -> HostPort {
     let host = match (&config.store_bind, advertise.ip()) {
         (Some(bind), _) => bind.clone(),
         (None, Some(_)) => advertise.clone(),

@@ -705,6 +705,28 @@ fn read_int(path: &Path) -> Result<i64, NumaError> {
     found.parse().map_err(|_| NumaError::NotAnInteger { path: path.to_path_buf(), found: found.to_string() })
 }
 
+/// `--numa-binding`: every local rank's CPUs, from the node's topology in sysfs
+/// (`RLAUNCH_SYSFS`, default `/sys`) and the GPUs the agent may use (`CUDA_VISIBLE_DEVICES`);
+/// decided before any worker starts, so a node where the policy cannot apply fails at once.
+pub fn rank_cpus(
+    mode: NumaMode,
+    nproc_per_node: u32,
+    agent_env: &BTreeMap<String, String>,
+) -> Result<Vec<libc::cpu_set_t>, NumaError> {
+    let root = PathBuf::from(agent_env.get("RLAUNCH_SYSFS").map(String::as_str).unwrap_or("/sys"));
+    let allowed = allowed_cpus()?;
+    let topology = Topology::read(&root, &allowed)?;
+    let visible = agent_env.get("CUDA_VISIBLE_DEVICES").map(String::as_str);
+    let topology = topology.with_visible_devices(visible)?;
+    let mut sets = Vec::new();
+    for local_rank in 0..nproc_per_node {
+        let cpus = cpus_for(&topology, mode, local_rank as usize)?;
+        tracing::info!(local_rank, cpus = %format_cpu_list(&cpus), mode = mode.as_str(), "numa binding");
+        sets.push(to_cpu_set(&cpus));
+    }
+    Ok(sets)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -34,8 +34,10 @@ pub struct Terminal {
     pub stdout: bool,
     pub stderr: bool,
     /// stdin from the stdout terminal (the agent forwards its own stdin there); otherwise
-    /// /dev/null.
+    /// /dev/null, unless `inherit_stdin`.
     pub stdin: bool,
+    /// stdin is the agent's own (a pipe or a file: `echo cfg | rlaunch ...` as under torchrun).
+    pub inherit_stdin: bool,
     /// The terminal's size as the worker sees it (the agent's less the prefix).
     pub size: Option<(u16, u16)>,
 }
@@ -100,6 +102,9 @@ fn spawn_worker_with(
         Some(p) if terminal.stdin => {
             cmd.stdin(Stdio::from(p.slave.try_clone()?));
             stdin_master = Some(std::fs::File::from(p.master.try_clone()?));
+        }
+        _ if terminal.inherit_stdin => {
+            cmd.stdin(Stdio::inherit());
         }
         _ => {
             cmd.stdin(Stdio::null());

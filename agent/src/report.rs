@@ -1,10 +1,14 @@
 //! Failure reports: reading a worker's error file (torchrun's JSON schema, as written by
 //! PyTorch's `@record`), choosing the root cause, printing it, and writing the agent's own file.
 
-use std::path::Path;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
 use std::time::{SystemTime, UNIX_EPOCH};
 
 pub use rlaunch::contract::{format_time, Exit, RootCause};
+
+use tracing::warn;
 
 use crate::logdir::LogRoot;
 
@@ -79,6 +83,25 @@ pub fn write_json_atomically(path: &Path, value: &serde_json::Value) -> std::io:
     // The caller named the directory: a link there is followed, none below it.
     let dir = crate::logdir::open_dir(libc::AT_FDCWD, parent, true)?;
     crate::logdir::write_atomically_at(&dir, leaf, &bytes)
+}
+
+/// The agent's own error file: `{log_root}/error.json`, and `$TORCHELASTIC_ERROR_FILE` when the
+/// agent was given one (as torchrun's `@record`-decorated main writes it).
+pub fn write_agent_error_file(log_root: &LogRoot, root_cause: &RootCause, agent_env: &BTreeMap<String, String>) {
+    let json = root_cause.to_error_file_json();
+    let ours = log_root.path().join("error.json");
+    let bytes = match serde_json::to_vec_pretty(&json) {
+        Ok(b) => b,
+        Err(e) => return warn!(error = %e, "cannot render the agent's error file"),
+    };
+    if let Err(e) = log_root.write_atomically(&ours, &bytes) {
+        warn!(path = %ours.display(), error = %e, "cannot write the agent's error file");
+    }
+    if let Some(f) = agent_env.get(rlaunch::env::ERROR_FILE).map(PathBuf::from) {
+        if let Err(e) = write_json_atomically(&f, &json) {
+            warn!(path = %f.display(), error = %e, "cannot write the agent's error file");
+        }
+    }
 }
 
 #[cfg(test)]

@@ -19,7 +19,7 @@ use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use crate::logdir::Distrust;
+use crate::logdir::{Distrust, LogDirError, LogRoot};
 
 /// Longest path a Unix socket may be bound at (`sun_path` less its final NUL).
 pub(crate) const MAX_SOCKET_PATH: usize = 107;
@@ -239,6 +239,46 @@ pub fn sweep(base: &Path, prefix: &str) {
             let _ = std::fs::remove_dir_all(&path);
         }
     }
+}
+
+/// `--log-dir/{run_id}_{pid}`, or a private temporary directory removed after a successful run.
+/// Either is created here, exclusively, and held open: an existing directory or a planted
+/// symlink is never used, and a later rename of it changes nothing (see [`crate::logdir`]). The
+/// temporary one is `{base}/rlaunch_{run_id}_{pid}_{64 random bits}`, mode 0700, in the first
+/// of `$TMPDIR` and `/tmp` that no other user may rename entries of ([`bases`]).
+pub fn log_root(log_dir: Option<&Path>, run_id: &str) -> Result<(LogRoot, bool), LogDirError> {
+    let name = format!("{}_{}", sanitize(run_id), std::process::id());
+    match log_dir {
+        Some(d) => Ok((LogRoot::create_in(d, &name)?, false)),
+        None => {
+            let mut tries = 0;
+            loop {
+                let random = (u64::from(crate::random::rand_u32()) << 32) | u64::from(crate::random::rand_u32());
+                let base = bases().first().ok_or_else(|| LogDirError::Io {
+                    path: std::env::temp_dir(),
+                    source: std::io::Error::new(
+                        std::io::ErrorKind::PermissionDenied,
+                        "neither $TMPDIR nor /tmp is a directory only root and this user may rename entries of: \
+                             give --log-dir",
+                    ),
+                })?;
+                let root = base.join(format!("rlaunch_{name}_{random:016x}"));
+                match LogRoot::create_private(&root, 0o700) {
+                    Ok(r) => return Ok((r, true)),
+                    Err(LogDirError::Io { source, .. })
+                        if source.kind() == std::io::ErrorKind::AlreadyExists && tries < 16 =>
+                    {
+                        tries += 1
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+    }
+}
+
+fn sanitize(s: &str) -> String {
+    s.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect()
 }
 
 #[cfg(test)]

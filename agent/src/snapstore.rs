@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use rlaunch::contract::{Member, SnapshotSet};
+use rlaunch::contract::{HostPort, Member, SnapshotSet};
 use rlaunch::snapshot::{recv_frame, send_frame, Answer, Request, SOCKET_ENV};
 use tracing::{info, warn};
 
@@ -229,9 +229,9 @@ impl SnapStore {
     }
 
     /// Serves the other members (copies, fetches, commits) on `bind`; answers the port.
-    pub fn serve_peers(&self, bind: &str) -> std::io::Result<u16> {
+    pub fn serve_peers(&self, bind: &HostPort) -> std::io::Result<u16> {
         self.shared.identity()?;
-        let listener = std::net::TcpListener::bind(bind)?;
+        let listener = std::net::TcpListener::bind((bind.host(), bind.port()))?;
         let port = listener.local_addr()?.port();
         let s = self.shared.clone();
         std::thread::Builder::new().name("snapshot-peers".into()).spawn(move || peers::accept(listener, s))?;

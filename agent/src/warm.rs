@@ -9,7 +9,7 @@
 //! is pumped, its exit noticed and its stacks read as a cold worker's.
 //!
 //! A node keeps one set: before the first round (a spare has its set ready before any fault),
-//! and again [`REFILL_AFTER`] after each round's start. A warm worker that died, or was started
+//! and again [`crate::core::REFILL_AFTER`] after each round's start. A warm worker that died, or was started
 //! for another terminal, is not used: that rank starts cold.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -25,10 +25,6 @@ use tracing::{debug, info, warn};
 
 use crate::contain::Containment;
 use crate::process::{spawn_worker, Placement, Spawned, Terminal};
-
-/// How long after a round's workers start the next set is started: the imports of a new set
-/// take seconds of CPU, which the round's first steps should not share.
-pub const REFILL_AFTER: Duration = Duration::from_secs(2);
 
 /// The order pipe's size: 1 MiB, the most an unprivileged process may ask for by default.
 const ORDER_PIPE: libc::c_int = 1 << 20;

@@ -11,39 +11,13 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tracing::{debug, warn};
 
-use rlaunch::env::WorkerEnv;
-
 use crate::contain::Containment;
-use crate::output::{pump, Console, DupFilter, Sink, StdSet, StdinRouter, Stream};
-use crate::process::{spawn_worker, Placement, Terminal, WorkerProc};
+use crate::error::AgentError;
+use crate::output::{pump, Console, DupFilter, Sink, StdinRouter, Stream};
+use crate::process::{spawn_worker, Placement, WorkerProc};
 use crate::report::{now_unix, now_unix_ms, read_error_file, Exit, RootCause};
-use crate::AgentError;
+use crate::spec::WorkerSpec;
 use rlaunch::contract::OtherFailure;
-
-/// What the agent needs to start one worker.
-#[derive(Debug, Clone)]
-pub struct WorkerSpec {
-    pub env: WorkerEnv,
-    /// Where the worker's stdout/stderr logs and error file go for this attempt.
-    pub dir: PathBuf,
-    /// Streams written to files.
-    pub files: StdSet,
-    /// Streams shown on the agent's console.
-    pub console: StdSet,
-    pub prefix: String,
-    /// Variables set after the worker environment's (`--virtual-local-rank`).
-    pub overrides: Vec<(&'static str, String)>,
-    /// Pseudo-terminals for the streams shown on a terminal console, and stdin for one rank.
-    pub terminal: Terminal,
-    /// CPUs the worker is bound to (`--numa-binding`).
-    pub cpus: Option<libc::cpu_set_t>,
-    /// The heartbeat file, created before the worker starts beside its error file (where the
-    /// Rust runtime finds it and writes its step statistics).
-    pub heartbeat: Option<PathBuf>,
-    /// Whether the worker is told its name in `RLAUNCH_HEARTBEAT_FILE` (`--hang-timeout`, for
-    /// scripts that beat explicitly); otherwise the environment stays exactly torchrun's.
-    pub heartbeat_env: bool,
-}
 
 /// Where a group's workers' output and input go, besides their own files.
 pub struct GroupIo {
@@ -151,7 +125,7 @@ impl WorkerGroup {
         let place = Placement { cgroup_procs: self.containment.procs_file(local_rank), cpus: spec.cpus, keep_fd: None };
         // A warm interpreter becomes this worker when one waits (`cmd` says what it becomes);
         // otherwise the worker starts cold.
-        let template = crate::warm_template(&spec, agent_env);
+        let template = crate::spec::warm_template(&spec, agent_env);
         let spawned = match warm.and_then(|w| w.take(&template, &cmd)) {
             Some(spawned) => spawned,
             None => spawn_worker(cmd, place, spec.terminal).map_err(|source| AgentError::Spawn {
@@ -461,9 +435,4 @@ impl Drop for WorkerGroup {
         }
         self.release_stdin();
     }
-}
-
-/// `{root}/attempt_{n}/{local_rank}`: where one worker of one attempt keeps its files.
-pub fn worker_dir(root: &Path, attempt: u32, local_rank: u32) -> PathBuf {
-    root.join(format!("attempt_{attempt}")).join(local_rank.to_string())
 }

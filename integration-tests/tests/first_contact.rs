@@ -378,3 +378,63 @@ fn print_completion_gives_a_script_bash_loads() {
     let o = run_deadline(&mut rlaunch(&[], &["--print-completion", "tcsh"]), DEADLINE);
     assert_eq!(o.status.code(), Some(2));
 }
+
+/// `echo cfg | torchrun ... prog` gives the program `cfg` on its stdin: torchrun's workers
+/// inherit the launcher's. Under rlaunch the stdin rank (`--stdin-rank`, 0 by default) gets the
+/// pipe or file as it is, warm (a Python program) or cold; every other rank reads /dev/null.
+#[test]
+fn piped_or_redirected_stdin_reaches_the_stdin_rank_warm_or_cold() {
+    use std::io::Write;
+    let dir = tempdir();
+    let script = dir.path().join("read.py");
+    std::fs::write(
+        &script,
+        "import os, sys\nprint(f\"rank {os.environ['RANK']} read {sys.stdin.read().strip()!r}\", flush=True)\n",
+    )
+    .unwrap();
+    let py = python3();
+    let run = |args: &[&str], stdin: Stdio, input: Option<&str>| {
+        let mut child = rlaunch(&[("PYTHON_EXEC", &py)], args)
+            .stdin(stdin)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        if let Some(text) = input {
+            let mut pipe = child.stdin.take().unwrap();
+            pipe.write_all(text.as_bytes()).unwrap();
+        }
+        let out = wait_deadline(child, DEADLINE);
+        assert!(out.status.success(), "{}", stderr_of(&out));
+        stdout_of(&out)
+    };
+    let s = script.to_str().unwrap();
+    // A pipe, a Python program (warm workers, on by default).
+    let out = run(&["--standalone", "--nproc-per-node", "2", s], Stdio::piped(), Some("cfg from a pipe\n"));
+    assert!(out.contains("rank 0 read 'cfg from a pipe'"), "{out}");
+    assert!(out.contains("rank 1 read ''"), "{out}");
+    // Cold, to another rank.
+    let out = run(
+        &["--standalone", "--nproc-per-node", "2", "--warm-workers", "off", "--stdin-rank", "1", s],
+        Stdio::piped(),
+        Some("to rank 1\n"),
+    );
+    assert!(out.contains("rank 1 read 'to rank 1'") && out.contains("rank 0 read ''"), "{out}");
+    // A file, a program that is not Python.
+    let file = dir.path().join("input.txt");
+    std::fs::write(&file, "from a file\n").unwrap();
+    let out = run(
+        &[
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--no-python",
+            "sh",
+            "-c",
+            "read line; echo \"rank $RANK read '$line'\"",
+        ],
+        Stdio::from(std::fs::File::open(&file).unwrap()),
+        None,
+    );
+    assert!(out.contains("rank 0 read 'from a file'") && out.contains("rank 1 read ''"), "{out}");
+}

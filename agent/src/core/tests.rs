@@ -129,7 +129,15 @@ impl Sim {
             Event::WorkersEnded(WorkersEnd::Succeeded) => self.workers_alive = false,
             _ => {}
         }
-        let actions = self.core.step(e, self.now);
+        let ends_round = matches!(e, Event::WorkersStopped | Event::WorkersEnded(_)) && !self.core.is_done();
+        let mut actions = self.core.step(e, self.now);
+        // A round's end (its snapshots, its progress) comes first, once, for exactly these
+        // events; the rest is what the scenarios look at.
+        let round_ends = actions.iter().filter(|a| matches!(a, Action::EndRound { .. })).count();
+        assert_eq!(round_ends, usize::from(ends_round), "{actions:?}");
+        if ends_round {
+            assert!(matches!(actions.remove(0), Action::EndRound { .. }), "the round ends first");
+        }
         for a in &actions {
             assert!(self.exit.is_none(), "nothing may follow Exit, got {a:?}");
             match a {
@@ -787,4 +795,89 @@ fn stacks_are_shared_only_for_a_round_that_ended_by_a_failure_or_when_the_rendez
     assert!(!stacks_worth_sharing(4, Some(Some(3))), "an earlier failure: round 4 ended otherwise");
     assert!(!stacks_worth_sharing(4, Some(None)), "no failure at all: a node lost or a scale-up");
     assert!(stacks_worth_sharing(4, None), "the rendezvous did not answer");
+}
+
+// --- What the driver once decided inline: snapshots, the round's end, warm refills ---
+
+const FEATURES: Features = Features { snapshots: true, warm_workers: true, local_world_size: 4 };
+
+#[test]
+fn a_round_keeps_snapshots_with_its_members_only_when_elastic_with_several_nodes_and_a_member_list() {
+    let p = Placement::from_round(&two_nodes(3));
+    let (with_members, note) = snapshot_round(&p, true, 4);
+    assert_eq!(with_members, SnapshotRound::Peers { round: 3, members: p.members.clone() });
+    assert_eq!(note, None);
+    // Static (not elastic), two nodes: local, and said.
+    let (local, note) = snapshot_round(&p, false, 4);
+    assert_eq!(local, SnapshotRound::Local { round: 3, world_size: 8, ranks: 0..4 });
+    assert!(note.is_some_and(|n| n.contains("no snapshots in round 3 of 2 nodes")));
+    // Elastic, two nodes, no member list (a round over the snapshot limit, an older service).
+    let bare = Placement { members: Vec::new(), rank_offset: 4, ..p.clone() };
+    let (local, note) = snapshot_round(&bare, true, 4);
+    assert_eq!(local, SnapshotRound::Local { round: 3, world_size: 8, ranks: 4..8 });
+    assert!(note.is_some());
+    // One node: local, nothing to say.
+    let alone = Placement::from_round(&round(1, 0));
+    assert_eq!(snapshot_round(&alone, true, 4), (SnapshotRound::Local { round: 1, world_size: 4, ranks: 0..4 }, None));
+}
+
+#[test]
+fn snapshots_are_opened_right_before_every_start_and_only_when_on() {
+    let mut s = Sim::new(elastic().with_features(FEATURES));
+    assert_eq!(s.ev(Event::Start), vec![Action::Join]);
+    let a = s.ev(Event::Joined(Ok(two_nodes(1))));
+    assert!(
+        matches!(a.as_slice(), [Action::BeginSnapshots(SnapshotRound::Peers { round: 1, .. }), Action::StartWorkers(p), Action::Watch { round: 1 }] if p.round == 1),
+        "{a:?}"
+    );
+    let mut fixed_on = Sim::new(fixed(1).with_features(FEATURES));
+    let a = fixed_on.ev(Event::Start);
+    assert!(
+        matches!(
+            a.as_slice(),
+            [Action::BeginSnapshots(SnapshotRound::Local { round: 1, .. }), Action::StartWorkers(_)]
+        ),
+        "{a:?}"
+    );
+    let mut off = Sim::new(fixed(1).with_features(Features { snapshots: false, ..FEATURES }));
+    assert!(matches!(off.ev(Event::Start).as_slice(), [Action::StartWorkers(_)]));
+}
+
+#[test]
+fn a_rounds_end_comes_first_for_its_workers_end_and_flushes_the_console_only_after_a_stop() {
+    let mut core = fixed(1).with_features(FEATURES);
+    core.step(Event::Start, 0);
+    let a = core.step(Event::WorkersEnded(failure(3)), 10);
+    assert_eq!(a.first(), Some(&Action::EndRound { flush_console: false }), "{a:?}");
+    let a = core.step(Event::WorkersStopped, 20);
+    assert_eq!(a.first(), Some(&Action::EndRound { flush_console: true }), "{a:?}");
+    assert!(a.iter().any(|x| matches!(x, Action::StartWorkers(_))), "restarted within the budget: {a:?}");
+    // Nothing else ends a round.
+    assert!(!core.step(Event::Tick, 30).iter().any(|x| matches!(x, Action::EndRound { .. })));
+}
+
+#[test]
+fn warm_workers_are_refilled_once_at_the_deadline_the_core_set_at_each_start_and_never_after_the_end() {
+    let after = ms(REFILL_AFTER);
+    let fills = |a: &[Action]| a.iter().filter(|x| matches!(x, Action::FillWarm(_))).count();
+    let mut s = Sim::new(fixed(1).with_features(FEATURES));
+    s.ev(Event::Start);
+    assert_eq!(fills(&s.tick(after - 1)), 0, "not before the deadline");
+    let a = s.tick(after + 50);
+    assert!(matches!(a.as_slice(), [Action::FillWarm(p)] if p.round == 1), "{a:?}");
+    assert_eq!(fills(&s.tick(after + 150)), 0, "once");
+    // A restart sets a new deadline, from its own start; any event past it fills, not only a tick.
+    s.at(5_000).ev(Event::WorkersEnded(failure(1)));
+    s.at(5_010).ev(Event::WorkersStopped);
+    assert_eq!(fills(&s.tick(5_010 + after - 1)), 0);
+    assert_eq!(fills(&s.at(5_010 + after).ev(Event::Signal(libc::SIGUSR1))), 1);
+    // Warm workers off: never.
+    let mut off = Sim::new(fixed(1).with_features(Features { warm_workers: false, ..FEATURES }));
+    off.ev(Event::Start);
+    assert_eq!(fills(&off.tick(10 * after)), 0);
+    // A run that ends before the deadline fills nothing after its Exit (the Sim checks it).
+    let mut ended = Sim::new(fixed(0).with_features(FEATURES));
+    ended.ev(Event::Start);
+    ended.at(after + 10).ev(Event::WorkersEnded(WorkersEnd::Succeeded));
+    assert!(ended.exit.is_some());
 }

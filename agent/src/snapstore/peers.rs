@@ -500,7 +500,7 @@ mod tests {
     /// identity is answered.
     fn store() -> (SnapStore, Peer, Arc<Identity>) {
         let store = SnapStore::start(1 << 20, Default::default()).unwrap();
-        let port = store.serve_peers("127.0.0.1:0").unwrap();
+        let port = store.serve_peers(&HostPort::new("127.0.0.1", 0).unwrap()).unwrap();
         let addr: HostPort = format!("127.0.0.1:{port}").parse().unwrap();
         let x = Arc::new(Identity::generate().unwrap());
         let members = [member("me", 0, Some(addr.clone()), store.shared.identity().unwrap()), member("x", 2, None, &x)];
@@ -714,7 +714,7 @@ mod tests {
     fn copies_are_taken_only_from_the_node_this_one_is_the_buddy_of() {
         // Ring me -> x -> y -> me: y's copies come here, x's go to y.
         let store = SnapStore::start(1 << 20, Default::default()).unwrap();
-        let port = store.serve_peers("127.0.0.1:0").unwrap();
+        let port = store.serve_peers(&HostPort::new("127.0.0.1", 0).unwrap()).unwrap();
         let addr: HostPort = format!("127.0.0.1:{port}").parse().unwrap();
         let (x, y) = (Arc::new(Identity::generate().unwrap()), Arc::new(Identity::generate().unwrap()));
         let members = [
@@ -818,9 +818,13 @@ mod tests {
             }
         });
         let me = SnapStore::start(1 << 20, Default::default()).unwrap();
-        let me_addr: HostPort = format!("127.0.0.1:{}", me.serve_peers("127.0.0.1:0").unwrap()).parse().unwrap();
+        let me_addr: HostPort =
+            format!("127.0.0.1:{}", me.serve_peers(&HostPort::new("127.0.0.1", 0).unwrap()).unwrap()).parse().unwrap();
         let buddy = SnapStore::start(1 << 20, Default::default()).unwrap();
-        let buddy_addr: HostPort = format!("127.0.0.1:{}", buddy.serve_peers("127.0.0.1:0").unwrap()).parse().unwrap();
+        let buddy_addr: HostPort =
+            format!("127.0.0.1:{}", buddy.serve_peers(&HostPort::new("127.0.0.1", 0).unwrap()).unwrap())
+                .parse()
+                .unwrap();
         let s = Identity::generate().unwrap();
         let members = [
             member("me", 0, Some(me_addr), me.shared.identity().unwrap()),
