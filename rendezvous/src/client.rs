@@ -17,6 +17,7 @@ use crate::api::{
     ErrorBody, FailureRequest, HeartbeatRequest, JoinRequest, NodeRequest, ProgressRequest, StacksRequest,
     SuccessRequest, WatchRequest,
 };
+use crate::endpoint::Endpoint;
 use crate::error::RdzvError;
 use crate::round::{JobSettings, JobStatus, NodeInfo, RoundInfo};
 use crate::service::{Beat, HeartbeatAnswer, JoinAnswer, Joined, Rendezvous, WatchEvent};
@@ -88,18 +89,9 @@ enum Transport {
 
 struct HttpTransport {
     http: reqwest::Client,
-    endpoints: Vec<String>,
+    endpoints: Vec<Endpoint>,
     token: Option<String>,
     current: AtomicUsize,
-}
-
-fn normalize(endpoint: &str) -> String {
-    let e = endpoint.trim().trim_end_matches('/');
-    if e.starts_with("http://") || e.starts_with("https://") {
-        e.to_owned()
-    } else {
-        format!("http://{e}")
-    }
 }
 
 impl HttpTransport {
@@ -118,8 +110,8 @@ impl HttpTransport {
         for i in 0..n {
             let idx = (start + i) % n;
             let endpoint = &self.endpoints[idx];
-            tried.push(endpoint.clone());
-            let mut req = self.http.request(method.clone(), format!("{endpoint}{path}")).timeout(timeout);
+            tried.push(endpoint.to_string());
+            let mut req = self.http.request(method.clone(), endpoint.url(path)).timeout(timeout);
             if let Some(token) = &self.token {
                 req = req.bearer_auth(token);
             }
@@ -131,7 +123,7 @@ impl HttpTransport {
                 Err(error) => {
                     debug!(endpoint = %endpoint, error = %error, "rendezvous endpoint did not answer; failing over");
                     if let Some(reason) = crate::tls::certificate_error(&error) {
-                        bad_certificate = Some(RdzvError::Certificate { endpoint: endpoint.clone(), reason });
+                        bad_certificate = Some(RdzvError::Certificate { endpoint: endpoint.to_string(), reason });
                     }
                     last = Some(error);
                     continue;
@@ -145,7 +137,7 @@ impl HttpTransport {
             self.current.store(idx, Ordering::Relaxed);
             if status.is_success() {
                 return resp.json::<T>().await.map_err(|e| RdzvError::Server {
-                    endpoint: endpoint.clone(),
+                    endpoint: endpoint.to_string(),
                     status: status.as_u16(),
                     message: format!("unreadable answer: {e}"),
                 });
@@ -159,9 +151,9 @@ impl HttpTransport {
 }
 
 /// Rebuilds the library error a server's 4xx answer stands for.
-fn error_from(endpoint: &str, status: u16, body: Option<ErrorBody>) -> RdzvError {
+fn error_from(endpoint: &Endpoint, status: u16, body: Option<ErrorBody>) -> RdzvError {
     let Some(ErrorBody { error, message }) = body else {
-        return RdzvError::Server { endpoint: endpoint.to_owned(), status, message: "no error body".to_owned() };
+        return RdzvError::Server { endpoint: endpoint.to_string(), status, message: "no error body".to_owned() };
     };
     // "unknown job `x`" → "x": the server names the job or node between backticks.
     let quoted = |m: &str| m.split('`').nth(1).map(str::to_owned).unwrap_or_else(|| m.to_owned());
@@ -179,7 +171,7 @@ fn error_from(endpoint: &str, status: u16, body: Option<ErrorBody>) -> RdzvError
         "bad_request" | "invalid_settings" | "payload_too_large" | "unsupported_media_type" => {
             RdzvError::BadRequest { message }
         }
-        _ => RdzvError::Server { endpoint: endpoint.to_owned(), status, message },
+        _ => RdzvError::Server { endpoint: endpoint.to_string(), status, message },
     }
 }
 
@@ -212,6 +204,8 @@ impl RendezvousClient {
                 if endpoints.is_empty() {
                     return Err(RdzvError::BadRequest { message: "no rendezvous endpoint given".to_owned() });
                 }
+                // One that is not an endpoint is refused here, naming it.
+                let endpoints = endpoints.iter().map(|e| e.parse::<Endpoint>()).collect::<Result<Vec<_>, _>>()?;
                 if token.is_some() {
                     for e in endpoints.iter().filter(|e| crate::tls::cleartext_to_another_host(e)) {
                         warn!(
@@ -235,15 +229,10 @@ impl RendezvousClient {
                     tried: "building the HTTP client".to_owned(),
                     source: Some(e),
                 })?;
-                Transport::Http(HttpTransport {
-                    http,
-                    endpoints: endpoints.iter().map(|e| normalize(e)).collect(),
-                    token,
-                    current: AtomicUsize::new(0),
-                })
+                Transport::Http(HttpTransport { http, endpoints, token, current: AtomicUsize::new(0) })
             }
             Backend::Etcd { endpoints } => {
-                let endpoints: Vec<String> = endpoints.iter().map(|e| normalize(e)).collect();
+                // The store parses them (`host:2379` is `http://host:2379`).
                 let store = EtcdStore::connect(&endpoints).await?;
                 Transport::Local { rdzv: Rendezvous::new(Store::Etcd(store)), etcd: true }
             }

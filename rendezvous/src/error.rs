@@ -1,5 +1,6 @@
 //! The one error type of the rendezvous library, shared by the service, its stores and the client.
 
+use crate::endpoint::EndpointError;
 use crate::round::{FailureKind, Rejection, SettingsError};
 
 /// Everything that can go wrong talking to (or running) a rendezvous.
@@ -120,6 +121,13 @@ impl RdzvError {
 
     pub(crate) fn etcd(op: &'static str) -> impl FnOnce(etcd_client::Error) -> RdzvError {
         move |source| RdzvError::Etcd { op, source }
+    }
+}
+
+/// An endpoint given that is not one: the caller's to fix.
+impl From<EndpointError> for RdzvError {
+    fn from(e: EndpointError) -> Self {
+        RdzvError::BadRequest { message: e.to_string() }
     }
 }
 

@@ -17,6 +17,7 @@
 //! - [`client`]: [`RendezvousClient`] over a [`Backend`].
 //! - [`clock`]: the shared wall clock (`now_ms`), read by the service and the etcd store alike.
 //! - [`tls`]: the service's certificate and key, a client's CA bundle, cleartext endpoints.
+//! - [`endpoint`]: a service's or etcd's endpoint, parsed once (scheme, host, port).
 //!
 //! # The client API (what the agent uses)
 //!
@@ -87,6 +88,7 @@ pub mod client;
 pub mod clock;
 pub mod conn;
 pub mod detector;
+pub mod endpoint;
 pub mod error;
 pub mod identity;
 pub mod page;

@@ -6,13 +6,15 @@
 //! reads them. `https://` endpoints are verified against the CA bundle given (`tls_ca`), else
 //! the system's roots; a certificate that does not verify is an error, never a warning.
 
-use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use rlaunch::contract::Host;
 use tokio_rustls::rustls;
 use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
+
+use crate::endpoint::{Endpoint, Scheme};
 
 /// A TLS file that could not be used, naming it.
 #[derive(Debug, thiserror::Error)]
@@ -90,23 +92,15 @@ pub fn ca_bundle(path: &Path) -> Result<Vec<reqwest::Certificate>, TlsError> {
         .map_err(|e| TlsError::Ca { path: path.to_owned(), reason: e.to_string() })
 }
 
-/// Whether `endpoint` (`host:port`, `http://…` or `https://…`) is reached in clear at another
-/// host: plain HTTP to anything but loopback.
-pub fn cleartext_to_another_host(endpoint: &str) -> bool {
-    let e = endpoint.trim();
-    if e.starts_with("https://") {
-        return false;
-    }
-    let hostport = e.strip_prefix("http://").unwrap_or(e).split('/').next().unwrap_or("");
-    let host = match hostport.rsplit_once(':') {
-        Some((h, port)) if port.chars().all(|c| c.is_ascii_digit()) => h,
-        _ => hostport,
-    };
-    let host = host.trim_start_matches('[').trim_end_matches(']');
-    let loopback = host.eq_ignore_ascii_case("localhost")
-        || host.to_ascii_lowercase().ends_with(".localhost")
-        || host.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback());
-    !loopback
+/// Whether `endpoint` is reached in clear at another host: plain HTTP to anything but loopback.
+pub fn cleartext_to_another_host(endpoint: &Endpoint) -> bool {
+    endpoint.scheme() == Scheme::Http && !loopback(endpoint.host())
+}
+
+/// `localhost`, a name under it, or a loopback address.
+fn loopback(host: &Host) -> bool {
+    let name = host.as_str().to_ascii_lowercase();
+    name == "localhost" || name.ends_with(".localhost") || host.ip().is_some_and(|ip| ip.is_loopback())
 }
 
 /// A certificate problem somewhere in `error`'s chain (an unknown issuer, a wrong name, an
@@ -133,10 +127,10 @@ mod tests {
     #[test]
     fn plain_http_to_another_host_is_cleartext_and_loopback_or_https_is_not() {
         for e in ["svc:29400", "http://10.0.0.5:29400", "http://rdzv.cluster:1/", "[fe80::1]:5"] {
-            assert!(cleartext_to_another_host(e), "{e}");
+            assert!(cleartext_to_another_host(&e.parse().unwrap()), "{e}");
         }
         for e in ["127.0.0.1:29400", "http://localhost:1", "[::1]:29400", "https://svc:29400", "127.3.4.5:9"] {
-            assert!(!cleartext_to_another_host(e), "{e}");
+            assert!(!cleartext_to_another_host(&e.parse().unwrap()), "{e}");
         }
     }
 

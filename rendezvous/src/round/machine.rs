@@ -477,8 +477,9 @@ pub(super) fn open_round(job: &mut Job, now: Millis, cause: RoundCause, gone: &[
 }
 
 /// What tore the running round down, in words, and when it happened as far as this service can
-/// tell: a lost node at its last heartbeat held here (with etcd, as the replica that let its key
-/// lapse noted it, else one TTL before the verdict), a failed worker when its agent saw it exit;
+/// tell: a lost node at its last sign of life ([`last_heard`](super::liveness::last_heard): its
+/// last heartbeat held here, with etcd as the replica that let its key lapse noted it, else one
+/// TTL before the verdict), a failed worker when its agent saw it exit;
 /// never before the round ran.
 fn fault_of(job: &Job, cause: &RoundCause, now: Millis) -> (&'static str, String, Millis) {
     let since = match job.phase {
@@ -486,16 +487,11 @@ fn fault_of(job: &Job, cause: &RoundCause, now: Millis) -> (&'static str, String
         _ => now,
     };
     let (kind, fault, at) = match cause {
-        RoundCause::NodeLost { nodes } => {
-            let ttl = JobSettings::ms(job.settings.node_ttl);
-            let heard =
-                nodes.iter().filter_map(|id| job.last_seen.get(id).or_else(|| job.lapsed_heard.get(id))).min().copied();
-            (
-                "node_lost",
-                format!("node(s) {} lost", super::recovery::named(nodes)),
-                heard.unwrap_or(now.saturating_sub(ttl)),
-            )
-        }
+        RoundCause::NodeLost { nodes } => (
+            "node_lost",
+            format!("node(s) {} lost", super::recovery::named(nodes)),
+            super::liveness::last_heard(job, nodes, now),
+        ),
         RoundCause::Failure { node_id } => {
             let rc = job.last_root_cause.as_ref();
             let what = rc.map(|rc| format!("rank {} on node {node_id}: {}", rc.rank, rc.exit.describe()));

@@ -23,6 +23,10 @@
 //!   ranks, the failure detector's bookkeeping.
 //! - `event`: the machine's input and output: [`Event`], [`Decision`] ([`Action`], [`Rejection`]).
 //! - `node`: the checks on a node's details (id, workers, advertised addresses, fingerprint).
+//! - `liveness`: liveness where the store keeps no heartbeat times (etcd): what a read of the
+//!   nodes' liveness records makes of a job (`observe`), which suspicions a sign of life refutes,
+//!   how a silent node is dated, when a record is stale; and the date of a loss on every store
+//!   (`last_heard`).
 //! - `machine`: the transitions, [`apply`] and [`apply_in_place`].
 //! - `guard`: who may speak for which node: [`Guard`], [`authorize`], [`apply_guarded`],
 //!   [`apply_joining`].
@@ -34,6 +38,7 @@
 mod event;
 mod guard;
 mod job;
+pub(crate) mod liveness;
 mod machine;
 mod node;
 pub mod recovery;

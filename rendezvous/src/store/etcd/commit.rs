@@ -19,6 +19,7 @@ use super::layout::{
 };
 use super::EtcdStore;
 use crate::error::RdzvError;
+use crate::round::liveness::{self, Signs};
 use crate::round::{self, Action, Decision, Event, Guard, Job, JobSettings, Millis};
 use crate::store::{existing_or_new, replacement, too_many_jobs};
 
@@ -207,11 +208,9 @@ impl EtcdStore {
             }
             let created = snap.job.is_none();
             let now = batch.first().map(|q| q.now).unwrap_or(0);
-            let lapsed: std::collections::BTreeMap<String, crate::round::Millis> =
-                snap.lapsed.iter().cloned().collect();
             let heard = self.heard(run_id);
-            let live =
-                |j: Job, now| Job { lapsed_heard: lapsed.clone(), ..Self::with_liveness(j, &snap.alive, &heard, now) };
+            let signs = Signs { alive: &snap.alive, heard: &heard, lapsed: &snap.lapsed };
+            let live = |j: Job, now| liveness::observe(j, &signs, now);
             let mut job: Option<Job> = snap.job.as_deref().cloned().map(|j| live(j, now));
             let mut outcomes: Vec<Result<Decision, RdzvError>> = Vec::with_capacity(batch.len());
             for q in &batch {

@@ -13,6 +13,8 @@ use std::time::Duration;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use crate::round::liveness;
+
 /// The lease keep-alive period: at most every half second, so a heartbeat answered from memory
 /// vouches for a lease confirmed within about a second (an agent cut off from etcd learns it as
 /// fast as when each heartbeat was a keep-alive).
@@ -157,13 +159,14 @@ impl Leases {
         }
     }
 
-    /// Keys silent for their TTL (removed: the caller deletes them in etcd), and leases without
-    /// keys for [`LEASE_IDLE`] (removed: the caller revokes them). Old events are forgotten.
+    /// Keys silent past their TTL ([`liveness::stale`]; removed: the caller deletes them in etcd),
+    /// and leases without keys for [`LEASE_IDLE`] (removed: the caller revokes them). Old events
+    /// are forgotten.
     pub(super) fn sweep(&mut self, now: Instant) -> (Vec<(String, Held)>, Vec<i64>) {
         let stale: Vec<String> = self
             .held
             .iter()
-            .filter(|(_, h)| now.saturating_duration_since(h.heard) > h.ttl)
+            .filter(|(_, h)| liveness::stale(now.saturating_duration_since(h.heard), h.ttl))
             .map(|(k, _)| k.clone())
             .collect();
         let stale: Vec<(String, Held)> =

@@ -20,53 +20,54 @@
 //! One background task per store watches the whole prefix: a `state` change wakes long-polls, an
 //! `alive` key deleted (lease expiry, revoke) nudges the ticker so loss is acted on at once.
 //!
+//! What liveness the job read from etcd has (which suspicions a beat refuted, when a lapsed node
+//! was last heard, which keys are stale) is decided by `round::liveness`, pure: this store reads
+//! and writes the keys and hands what it read there.
+//!
 //! Files: `layout` (the keys, the state written in parts, what of a job is stored), `leases` (what
-//! this process knows of the alive keys it holds), `watch` (the watch on the prefix), `commit`
-//! (a job's batched update: queue, read, apply, compare-and-put); the store, its requests and
-//! the alive keys are here.
+//! this process knows of the alive keys it holds), `alive` (the alive keys: held, taken over,
+//! renewed, swept; the lease keep-alive), `watch` (the watch on the prefix), `commit` (a job's
+//! batched update: queue, read, apply, compare-and-put), `compaction` (etcd's history); the store,
+//! its requests and its reads are here.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, DeleteOptions, GetOptions, LeaseKeepAliveStream, LeaseKeeper,
-    PutOptions, Txn, TxnOp,
-};
+use etcd_client::{Client, ConnectOptions, DeleteOptions, GetOptions, Txn};
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
 use crate::detector::{ProbeReport, ProbeRequest};
+use crate::endpoint::Endpoint;
 use crate::error::RdzvError;
+use crate::round::liveness::{self, Signs};
 use crate::round::{self, Action, Decision, Event, Guard, Job, Millis};
 
+mod alive;
 mod commit;
+mod compaction;
 mod layout;
 mod leases;
 mod watch;
 
+use compaction::compact;
+pub use compaction::Compaction;
+
+use alive::sweep;
 use commit::JobQueue;
-use layout::{alive_key, alive_prefix, assemble, lapsed_key_of, lapsed_prefix, prefix_end, state_key, stored, PREFIX};
-use leases::{renew_every, renewed_within, ttl_seconds, Leases, SharedLease, Touch};
+use layout::{alive_prefix, assemble, lapsed_prefix, prefix_end, state_key, stored, PREFIX};
+use leases::Leases;
 use watch::{note_probing, watch_loop, Owed};
 
 /// Bound on every single etcd request (streams excepted), so a dead or partitioned member never
 /// hangs a caller for long: after it, the request goes to the next member.
 const OP_TIMEOUT: Duration = Duration::from_millis(1500);
-/// How long the notes of silent nodes' last heartbeats stay at least (a lease of their own,
-/// three TTLs and 10 s when that is longer): the machine acts on a loss well within it.
-const LAPSED_TTL_S: i64 = 30;
-
 /// Unary etcd requests one store has in flight at most (streams excepted).
 const MAX_IN_FLIGHT: usize = 256;
-
-/// Attempts at putting a node's alive key back, and at holding one, before giving up on a key
-/// that keeps changing under them (`RdzvError::Contention`).
-const RENEW_ATTEMPTS: u32 = 3;
-const HOLD_ATTEMPTS: u32 = 4;
 
 /// A handle on jobs kept in etcd; cheap to clone.
 #[derive(Clone)]
@@ -136,142 +137,6 @@ impl Drop for Inner {
     }
 }
 
-/// Whether a request failed because its lease is gone (revoked or expired).
-fn lease_gone(e: &RdzvError) -> bool {
-    matches!(e, RdzvError::Etcd { source, .. } if source.to_string().contains("lease not found"))
-}
-
-/// Keeps `id` alive for as long as the store lives and the lease is in use; when etcd says it is
-/// gone, forgets it and every key held on it (those keys went with it).
-async fn keep_lease(inner: std::sync::Weak<Inner>, ttl_s: i64, id: i64) {
-    let every = renew_every(ttl_s);
-    // An attempt that takes longer than a confirmation may be old moves on to the next member.
-    let patience = renewed_within(ttl_s).min(OP_TIMEOUT);
-    let mut stream: Option<(LeaseKeeper, LeaseKeepAliveStream)> = None;
-    let mut member = 0usize;
-    loop {
-        tokio::time::sleep(every).await;
-        let Some(inner) = inner.upgrade() else { return };
-        if stream.is_none() {
-            let mut client = inner.clients[member % inner.clients.len()].clone();
-            match tokio::time::timeout(patience, client.lease_keep_alive(id)).await {
-                Ok(Ok(s)) => stream = Some(s),
-                Ok(Err(error)) => {
-                    debug!(lease = id, error = %error, "could not open a keep-alive stream; next member");
-                    member += 1;
-                    continue;
-                }
-                Err(_) => {
-                    member += 1;
-                    continue;
-                }
-            }
-        }
-        let (keeper, answers) = stream.as_mut().expect("opened just above");
-        let answer = tokio::time::timeout(patience, async {
-            keeper.keep_alive().await?;
-            answers.message().await
-        })
-        .await;
-        match answer {
-            Ok(Ok(Some(resp))) if resp.ttl() > 0 => {
-                let mut leases = inner.leases.lock().unwrap_or_else(|p| p.into_inner());
-                match leases.by_ttl.get_mut(&ttl_s) {
-                    Some(lease) if lease.id == id => lease.renewed = Instant::now(),
-                    // Revoked as idle, or replaced.
-                    _ => return,
-                }
-            }
-            Ok(Ok(Some(_))) => {
-                let keys = inner.leases.lock().unwrap_or_else(|p| p.into_inner()).drop_lease(id);
-                warn!(
-                    lease = id,
-                    keys, "this replica's etcd lease lapsed; its nodes take new keys with their next heartbeat"
-                );
-                return;
-            }
-            Ok(Ok(None)) | Ok(Err(_)) | Err(_) => {
-                debug!(lease = id, "keep-alive stream broke; reopening on the next member");
-                stream = None;
-                member += 1;
-            }
-        }
-    }
-}
-
-/// Deletes the alive keys of nodes this process held but has not heard from for their TTL, and
-/// revokes leases left without keys; every 100 ms for as long as the store lives.
-async fn sweep(inner: std::sync::Weak<Inner>) {
-    loop {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        let Some(inner) = inner.upgrade() else { return };
-        let store = EtcdStore { inner };
-        store.sweep_once().await;
-    }
-}
-
-/// How much of etcd's history the service keeps. Every write of a job's state (a round, a
-/// node's key, a report) adds a revision, and etcd keeps every revision until it is compacted:
-/// a service that never compacts grows etcd's database until its quota (2 GiB by default) is
-/// reached, and etcd then refuses every write, every job's. Revisions older than `keep` are
-/// compacted every `every` (etcd reuses the space; a defragmentation returns it to the disk).
-/// Replicas compacting the same history is harmless; a watch that falls behind the compacted
-/// revision starts again from the present and re-reads.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Compaction {
-    pub keep: Duration,
-    pub every: Duration,
-}
-
-impl Default for Compaction {
-    /// Five minutes of history, compacted every minute.
-    fn default() -> Self {
-        Compaction { keep: Duration::from_secs(300), every: Duration::from_secs(60) }
-    }
-}
-
-/// Every `every`, compacts etcd's history to the newest revision seen at least `keep` ago.
-async fn compact(inner: std::sync::Weak<Inner>) {
-    // (when, revision) seen, oldest first.
-    let mut seen: std::collections::VecDeque<(Instant, i64)> = std::collections::VecDeque::new();
-    let mut last = Instant::now();
-    loop {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        let Some(inner) = inner.upgrade() else { return };
-        let Compaction { keep, every } = *inner.compaction.lock().unwrap_or_else(|p| p.into_inner());
-        if last.elapsed() < every.min(keep).max(Duration::from_millis(100)) {
-            continue;
-        }
-        last = Instant::now();
-        let store = EtcdStore { inner };
-        let revision = match store.run("status", |mut c| async move { c.status().await }).await {
-            Ok(s) => s.header().map_or(0, |h| h.revision()),
-            Err(e) => {
-                debug!(error = %e, "etcd status for compaction");
-                continue;
-            }
-        };
-        let now = Instant::now();
-        seen.push_back((now, revision));
-        // The newest revision seen at least `keep` ago; samples older than it are not needed.
-        let mut target = None;
-        while let Some((at, rev)) = seen.front().copied() {
-            if now.duration_since(at) < keep {
-                break;
-            }
-            target = Some(rev);
-            seen.pop_front();
-        }
-        let Some(target) = target.filter(|r| *r > 1) else { continue };
-        match store.run("compact", |mut c| async move { c.compact(target, None).await }).await {
-            Ok(_) => debug!(revision = target, "etcd history compacted"),
-            // Another replica compacted as far already.
-            Err(e) if e.to_string().contains("compacted") => {}
-            Err(e) => warn!(error = %e, revision = target, "cannot compact etcd's history"),
-        }
-    }
-}
-
 /// What one read of a job's prefix holds.
 struct Snapshot {
     job: Option<Arc<Job>>,
@@ -305,14 +170,11 @@ fn timed_out(op: &'static str) -> RdzvError {
 }
 
 impl EtcdStore {
-    /// How much of etcd's history to keep ([`Compaction`]; the default otherwise).
-    pub fn set_compaction(&self, c: Compaction) {
-        *self.inner.compaction.lock().unwrap_or_else(|p| p.into_inner()) = c;
-    }
-
-    /// Connects to etcd (`endpoints` like `http://127.0.0.1:2379`: members of one cluster) and
-    /// starts watching. Connections are lazy: a member down at start is tolerated.
+    /// Connects to etcd (`endpoints` like `http://127.0.0.1:2379` or `127.0.0.1:2379`: members of
+    /// one cluster) and starts watching. Connections are lazy: a member down at start is
+    /// tolerated; one that is not an endpoint is refused.
     pub async fn connect(endpoints: &[String]) -> Result<Self, RdzvError> {
+        let endpoints = endpoints.iter().map(|e| e.parse::<Endpoint>()).collect::<Result<Vec<_>, _>>()?;
         let options = ConnectOptions::new()
             .with_connect_timeout(Duration::from_secs(1))
             .with_keep_alive(Duration::from_secs(1), Duration::from_secs(2))
@@ -321,8 +183,8 @@ impl EtcdStore {
             // serving stale data, so the request moves on to a member that has a leader.
             .with_require_leader(true);
         let mut clients = Vec::new();
-        for e in endpoints {
-            let fut = Client::connect([e.as_str()], Some(options.clone()));
+        for e in &endpoints {
+            let fut = Client::connect([e.to_string()], Some(options.clone()));
             match tokio::time::timeout(OP_TIMEOUT, fut).await {
                 Ok(r) => clients.push(r.map_err(RdzvError::etcd("connect"))?),
                 Err(_) => return Err(timed_out("connect")),
@@ -477,39 +339,6 @@ impl EtcdStore {
         }
     }
 
-    /// Makes sure a node about to join has an alive key, without letting a caller that may not
-    /// speak for it keep a dead node alive: a node the keys last read do not name (or any, before
-    /// the job was read) gets its key only if it has none (the join's own update then checks
-    /// it, atomically, and a refused join deletes the key), with no read of the whole job
-    /// (10,000 joins would each read 10,000 keys); a key that exists, or a node the job names,
-    /// is taken only after the caller's secret is checked. Returns whether this call created the
-    /// key.
-    pub(crate) async fn register_join(
-        &self,
-        run_id: &str,
-        node_id: &str,
-        secret: Option<&str>,
-        ttl: Duration,
-    ) -> Result<bool, RdzvError> {
-        let known = {
-            let keys = self.inner.keys.lock().unwrap_or_else(|p| p.into_inner());
-            keys.get(run_id).map(|k| k.contains_key(node_id))
-        };
-        // Not named (or the job not read yet: 10,000 first joins must not each read it).
-        if known != Some(true) {
-            match self.hold(run_id, node_id, ttl, true, false).await? {
-                Hold::Created => return Ok(true),
-                Hold::Held => return Ok(false),
-                Hold::Absent | Hold::Elsewhere => {}
-            }
-        }
-        match self.authorize(run_id, node_id, secret).await {
-            Ok(()) | Err(RdzvError::UnknownJob { .. }) => {}
-            Err(e) => return Err(e),
-        }
-        Ok(self.hold(run_id, node_id, ttl, true, true).await? == Hold::Created)
-    }
-
     /// Checks the caller's secret for `node_id`: against the keys last read, else against etcd.
     pub(crate) async fn authorize(&self, run_id: &str, node_id: &str, secret: Option<&str>) -> Result<(), RdzvError> {
         let cached = {
@@ -574,35 +403,12 @@ impl EtcdStore {
         Ok(snap)
     }
 
-    /// The job with liveness from leases: a node whose key this process holds was heard from
-    /// when this process last heard it (`heard`), so a node that falls silent is suspected, and
-    /// probed, before its key lapses, and its suspicion goes once it is heard after it began. A
-    /// node whose key exists on another process's lease is that process's to judge
-    /// ([`Job::vouched`]: seen as just heard, its suspicion left as it is). Any other is silent.
-    fn with_liveness(mut job: Job, alive: &[String], heard: &HashMap<String, Millis>, now: Millis) -> Job {
-        job.last_seen = alive.iter().map(|id| (id.clone(), heard.get(id).copied().unwrap_or(now).min(now))).collect();
-        job.vouched = alive.iter().filter(|id| !heard.contains_key(*id)).cloned().collect();
-        for (id, at) in heard.iter().filter(|(id, _)| job.last_seen.contains_key(*id)) {
-            if let Some(h) = job.health.get_mut(id) {
-                // Heard after it began, or a suspicion from a clock that has since gone back.
-                if h.suspicion.as_ref().is_some_and(|s| *at > s.since || s.since > now) {
-                    h.suspicion = None;
-                }
-            }
-        }
-        job
-    }
-
     /// When this process last heard from the nodes of `run_id` whose alive keys it holds (Unix
     /// ms).
     fn heard(&self, run_id: &str) -> HashMap<String, Millis> {
         let held = self.inner.leases.lock().unwrap_or_else(|p| p.into_inner()).heard_under(&alive_prefix(run_id));
         let (now, mono) = (crate::clock::now_ms(), Instant::now());
-        held.into_iter()
-            .map(|(id, at)| {
-                (id, now.saturating_sub(u64::try_from(mono.duration_since(at).as_millis()).unwrap_or(u64::MAX)))
-            })
-            .collect()
+        held.into_iter().map(|(id, at)| (id, liveness::heard_at(now, mono.duration_since(at)))).collect()
     }
 
     /// A heartbeat through etcd: the lease kept alive (renewed when it lapsed while the job
@@ -654,43 +460,11 @@ impl EtcdStore {
         Ok((decision, owed))
     }
 
-    /// Puts `node_id`'s alive key back on this process's lease if the job still counts it,
-    /// atomically with the job's state as read: a loss committed meanwhile wins (and the key is
-    /// not written).
-    async fn renew_if_tracked(&self, run_id: &str, node_id: &str) -> Result<bool, RdzvError> {
-        let key = alive_key(run_id, node_id);
-        for _ in 0..RENEW_ATTEMPTS {
-            let snap = self.read(run_id).await?;
-            let Some(job) = snap.job.as_ref().filter(|j| j.tracks(node_id)) else { return Ok(false) };
-            let ttl = job.settings.node_ttl;
-            let lease = self.lease_for(ttl_seconds(ttl)).await?;
-            let txn = Txn::new()
-                .when([Compare::mod_revision(state_key(run_id), CompareOp::Equal, snap.mod_revision)])
-                .and_then([TxnOp::put(
-                    key.clone(),
-                    node_id.as_bytes().to_vec(),
-                    Some(PutOptions::new().with_lease(lease)),
-                )]);
-            match self.txn("renew alive key", txn).await {
-                Ok(resp) if resp.succeeded() => {
-                    if self.note_held(&key, lease, ttl, resp.header().map_or(0, |h| h.revision())) {
-                        debug!(run_id, node_id, lease, "lapsed alive key renewed");
-                        return Ok(true);
-                    }
-                }
-                Ok(_) => {}
-                Err(e) if lease_gone(&e) => self.drop_lease(lease),
-                Err(e) => return Err(e),
-            }
-        }
-        // Every attempt met a newer key (another lease, a node's new registration).
-        Err(RdzvError::Contention { run_id: run_id.to_owned(), attempts: RENEW_ATTEMPTS })
-    }
-
     pub async fn load(&self, run_id: &str, now: Millis) -> Result<Option<Job>, RdzvError> {
         let snap = self.read(run_id).await?;
         let heard = self.heard(run_id);
-        Ok(snap.job.map(|j| Self::with_liveness(Arc::unwrap_or_clone(j), &snap.alive, &heard, now)))
+        let signs = Signs { alive: &snap.alive, heard: &heard, lapsed: &[] };
+        Ok(snap.job.map(|j| liveness::observe(Arc::unwrap_or_clone(j), &signs, now)))
     }
 
     /// Every key and value under [`PREFIX`], in pages of [`PAGE_KEYS`] keys read at one
@@ -738,7 +512,12 @@ impl EtcdStore {
             .await?
             .into_iter()
             .map(|(id, job, nodes)| {
-                let job = Self::with_liveness(Arc::unwrap_or_clone(job), &nodes, &self.heard(&id), now);
+                let heard = self.heard(&id);
+                let job = liveness::observe(
+                    Arc::unwrap_or_clone(job),
+                    &Signs { alive: &nodes, heard: &heard, lapsed: &[] },
+                    now,
+                );
                 (id, job)
             })
             .collect())
@@ -824,7 +603,9 @@ impl EtcdStore {
             if job.phase.is_terminal() {
                 continue;
             }
-            let job = Self::with_liveness(Arc::unwrap_or_clone(job), &nodes, &self.heard(&run_id), now);
+            let heard = self.heard(&run_id);
+            let job =
+                liveness::observe(Arc::unwrap_or_clone(job), &Signs { alive: &nodes, heard: &heard, lapsed: &[] }, now);
             let (next, _) = round::apply(&job, Event::Tick, now);
             if stored(&next) == stored(&job) {
                 continue;
@@ -876,218 +657,4 @@ impl EtcdStore {
         })
         .await
     }
-
-    /// This process's lease for keys with a TTL of `ttl_s` seconds, granted on first use.
-    async fn lease_for(&self, ttl_s: i64) -> Result<i64, RdzvError> {
-        let current =
-            |s: &Self| s.inner.leases.lock().unwrap_or_else(|p| p.into_inner()).current(ttl_s, Instant::now());
-        if let Some(id) = current(self) {
-            return Ok(id);
-        }
-        let _one = self.inner.granting.lock().await;
-        if let Some(id) = current(self) {
-            return Ok(id);
-        }
-        let id = self.run("lease grant", |mut c| async move { c.lease_grant(ttl_s, None).await }).await?.id();
-        let keeper = tokio::spawn(keep_lease(Arc::downgrade(&self.inner), ttl_s, id));
-        let now = Instant::now();
-        let mut leases = self.inner.leases.lock().unwrap_or_else(|p| p.into_inner());
-        leases.by_ttl.insert(ttl_s, SharedLease { id, renewed: now, used: now, keeper: Some(keeper) });
-        debug!(lease = id, ttl_s, "replica lease granted");
-        Ok(id)
-    }
-
-    /// Forgets a lease etcd no longer has, and the keys held on it.
-    fn drop_lease(&self, id: i64) {
-        self.inner.leases.lock().unwrap_or_else(|p| p.into_inner()).drop_lease(id);
-    }
-
-    fn note_held(&self, key: &str, lease: i64, ttl: Duration, revision: i64) -> bool {
-        let mut leases = self.inner.leases.lock().unwrap_or_else(|p| p.into_inner());
-        leases.note_held(key, lease, ttl, revision, Instant::now())
-    }
-
-    fn touch(&self, key: &str) -> Touch {
-        self.inner.leases.lock().unwrap_or_else(|p| p.into_inner()).touch(key, Instant::now())
-    }
-
-    /// Keeps node `node_id` alive: from memory when this process holds its key; else the key
-    /// is read and, when another replica holds it, taken over (a transaction on its revision).
-    /// Unknown node: no key.
-    pub async fn keep_alive(&self, run_id: &str, node_id: &str) -> Result<Decision, RdzvError> {
-        let key = alive_key(run_id, node_id);
-        let recorded = || Decision { action: Action::HeartbeatRecorded, reason: format!("{node_id} heard from") };
-        match self.touch(&key) {
-            Touch::Answered => return Ok(recorded()),
-            Touch::Unconfirmed => {
-                return Err(RdzvError::Store {
-                    message: "this replica's etcd lease was not confirmed recently (etcd unreachable?)".to_owned(),
-                })
-            }
-            Touch::Read => {}
-        }
-        let Some(ttl) = self.view(run_id, None, |job| job.settings.node_ttl).await? else {
-            return Err(RdzvError::UnknownJob { run_id: run_id.to_owned() });
-        };
-        match self.hold(run_id, node_id, ttl, false, true).await? {
-            Hold::Absent | Hold::Elsewhere => Err(RdzvError::UnknownNode { node_id: node_id.to_owned() }),
-            Hold::Created | Hold::Held => Ok(recorded()),
-        }
-    }
-
-    /// Puts `node_id`'s alive key on this process's lease: (`take_over`) when it exists on another
-    /// lease (a transaction on its revision), or (`create`) when it does not exist.
-    async fn hold(
-        &self,
-        run_id: &str,
-        node_id: &str,
-        ttl: Duration,
-        create: bool,
-        take_over: bool,
-    ) -> Result<Hold, RdzvError> {
-        let key = alive_key(run_id, node_id);
-        for _ in 0..HOLD_ATTEMPTS {
-            let lease = self.lease_for(ttl_seconds(ttl)).await?;
-            let put = TxnOp::put(key.clone(), node_id.as_bytes().to_vec(), Some(PutOptions::new().with_lease(lease)));
-            // Absent: created when asked (else nothing). Present: read, then taken over.
-            let absent = Txn::new().when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)]);
-            let txn =
-                if create { absent.and_then([put.clone()]) } else { absent }.or_else([TxnOp::get(key.clone(), None)]);
-            let resp = match self.txn("hold alive key", txn).await {
-                Ok(resp) => resp,
-                Err(e) if lease_gone(&e) => {
-                    self.drop_lease(lease);
-                    continue;
-                }
-                Err(e) => return Err(e),
-            };
-            let revision = resp.header().map_or(0, |h| h.revision());
-            if resp.succeeded() {
-                if !create {
-                    return Ok(Hold::Absent);
-                }
-                if self.note_held(&key, lease, ttl, revision) {
-                    return Ok(Hold::Created);
-                }
-                // Changed since (or the lease went): look again.
-                continue;
-            }
-            let existing = resp.op_responses().into_iter().find_map(|op| match op {
-                etcd_client::TxnOpResponse::Get(g) => g.kvs().first().map(|kv| (kv.lease(), kv.mod_revision())),
-                _ => None,
-            });
-            let Some((on, mod_revision)) = existing else { return Ok(Hold::Absent) };
-            if on == lease {
-                if self.note_held(&key, lease, ttl, mod_revision) {
-                    return Ok(Hold::Held);
-                }
-                continue;
-            }
-            if !take_over {
-                return Ok(Hold::Elsewhere);
-            }
-            let take =
-                Txn::new().when([Compare::mod_revision(key.clone(), CompareOp::Equal, mod_revision)]).and_then([put]);
-            match self.txn("take over alive key", take).await {
-                Ok(resp) if resp.succeeded() => {
-                    if self.note_held(&key, lease, ttl, resp.header().map_or(0, |h| h.revision())) {
-                        debug!(run_id, node_id, lease, "alive key taken over from another lease");
-                        return Ok(Hold::Held);
-                    }
-                }
-                Ok(_) => {}
-                Err(e) if lease_gone(&e) => self.drop_lease(lease),
-                Err(e) => return Err(e),
-            }
-        }
-        Err(RdzvError::Contention { run_id: run_id.to_owned(), attempts: HOLD_ATTEMPTS })
-    }
-
-    /// Deletes the node's alive key (only the key: the lease is this process's, shared).
-    pub async fn forget_node(&self, run_id: &str, node_id: &str) -> Result<(), RdzvError> {
-        let key = alive_key(run_id, node_id);
-        let held = self.inner.leases.lock().unwrap_or_else(|p| p.into_inner()).held.remove(&key);
-        let deleted = self
-            .run("delete alive key", |mut c| {
-                let key = key.clone();
-                async move { c.delete(key, None).await }
-            })
-            .await;
-        if let (Err(_), Some(mut held)) = (&deleted, held) {
-            // The key may still be on our lease, which stays alive: the sweeper deletes it.
-            held.heard = Instant::now().checked_sub(held.ttl * 2).unwrap_or(held.heard);
-            self.inner.leases.lock().unwrap_or_else(|p| p.into_inner()).retry_delete(key, held);
-        }
-        deleted.map(|_| ())
-    }
-
-    /// One pass of the sweeper: keys of nodes silent for their TTL deleted (if still as our
-    /// write left them), leases without keys for a while revoked.
-    async fn sweep_once(&self) {
-        let (stale, idle) = self.inner.leases.lock().unwrap_or_else(|p| p.into_inner()).sweep(Instant::now());
-        // The notes of when each was last heard share one lease per pass, long enough for any
-        // verdict (a node reached by probes is lost within 3 TTLs), so it goes by itself after.
-        let lapsed_lease = match stale.iter().map(|(_, h)| ttl_seconds(h.ttl)).max() {
-            Some(ttl_s) => {
-                let ttl = LAPSED_TTL_S.max(ttl_s.saturating_mul(3).saturating_add(10));
-                match self.run("lease grant", |mut c| async move { c.lease_grant(ttl, None).await }).await {
-                    Ok(l) => Some(l.id()),
-                    Err(error) => {
-                        debug!(%error, "no lease for the notes of silent nodes: their losses are dated one TTL back");
-                        None
-                    }
-                }
-            }
-            None => None,
-        };
-        // At once: a rack gone silent must not wait on one request after another.
-        let mut deletes = tokio::task::JoinSet::new();
-        for (key, held) in stale {
-            let store = self.clone();
-            deletes.spawn(async move {
-                // When this process last heard from the node goes with the deletion, on the same
-                // lease: whichever replica decides the loss dates the fault with it.
-                let heard = crate::clock::now_ms()
-                    .saturating_sub(u64::try_from(held.heard.elapsed().as_millis()).unwrap_or(u64::MAX));
-                let mut ops = vec![TxnOp::delete(key.clone(), None)];
-                if let (Some(lapsed), Some(lease)) = (lapsed_key_of(&key), lapsed_lease) {
-                    let on_lease = PutOptions::new().with_lease(lease);
-                    ops.push(TxnOp::put(lapsed, heard.to_string(), Some(on_lease)));
-                }
-                let txn = Txn::new()
-                    .when([
-                        Compare::mod_revision(key.clone(), CompareOp::Equal, held.revision),
-                        Compare::lease(key.clone(), CompareOp::Equal, held.lease),
-                    ])
-                    .and_then(ops);
-                match store.txn("delete a silent node's alive key", txn).await {
-                    Ok(resp) if resp.succeeded() => debug!(key, "silent node's alive key deleted"),
-                    Ok(_) => debug!(key, "silent node's alive key changed since (another replica holds it)"),
-                    Err(error) => {
-                        // The lease is shared and stays alive: the key would outlive the node. The
-                        // next pass tries again (a delete that did commit makes the compare fail).
-                        warn!(key, %error, "could not delete a silent node's alive key; trying again");
-                        store.inner.leases.lock().unwrap_or_else(|p| p.into_inner()).retry_delete(key, held);
-                    }
-                }
-            });
-        }
-        while deletes.join_next().await.is_some() {}
-        for id in idle {
-            if let Err(error) = self.run("lease revoke", |mut c| async move { c.lease_revoke(id).await }).await {
-                debug!(lease = id, %error, "idle lease not revoked (it lapses anyway)");
-            }
-        }
-    }
-}
-
-/// What [`EtcdStore::hold`] found.
-#[derive(Debug, PartialEq, Eq)]
-enum Hold {
-    Created,
-    /// It exists, and is on this process's lease now.
-    Held,
-    /// It exists on another lease, and was left there.
-    Elsewhere,
-    Absent,
 }
