@@ -643,3 +643,42 @@ impl Io<'_> {
         });
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::config::AgentConfig;
+    use crate::core::RunOutcome;
+    use rlaunch::contract::Exit;
+
+    /// A standalone job of `nproc` shell workers; its logs stay in `dir`.
+    fn job(script: &str, nproc: u32, max_restarts: u32, dir: &std::path::Path) -> AgentConfig {
+        let mut config = AgentConfig::standalone(vec!["/bin/sh".into(), "-c".into(), script.into()], nproc);
+        config.job.max_restarts = max_restarts;
+        config.log_dir = Some(dir.join("logs"));
+        config.snapshot_memory = 0;
+        config
+    }
+
+    #[tokio::test]
+    async fn a_standalone_job_runs_every_attempt_the_budget_allows_then_fails_with_the_workers_exit() {
+        let dir = tempfile::tempdir().unwrap();
+        let count = dir.path().join("attempts");
+        let script = format!("echo $TORCHELASTIC_RESTART_COUNT >> {}; exit 7", count.display());
+        let outcome = crate::run(job(&script, 1, 2, dir.path())).await.unwrap();
+        let RunOutcome::Failed { root_cause, restarts } = outcome else { panic!("{outcome:?}") };
+        assert_eq!((restarts, root_cause.exit), (2, Exit::Code(7)));
+        assert_eq!(std::fs::read_to_string(&count).unwrap(), "0\n1\n2\n", "three attempts, numbered");
+    }
+
+    #[tokio::test]
+    async fn a_standalone_job_whose_workers_all_succeed_succeeds_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let count = dir.path().join("ranks");
+        let script = format!("echo $RANK/$WORLD_SIZE >> {}", count.display());
+        let outcome = crate::run(job(&script, 2, 3, dir.path())).await.unwrap();
+        assert_eq!(outcome, RunOutcome::Succeeded { restarts: 0 });
+        let mut ranks: Vec<String> = std::fs::read_to_string(&count).unwrap().lines().map(str::to_owned).collect();
+        ranks.sort();
+        assert_eq!(ranks, ["0/2", "1/2"]);
+    }
+}

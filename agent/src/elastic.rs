@@ -409,3 +409,34 @@ pub(crate) fn store_bind(config: &AgentConfig, advertise: &Host) -> HostPort {
     };
     host.with_port(0)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rendezvous_errors_reach_the_core_as_what_they_mean_for_this_node() {
+        let node = || "n".to_string();
+        assert_eq!(call_error(RdzvError::UnknownNode { node_id: node() }), CallError::NotMember);
+        assert_eq!(call_error(RdzvError::NotMember { node_id: node(), round: 3 }), CallError::NotMember);
+        assert_eq!(call_error(RdzvError::UnknownJob { run_id: "j".into() }), CallError::NotMember);
+        assert_eq!(call_error(RdzvError::Forbidden { node_id: node() }), CallError::NotMember);
+        assert_eq!(call_error(RdzvError::JobFinished), CallError::JobFinished);
+        assert_eq!(call_error(RdzvError::JobFailed { reason: "r".into() }), CallError::JobFailed("r".into()));
+        assert_eq!(call_error(RdzvError::JoinTimeout { reason: "t".into() }), CallError::JobFailed("t".into()));
+        assert!(matches!(call_error(RdzvError::Busy { message: "m".into() }), CallError::Transient(_)));
+        assert!(matches!(call_error(RdzvError::BadRequest { message: "m".into() }), CallError::Refused(_)));
+    }
+
+    #[test]
+    fn stores_listen_where_the_node_is_advertised_unless_told_otherwise() {
+        let mut config = AgentConfig::standalone(vec!["train".into()], 1);
+        let ip: Host = "10.1.2.3".parse().unwrap();
+        let name: Host = "node7.cluster".parse().unwrap();
+        assert_eq!(store_bind(&config, &ip), ip.with_port(0));
+        // A name may resolve here to another address than others see: every address.
+        assert_eq!(store_bind(&config, &name), "0.0.0.0".parse::<Host>().unwrap().with_port(0));
+        config.store_bind = Some("192.168.0.9".parse().unwrap());
+        assert_eq!(store_bind(&config, &ip), "192.168.0.9".parse::<Host>().unwrap().with_port(0));
+    }
+}

@@ -241,14 +241,7 @@ impl WorkerGroup {
             exit,
             timestamp,
             restart_count: w.spec.env.restart_count,
-            message,
-            traceback: None,
-            error_file: None,
-            stderr_tail: Vec::new(),
-            other_failures: Vec::new(),
-            stacks: Vec::new(),
-            seen_at_ms: None,
-            seen_ago_ms: None,
+            ..RootCause::from_message(message)
         }
     }
 
@@ -434,5 +427,78 @@ impl Drop for WorkerGroup {
             t.abort();
         }
         self.release_stdin();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::AgentConfig;
+    use crate::core::Placement;
+    use crate::spec::{worker_specs, NodeView, Stdin};
+    use rlaunch::contract::HostPort;
+
+    /// Two real workers of `script` (sh), started as the driver starts them.
+    fn group(script: &str, dir: &Path) -> WorkerGroup {
+        let root = Arc::new(crate::logdir::LogRoot::create_private(&dir.join("logs"), 0o700).unwrap());
+        let env = BTreeMap::from([("PATH".to_string(), "/usr/bin:/bin".to_string())]);
+        let program: Vec<OsString> = vec!["/bin/sh".into(), "-c".into(), script.into()];
+        let config = AgentConfig::standalone(program.clone(), 2);
+        let view = NodeView {
+            host: "node0",
+            log_root: root.path(),
+            agent_env: &env,
+            tty: false,
+            stderr_tty: false,
+            stdin: Stdin::None,
+            term_size: None,
+            cpus: None,
+            snapshot_env: &[],
+        };
+        let master = HostPort::new("127.0.0.1", 1).unwrap();
+        let specs = worker_specs(&config, &Placement::fixed(0, 1, 2, None, None), &master, &view);
+        let io = GroupIo { console: Console::start(), stdin: None, dup: [None, None], log_root: root };
+        let containment = Arc::new(Containment::detect(2, Some("process-group")));
+        WorkerGroup::start(&program, specs, &env, &io, "node0", containment, None).unwrap()
+    }
+
+    async fn exits(g: &mut WorkerGroup, n: usize) -> Vec<(usize, Exit, u64)> {
+        let mut seen = Vec::new();
+        while seen.len() < n {
+            let next = tokio::time::timeout(Duration::from_secs(20), g.next_exit()).await;
+            seen.push(next.expect("an exit within 20 s").expect("the waiters report"));
+        }
+        seen.sort_by_key(|(i, _, _)| *i);
+        seen
+    }
+
+    #[tokio::test]
+    async fn each_exit_is_reported_once_with_its_code_and_a_failure_names_its_rank_and_stderr() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut g = group("echo \"rank $RANK gives up\" >&2; exit $((LOCAL_RANK + 3))", dir.path());
+        let seen = exits(&mut g, 2).await;
+        assert_eq!(seen.iter().map(|(i, e, _)| (*i, *e)).collect::<Vec<_>>(), [(0, Exit::Code(3)), (1, Exit::Code(4))]);
+        assert!(!g.any_running());
+        let (index, exit, seen_at) = seen[1];
+        let failure =
+            crate::supervisor::Failure { index, exit, seen_at, others: vec![(0, Exit::Code(3))], stacks: vec![] };
+        let rc = g.failure_report(failure).await;
+        assert_eq!((rc.rank, rc.local_rank, rc.exit, rc.host.as_str()), (1, 1, Exit::Code(4), "node0"));
+        assert_eq!(rc.message, "worker exited with exit code 4 (no error file written)");
+        assert!(rc.stderr_tail.iter().any(|l| l.contains("rank 1 gives up")), "{:?}", rc.stderr_tail);
+        assert_eq!(rc.other_failures.len(), 1);
+        assert_eq!((rc.other_failures[0].rank, rc.other_failures[0].exit), (0, Exit::Code(3)));
+    }
+
+    #[tokio::test]
+    async fn a_stop_ends_workers_that_ignore_the_first_signal_within_the_grace() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut g =
+            group("trap '' TERM; echo up > \"$TORCHELASTIC_ERROR_FILE.up\"; while :; do sleep 0.05; done", dir.path());
+        assert!(g.any_running());
+        let started = std::time::Instant::now();
+        g.stop(Duration::from_millis(300), libc::SIGTERM).await;
+        assert!(!g.any_running(), "every worker is gone after a stop");
+        assert!(started.elapsed() < Duration::from_secs(10), "{:?}", started.elapsed());
     }
 }
