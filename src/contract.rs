@@ -11,6 +11,9 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+/// Root causes are bounded with these; named here too, where the rendezvous has long found them.
+pub use crate::cut::{cut_end, cut_start};
+
 /// How a worker process ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -292,34 +295,6 @@ impl RootCause {
             }
         })
     }
-}
-
-fn floor_boundary(s: &str, mut i: usize) -> usize {
-    while !s.is_char_boundary(i) {
-        i -= 1;
-    }
-    i
-}
-
-/// The first `max` bytes of `s` (on a character boundary), marking what was cut.
-pub fn cut_end(s: &str, max: usize) -> String {
-    if s.len() <= max {
-        return s.to_owned();
-    }
-    let keep = floor_boundary(s, max);
-    format!("{} [… {} bytes cut]", &s[..keep], s.len() - keep)
-}
-
-/// The last `max` bytes of `s` (on a character boundary), marking what was cut.
-pub fn cut_start(s: &str, max: usize) -> String {
-    if s.len() <= max {
-        return s.to_owned();
-    }
-    let mut start = s.len() - max;
-    while !s.is_char_boundary(start) {
-        start += 1;
-    }
-    format!("[… {start} bytes cut] {}", &s[start..])
 }
 
 /// UTC `YYYY-MM-DD_HH:MM:SS` without a date library (civil-from-days, Howard Hinnant).
@@ -650,13 +625,13 @@ pub enum HangTimeout {
 impl HangTimeout {
     /// `SECONDS` (fractions allowed), `auto`, or `auto:FLOOR_SECONDS` (learned, never below
     /// that floor instead of the default 60 s).
-    pub fn parse(s: &str) -> Result<HangTimeout, String> {
+    pub fn parse(s: &str) -> Result<HangTimeout, HangTimeoutError> {
         let s = s.trim();
-        let seconds = |v: &str| -> Result<Duration, String> {
-            let secs: f64 = v.parse().map_err(|_| format!("`{s}` is neither a number of seconds nor `auto`"))?;
+        let seconds = |v: &str| -> Result<Duration, HangTimeoutError> {
+            let secs: f64 = v.parse().map_err(|_| HangTimeoutError::NotSeconds { given: s.to_owned() })?;
             // Workers are sampled once a second: a shorter threshold would judge a single sample.
             if !secs.is_finite() || !(1.0..=7.0 * 24.0 * 3600.0).contains(&secs) {
-                return Err(format!("{v} s is outside [1 s, 1 week]"));
+                return Err(HangTimeoutError::OutOfRange { seconds: v.to_owned() });
             }
             Ok(Duration::from_secs_f64(secs))
         };
@@ -669,6 +644,17 @@ impl HangTimeout {
         }
         Ok(HangTimeout::Fixed(seconds(s)?))
     }
+}
+
+/// Why a `--hang-timeout` value was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HangTimeoutError {
+    /// `given`: the whole value, trimmed.
+    #[error("`{given}` is neither a number of seconds nor `auto`")]
+    NotSeconds { given: String },
+    /// `seconds`: the number as written (after `auto:` for a floor).
+    #[error("{seconds} s is outside [1 s, 1 week]")]
+    OutOfRange { seconds: String },
 }
 
 /// NVIDIA's learned timeouts use a few times the observed period; a step that sometimes takes
@@ -688,8 +674,8 @@ impl std::fmt::Display for HangTimeout {
 }
 
 impl TryFrom<String> for HangTimeout {
-    type Error = String;
-    fn try_from(s: String) -> Result<HangTimeout, String> {
+    type Error = HangTimeoutError;
+    fn try_from(s: String) -> Result<HangTimeout, HangTimeoutError> {
         HangTimeout::parse(&s)
     }
 }
@@ -774,13 +760,6 @@ mod tests {
     fn bounded_keeps_small_root_causes_as_they_are() {
         let c = cause("ValueError: planted", 3);
         assert_eq!(c.bounded(), c);
-    }
-
-    #[test]
-    fn cuts_fall_on_character_boundaries() {
-        let s = "é".repeat(10);
-        assert!(cut_end(&s, 5).starts_with("éé [… "));
-        assert!(cut_start(&s, 5).ends_with("] éé"));
     }
 
     #[test]

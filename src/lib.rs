@@ -4,6 +4,7 @@
 pub mod checkpoint;
 pub mod comm;
 pub mod contract;
+pub mod cut;
 pub mod ddp;
 pub mod env;
 pub mod fingerprint;

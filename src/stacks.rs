@@ -147,7 +147,7 @@ pub fn merge(reports: &[&[String]], allowed: std::ops::Range<u32>) -> Vec<String
     for report in reports {
         for l in report.iter().take(4 * caps::STACK_LINES) {
             let Some((spans, stack)) = parse_line(l) else { continue };
-            let stack = printable(&crate::contract::cut_end(stack, caps::STACK_LINE));
+            let stack = printable(&crate::cut::cut_end(stack, caps::STACK_LINE));
             let i = texts.iter().position(|t| *t == stack).unwrap_or_else(|| {
                 texts.push(stack);
                 texts.len() - 1
@@ -176,7 +176,7 @@ pub fn merge(reports: &[&[String]], allowed: std::ops::Range<u32>) -> Vec<String
         lines.truncate(caps::STACK_LINES - 1);
         lines.push(format!("[… {left} more groups]"));
     }
-    lines.into_iter().map(|l| crate::contract::cut_end(&l, caps::STACK_LINE + 64)).collect()
+    lines.into_iter().map(|l| crate::cut::cut_end(&l, caps::STACK_LINE + 64)).collect()
 }
 
 #[cfg(test)]

@@ -63,7 +63,7 @@ pub fn options_from(env: &WorkerEnv, get: impl Fn(&str) -> Option<String>) -> Re
         o.timeout = Duration::from_secs_f64(secs);
     }
     if let Some(v) = get(BACKEND) {
-        o.backend = v.parse::<BackendKind>().map_err(|e| bad(BACKEND, v.clone(), &e))?;
+        o.backend = v.parse::<BackendKind>().map_err(|e| bad(BACKEND, v.clone(), &e.to_string()))?;
     }
     if let Some(v) = get(SHM_CHUNK) {
         o.shm_chunk_bytes = v.trim().parse().map_err(|_| bad(SHM_CHUNK, v.clone(), "expected bytes"))?;

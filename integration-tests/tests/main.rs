@@ -31,6 +31,7 @@ mod multinode;
 mod slurm;
 mod snapshots;
 mod status_page;
+mod status_token;
 mod store_torch;
 mod terminal;
 mod tls_job;

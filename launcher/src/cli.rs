@@ -688,7 +688,7 @@ impl Args {
     }
 }
 
-fn parse_hang_timeout(s: &str) -> Result<rlaunch_agent::hang::HangTimeout, String> {
+fn parse_hang_timeout(s: &str) -> Result<rlaunch_agent::hang::HangTimeout, rlaunch::contract::HangTimeoutError> {
     rlaunch_agent::hang::HangTimeout::parse(s)
 }
 
@@ -703,8 +703,16 @@ pub fn comma_separated_list(value: &str) -> Vec<String> {
     escaped.split(',').map(|item| item.replace(PLACEHOLDER, ",")).collect()
 }
 
+/// A `--signals-to-handle` entry the launcher cannot handle; `names`: those it can.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("`{name}` is not a signal the launcher can handle (one of {})", names.join(", "))]
+pub struct UnknownSignal {
+    pub name: String,
+    pub names: Vec<String>,
+}
+
 /// `SIGTERM,SIGUSR1` (torchrun's spelling; `TERM` and any case are taken too) into numbers.
-pub fn parse_signals(list: &str) -> Result<Vec<i32>, String> {
+pub fn parse_signals(list: &str) -> Result<Vec<i32>, UnknownSignal> {
     use rlaunch::contract::{signal_by_name, signal_name};
     use rlaunch_agent::core::can_handle;
     let mut out = Vec::new();
@@ -717,7 +725,7 @@ pub fn parse_signals(list: &str) -> Result<Vec<i32>, String> {
                     .filter(|s| can_handle(*s) && signal_by_name(&signal_name(*s)).is_some())
                     .map(signal_name)
                     .collect();
-                return Err(format!("`{name}` is not a signal the launcher can handle (one of {})", names.join(", ")));
+                return Err(UnknownSignal { name: name.to_owned(), names });
             }
         }
     }
@@ -898,9 +906,7 @@ impl Args {
         }
         match &self.rdzv_token_file {
             None => Ok(None),
-            Some(p) => std::fs::read_to_string(p)
-                .map(|t| Some(t.trim().to_owned()).filter(|t| !t.is_empty()))
-                .map_err(|e| UsageError(format!("--rdzv-token-file {}: {e}", p.display()))),
+            Some(p) => crate::token_file::read(p).map_err(|e| UsageError(e.to_string())),
         }
     }
 }
@@ -937,7 +943,7 @@ mod tests {
         assert_eq!(names("SIGTERM, usr1,TERM,sigPwr"), ["SIGTERM", "SIGUSR1", "SIGPWR"], "deduplicated, in order");
         assert!(names("").is_empty());
         for bad in ["SIGKILL", "SIGSEGV", "SIGCHLD", "SIGBOGUS", "15"] {
-            let e = parse_signals(bad).unwrap_err();
+            let e = parse_signals(bad).unwrap_err().to_string();
             let (named, choices) = e.split_once("(one of").unwrap();
             assert!(named.contains(&format!("`{bad}`")), "{e}");
             assert!(choices.contains("SIGUSR1") && !choices.contains("SIGKILL") && !choices.contains("SIGSEGV"), "{e}");

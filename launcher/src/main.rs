@@ -5,6 +5,7 @@ mod cli;
 mod config_file;
 mod slurm;
 mod status;
+mod token_file;
 
 use std::process::ExitCode;
 
@@ -80,7 +81,10 @@ fn main() -> ExitCode {
 }
 
 /// A subcommand's async work on a runtime of its own; its error printed as `rlaunch NAME: …`.
-fn run_async<T>(name: &str, work: impl std::future::Future<Output = Result<T, String>>) -> Result<T, ExitCode> {
+fn run_async<T, E: std::fmt::Display>(
+    name: &str,
+    work: impl std::future::Future<Output = Result<T, E>>,
+) -> Result<T, ExitCode> {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| {
         eprintln!("rlaunch {name}: cannot start the async runtime: {e}");
         ExitCode::from(1)

@@ -9,6 +9,8 @@ use clap::Parser;
 use rlaunch_rendezvous::round::NodeStatus;
 use rlaunch_rendezvous::{Backend, JobSettings, JobStatus, RendezvousClient};
 
+use crate::token_file::{self, TokenFileError};
+
 /// Which job, at which rendezvous: what `rlaunch status` and `rlaunch top` share.
 #[derive(Debug, clap::Args)]
 pub struct JobRef {
@@ -21,9 +23,15 @@ pub struct JobRef {
     /// `rlaunch` (a rendezvous server) or `etcd`.
     #[arg(long = "rdzv-backend", alias = "rdzv_backend", env = "PET_RDZV_BACKEND", default_value = "rlaunch")]
     pub rdzv_backend: String,
-    /// Bearer token of the rendezvous server.
+    /// Bearer token of the rendezvous server (`ps` shows it: prefer `--rdzv-token-file`).
     #[arg(long, env = "RLAUNCH_RDZV_TOKEN")]
     pub token: Option<String>,
+    /// A file holding the rendezvous server's bearer token, read as the launcher's
+    /// `--rdzv-token-file` is (surrounding whitespace trimmed; an empty file: no token). Not
+    /// taken from `PET_RDZV_TOKEN_FILE`: exported for the launcher, it would make `--token`
+    /// conflict with it.
+    #[arg(long = "rdzv-token-file", alias = "rdzv_token_file", conflicts_with = "token")]
+    pub rdzv_token_file: Option<std::path::PathBuf>,
     /// A private CA bundle (PEM) that an `https://` endpoint's certificate is verified against
     /// (default: the system's roots).
     #[arg(long = "tls-ca", env = "RLAUNCH_RDZV_TLS_CA")]
@@ -52,47 +60,74 @@ pub struct TopArgs {
     pub interval: f64,
 }
 
-fn parse_interval(s: &str) -> Result<f64, String> {
+fn parse_interval(s: &str) -> Result<f64, BadInterval> {
     match s.parse::<f64>() {
         Ok(v) if (0.1..=3600.0).contains(&v) => Ok(v),
-        _ => Err(format!("`{s}` is not a number of seconds from 0.1 to 3600")),
+        _ => Err(BadInterval(s.to_owned())),
     }
 }
 
-async fn client(job: JobRef) -> Result<RendezvousClient, String> {
-    let JobRef { rdzv_endpoint, rdzv_id, rdzv_backend, token, tls_ca } = job;
+/// A `--interval` that is no number of seconds in range.
+#[derive(Debug, thiserror::Error)]
+#[error("`{0}` is not a number of seconds from 0.1 to 3600")]
+pub struct BadInterval(String);
+
+/// Why `rlaunch status` (or a frame of `rlaunch top`) has no status to show.
+#[derive(Debug, thiserror::Error)]
+pub enum StatusError {
+    #[error("--rdzv-endpoint is empty")]
+    NoEndpoint,
+    #[error("--rdzv-backend {0}: expected rlaunch or etcd")]
+    UnknownBackend(String),
+    #[error(transparent)]
+    TokenFile(#[from] TokenFileError),
+    /// What the rendezvous answered, or why it could not be reached: its text may quote what
+    /// the service sent, so it is held as the reader may see it ([`shown`]).
+    #[error("{0}")]
+    Rendezvous(String),
+    #[error("{0}")]
+    Json(#[from] serde_json::Error),
+}
+
+async fn client(job: JobRef) -> Result<RendezvousClient, StatusError> {
+    let JobRef { rdzv_endpoint, rdzv_id, rdzv_backend, token, rdzv_token_file, tls_ca } = job;
     let endpoints: Vec<String> =
         rdzv_endpoint.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
     if endpoints.is_empty() {
-        return Err("--rdzv-endpoint is empty".into());
+        return Err(StatusError::NoEndpoint);
     }
-    let backend = match rdzv_backend.as_str() {
-        "rlaunch" | "c10d" => Backend::Http { endpoints, token },
-        "etcd" | "etcd-v3" => Backend::Etcd { endpoints },
-        other => return Err(format!("--rdzv-backend {other}: expected rlaunch or etcd")),
+    let http = match rdzv_backend.as_str() {
+        "rlaunch" | "c10d" => true,
+        "etcd" | "etcd-v3" => false,
+        other => return Err(StatusError::UnknownBackend(other.to_owned())),
     };
+    let token = match &rdzv_token_file {
+        Some(path) => token_file::read(path)?,
+        None => token,
+    };
+    let backend = if http { Backend::Http { endpoints, token } } else { Backend::Etcd { endpoints } };
     let tls = rlaunch_rendezvous::ClientTls { ca_file: tls_ca };
     RendezvousClient::connect_with(backend, &rdzv_id, JobSettings::default(), &tls).await.map_err(|e| shown(&e))
 }
 
 /// An error as the reader may see it: its text may quote what the service sent.
-fn shown(e: &dyn std::fmt::Display) -> String {
-    rlaunch::terminal::sanitize(&e.to_string()).into_owned()
+fn shown(e: &dyn std::fmt::Display) -> StatusError {
+    StatusError::Rendezvous(rlaunch::terminal::sanitize(&e.to_string()).into_owned())
 }
 
 /// One frame of `rlaunch top`: a header line, then the status (or why there is none).
-pub fn frame(id: &str, now: &str, interval: f64, status: &Result<JobStatus, String>) -> String {
+pub fn frame(id: &str, now: &str, interval: f64, status: &Result<JobStatus, StatusError>) -> String {
     let head = format!("rlaunch top — job {id} — {now} — every {interval} s, until the job ends (Ctrl-C quits)\n\n");
     match status {
         Ok(s) => head + &render(s),
-        Err(e) => head + &format!("no status: {}\n(retrying)\n", rlaunch::terminal::sanitize(e)),
+        Err(e) => head + &format!("no status: {}\n(retrying)\n", rlaunch::terminal::sanitize(&e.to_string())),
     }
 }
 
 /// Refreshes the job's view every `interval` until the job has finished or failed: on a
 /// terminal the screen is redrawn, elsewhere a frame is printed when it changes. `Ok(true)`
 /// when it finished, `Ok(false)` when it failed.
-pub async fn top(args: TopArgs, out: &mut dyn std::io::Write, terminal: bool) -> Result<bool, String> {
+pub async fn top(args: TopArgs, out: &mut dyn std::io::Write, terminal: bool) -> Result<bool, StatusError> {
     let id = args.job.rdzv_id.clone();
     let client = client(args.job).await?;
     let every = std::time::Duration::from_secs_f64(args.interval);
@@ -104,7 +139,7 @@ pub async fn top(args: TopArgs, out: &mut dyn std::io::Write, terminal: bool) ->
         );
         let body = match &status {
             Ok(s) => render(s),
-            Err(e) => e.clone(),
+            Err(e) => e.to_string(),
         };
         if terminal {
             // Home, clear, the frame: one write, so the screen never shows half of one.
@@ -126,11 +161,11 @@ pub async fn top(args: TopArgs, out: &mut dyn std::io::Write, terminal: bool) ->
     }
 }
 
-pub async fn run(args: StatusArgs) -> Result<String, String> {
+pub async fn run(args: StatusArgs) -> Result<String, StatusError> {
     let client = client(args.job).await?;
     let status = client.status().await.map_err(|e| shown(&e))?;
     if args.json {
-        let json = serde_json::to_string_pretty(&status).map_err(|e| e.to_string())?;
+        let json = serde_json::to_string_pretty(&status)?;
         return Ok(rlaunch::terminal::sanitize_json(&json).into_owned());
     }
     Ok(render(&status))
@@ -268,6 +303,49 @@ mod tests {
             snapshots: Vec::new(),
             fingerprint: None,
         }
+    }
+
+    #[test]
+    fn status_and_top_take_the_token_from_a_file_but_not_beside_token() {
+        use clap::error::ErrorKind;
+        let argv = |name: &'static str, more: &[&'static str]| {
+            let mut v = vec![name, "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "j"];
+            v.extend_from_slice(more);
+            v
+        };
+        let file = |job: &JobRef| job.rdzv_token_file.clone().map(|p| p.display().to_string());
+        for flag in ["--rdzv-token-file", "--rdzv_token_file"] {
+            let s = StatusArgs::try_parse_from(argv("rlaunch status", &[flag, "/run/t"])).unwrap();
+            assert_eq!((file(&s.job).as_deref(), s.job.token.as_deref()), (Some("/run/t"), None));
+            let t = TopArgs::try_parse_from(argv("rlaunch top", &[flag, "/run/t"])).unwrap();
+            assert_eq!((file(&t.job).as_deref(), t.job.token.as_deref()), (Some("/run/t"), None));
+        }
+        let s = StatusArgs::try_parse_from(argv("rlaunch status", &["--token", "s3cret"])).unwrap();
+        assert_eq!((file(&s.job), s.job.token.as_deref()), (None, Some("s3cret")));
+        let both = ["--token", "s3cret", "--rdzv-token-file", "/run/t"];
+        let e = StatusArgs::try_parse_from(argv("rlaunch status", &both)).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::ArgumentConflict, "{e}");
+        let e = TopArgs::try_parse_from(argv("rlaunch top", &both)).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::ArgumentConflict, "{e}");
+    }
+
+    #[tokio::test]
+    async fn an_unreadable_token_file_is_named_before_the_service_is_asked() {
+        let missing = std::env::temp_dir().join(format!("rlaunch-status-no-token-{}", std::process::id()));
+        let args = StatusArgs::try_parse_from([
+            "rlaunch status",
+            "--rdzv-endpoint",
+            "127.0.0.1:1",
+            "--rdzv-id",
+            "j",
+            "--rdzv-token-file",
+            &missing.display().to_string(),
+        ])
+        .unwrap();
+        let e = run(args).await.unwrap_err();
+        assert!(matches!(e, StatusError::TokenFile(_)), "{e:?}");
+        let e = e.to_string();
+        assert!(e.starts_with(&format!("--rdzv-token-file {}: ", missing.display())), "{e}");
     }
 
     #[test]

@@ -73,17 +73,22 @@ pub enum BackendKind {
 }
 
 impl std::str::FromStr for BackendKind {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = UnknownBackend;
+    fn from_str(s: &str) -> Result<Self, UnknownBackend> {
         match s.to_ascii_lowercase().as_str() {
             "auto" => Ok(Self::Auto),
             "shm" => Ok(Self::Shm),
             "tcp" => Ok(Self::Tcp),
             "hier" | "hierarchical" => Ok(Self::Hierarchical),
-            other => Err(format!("unknown backend {other:?} (auto, shm, tcp, hier)")),
+            other => Err(UnknownBackend(other.to_owned())),
         }
     }
 }
+
+/// A backend name that is none of [`BackendKind`]'s (held in lower case).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown backend {0:?} (auto, shm, tcp, hier)")]
+pub struct UnknownBackend(pub String);
 
 /// Tuning knobs and identity of a process group (see [`ProcessGroup::new`]).
 #[derive(Debug, Clone)]

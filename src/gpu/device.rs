@@ -15,16 +15,21 @@ pub enum Device {
 }
 
 impl std::str::FromStr for Device {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = UnknownDevice;
+    fn from_str(s: &str) -> Result<Self, UnknownDevice> {
         match s {
             "cpu" => Ok(Device::Cpu),
             "cuda" | "gpu" => Ok(Device::Cuda),
             "auto" => Ok(Device::Auto),
-            other => Err(format!("unknown device {other:?} (expected cuda, auto or cpu)")),
+            other => Err(UnknownDevice(other.to_owned())),
         }
     }
 }
+
+/// A `--device` value that is no [`Device`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown device {0:?} (expected cuda, auto or cpu)")]
+pub struct UnknownDevice(pub String);
 
 /// What will be used.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -31,15 +31,20 @@ pub enum Precision {
 }
 
 impl std::str::FromStr for Precision {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = UnknownPrecision;
+    fn from_str(s: &str) -> Result<Self, UnknownPrecision> {
         match s {
             "fp32" | "f32" => Ok(Precision::F32),
             "bf16" => Ok(Precision::Bf16),
-            other => Err(format!("unknown precision {other:?} (expected fp32 or bf16)")),
+            other => Err(UnknownPrecision(other.to_owned())),
         }
     }
 }
+
+/// A `--precision` value that is no [`Precision`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown precision {0:?} (expected fp32 or bf16)")]
+pub struct UnknownPrecision(pub String);
 
 /// The update rule.
 #[derive(Debug, Clone, Copy, PartialEq)]

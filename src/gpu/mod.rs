@@ -23,9 +23,9 @@ mod trainer;
 
 use std::time::Duration;
 
-pub use device::{select, Device, Selected};
+pub use device::{select, Device, Selected, UnknownDevice};
 pub use group::{exchange_unique_id, key_prefix, NcclGroup, NcclGroupOptions};
-pub use mlp::{GpuMlp, GpuMlpConfig, Optimizer, Precision};
+pub use mlp::{GpuMlp, GpuMlpConfig, Optimizer, Precision, UnknownPrecision};
 pub use rlaunch_kernels::probe::{Probe, ProbeError, SearchPath};
 pub use rlaunch_kernels::KernelError;
 pub use trainer::GpuTrainer;
