@@ -280,7 +280,7 @@ fn long_lines_pass_whole_through_pipes_while_another_rank_prints() {
 }
 
 #[test]
-fn without_a_terminal_workers_get_pipes_and_dev_null() {
+fn without_a_terminal_workers_get_pipes_and_the_launchers_stdin() {
     let dir = tempdir();
     let w = script(
         dir.path(),
@@ -295,9 +295,13 @@ fn without_a_terminal_workers_get_pipes_and_dev_null() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    // stdin is the launcher's pipe, as under torchrun (`echo cfg | torchrun ...`): the stdin rank
+    // reads what was written, to its end.
+    let mut child = child;
+    std::io::Write::write_all(&mut child.stdin.take().unwrap(), b"piped\n").unwrap();
     let o = wait_deadline(child, DEADLINE);
     assert!(o.status.success(), "{}", stderr_of(&o));
-    assert!(stdout_of(&o).contains("[default0]:tty False False False ''"), "{}", stdout_of(&o));
+    assert!(stdout_of(&o).contains("[default0]:tty False False False 'piped\\n'"), "{}", stdout_of(&o));
 }
 
 #[test]
