@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The project's test command (README, .ci/run): installs what is missing, builds the book (docs/)
-# and checks the docs' links, checks formatting and lints, builds every binary the integration
+# and checks the docs' links and the module rules, checks formatting and lints, builds every binary the integration
 # tests run, then runs the whole workspace's tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,6 +10,8 @@ mdbook="${RLAUNCH_VENV:-.venv}/bin/mdbook"
 [ -x "$mdbook" ] || { echo "test.sh: $mdbook is missing (scripts/install-deps.sh installs it)" >&2; exit 1; }
 "$mdbook" build docs
 python3 scripts/check-docs.py
+# No import circle, nothing importing a crate root, no production file over 1,000 lines.
+python3 scripts/check-modules.py
 command -v rustfmt >/dev/null || rustup component add rustfmt
 cargo clippy --version >/dev/null 2>&1 || rustup component add clippy
 # Incremental caches double the build folder and a clean clone never reuses them.

@@ -80,13 +80,6 @@ impl Fingerprint {
         Ok(())
     }
 
-    /// [`Fingerprint::within_bounds`] with the reason as text, as the rendezvous's
-    /// `Rejection::InvalidNode` holds it (`rendezvous/src/round/node.rs`). To be removed once
-    /// the rendezvous calls `within_bounds` (`message: e.to_string()`).
-    pub fn check(&self) -> Result<(), String> {
-        self.within_bounds().map_err(|e| e.to_string())
-    }
-
     /// What differs from `reference`: `env NCCL_ALGO=Ring (not set there)`,
     /// `torch=2.5.0 (2.4.1 there)`, in key order.
     pub fn differences(&self, reference: &Fingerprint) -> Vec<String> {
@@ -210,11 +203,11 @@ mod tests {
 
     #[test]
     fn bounds_are_checked_and_policies_parse() {
-        assert!(fp(&[("k", &"v".repeat(MAX_VALUE + 1))]).check().is_err());
-        assert!(fp(&[("", "v")]).check().is_err());
-        assert!(fp(&[("env X", "\u{1b}[2J")]).check().unwrap_err().contains("control characters"));
+        assert!(fp(&[("k", &"v".repeat(MAX_VALUE + 1))]).within_bounds().is_err());
+        assert!(fp(&[("", "v")]).within_bounds().is_err());
+        assert!(fp(&[("env X", "\u{1b}[2J")]).within_bounds().unwrap_err().to_string().contains("control characters"));
         let many = Fingerprint((0..=MAX_ENTRIES).map(|i| (format!("k{i}"), String::new())).collect());
-        assert!(many.check().unwrap_err().contains("at most 128 entries"));
+        assert!(many.within_bounds().unwrap_err().to_string().contains("at most 128 entries"));
         assert_eq!("STRICT".parse::<Policy>(), Ok(Policy::Strict));
         assert!("lax".parse::<Policy>().is_err());
     }

@@ -280,8 +280,7 @@ async fn probe_node(req: ProbeRequest, nonce: u32, within: Duration) -> Done {
 /// Where the rendezvous runs. For `--rdzv-backend rlaunch`, if no server answers and the first
 /// endpoint is an address of this host, this agent hosts one (as torchrun's c10d does).
 async fn backend(d: &DynamicRendezvous, join_timeout: Duration) -> Result<(Backend, Option<AbortOnDrop>), AgentError> {
-    // The rendezvous client takes endpoints as written.
-    let endpoints: Vec<String> = d.endpoints.iter().map(ToString::to_string).collect();
+    let endpoints: Vec<rlaunch_rendezvous::Endpoint> = d.endpoints.iter().map(Into::into).collect();
     if d.backend == DynamicBackend::Etcd {
         return Ok((Backend::Etcd { endpoints }, None));
     }

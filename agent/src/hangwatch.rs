@@ -201,7 +201,7 @@ pub fn py_spy_candidates(
 /// directory above it (as given and resolved) are owned by root or by `euid` and writable by no
 /// one else (a directory others may write but not rename in, sticky, is fine). Returns the
 /// resolved path, which is what runs: no one else can swap any directory on the way to it.
-pub fn trusted(candidate: &Path, euid: u32) -> Result<PathBuf, String> {
+fn trusted(candidate: &Path, euid: u32) -> Result<PathBuf, String> {
     use std::os::unix::fs::MetadataExt;
     let real = std::fs::canonicalize(candidate).map_err(|e| format!("cannot resolve: {e}"))?;
     let dir = real.parent().ok_or("no directory")?;

@@ -6,8 +6,9 @@
 
 use clap::Parser;
 
+use rlaunch_rendezvous::endpoint::EndpointError;
 use rlaunch_rendezvous::round::NodeStatus;
-use rlaunch_rendezvous::{Backend, JobSettings, JobStatus, RendezvousClient};
+use rlaunch_rendezvous::{Backend, Endpoint, JobSettings, JobStatus, RendezvousClient};
 
 use crate::token_file::{self, TokenFileError};
 
@@ -79,6 +80,8 @@ pub enum StatusError {
     NoEndpoint,
     #[error("--rdzv-backend {0}: expected rlaunch or etcd")]
     UnknownBackend(String),
+    #[error("--rdzv-endpoint: {0}")]
+    Endpoint(#[from] EndpointError),
     #[error(transparent)]
     TokenFile(#[from] TokenFileError),
     /// What the rendezvous answered, or why it could not be reached: its text may quote what
@@ -91,8 +94,12 @@ pub enum StatusError {
 
 async fn client(job: JobRef) -> Result<RendezvousClient, StatusError> {
     let JobRef { rdzv_endpoint, rdzv_id, rdzv_backend, token, rdzv_token_file, tls_ca } = job;
-    let endpoints: Vec<String> =
-        rdzv_endpoint.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
+    let endpoints = rdzv_endpoint
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::parse::<Endpoint>)
+        .collect::<Result<Vec<_>, _>>()?;
     if endpoints.is_empty() {
         return Err(StatusError::NoEndpoint);
     }

@@ -96,7 +96,7 @@ struct Run {
 }
 
 async fn one(service: &Service, n: u32, run_id: &str, snapshots: bool) -> Result<Run> {
-    let backend = Backend::Http { endpoints: vec![service.endpoint.clone()], token: None };
+    let backend = Backend::Http { endpoints: vec![service.endpoint.parse().expect("an endpoint")], token: None };
     // With snapshots, each agent joins with its snapshot address and public key and asks for
     // the whole member list, as an agent with `--snapshot-memory` above 0 does.
     let client =

@@ -174,7 +174,7 @@ async fn wait_new_round(c: &RendezvousClient, id: &str, round: u64) -> Result<u6
 
 /// Runs one job by its script; Ok when its final state is the one the script must lead to.
 async fn one_job(endpoint: &str, run_id: &str, script: Script, train: Duration) -> Result<()> {
-    let backend = Backend::Http { endpoints: vec![endpoint.to_owned()], token: None };
+    let backend = Backend::Http { endpoints: vec![endpoint.parse().expect("an endpoint")], token: None };
     let (n, min, restarts) = match script {
         Script::Finish => (2, 2, 0),
         Script::Fail => (2, 2, 1),

@@ -40,9 +40,9 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 pub enum Backend {
     /// `rlaunch-rendezvous` servers (`host:port`, `http://host:port` or `https://host:port`,
     /// verified as [`ClientTls`] says); tried in order, the one that last answered first.
-    Http { endpoints: Vec<String>, token: Option<String> },
+    Http { endpoints: Vec<Endpoint>, token: Option<String> },
     /// etcd v3 endpoints (`host:2379` or `http://host:2379`): this process runs the machine.
-    Etcd { endpoints: Vec<String> },
+    Etcd { endpoints: Vec<Endpoint> },
     /// A rendezvous in this process (shared with a server this process may also host).
     InProcess(Arc<Rendezvous>),
 }
@@ -204,8 +204,6 @@ impl RendezvousClient {
                 if endpoints.is_empty() {
                     return Err(RdzvError::BadRequest { message: "no rendezvous endpoint given".to_owned() });
                 }
-                // One that is not an endpoint is refused here, naming it.
-                let endpoints = endpoints.iter().map(|e| e.parse::<Endpoint>()).collect::<Result<Vec<_>, _>>()?;
                 if token.is_some() {
                     for e in endpoints.iter().filter(|e| crate::tls::cleartext_to_another_host(e)) {
                         warn!(

@@ -55,6 +55,18 @@ impl Endpoint {
     }
 }
 
+impl From<&rlaunch::contract::Endpoint> for Endpoint {
+    /// An endpoint as the launcher checked it (`--rdzv-endpoint`): its scheme and address.
+    fn from(e: &rlaunch::contract::Endpoint) -> Endpoint {
+        Endpoint {
+            scheme: if e.is_tls() { Scheme::Https } else { Scheme::Http },
+            host: Host::from(&e.addr),
+            port: Some(e.addr.port()),
+            path: String::new(),
+        }
+    }
+}
+
 impl FromStr for Endpoint {
     type Err = EndpointError;
 

@@ -99,6 +99,7 @@ pub mod stragglers;
 pub mod tls;
 
 pub use client::{Backend, ClientTls, RendezvousClient};
+pub use endpoint::Endpoint;
 pub use error::RdzvError;
 pub use round::{apply, check_nesting, Job, JobSettings, JobStatus, Member, NodeInfo, RoundInfo, SettingsError};
 pub use service::{Beat, HeartbeatAnswer, JoinAnswer, Rendezvous, WatchEvent};

@@ -177,7 +177,13 @@ async fn next_event(client: &RendezvousClient, round: u64) -> WatchEvent {
 }
 
 async fn http_client(endpoints: Vec<String>, run_id: &str, s: JobSettings) -> RendezvousClient {
-    RendezvousClient::connect(Backend::Http { endpoints, token: None }, run_id, s).await.expect("client connects")
+    RendezvousClient::connect(
+        Backend::Http { endpoints: endpoints.iter().map(|e| e.parse().expect("an endpoint")).collect(), token: None },
+        run_id,
+        s,
+    )
+    .await
+    .expect("client connects")
 }
 
 #[tokio::test]
@@ -538,7 +544,7 @@ async fn client_fails_over_to_the_next_endpoint() {
 async fn token_is_sent_by_the_client() {
     let server = Server::start(Rendezvous::in_memory(), Some("tok")).await;
     let good = RendezvousClient::connect(
-        Backend::Http { endpoints: vec![server.endpoint()], token: Some("tok".into()) },
+        Backend::Http { endpoints: vec![server.endpoint().parse().expect("an endpoint")], token: Some("tok".into()) },
         "jk",
         fast(1, 1),
     )

@@ -232,7 +232,7 @@ async fn next_event(c: &RendezvousClient, round: u64) -> WatchEvent {
 }
 
 async fn etcd_client(etcd: &Etcd, run_id: &str, s: JobSettings) -> RendezvousClient {
-    RendezvousClient::connect(Backend::Etcd { endpoints: vec![etcd.endpoint.clone()] }, run_id, s)
+    RendezvousClient::connect(Backend::Etcd { endpoints: vec![etcd.endpoint.parse().expect("an endpoint")] }, run_id, s)
         .await
         .expect("client connects to etcd")
 }
@@ -295,9 +295,16 @@ async fn two_server_replicas_on_one_etcd_serve_the_same_job_and_survive_a_kill()
     let r1 = Replica::start(&etcd).await;
     let r2 = Replica::start(&etcd).await;
     let http = |endpoints: Vec<String>| async move {
-        RendezvousClient::connect(Backend::Http { endpoints, token: None }, "repl", settings(2, 2))
-            .await
-            .expect("client")
+        RendezvousClient::connect(
+            Backend::Http {
+                endpoints: endpoints.iter().map(|e| e.parse().expect("an endpoint")).collect(),
+                token: None,
+            },
+            "repl",
+            settings(2, 2),
+        )
+        .await
+        .expect("client")
     };
     // a talks to r1 first, b to r2 first: the job is shared through etcd.
     let a = http(vec![r1.endpoint.clone(), r2.endpoint.clone()]).await;
@@ -343,9 +350,16 @@ async fn a_node_lost_behind_a_replica_is_detected_by_its_lease() {
     let etcd = Etcd::start().await;
     let r1 = Replica::start(&etcd).await;
     let http = |endpoints: Vec<String>| async move {
-        RendezvousClient::connect(Backend::Http { endpoints, token: None }, "hlease", settings(1, 2))
-            .await
-            .expect("client")
+        RendezvousClient::connect(
+            Backend::Http {
+                endpoints: endpoints.iter().map(|e| e.parse().expect("an endpoint")).collect(),
+                token: None,
+            },
+            "hlease",
+            settings(1, 2),
+        )
+        .await
+        .expect("client")
     };
     let a = http(vec![r1.endpoint.clone()]).await;
     let b = http(vec![r1.endpoint.clone()]).await;
@@ -396,7 +410,13 @@ async fn rendezvous_binary_stops_gracefully_on_sigterm() {
 async fn job_carries_on_when_one_of_three_etcd_members_is_killed() {
     let mut etcd = Etcd::cluster(3).await;
     let connect = |endpoints: Vec<String>| async move {
-        RendezvousClient::connect(Backend::Etcd { endpoints }, "three", settings(2, 2)).await.expect("client")
+        RendezvousClient::connect(
+            Backend::Etcd { endpoints: endpoints.iter().map(|e| e.parse().expect("an endpoint")).collect() },
+            "three",
+            settings(2, 2),
+        )
+        .await
+        .expect("client")
     };
     let a = connect(etcd.endpoints.clone()).await;
     let b = connect(etcd.endpoints.iter().rev().cloned().collect()).await;
@@ -428,7 +448,7 @@ async fn a_replica_whose_etcd_is_gone_answers_a_generic_500() {
     let mut etcd = Etcd::start().await;
     let r = Replica::start(&etcd).await;
     let c = RendezvousClient::connect(
-        Backend::Http { endpoints: vec![r.endpoint.clone()], token: None },
+        Backend::Http { endpoints: vec![r.endpoint.parse().expect("an endpoint")], token: None },
         "gone",
         settings(1, 1),
     )
@@ -536,7 +556,7 @@ async fn a_lapsed_lease_is_a_suspicion_that_a_reachable_node_survives_and_then_t
 /// A rendezvous service (what a replica runs) over this etcd.
 async fn etcd_service(etcd: &Etcd) -> std::sync::Arc<rlaunch_rendezvous::Rendezvous> {
     use rlaunch_rendezvous::store::etcd::EtcdStore;
-    let store = EtcdStore::connect(std::slice::from_ref(&etcd.endpoint)).await.expect("store connects");
+    let store = EtcdStore::connect(&[etcd.endpoint.parse().expect("an endpoint")]).await.expect("store connects");
     rlaunch_rendezvous::Rendezvous::new(rlaunch_rendezvous::Store::Etcd(store))
 }
 
@@ -645,7 +665,7 @@ async fn etcd_a_refused_join_leaves_no_lease_and_no_key() {
 async fn etcd_a_node_moving_between_replicas_keeps_its_liveness() {
     use rlaunch_rendezvous::store::etcd::EtcdStore;
     let etcd = Etcd::start().await;
-    let store2 = EtcdStore::connect(std::slice::from_ref(&etcd.endpoint)).await.expect("store connects");
+    let store2 = EtcdStore::connect(&[etcd.endpoint.parse().expect("an endpoint")]).await.expect("store connects");
     let r1 = etcd_service(&etcd).await;
     let r2 = rlaunch_rendezvous::Rendezvous::new(rlaunch_rendezvous::Store::Etcd(store2.clone()));
     let s = settings(2, 2);
@@ -767,7 +787,7 @@ async fn a_job_state_past_etcds_request_limit_is_written_in_parts() {
     use rlaunch_rendezvous::round::{Event, Guard};
     use rlaunch_rendezvous::store::etcd::EtcdStore;
     let etcd = Etcd::start().await;
-    let store = EtcdStore::connect(std::slice::from_ref(&etcd.endpoint)).await.expect("store");
+    let store = EtcdStore::connect(&[etcd.endpoint.parse().expect("an endpoint")]).await.expect("store");
     // 6,000 nodes with long ids wait to join: about 2.5 MB of state, over etcd's 1.5 MiB limit
     // on one request.
     let mut s = settings(1, 20_000);
@@ -856,7 +876,7 @@ async fn parts_that_no_header_names_are_collected_by_the_jobs_next_write() {
     use rlaunch_rendezvous::service::now_ms;
     use rlaunch_rendezvous::store::etcd::EtcdStore;
     let etcd = Etcd::start().await;
-    let store = EtcdStore::connect(std::slice::from_ref(&etcd.endpoint)).await.expect("store");
+    let store = EtcdStore::connect(&[etcd.endpoint.parse().expect("an endpoint")]).await.expect("store");
     let mut s = settings(1, 5000);
     s.min_nodes = 5000;
     let join = |n: NodeInfo| {
@@ -913,7 +933,7 @@ async fn parts_that_no_header_names_are_collected_by_the_jobs_next_write() {
 async fn etcd_history_older_than_the_kept_window_is_compacted() {
     use rlaunch_rendezvous::store::etcd::{Compaction, EtcdStore};
     let etcd = Etcd::start().await;
-    let store = EtcdStore::connect(std::slice::from_ref(&etcd.endpoint)).await.expect("store connects");
+    let store = EtcdStore::connect(&[etcd.endpoint.parse().expect("an endpoint")]).await.expect("store connects");
     store.set_compaction(Compaction { keep: Duration::from_millis(500), every: Duration::from_millis(200) });
     let rdzv = rlaunch_rendezvous::Rendezvous::new(rlaunch_rendezvous::Store::Etcd(store));
     let mut c = etcd_client::Client::connect([etcd.endpoint.as_str()], None).await.expect("etcd client");

@@ -80,7 +80,8 @@ fn node(id: &str) -> NodeInfo {
 }
 
 async fn client(endpoint: String, token: &str, ca: Option<&Path>) -> RendezvousClient {
-    let backend = Backend::Http { endpoints: vec![endpoint], token: Some(token.to_owned()) };
+    let backend =
+        Backend::Http { endpoints: vec![endpoint.parse().expect("an endpoint")], token: Some(token.to_owned()) };
     let tls = ClientTls { ca_file: ca.map(Path::to_path_buf) };
     RendezvousClient::connect_with(backend, "tls-job", one_node(), &tls).await.expect("client")
 }
@@ -127,7 +128,7 @@ async fn a_ca_bundle_that_is_not_pem_is_named() {
     let dir = tempfile::tempdir().expect("temp dir");
     let bad = dir.path().join("ca.pem");
     std::fs::write(&bad, "garbage").expect("write");
-    let backend = Backend::Http { endpoints: vec!["https://localhost:1".into()], token: None };
+    let backend = Backend::Http { endpoints: vec!["https://localhost:1".parse().expect("an endpoint")], token: None };
     let tls = ClientTls { ca_file: Some(bad.clone()) };
     let e = match RendezvousClient::connect_with(backend, "j", one_node(), &tls).await {
         Err(e) => e,

@@ -8,6 +8,7 @@ use clap::{Parser, ValueEnum};
 use rlaunch_rendezvous::api::{self, AppState, ServeLimits};
 use rlaunch_rendezvous::service::Limits;
 use rlaunch_rendezvous::store::etcd::EtcdStore;
+use rlaunch_rendezvous::Endpoint;
 use rlaunch_rendezvous::{Rendezvous, Store};
 use tracing::{info, warn};
 
@@ -109,14 +110,14 @@ struct Args {
     check_config: bool,
 }
 
-/// An etcd endpoint: `http(s)://host:port`.
-fn check_endpoint(e: &str) -> Result<()> {
-    let rest = e.strip_prefix("http://").or_else(|| e.strip_prefix("https://"));
-    let ok = rest
-        .and_then(|r| r.rsplit_once(':'))
-        .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
-    anyhow::ensure!(ok, "--etcd-endpoints: `{e}` is not http://host:port");
-    Ok(())
+/// An etcd endpoint: `http(s)://host:port`, scheme and port written out.
+fn etcd_endpoint(e: &str) -> Result<Endpoint> {
+    let parsed = e.parse::<Endpoint>().ok();
+    let written_out = e.starts_with("http://") || e.starts_with("https://");
+    match parsed.filter(|p| written_out && p.port().is_some()) {
+        Some(p) => Ok(p),
+        None => anyhow::bail!("--etcd-endpoints: `{e}` is not http://host:port"),
+    }
 }
 
 async fn shutdown_signal() {
@@ -132,18 +133,19 @@ async fn shutdown_signal() {
     }
 }
 
-async fn connect_etcd(endpoints: &[String], patience: Duration) -> Result<EtcdStore> {
+async fn connect_etcd(endpoints: &[Endpoint], patience: Duration) -> Result<EtcdStore> {
+    let shown = endpoints.iter().map(ToString::to_string).collect::<Vec<_>>().join(",");
     let give_up = tokio::time::Instant::now() + patience;
     let mut backoff = Duration::from_millis(200);
     loop {
         match EtcdStore::connect(endpoints).await {
             Ok(store) => return Ok(store),
             Err(error) if tokio::time::Instant::now() + backoff < give_up => {
-                warn!(error = %error, endpoints = %endpoints.join(","), "etcd not reachable yet; retrying");
+                warn!(error = %error, endpoints = %shown, "etcd not reachable yet; retrying");
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(2));
             }
-            Err(error) => return Err(error).with_context(|| format!("connecting to etcd at {}", endpoints.join(","))),
+            Err(error) => return Err(error).with_context(|| format!("connecting to etcd at {shown}")),
         }
     }
 }
@@ -170,11 +172,10 @@ async fn main() -> Result<()> {
         }
         None => args.token.clone(),
     };
-    if args.store == StoreKind::Etcd {
-        for e in &args.etcd_endpoints {
-            check_endpoint(e)?;
-        }
-    }
+    let etcd_endpoints = match args.store {
+        StoreKind::Etcd => args.etcd_endpoints.iter().map(|e| etcd_endpoint(e)).collect::<Result<Vec<_>>>()?,
+        StoreKind::Memory => Vec::new(),
+    };
     // The certificate and key next: a bad file fails at once, naming it.
     let tls = match (&args.tls_cert, &args.tls_key) {
         (Some(cert), Some(key)) => Some(rlaunch_rendezvous::tls::server_config(cert, key)?),
@@ -205,7 +206,7 @@ async fn main() -> Result<()> {
     let store = match args.store {
         StoreKind::Memory => Store::memory(),
         StoreKind::Etcd => {
-            let store = connect_etcd(&args.etcd_endpoints, Duration::from_millis(args.etcd_wait_ms)).await?;
+            let store = connect_etcd(&etcd_endpoints, Duration::from_millis(args.etcd_wait_ms)).await?;
             let keep = Duration::from_secs(args.etcd_history_s);
             let every = if keep.is_zero() { Duration::MAX } else { keep.min(Duration::from_secs(60)) };
             store.set_compaction(rlaunch_rendezvous::store::etcd::Compaction {

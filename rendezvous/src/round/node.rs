@@ -21,7 +21,7 @@ pub fn validate_node(node: &NodeInfo) -> Result<(), Rejection> {
         return invalid(&format!("local_world_size must be 1 to {MAX_LOCAL_WORLD_SIZE}"));
     }
     if let Some(fp) = &node.fingerprint {
-        fp.check().map_err(|m| Rejection::InvalidNode { message: m })?;
+        fp.within_bounds().map_err(|e| Rejection::InvalidNode { message: e.to_string() })?;
     }
     if let Some(key) = &node.snapshot_key {
         if crate::identity::unhex(key).is_none_or(|k| k.len() != 32) {

@@ -173,8 +173,7 @@ impl EtcdStore {
     /// Connects to etcd (`endpoints` like `http://127.0.0.1:2379` or `127.0.0.1:2379`: members of
     /// one cluster) and starts watching. Connections are lazy: a member down at start is
     /// tolerated; one that is not an endpoint is refused.
-    pub async fn connect(endpoints: &[String]) -> Result<Self, RdzvError> {
-        let endpoints = endpoints.iter().map(|e| e.parse::<Endpoint>()).collect::<Result<Vec<_>, _>>()?;
+    pub async fn connect(endpoints: &[Endpoint]) -> Result<Self, RdzvError> {
         let options = ConnectOptions::new()
             .with_connect_timeout(Duration::from_secs(1))
             .with_keep_alive(Duration::from_secs(1), Duration::from_secs(2))
@@ -183,7 +182,7 @@ impl EtcdStore {
             // serving stale data, so the request moves on to a member that has a leader.
             .with_require_leader(true);
         let mut clients = Vec::new();
-        for e in &endpoints {
+        for e in endpoints {
             let fut = Client::connect([e.to_string()], Some(options.clone()));
             match tokio::time::timeout(OP_TIMEOUT, fut).await {
                 Ok(r) => clients.push(r.map_err(RdzvError::etcd("connect"))?),
