@@ -8,13 +8,13 @@
 //!   with `cgroup.kill` on it. A watchdog process, forked at start in a session of its own, kills
 //!   the job's cgroup if the agent dies, even by SIGKILL. It ignores every signal it can; the
 //!   agent checks it every [`WATCHDOG_CHECK`] and starts a new one if it was killed, or resumes
-//!   it if it was stopped, so a worker must kill both within that time to escape (the README
+//!   it if it was stopped, so a worker must kill both within that time to escape (docs/src/host.md
 //!   says so: a worker of the agent's user can always signal both).
 //! - **process groups** otherwise: each worker leads its own group, signalled as a whole; the
 //!   agent is a child subreaper, so orphaned descendants become its children and are killed at
 //!   every stop. A watchdog of the same kind is told each worker's group and kills those groups
 //!   if the agent dies. After a SIGKILL of the agent, descendants that left the worker's process
-//!   group (setsid) may survive: the README says so.
+//!   group (setsid) may survive: docs/src/host.md says so.
 
 use std::ffi::CString;
 use std::io::Write as _;

@@ -292,7 +292,7 @@ fn a_killed_watchdog_is_replaced_and_a_sigkill_of_the_agent_still_ends_everythin
 /// Issue 26, item 7: with `--containment process-group`, a plain child in the worker's own
 /// process group (and a double-forked one, still in that group) outlived a SIGKILL of the agent:
 /// only the worker had a parent-death signal. Now the watchdog, told each worker's group, kills
-/// the groups. A child that called `setsid` left the group and may survive: the README says so.
+/// the groups. A child that called `setsid` left the group and may survive: docs/src/host.md says so.
 #[test]
 fn with_process_groups_a_child_in_the_workers_group_ends_with_a_sigkill_of_the_agent() {
     let dir = tempdir();

@@ -86,7 +86,7 @@ fn workers_see_the_same_environment_as_under_torchrun() {
     r.env("RLAUNCH_PYTHON", &python);
     let ours = dump_env(&mut r, rd.path());
     // LC_CTYPE is set by the Python interpreter itself (C locale coercion), not by a launcher.
-    // rlaunch adds two, documented in the README: its snapshot socket, and its Python package
+    // rlaunch adds two, documented in docs/src/worker-environment.md: its snapshot socket, and its Python package
     // after whatever PYTHONPATH held.
     let ours_only = ["LC_CTYPE", "RLAUNCH_PYTHON", "RLAUNCH_SNAPSHOT", "PYTHONPATH"];
     let keys = |e: &BTreeMap<String, String>| -> BTreeSet<String> {

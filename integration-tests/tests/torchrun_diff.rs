@@ -831,7 +831,7 @@ fn launch(case: &Case, who: Launcher, p: &Paths) -> Observation {
         let env = v["env"].as_object().cloned().unwrap_or_default();
         for (k, val) in &env {
             let val = val.as_str().unwrap_or_default();
-            // rlaunch's snapshots add two, documented in the README (the agent's socket and its
+            // rlaunch's snapshots add two, documented in docs/src/worker-environment.md (the agent's socket and its
             // Python package on PYTHONPATH), both under the agent's `rlaunch-snap-*` directory.
             if ["RLAUNCH_SNAPSHOT", "PYTHONPATH"].contains(&k.as_str()) && val.contains("/rlaunch-snap-") {
                 continue;

@@ -187,7 +187,7 @@ pub struct Args {
     /// Warm workers for Python programs: per local rank, an interpreter that has imported the
     /// program's modules from outside its own directory (torch, numpy, ...) waits for the next
     /// round, so a restart or a new round starts no Python and imports nothing. Costs one such
-    /// interpreter's memory per local rank (README); `off`: every worker starts cold.
+    /// interpreter's memory per local rank (docs/src/warm-workers.md); `off`: every worker starts cold.
     #[arg(long = "warm-workers", env = "RLAUNCH_WARM_WORKERS", default_value = "on", value_parser = ["on", "off"])]
     pub warm_workers: String,
 
@@ -207,8 +207,8 @@ pub struct Args {
     #[arg(long = "numa-binding", alias = "numa_binding", env = "PET_NUMA_BINDING", value_parser = ["node", "socket", "exclusive", "core-complex"])]
     pub numa_binding: Option<String>,
 
-    /// On a terminal, the global rank whose terminal gets rlaunch's stdin (`input()`,
-    /// `breakpoint()`); the other ranks read /dev/null.
+    /// The global rank that gets rlaunch's stdin: typed input through its terminal (`input()`,
+    /// `breakpoint()`), a pipe or a file as it is; the other ranks read /dev/null.
     #[arg(long = "stdin-rank", alias = "stdin_rank", env = "PET_STDIN_RANK", default_value_t = 0)]
     pub stdin_rank: u32,
 
