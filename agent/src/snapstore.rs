@@ -23,8 +23,12 @@ use crate::snapshots::NodeId;
 
 /// The Python package (`import rlaunch`), written beside the socket and put on the workers'
 /// `PYTHONPATH`, so a job started by an `rlaunch` installed any way finds it.
-const PY_INIT: &str = include_str!("../../python/rlaunch/__init__.py");
-const PY_SNAPSHOT: &str = include_str!("../../python/rlaunch/snapshot.py");
+/// The Python package `rlaunch`, as the workers import it (put on their PYTHONPATH).
+const PY_PACKAGE: [(&str, &str); 3] = [
+    ("__init__.py", include_str!("../../python/rlaunch/__init__.py")),
+    ("snapshot.py", include_str!("../../python/rlaunch/snapshot.py")),
+    ("interrupt.py", include_str!("../../python/rlaunch/interrupt.py")),
+];
 
 /// The workers' socket, in the store's directory.
 const SOCKET_FILE: &str = "agent.sock";
@@ -126,8 +130,9 @@ impl SnapStore {
         let dir = crate::rundir::RunDir::create("rlaunch-snap", SOCKET_FILE.len())?;
         let py = dir.path().join("python").join("rlaunch");
         std::fs::create_dir_all(&py)?;
-        std::fs::write(py.join("__init__.py"), PY_INIT)?;
-        std::fs::write(py.join("snapshot.py"), PY_SNAPSHOT)?;
+        for (name, text) in PY_PACKAGE {
+            std::fs::write(py.join(name), text)?;
+        }
         let socket = dir.path().join(SOCKET_FILE);
         let listener = UnixListener::bind(&socket)?;
         let (outbox, jobs) = std::sync::mpsc::channel();
@@ -680,6 +685,20 @@ fn lend(file: &std::fs::File) -> std::io::Result<OwnedFd> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_workers_get_every_module_of_the_python_package() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../python/rlaunch");
+        let mut on_disk: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".py"))
+            .collect();
+        on_disk.sort();
+        let mut shipped: Vec<String> = PY_PACKAGE.iter().map(|(n, _)| (*n).to_owned()).collect();
+        shipped.sort();
+        assert_eq!(shipped, on_disk, "an `import rlaunch` in a worker would miss a module");
+    }
 
     #[test]
     fn requests_waiting_for_a_round_do_not_wake_each_other() {

@@ -28,6 +28,7 @@ mod launcher;
 mod log_dir_swap;
 mod logs;
 mod multinode;
+mod resilient;
 mod slurm;
 mod snapshots;
 mod status_page;

@@ -7,8 +7,12 @@
 Outside rlaunch both do nothing (and say so once), so one program runs both ways. ``load`` runs
 no code from the saved bytes: tensors, numpy arrays, plain containers and scalars load as they
 are; any other class only when named, ``load(allow=[MyClass])`` (see ``rlaunch.snapshot``).
+
+``rlaunch.interrupt.interrupt_collectives(hosts)`` ends a gloo collective that waits on a peer
+that will never answer (a frozen or cut-off host), from another thread of the same process: the
+building block of survivors that keep their process across a re-formed round.
 """
 
-from . import snapshot  # noqa: F401
+from . import interrupt, snapshot  # noqa: F401
 
-__all__ = ["snapshot"]
+__all__ = ["interrupt", "snapshot"]
