@@ -103,12 +103,15 @@ def split_inline_modules(text, path):
     return [(path, "".join(body))] + parts
 
 
-def expand_use_tree(tree):
-    """`a::{b, c::{d, e as f}}` -> ["a::b", "a::c::d", "a::c::e"]."""
+def expand_use_tree(tree, aliases=False):
+    """`a::{b, c::{d, e as f}}` -> ["a::b", "a::c::d", "a::c::e"] (with `aliases`: pairs of the
+    path and its alias or None)."""
     tree = re.sub(r"\s*(::|\{|\}|,)\s*", r"\1", tree.strip())
     i = tree.find("{")
     if i < 0:
-        return [tree.split(" as ")[0].strip()]
+        path, _, alias = tree.partition(" as ")
+        path, alias = path.strip(), alias.strip() or None
+        return [(path, alias)] if aliases else [path]
     prefix, inner = tree[:i], tree[i + 1:matching_brace(tree, i)]
     items, depth, start = [], 0, 0
     for j, c in enumerate(inner):
@@ -123,7 +126,8 @@ def expand_use_tree(tree):
     out = []
     for it in items:
         if it:
-            out.extend(prefix + sub for sub in expand_use_tree(it))
+            for sub in expand_use_tree(it, aliases):
+                out.append((prefix + sub[0], sub[1]) if aliases else prefix + sub)
     return out
 
 
@@ -171,12 +175,22 @@ class Crate:
                 self.scan_root(clean)
 
     def scan_root(self, text):
-        for m in re.finditer(r"\bpub(?:\([^)]*\))?\s+use\s+([^;]*);", text):
-            for full in expand_use_tree(m.group(1)):
-                segs = [s for s in full.replace("crate::", "").split("::") if s]
-                name = segs[-1].split(" as ")[-1]
-                self.reexports[name] = tuple(s for s in segs[:-1] if s != "self")
-        for m in re.finditer(r"\b(?:fn|struct|enum|trait|type|const|static|macro_rules!)\s+(\w+)", text):
+        # `pub use a::B as C`: `crate::C` is an import of `a` (the front door re-exporting).
+        # A root's private `use a::B` is the root's own business: `crate::B` from a module
+        # imports the crate root.
+        for m in re.finditer(r"(?<![\w:])(pub(?:\([^)]*\))?\s+)?use\s+([^;]*);", text):
+            public = m.group(1) is not None and m.group(1).strip() == "pub"
+            for full, alias in expand_use_tree(m.group(2), aliases=True):
+                segs = [x for x in full.split("::") if x and x not in ("crate", "self")]
+                if not segs or segs[0] not in {p[0] for p in self.modules if p}:
+                    continue  # an external crate's item
+                name = alias or segs[-1]
+                if public:
+                    self.reexports[name] = tuple(segs[:-1]) if tuple(segs) not in self.modules else tuple(segs)
+                else:
+                    self.root_items.add(name)
+        item = r"\b(?:(?:const|async|unsafe|extern\s+\"[^\"]*\")\s+)*(?:fn|struct|enum|union|trait|type|const|static(?:\s+mut)?|macro_rules!)\s+(\w+)"
+        for m in re.finditer(item, text):
             self.root_items.add(m.group(1))
 
     def scan(self, mpath, text, rel):

@@ -402,12 +402,27 @@ impl Core {
             Event::Tick => self.on_tick(now, &mut out),
         }
         if let Some((at, _)) = &self.refill_at {
-            if *at <= now && self.phase != Phase::Done {
+            if *at <= now {
                 let (_, placement) = self.refill_at.take().expect("just matched");
-                out.push(Action::FillWarm(placement));
+                // Not for a run on its way out: a set of interpreters importing torch while
+                // the agent leaves, or ends, is work for nothing.
+                if self.may_start_again() {
+                    out.push(Action::FillWarm(placement));
+                }
             }
         }
         out
+    }
+
+    /// Whether this run may start workers again (a refill of warm workers is for that).
+    fn may_start_again(&self) -> bool {
+        match &self.phase {
+            Phase::Leaving { .. } | Phase::FetchingRootCause { .. } | Phase::Done => false,
+            Phase::Stopping { then, .. } | Phase::Holding { then, .. } => {
+                !matches!(then, AfterStop::Leave(_) | AfterStop::JobFailed(_) | AfterStop::Exit(_))
+            }
+            _ => true,
+        }
     }
 
     /// Any answer from the rendezvous, even a refusal, proves it reachable.

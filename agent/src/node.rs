@@ -33,7 +33,7 @@ impl WorkerStdin {
             } else {
                 WorkerStdin::None
             }
-        } else if stdin_is_open() {
+        } else if stdin_is_something() {
             WorkerStdin::Inherited
         } else {
             WorkerStdin::None
@@ -48,10 +48,19 @@ impl WorkerStdin {
     }
 }
 
-/// Whether descriptor 0 is open (a launcher started with stdin closed passes nothing on).
-fn stdin_is_open() -> bool {
-    // SAFETY: F_GETFD on a descriptor number reads its flags and touches no memory.
-    (unsafe { libc::fcntl(libc::STDIN_FILENO, libc::F_GETFD) }) >= 0
+/// Whether descriptor 0 holds something to pass on: open, and not /dev/null (what batch
+/// systems, services and `nohup` give; Rust's runtime also opens it there when the launcher was
+/// started with stdin closed). Every worker reads /dev/null then anyway, and their warm
+/// interpreters stay alike: none is started for the stdin rank alone.
+fn stdin_is_something() -> bool {
+    // SAFETY: `stat` is plain old data; all zeroes is a valid value of it.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat writes only into the buffer we own, for a descriptor number it checks.
+    if unsafe { libc::fstat(libc::STDIN_FILENO, &mut st) } != 0 {
+        return false;
+    }
+    let dev_null = st.st_mode & libc::S_IFMT == libc::S_IFCHR && st.st_rdev == libc::makedev(1, 3);
+    !dev_null
 }
 
 /// What every way of running a node shares: where it runs, its environment, console and logs.

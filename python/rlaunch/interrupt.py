@@ -17,6 +17,7 @@ a new one in the same process.
 import ipaddress
 import os
 import socket
+import sys
 
 _TCP_STATES = {
     "01": "ESTABLISHED",
@@ -37,11 +38,12 @@ def _address(hex_addr):
     """``0100007F:1F90`` (as /proc/net/tcp writes it) -> (ip_address, port)."""
     host, port = hex_addr.split(":")
     raw = bytes.fromhex(host)
+    # The kernel writes each 32-bit word in host order.
+    swap = (lambda w: w[::-1]) if sys.byteorder == "little" else (lambda w: w)
     if len(raw) == 4:
-        ip = ipaddress.IPv4Address(raw[::-1])
+        ip = ipaddress.IPv4Address(swap(raw))
     else:
-        # Four 32-bit words, each in host (little-endian) order.
-        words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+        words = b"".join(swap(raw[i:i + 4]) for i in range(0, 16, 4))
         ip = ipaddress.IPv6Address(words)
         if ip.ipv4_mapped is not None:
             ip = ip.ipv4_mapped
@@ -49,7 +51,8 @@ def _address(hex_addr):
 
 
 def tcp_connections(pid="self"):
-    """This process's TCP sockets that are not listening: ``[(fd, remote_ip, remote_port, state)]``."""
+    """This process's TCP sockets that are not listening:
+    ``[(fd, inode, local_port, remote_ip, remote_port, state)]``."""
     by_inode = {}
     for table in ("tcp", "tcp6"):
         try:
@@ -60,8 +63,9 @@ def tcp_connections(pid="self"):
                     state = _TCP_STATES.get(fields[3], fields[3])
                     if state == "LISTEN":
                         continue
+                    _, local_port = _address(fields[1])
                     ip, port = _address(fields[2])
-                    by_inode[fields[9]] = (ip, port, state)
+                    by_inode[fields[9]] = (local_port, ip, port, state)
         except FileNotFoundError:
             continue
     found = []
@@ -71,9 +75,10 @@ def tcp_connections(pid="self"):
             target = os.readlink(os.path.join(fd_dir, name))
         except OSError:
             continue  # closed meanwhile
-        if target.startswith("socket:[") and target[8:-1] in by_inode:
-            ip, port, state = by_inode[target[8:-1]]
-            found.append((int(name), ip, port, state))
+        inode = target[8:-1]
+        if target.startswith("socket:[") and inode in by_inode:
+            local_port, ip, port, state = by_inode[inode]
+            found.append((int(name), int(inode), local_port, ip, port, state))
     return sorted(found)
 
 
@@ -96,24 +101,39 @@ def _ips(hosts):
 
 def interrupt_collectives(hosts, keep_ports=()):
     """Shuts down this process's TCP connections to ``hosts`` (names or addresses; a loopback
-    address stands for every loopback address), except those to a port in ``keep_ports``. Answers
-    how many were shut down. A collective waiting on any of them raises in its own thread."""
+    address stands for every loopback address), except those whose remote or local port is in
+    ``keep_ports`` (a store this process reaches or serves). Answers how many were shut down. A
+    collective waiting on any of them raises in its own thread."""
     targets = _ips(hosts)
     loopback = any(ip.is_loopback for ip in targets)
     done = 0
-    for fd, ip, port, state in tcp_connections():
-        if port in keep_ports or state in ("CLOSE", "TIME_WAIT"):
+    for fd, inode, local_port, ip, port, state in tcp_connections():
+        if port in keep_ports or local_port in keep_ports or state in ("CLOSE", "TIME_WAIT"):
             continue
-        if ip in targets or (loopback and ip.is_loopback):
-            try:
-                s = socket.socket(fileno=os.dup(fd))
-            except OSError:
-                continue  # closed meanwhile
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-                done += 1
-            except OSError:
-                pass  # not connected (any more)
-            finally:
-                s.close()  # the duplicate; the transport's own descriptor stays open
+        if not (ip in targets or (loopback and ip.is_loopback)):
+            continue
+        try:
+            dup = os.dup(fd)
+        except OSError:
+            continue  # closed meanwhile
+        try:
+            # The number may have been closed and given to another socket since the tables
+            # were read (a new process group connecting): only the same socket is touched.
+            same = os.fstat(dup).st_ino == inode
+            s = socket.socket(fileno=dup) if same else None
+        except OSError:
+            s = None  # not a socket any more
+        except BaseException:
+            os.close(dup)
+            raise
+        if s is None:
+            os.close(dup)
+            continue
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+            done += 1
+        except OSError:
+            pass  # not connected (any more)
+        finally:
+            s.close()  # the duplicate; the transport's own descriptor stays open
     return done

@@ -49,6 +49,11 @@ impl Endpoint {
         self.port
     }
 
+    /// The path the service sits under: empty, or starting with '/'.
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
     /// The URL of `path` (starting with '/') at this endpoint.
     pub fn url(&self, path: &str) -> String {
         format!("{self}{path}")

@@ -875,6 +875,11 @@ fn warm_workers_are_refilled_once_at_the_deadline_the_core_set_at_each_start_and
     let mut off = Sim::new(fixed(1).with_features(Features { warm_workers: false, ..FEATURES }));
     off.ev(Event::Start);
     assert_eq!(fills(&off.tick(10 * after)), 0);
+    // A stop signal before the deadline: the agent is leaving, nothing is refilled.
+    let mut leaving = Sim::new(fixed(3).with_features(FEATURES));
+    leaving.ev(Event::Start);
+    leaving.at(100).ev(Event::Signal(libc::SIGTERM));
+    assert_eq!(fills(&leaving.tick(after + 10)), 0, "no refill on the way out");
     // A run that ends before the deadline fills nothing after its Exit (the Sim checks it).
     let mut ended = Sim::new(fixed(0).with_features(FEATURES));
     ended.ev(Event::Start);

@@ -114,7 +114,8 @@ struct Args {
 fn etcd_endpoint(e: &str) -> Result<Endpoint> {
     let parsed = e.parse::<Endpoint>().ok();
     let written_out = e.starts_with("http://") || e.starts_with("https://");
-    match parsed.filter(|p| written_out && p.port().is_some()) {
+    // etcd's gRPC client has no use for a path: one given is a mistake, not ignored.
+    match parsed.filter(|p| written_out && p.port().is_some() && p.path().is_empty()) {
         Some(p) => Ok(p),
         None => anyhow::bail!("--etcd-endpoints: `{e}` is not http://host:port"),
     }
