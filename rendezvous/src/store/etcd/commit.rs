@@ -79,20 +79,24 @@ impl EtcdStore {
     /// previous one's, and any a writer killed in the middle of a large write left behind,
     /// which no header names. (A concurrent writer whose parts this deletes loses its race
     /// anyway: this transaction changes the state it compared, so it reads again and writes a
-    /// new generation.)
+    /// new generation.) Each part is put only while `unchanged` (the state as read) holds: a
+    /// put whose answer was lost and that lands late, after another writer's transaction, is
+    /// refused instead of leaving parts that no later transaction deletes. `None`: the state
+    /// changed while the parts were written (this attempt lost; its parts are gone).
     async fn state_ops(
         &self,
         run_id: &str,
         job: &Job,
         value: Vec<u8>,
-    ) -> Result<(Vec<TxnOp>, Option<String>), RdzvError> {
+        unchanged: &Compare,
+    ) -> Result<Option<(Vec<TxnOp>, Option<String>)>, RdzvError> {
         let parts = parts_prefix(run_id);
         if value.len() <= PART_BYTES {
             let ops = vec![
                 TxnOp::delete(parts, Some(DeleteOptions::new().with_prefix())),
                 TxnOp::put(state_key(run_id), value, None),
             ];
-            return Ok((ops, None));
+            return Ok(Some((ops, None)));
         }
         let chunks: Vec<Vec<u8>> = value.chunks(PART_BYTES).map(<[u8]>::to_vec).collect();
         if chunks.len() > MAX_PARTS {
@@ -107,15 +111,23 @@ impl EtcdStore {
         let generation = format!("{:016x}", rand::random::<u64>());
         for (i, chunk) in chunks.iter().enumerate() {
             let key = part_key(run_id, &generation, i);
+            let put = Txn::new().when([unchanged.clone()]).and_then([TxnOp::put(key.clone(), chunk.clone(), None)]);
             let written = self
                 .run("put state part", |mut c| {
-                    let (key, chunk) = (key.clone(), chunk.clone());
-                    async move { c.put(key, chunk, None).await }
+                    let put = put.clone();
+                    async move { c.txn(put).await }
                 })
                 .await;
-            if let Err(e) = written {
-                self.drop_parts(run_id, Some(&generation)).await;
-                return Err(e);
+            match written {
+                Ok(resp) if resp.succeeded() => {}
+                Ok(_) => {
+                    self.drop_parts(run_id, Some(&generation)).await;
+                    return Ok(None);
+                }
+                Err(e) => {
+                    self.drop_parts(run_id, Some(&generation)).await;
+                    return Err(e);
+                }
             }
         }
         let header = PartsHeader::of(job, chunks.len(), generation.clone());
@@ -127,7 +139,7 @@ impl EtcdStore {
             TxnOp::delete(prefix_end(&mine), Some(DeleteOptions::new().with_range(prefix_end(&parts)))),
             TxnOp::put(state_key(run_id), header, None),
         ];
-        Ok((ops, Some(generation)))
+        Ok(Some((ops, Some(generation))))
     }
 
     /// Deletes the parts of a generation no header names (an update that lost its race).
@@ -287,8 +299,12 @@ impl EtcdStore {
                     cmps.push(since.with_prefix());
                 }
             }
-            let (ops, new_generation) = match self.state_ops(run_id, &to_store, value).await {
-                Ok(ops) => ops,
+            let (ops, new_generation) = match self.state_ops(run_id, &to_store, value, &cmps[0]).await {
+                Ok(Some(ops)) => ops,
+                Ok(None) => {
+                    debug!(run_id, attempt, "lost a concurrent update while writing the state's parts; retrying");
+                    continue;
+                }
                 Err(e) => {
                     failure = Some(error_chain(&e));
                     break;
