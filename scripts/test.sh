@@ -42,7 +42,7 @@ expected=$(cd integration-tests && "$integration" --list --exact "${waiting[@]}"
 waiting_log=$(mktemp)
 (cd integration-tests && exec "$integration" --exact --test-threads "$expected" "${waiting[@]}") >"$waiting_log" 2>&1 &
 waiting_pid=$!
-trap 'kill "$waiting_pid" 2>/dev/null; rm -f "$waiting_log"' EXIT
+trap 'kill "$waiting_pid" 2>/dev/null || true; rm -f "$waiting_log"' EXIT
 skip=()
 for t in "${waiting[@]}" "${alone[@]}"; do skip+=(--skip "$t"); done
 status=0
