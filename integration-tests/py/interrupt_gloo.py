@@ -57,7 +57,8 @@ def main():
             fired["at"] = time.monotonic()
             fired["count"] = interrupt_collectives(["127.0.0.1"], keep_ports=(port,))
 
-        threading.Thread(target=interrupt, daemon=True).start()
+        interrupter = threading.Thread(target=interrupt, daemon=True)
+        interrupter.start()
         started = time.monotonic()
         try:
             dist.all_reduce(torch.ones(4))
@@ -66,6 +67,9 @@ def main():
             ended = time.monotonic()
             print(f"raised: {str(e).splitlines()[0][:200]}", flush=True)
         assert "at" in fired, f"raised before the interrupt, after {ended - started:.2f} s"
+        # The collective raises at the first connection shut down, while the interrupt may still
+        # be going through the others.
+        interrupter.join(30)
         print(f"shut_down={fired['count']}", flush=True)
         print(f"ended_after={ended - fired['at']:.3f}", flush=True)
         dist.destroy_process_group()
