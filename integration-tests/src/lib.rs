@@ -15,6 +15,16 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+/// A child process (a service a test started) killed and reaped when the test ends, passed or not.
+pub struct KillOnDrop(pub Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// `target/<profile>` of the build that produced the running test binary.
 pub fn target_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("test binary path");

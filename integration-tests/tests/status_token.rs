@@ -4,21 +4,12 @@
 //! `--token`, `rlaunch status` says which and exits non-zero.
 
 use std::path::Path;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use integration_tests::{bin, rlaunch, run_deadline, stderr_of, stdout_of, tempdir, worker};
+use integration_tests::{bin, rlaunch, run_deadline, stderr_of, stdout_of, tempdir, worker, KillOnDrop};
 
 const DEADLINE: Duration = Duration::from_secs(60);
-
-struct Service(Child);
-
-impl Drop for Service {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 #[test]
 fn status_and_top_read_the_token_from_a_file_and_a_wrong_one_is_refused() {
@@ -34,7 +25,7 @@ fn status_and_top_read_the_token_from_a_file_and_a_wrong_one_is_refused() {
         .stderr(Stdio::null())
         .spawn()
         .expect("start rlaunch-rendezvous");
-    let _service = Service(service);
+    let _service = KillOnDrop(service);
     let started = Instant::now();
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
         assert!(started.elapsed() < Duration::from_secs(10), "the service did not listen");

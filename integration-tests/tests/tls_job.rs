@@ -4,10 +4,10 @@
 //! saying the certificate does not verify.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use integration_tests::{bin, rlaunch, run_deadline, stderr_of, stdout_of, tempdir, worker};
+use integration_tests::{bin, rlaunch, run_deadline, stderr_of, stdout_of, tempdir, worker, KillOnDrop};
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair, KeyUsagePurpose};
 
 const DEADLINE: Duration = Duration::from_secs(60);
@@ -33,15 +33,6 @@ fn make_pki(dir: &Path, name: &str) -> (PathBuf, PathBuf, PathBuf) {
     (ca, cert, key)
 }
 
-struct Service(Child);
-
-impl Drop for Service {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 #[test]
 fn a_job_runs_over_https_with_a_private_ca_and_another_ca_is_refused_at_once() {
     let dir = tempdir();
@@ -61,7 +52,7 @@ fn a_job_runs_over_https_with_a_private_ca_and_another_ca_is_refused_at_once() {
         .stderr(Stdio::null())
         .spawn()
         .expect("start rlaunch-rendezvous");
-    let _service = Service(service);
+    let _service = KillOnDrop(service);
     let started = Instant::now();
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
         assert!(started.elapsed() < Duration::from_secs(10), "the service did not listen");

@@ -172,7 +172,8 @@ mod tests {
             ("user@svc:1", "'@'"),
         ] {
             let e = given.parse::<Endpoint>().expect_err(given);
-            assert!(e.to_string().contains(why) && e.to_string().contains(given), "{given}: {e}");
+            // The reason itself: the message's fixed text names "port" and "http" whatever it is.
+            assert!(e.why.contains(why) && e.to_string().contains(given), "{given}: {e}");
         }
     }
 }

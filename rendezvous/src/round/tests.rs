@@ -13,7 +13,7 @@ fn rc(message: impl ToString) -> Box<RootCause> {
     Box::new(RootCause::from_message(message.to_string()))
 }
 
-fn settings(min: u32, max: u32) -> JobSettings {
+pub(crate) fn settings(min: u32, max: u32) -> JobSettings {
     JobSettings {
         min_nodes: min,
         max_nodes: max,
@@ -29,7 +29,7 @@ fn settings(min: u32, max: u32) -> JobSettings {
     }
 }
 
-fn node(id: &str) -> NodeInfo {
+pub(crate) fn node(id: &str) -> NodeInfo {
     NodeInfo {
         node_id: id.to_owned(),
         local_world_size: 2,

@@ -6,35 +6,11 @@ use std::time::Duration;
 
 use super::*;
 use crate::detector::Health;
-use crate::round::{apply, Action, Event, NodeInfo, Phase, RoundCause};
+use crate::round::tests::node;
+use crate::round::{apply, Action, Event, Phase, RoundCause};
 
 fn settings() -> JobSettings {
-    JobSettings {
-        min_nodes: 3,
-        max_nodes: 3,
-        join_timeout: Duration::from_secs(60),
-        last_call_timeout: Duration::from_secs(5),
-        heartbeat_interval: Duration::from_millis(500),
-        node_ttl: Duration::from_secs(2),
-        probe_timeout: Duration::from_secs(1),
-        max_restarts: 2,
-        stop_grace: Duration::ZERO,
-        hang_timeout: None,
-        fingerprint: None,
-    }
-}
-
-fn node(id: &str) -> NodeInfo {
-    NodeInfo {
-        node_id: id.to_owned(),
-        local_world_size: 1,
-        store_addr: format!("{id}:29500").parse().unwrap(),
-        probe_addr: None,
-        snapshot_addr: None,
-        snapshot_key: None,
-        snapshots: Vec::new(),
-        fingerprint: None,
-    }
+    crate::round::tests::settings(3, 3)
 }
 
 /// Round 1 running with a, b and c (closed at t = 200), as etcd stores it: no heartbeat times.
