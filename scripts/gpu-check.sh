@@ -25,6 +25,8 @@
 #   scripts/gpu-check.sh --pack DIR      build here and put the binaries in DIR/bin (stripped),
 #                                        for a GPU machine without a Rust toolchain
 #   scripts/gpu-check.sh --prebuilt DIR  run everything with the binaries in DIR/bin
+# RLAUNCH_GPU_CHECK_SECTIONS="1 2 3 4 5" (the default) names the sections to run: a machine lent
+# for 10 minutes a command runs them in two commands (say "1 2 3 4", then "5").
 # Exit status 0 = every check passed.
 # Libraries: libcuda from the driver; NVRTC 13, cuBLAS 13 and NCCL 2 from the CUDA toolkit,
 # the system, PyPI wheels in .venv or in the system Python (all searched; see
@@ -117,16 +119,26 @@ RLAUNCH_CUDA_LIB_DIRS="${RLAUNCH_CUDA_LIB_DIRS:+$RLAUNCH_CUDA_LIB_DIRS:}$(IFS=:;
 export RLAUNCH_CUDA_LIB_DIRS
 say "extra library directories: ${RLAUNCH_CUDA_LIB_DIRS:-none}"
 
-# ---- 1. kernels, GPU training, NCCL, benchmarks ---------------------------------------------
-say "running the checks and benchmarks (gpu_check)"
+SECTIONS=" ${RLAUNCH_GPU_CHECK_SECTIONS:-1 2 3 4 5} "
+want() { [[ "$SECTIONS" == *" $1 "* ]]; }
+check_rc=0 train_rc=0 torch_rc=0 paths_rc=0 survivor_rc=0
 rm -f "$OUT"
+
+# ---- 1. kernels, GPU training, NCCL, benchmarks ---------------------------------------------
+if want 1; then
+say "running the checks and benchmarks (gpu_check)"
 RUST_BACKTRACE=0 RUST_LIB_BACKTRACE=0 RLAUNCH_GPU_CHECK_OUT="$OUT" RLAUNCH_GPU_CHECK_DATE="$DATE" \
   timeout 240 "$CHECK" --ignored --exact kernels_nvrtc::gpu_check --nocapture --test-threads 1 2>&1 | tee "$LOG/gpu_check.txt"
 check_rc=${PIPESTATUS[0]}
+fi
 if [ ! -s "$OUT" ]; then
   { echo "# GPU checks and benchmarks"; echo; echo "- date: $DATE"; echo
-    echo "gpu_check did not produce a report (exit $check_rc); its output:"; echo; echo '```'
-    sed -n '/^test kernels_nvrtc::gpu_check/,$p' "$LOG/gpu_check.txt" | head -60; echo '```'; } > "$OUT"
+    if want 1; then
+      echo "gpu_check did not produce a report (exit $check_rc); its output:"; echo; echo '```'
+      sed -n '/^test kernels_nvrtc::gpu_check/,$p' "$LOG/gpu_check.txt" | head -60; echo '```'
+    else
+      echo "Sections run: $SECTIONS"
+    fi; } > "$OUT"
 fi
 { echo; echo "## Versions"; echo; echo '```'
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
@@ -136,8 +148,8 @@ fi
   echo '```'; } >> "$OUT"
 
 # ---- 2. train --device cuda against --device cpu, under rlaunch -----------------------------
+if want 2; then
 { echo; echo "## train example: --device cuda against --device cpu (under rlaunch, 1 rank)"; echo; } >> "$OUT"
-train_rc=0
 for run in "cpu fp32" "cuda fp32" "cuda bf16"; do
   set -- $run
   # The loader's path carries the wheel directories: train searches the toolkit and a .venv.
@@ -165,12 +177,16 @@ for p in "fp32 0.05" "bf16 0.15"; do
   echo >> "$OUT"
 done
 
+fi
+
 # ---- 3. PyTorch DDP on NCCL: rlaunch against torchrun, then a rank killed mid-step -----------
-torch_rc=0
+# (The probe of how many ranks share the GPU serves section 4 too.)
+if want 3 || want 4; then
 { echo; echo "## PyTorch DDP on NCCL (bench/gpu/ddp_nccl.py, unmodified torchrun-style script)"; echo; } >> "$OUT"
 SCRIPT=bench/gpu/ddp_nccl.py
 # Two ranks on one GPU need NCCL to allow it (NCCL_MULTI_RANK_GPU_ENABLE, NCCL 2.30+); try it
 # under torchrun, else one rank per GPU.
+SHARE=()
 ngpu=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 NPROC=$ngpu
 if [ "${ngpu:-0}" -lt 2 ]; then
@@ -180,17 +196,29 @@ if [ "${ngpu:-0}" -lt 2 ]; then
     NPROC=2; export NCCL_MULTI_RANK_GPU_ENABLE=1
     echo "Two ranks share the one GPU (NCCL_MULTI_RANK_GPU_ENABLE=1 accepted)." >> "$OUT"
   else
-    echo "Two ranks on one GPU refused by this NCCL (probe under torchrun, last lines below): one rank." >> "$OUT"
+    echo "Two ranks on one GPU refused by this NCCL (probe under torchrun, last lines below)." >> "$OUT"
     { echo; echo '```'; grep -vE '^\s*$' "$LOG/ddp-probe.txt" | grep -E 'Error|NCCL|Duplicate|same GPU|invalid' | grep -v error_file | tail -8; echo '```'; echo; } >> "$OUT"
+    # Each rank a host of its own to NCCL (bench/gpu/hostid.py sets NCCL_HOSTID per rank): the
+    # two ranks talk over NCCL's socket transport, as two nodes would, and the script runs as it is.
+    if timeout 90 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
+         bench/gpu/hostid.py "$SCRIPT" --steps 30 --warmup 5 > "$LOG/ddp-probe-hostid.txt" 2>&1; then
+      NPROC=2 SHARE=(bench/gpu/hostid.py)
+      echo "Two ranks share the one GPU with an NCCL_HOSTID each (bench/gpu/hostid.py: NCCL's socket transport on loopback, as between two nodes)." >> "$OUT"
+    else
+      echo "Two ranks with an NCCL_HOSTID each failed too (below): one rank." >> "$OUT"
+      { echo; echo '```'; grep -vE '^\s*$' "$LOG/ddp-probe-hostid.txt" | grep -E 'Error|NCCL|invalid' | grep -v error_file | tail -8; echo '```'; echo; } >> "$OUT"
+    fi
   fi
 fi
+fi
+if want 3; then
 { echo; echo "| launcher | ranks | wall s (launch to exit) | steps/s rank 0 | exit |"; echo "|---|---|---|---|---|"; } >> "$OUT"
 declare -A WALL RATE
 for round in 1 2; do
   for who in torchrun rlaunch; do
     if [ $who = torchrun ]; then cmd=("$PY" -m torch.distributed.run); else cmd=("$RLAUNCH"); fi
     t0=$(date +%s.%N)
-    timeout 120 "${cmd[@]}" --standalone --nproc-per-node "$NPROC" "$SCRIPT" --steps 300 > "$LOG/ddp-$who-$round.txt" 2>&1
+    timeout 120 "${cmd[@]}" --standalone --nproc-per-node "$NPROC" "${SHARE[@]}" "$SCRIPT" --steps 300 > "$LOG/ddp-$who-$round.txt" 2>&1
     rc=$?
     t1=$(date +%s.%N)
     wall=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.2f", b - a }')
@@ -209,7 +237,7 @@ ratio() { awk -v a="$1" -v b="$2" 'BEGIN { n = split(a, x, " "); split(b, y, " "
 kill_rank=$((NPROC - 1))
 ck=$(mktemp -d)
 t0=$(date +%s.%N)
-timeout 150 "$RLAUNCH" --standalone --nproc-per-node "$NPROC" --max-restarts 1 "$SCRIPT" --steps 300 \
+timeout 150 "$RLAUNCH" --standalone --nproc-per-node "$NPROC" --max-restarts 1 "${SHARE[@]}" "$SCRIPT" --steps 300 \
   --ckpt "$ck" --ckpt-every 20 --kill-rank "$kill_rank" --kill-step 150 > "$LOG/ddp-kill.txt" 2>&1
 rc=$?
 t1=$(date +%s.%N)
@@ -222,18 +250,31 @@ if [ $rc -ne 0 ] || [ "$restarted" -lt 1 ] || [ "$finished" -ne "$NPROC" ]; then
   echo "exit $rc after $wall s (timeout 150 s: a hang in NCCL would show as 124); restarted group resumed: $restarted; ranks finished in attempt 1: $finished of $NPROC."; echo
   echo '```'; grep -E 'ddp-nccl|restart|exit|signal|fail|Error|error' "$LOG/ddp-kill.txt" | grep -v '^\s*$' | head -30; echo '```'; } >> "$OUT"
 
+fi
+
 # ---- 4. what landed after the first GPU checks (bench/gpu/gpu_paths.py) ----------------------
+if want 4; then
 # Snapshots of CUDA tensors, warm workers with CUDA, a rank of an NCCL job killed mid-step with
 # snapshots, the Rust runtime against PyTorch on the same MLP; each beside its peer.
-paths_rc=0
 say "running the snapshot, warm-worker and Rust-against-PyTorch checks (gpu_paths.py)"
 RLAUNCH_CUDA_LIB_DIRS="$RLAUNCH_CUDA_LIB_DIRS" timeout 420 "$PY" bench/gpu/gpu_paths.py --rlaunch "$RLAUNCH" \
-  --train "$TRAIN" --out "$OUT" --logs "$LOG" --nproc "$NPROC" ${RLAUNCH_GPU_PATHS_ONLY:+--only "$RLAUNCH_GPU_PATHS_ONLY"} || paths_rc=1
+  --train "$TRAIN" --out "$OUT" --logs "$LOG" --nproc "$NPROC" ${SHARE:+--share-hostid} ${RLAUNCH_GPU_PATHS_ONLY:+--only "$RLAUNCH_GPU_PATHS_ONLY"} || paths_rc=1
+
+fi
+
+# ---- 5. a survivor keeps its process on NCCL (bench/gpu/nccl_survivor.py) ------------------
+if want 5; then
+# Two ranks on the GPU (an NCCL_HOSTID each), the peer killed or stopped mid-step: the survivor
+# aborts the communicator while its all-reduce waits, makes a new group and trains on.
+say "running the survivor checks (nccl_survivor.py)"
+timeout 240 "$PY" bench/gpu/nccl_survivor.py --out "$OUT" --logs "$LOG" > "$LOG/nccl_survivor.txt" 2>&1 || survivor_rc=1
+tail -5 "$LOG/nccl_survivor.txt" >&2
+fi
 
 say "report: $OUT; logs: $LOG"
-if [ "$check_rc" -eq 0 ] && [ "$train_rc" -eq 0 ] && [ "$torch_rc" -eq 0 ] && [ "$paths_rc" -eq 0 ]; then
+if [ "$check_rc" -eq 0 ] && [ "$train_rc" -eq 0 ] && [ "$torch_rc" -eq 0 ] && [ "$paths_rc" -eq 0 ] && [ "$survivor_rc" -eq 0 ]; then
   say "every check passed"
   exit 0
 fi
-say "FAILED (gpu_check exit $check_rc, train comparison $train_rc, PyTorch NCCL $torch_rc, new paths $paths_rc); see $OUT and $LOG"
+say "FAILED (gpu_check exit $check_rc, train comparison $train_rc, PyTorch NCCL $torch_rc, new paths $paths_rc, survivor $survivor_rc); see $OUT and $LOG"
 exit 1

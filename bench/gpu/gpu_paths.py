@@ -27,6 +27,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "paths_worker.py")
+HOSTID = os.path.join(HERE, "hostid.py")
 PY = sys.executable
 failures = []
 
@@ -137,8 +138,9 @@ def section_kill(a, w):
     w("\n## A rank of an NCCL job SIGKILLed mid-step, with a snapshot every step\n")
     d = tempfile.mkdtemp(prefix="gpu-kill-")
     log = os.path.join(a.logs, "kill.txt")
-    rc, t0, t1 = run([a.rlaunch, "--standalone", "--nproc-per-node", str(a.nproc), "--max-restarts", "1",
-                      WORKER, "kill", d, "--steps", "300", "--kill-step", "150"], log, 150)
+    share = [HOSTID] if a.share_hostid else []
+    rc, t0, t1 = run([a.rlaunch, "--standalone", "--nproc-per-node", str(a.nproc), "--max-restarts", "1"]
+                     + share + [WORKER, "kill", d, "--steps", "300", "--kill-step", "150"], log, 150)
     killed = a.nproc - 1
     k0, k1 = load(d, f"kill.0.{killed}.json"), load(d, f"kill.1.{killed}.json")
     if not k0 or not k1:
@@ -200,6 +202,8 @@ def main():
     ap.add_argument("--logs", required=True)
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("--only", default="snap,warm,kill,mlp")
+    ap.add_argument("--share-hostid", action="store_true",
+                    help="ranks share the GPU with an NCCL_HOSTID each (through hostid.py)")
     a = ap.parse_args()
     os.makedirs(a.logs, exist_ok=True)
     f = open(a.out, "a")
