@@ -18,12 +18,16 @@
 
 use std::time::Duration;
 
-use rlaunch::contract::{HangTimeout, HostPort, RootCause, RoundInfo};
+use rlaunch::contract::{RootCause, RoundInfo};
 
 mod events;
+mod park;
+mod placement;
 pub use events::{
     Action, CallError, Cause, Event, Outcome, Report, ReportKind, RunOutcome, SnapshotRound, Watch, WorkersEnd,
 };
+pub use park::PARK_WITHIN;
+pub use placement::Placement;
 
 /// Milliseconds on the driver's monotonic clock (made-up numbers in tests).
 pub type Millis = u64;
@@ -45,70 +49,6 @@ pub const REPORT_BACKOFF_MAX: Duration = Duration::from_secs(2);
 pub const HANG_LINGER: Duration = Duration::from_secs(10);
 /// How often a lingering node asks whether every rank's stack has reached the root cause.
 pub const LINGER_POLL: Duration = Duration::from_millis(500);
-
-/// Where this node's workers run in the current round or attempt.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Placement {
-    /// The rendezvous round (fixed membership: the attempt, counted from 1).
-    pub round: u64,
-    pub group_rank: u32,
-    pub group_world_size: u32,
-    /// Global rank of this node's local rank 0 (prefix sum of earlier nodes' workers).
-    pub rank_offset: u32,
-    pub world_size: u32,
-    /// The workers' store (`MASTER_ADDR:MASTER_PORT`); `None`: this agent serves it, on a
-    /// fresh address the driver picks for the attempt.
-    pub master: Option<HostPort>,
-    pub restart_count: u32,
-    /// The job's `--hang-timeout` (elastic: the rendezvous' for the whole job; fixed: this
-    /// agent's own).
-    pub hang_timeout: Option<HangTimeout>,
-    /// How the round's nodes differ in their fingerprints (elastic; empty when they do not).
-    pub fingerprint_diff: Vec<String>,
-    /// The round's members (elastic, when the join asked for them: snapshots).
-    pub members: Vec<rlaunch::contract::Member>,
-}
-
-impl Placement {
-    /// A fixed membership's placement (standalone, static): node `group_rank` of `nnodes`, each
-    /// with `nproc` workers, the store at `master` (`None`: this agent serves it).
-    pub fn fixed(
-        group_rank: u32,
-        nnodes: u32,
-        nproc: u32,
-        master: Option<HostPort>,
-        hang_timeout: Option<HangTimeout>,
-    ) -> Placement {
-        Placement {
-            round: 1,
-            group_rank,
-            group_world_size: nnodes,
-            rank_offset: group_rank.saturating_mul(nproc),
-            world_size: nnodes.saturating_mul(nproc),
-            master,
-            restart_count: 0,
-            hang_timeout,
-            fingerprint_diff: Vec::new(),
-            members: Vec::new(),
-        }
-    }
-
-    /// The placement a closed round gives this node.
-    pub fn from_round(r: &RoundInfo) -> Placement {
-        Placement {
-            round: r.round,
-            group_rank: r.group_rank,
-            group_world_size: r.group_world_size,
-            rank_offset: r.rank_offset,
-            world_size: r.world_size,
-            master: Some(r.master_store_addr.clone()),
-            restart_count: r.restart_count,
-            hang_timeout: r.hang_timeout,
-            fingerprint_diff: r.fingerprint_diff.clone(),
-            members: r.members.clone(),
-        }
-    }
-}
 
 /// How membership is decided.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -179,6 +119,8 @@ enum AfterStop {
     /// Elastic: leave the job, then end interrupted.
     Leave(i32),
     Exit(Outcome),
+    /// Start this placement's workers (parked workers could not resume: one died).
+    Start(Box<Placement>),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -192,6 +134,13 @@ enum Phase {
     Running {
         placement: Placement,
         succeeded: bool,
+    },
+    /// Elastic: the round ended elsewhere and every worker of this node keeps its process
+    /// (`rlaunch.resilient`): they were told (`Park`); until `until` the node waits for them
+    /// to park, then joins the next round with them.
+    Parking {
+        round: u64,
+        until: Millis,
     },
     /// `StopWorkers` was sent.
     Stopping {
@@ -281,6 +230,12 @@ pub struct Core {
     features: Features,
     /// When to start the next set of warm workers, and for which placement.
     refill_at: Option<(Millis, Placement)>,
+    /// How many of this node's workers keep their process across rounds (`rlaunch.resilient`).
+    opted_in: u32,
+    /// The round after which this node's workers parked: alive, waiting for the next round.
+    parked: Option<u64>,
+    /// A parked worker ended while the node joined: the others are stopped, not resumed.
+    park_broken: bool,
 }
 
 fn ms(d: Duration) -> Millis {
@@ -347,6 +302,9 @@ impl Core {
             ever_joined: false,
             features: Features::default(),
             refill_at: None,
+            opted_in: 0,
+            parked: None,
+            park_broken: false,
         }
     }
 
@@ -399,6 +357,8 @@ impl Core {
             Event::Heartbeat(result) => self.on_heartbeat(result, now, &mut out),
             Event::RootCauseFetched(rc, round) => self.on_root_cause(rc, round, now, &mut out),
             Event::Signal(sig) => self.on_signal(sig, now, &mut out),
+            Event::OptedIn(n) => self.opted_in = n,
+            Event::WorkersParked => self.on_parked(&mut out),
             Event::Tick => self.on_tick(now, &mut out),
         }
         if let Some((at, _)) = &self.refill_at {
@@ -437,13 +397,23 @@ impl Core {
     }
 
     fn exit(&mut self, outcome: Outcome, out: &mut Vec<Action>) {
+        if let Some(round) = self.parked.take() {
+            // Parked workers are alive: nothing of the job is left running.
+            self.stop_workers(round, AfterStop::Exit(outcome), out);
+            return;
+        }
         self.phase = Phase::Done;
         self.outbox = None;
         out.push(Action::Exit(outcome));
     }
 
+    /// Starts the placement's workers, or hands it to the parked ones.
     fn start_workers(&mut self, placement: Placement, now: Millis, out: &mut Vec<Action>) {
-        debug_assert!(!self.workers_alive, "workers are started only once the previous ones are gone");
+        let resume = self.parked.take().is_some();
+        debug_assert!(resume || !self.workers_alive, "workers are started only once the previous ones are gone");
+        if !resume {
+            self.opted_in = 0; // new processes opt in anew
+        }
         self.workers_alive = true;
         self.started_at = now;
         self.success_acked = false;
@@ -454,7 +424,7 @@ impl Core {
             out.extend(note.map(Action::Note));
             out.push(Action::BeginSnapshots(snapshots));
         }
-        out.push(Action::StartWorkers(placement.clone()));
+        out.push(if resume { Action::Resume(placement.clone()) } else { Action::StartWorkers(placement.clone()) });
         if self.features.warm_workers {
             self.refill_at = Some((now.saturating_add(ms(REFILL_AFTER)), placement.clone()));
         }
@@ -522,7 +492,7 @@ impl Core {
             Ok(round) => {
                 self.ever_joined = true;
                 self.restarts = round.restart_count;
-                self.start_workers(Placement::from_round(&round), now, out);
+                self.joined(Placement::from_round(&round), now, out);
             }
             Err(CallError::Transient(e)) => {
                 let silent = now.saturating_sub(self.last_contact);
@@ -563,6 +533,9 @@ impl Core {
 
     fn on_workers_ended(&mut self, end: WorkersEnd, now: Millis, out: &mut Vec<Action>) {
         let Phase::Running { placement, succeeded: false } = &self.phase else {
+            if self.parked_worker_ended(&end, out) {
+                return;
+            }
             // Already stopping them for another reason: the stop decides what comes next.
             if let WorkersEnd::Failed(rc) | WorkersEnd::Hung(rc) = end {
                 self.local_failure = Some(rc);
@@ -664,6 +637,7 @@ impl Core {
             AfterStop::JobFailed(reason) => self.job_failed(reason, out),
             AfterStop::Leave(signal) => self.leave(signal, now, out),
             AfterStop::Exit(outcome) => self.exit(outcome, out),
+            AfterStop::Start(placement) => self.start_workers(*placement, now, out),
         }
     }
 
@@ -676,6 +650,10 @@ impl Core {
             Ok(Watch::NoChange) => {
                 self.unreachable_since = None;
                 out.push(Action::Watch { round });
+            }
+            Ok(Watch::NewRound(n)) if !succeeded && self.can_park() => {
+                out.push(Action::Note(format!("the job is re-forming (round {n}); the workers keep their processes")));
+                self.park(&placement, now, out);
             }
             Ok(Watch::NewRound(n)) => {
                 out.push(Action::Note(format!("the job is re-forming (round {n}); stopping workers and rejoining")));
@@ -699,6 +677,12 @@ impl Core {
                     out.push(Action::ShareStacks { round });
                     self.stop_workers(round, AfterStop::JobFailed(reason), out);
                 }
+            }
+            Err(CallError::NotMember) if !succeeded && self.can_park() => {
+                out.push(Action::Note(
+                    "the rendezvous declared this node lost; the workers keep their processes".into(),
+                ));
+                self.park(&placement, now, out);
             }
             Err(CallError::NotMember) => {
                 out.push(Action::Note("the rendezvous declared this node lost; stopping workers and rejoining".into()));
@@ -915,7 +899,7 @@ impl Core {
                 let round = placement.round;
                 self.stop_workers(round, then, out);
             }
-            Phase::Lingering { round, .. } => {
+            Phase::Lingering { round, .. } | Phase::Parking { round, .. } => {
                 let round = *round;
                 self.stop_workers(round, then, out);
             }
@@ -932,6 +916,7 @@ impl Core {
     }
 
     fn on_tick(&mut self, now: Millis, out: &mut Vec<Action>) {
+        self.parking_tick(now, out);
         if matches!(self.phase, Phase::Holding { until, .. } if now >= until) {
             if let Phase::Holding { round, then, .. } = std::mem::replace(&mut self.phase, Phase::Idle) {
                 self.after_stop(round, then, now, out);

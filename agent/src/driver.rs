@@ -48,6 +48,7 @@ pub(crate) async fn run(config: &AgentConfig, ctx: &Ctx<'_>, signals: &mut Signa
         calls: JoinSet::new(),
         join: None,
         watching_hangs: false,
+        control: None,
     };
     if let Some(pool) = ctx.warm {
         // Before the first rendezvous: a spare has its workers warm before any fault.
@@ -117,6 +118,8 @@ enum GroupCmd {
     },
     /// Where the running ranks stand, as report lines (none without hang detection).
     Stacks(tokio::sync::oneshot::Sender<Vec<String>>),
+    /// The workers kept their processes into a new round: these are their ranks now.
+    Renumber(Vec<rlaunch::env::WorkerEnv>),
 }
 
 /// The effects of [`Supervisor`]'s decisions for one group, on a task of its own: exits, the
@@ -169,6 +172,11 @@ fn supervise(
                     Some(GroupCmd::Stacks(reply)) => {
                         replies.push(reply);
                         SupEvent::StacksWanted
+                    }
+                    Some(GroupCmd::Renumber(envs)) => {
+                        sup.renumber(envs.iter().map(|e| e.rank).collect());
+                        group.renumber(envs);
+                        continue;
                     }
                     // The driver let go of the group: `WorkerGroup`'s drop kills what is left.
                     None => return,
@@ -312,6 +320,8 @@ struct Io<'a> {
     join: Option<AbortHandle>,
     /// The running group reads stacks (`--hang-timeout`, the job's).
     watching_hangs: bool,
+    /// Elastic: the socket of workers that keep their process across rounds.
+    control: Option<crate::control::Control>,
 }
 
 /// The core's view of a call's result.
@@ -356,6 +366,13 @@ impl Io<'_> {
                     (setup.client.clone(), setup.node.node_id.clone(), self.ctx.progress.clone());
                 self.calls.spawn(report_progress(client, node_id, progress));
                 self.elastic = Some(setup);
+                // Without it workers cannot opt in to keeping their process; the job runs as
+                // it would otherwise.
+                self.control = crate::control::Control::start(self.tx.clone())
+                    .map_err(
+                        |e| warn!(error = %e, "cannot serve the workers' control socket: rlaunch.resilient is off"),
+                    )
+                    .ok();
                 Ok(Membership::Elastic { node_ttl: config.job.node_ttl, join_timeout: config.job.join_timeout })
             }
         }
@@ -371,6 +388,13 @@ impl Io<'_> {
         match action {
             Action::Join => self.join().await?,
             Action::StartWorkers(p) => self.start_workers(p).await?,
+            Action::Park { round, hosts } => {
+                info!(round, "telling the workers that keep their process that the round ended");
+                if let Some(c) = &self.control {
+                    c.end_round(round, &hosts);
+                }
+            }
+            Action::Resume(p) => self.resume_workers(p),
             Action::BeginSnapshots(round) => self.begin_snapshots(round),
             Action::EndRound { flush_console } => {
                 if flush_console {
@@ -550,7 +574,12 @@ impl Io<'_> {
                 warn!("  {l}");
             }
         }
-        let specs = worker_specs(self.config, &p, &master, &self.ctx.view());
+        let mut specs = worker_specs(self.config, &p, &master, &self.ctx.view());
+        if let Some(c) = &self.control {
+            for spec in &mut specs {
+                spec.overrides.push(c.worker_env());
+            }
+        }
         // Before any worker runs: a warm one may ask for its state at once.
         self.ctx.progress.begin(p.round, p.rank_offset..p.rank_offset.saturating_add(self.config.nproc_per_node));
         let io = self.group_io(p.restart_count)?;
@@ -579,8 +608,49 @@ impl Io<'_> {
         if let Some(s) = &steps {
             s.lock().unwrap_or_else(|p| p.into_inner()).clear(); // the last round's ranks
         }
+        if let Some(c) = &self.control {
+            c.new_group(group.pids().into_iter().enumerate().map(|(i, pid)| (i as u32, pid)).collect());
+        }
         self.group = Some(supervise(group, self.config.job.stop_grace, self.tx.clone(), hang, steps));
         Ok(())
+    }
+
+    /// Hands the parked workers the placement's environment: the same processes run the
+    /// program's function again, with exactly the environment a fresh worker would get.
+    fn resume_workers(&mut self, p: Placement) {
+        let master = p.master.clone().expect("an elastic round names its workers' store");
+        info!(
+            round = p.round,
+            group_rank = p.group_rank,
+            nodes = p.group_world_size,
+            world_size = p.world_size,
+            restart_count = p.restart_count,
+            master = %master,
+            "the workers keep their processes: resuming them in the new round"
+        );
+        let mut specs = worker_specs(self.config, &p, &master, &self.ctx.view());
+        let Some(control) = &self.control else { return };
+        for spec in &mut specs {
+            spec.overrides.push(control.worker_env());
+        }
+        for spec in &specs {
+            // Where the new round's error file goes (the worker's output stays in its files).
+            if let Err(e) = self.ctx.log_root.create_dirs(&spec.dir) {
+                warn!(path = %spec.dir.display(), error = %e, "cannot make a worker's directory for the new round");
+            }
+        }
+        self.ctx.progress.begin(p.round, p.rank_offset..p.rank_offset.saturating_add(self.config.nproc_per_node));
+        let envs = specs
+            .iter()
+            .map(|s| {
+                let mut vars: Vec<(String, String)> =
+                    s.env.to_vars(self.ctx.agent_env).into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
+                vars.extend(s.overrides.iter().map(|(k, v)| ((*k).to_owned(), v.clone())));
+                (s.env.local_rank, vars)
+            })
+            .collect();
+        control.resume(p.round, &envs);
+        self.command(GroupCmd::Renumber(specs.into_iter().map(|s| s.env).collect()));
     }
 
     /// Opens the round's snapshots as the core chose.

@@ -9,6 +9,7 @@
 pub mod beats;
 pub mod config;
 pub mod contain;
+mod control;
 pub mod core;
 mod driver;
 mod elastic;

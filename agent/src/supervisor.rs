@@ -167,6 +167,13 @@ fn ms(d: Duration) -> Millis {
 }
 
 impl Supervisor {
+    /// The workers kept their processes into a new round: these are their global ranks now.
+    pub fn renumber(&mut self, ranks: Vec<u32>) {
+        if ranks.len() == self.ranks.len() {
+            self.ranks = ranks;
+        }
+    }
+
     /// A group of workers with these global ranks, started at `now`.
     pub fn new(ranks: Vec<u32>, hang: Option<HangPolicy>, steps: bool, now: Millis) -> Supervisor {
         let n = ranks.len();

@@ -274,6 +274,14 @@ impl WorkerGroup {
         self.workers.iter().position(|w| w.exit.is_none())
     }
 
+    /// The workers kept their processes into a new round: their environment there (by index),
+    /// for the reports that name their ranks and error files.
+    pub fn renumber(&mut self, envs: Vec<rlaunch::env::WorkerEnv>) {
+        for (w, env) in self.workers.iter_mut().zip(envs) {
+            w.spec.env = env;
+        }
+    }
+
     /// Each worker's global rank, by index.
     pub fn ranks(&self) -> Vec<u32> {
         self.workers.iter().map(|w| w.spec.env.rank).collect()

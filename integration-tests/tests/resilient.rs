@@ -27,3 +27,81 @@ fn a_gloo_collective_waiting_on_a_frozen_peer_ends_at_the_interrupt_and_a_new_gr
     assert!(value("ended_after=") < 5.0, "{out}");
     assert!(out.contains("raised: ") && out.contains("new_group_ok"), "{out}");
 }
+
+/// Heartbeats every 0.5 s, a node lost after 2 s without one.
+const CONF: &str = "heartbeat_interval=0.5,node_ttl=2,last_call_timeout=1,join_timeout=30";
+
+/// The environment a worker recorded at its `entry`-th run of the function.
+fn entry_env(dir: &std::path::Path, host: &str, entry: u32) -> Option<serde_json::Value> {
+    let text = std::fs::read_to_string(dir.join(format!("env.{host}.0.{entry}.json"))).ok()?;
+    serde_json::from_str(&text).ok()
+}
+
+/// Two hosts, one gloo rank each, the function under `@rlaunch.resilient`; host b loses every
+/// process. Host a's worker keeps its process (same pid, its imports and state), runs the
+/// function again alone, with the environment of the new round, and resumes from its snapshot.
+#[test]
+fn a_survivor_keeps_its_process_when_the_other_host_is_killed_and_runs_on_with_the_new_round_s_environment() {
+    use integration_tests::netns::{self, finish, listening, wait_formed, Cluster};
+
+    let cluster = Cluster::new(2);
+    let dir = integration_tests::tempdir();
+    let out = dir.path();
+    let endpoint = format!("{}:29400", cluster.host(0).ip);
+    let python = venv_python();
+    let script = repo_root().join("integration-tests/py/resilient_loop.py");
+    let program = [python.to_str().unwrap(), script.to_str().unwrap(), out.to_str().unwrap()];
+    let args = netns::rdzv_args("1:2", 1, &endpoint, "resilient", CONF, "3", &program);
+    let agent = |i: usize| {
+        let h = cluster.host(i);
+        let mut c = h.command(integration_tests::bin("rlaunch"));
+        c.args(&args).env("RLAUNCH_LOG", "info").env("RL_HOST", &h.name).env("GLOO_SOCKET_IFNAME", "eth0");
+        netns::Proc::spawn(c, &format!("rlaunch on host {}", h.name), &out.join(format!("rlaunch-{}.log", h.name)))
+    };
+    let mut agents = vec![agent(0)];
+    integration_tests::wait_until("host a to host the rendezvous server", Duration::from_secs(10), || {
+        listening(&endpoint)
+    });
+    agents.push(agent(1));
+    let before = wait_formed(out, &["a", "b"], 1, &mut agents, Duration::from_secs(60));
+    let a0 = before.iter().find(|s| s.host == "a").expect("host a's worker").clone();
+
+    let t0 = netns::now_unix_f64();
+    cluster.host(1).kill_all();
+    let after = wait_formed(out, &["a"], 1, &mut agents[..1], Duration::from_secs(30));
+    eprintln!("host b killed: host a's worker ran the function again after {:.2} s, same process", after[0].t - t0);
+    assert_eq!(after[0].pid, a0.pid, "host a's worker kept its process: {before:?} -> {after:?}");
+
+    let first = entry_env(out, "a", 1).expect("host a's first entry");
+    let second = entry_env(out, "a", 2).expect("host a's second entry: the function ran again");
+    assert_eq!(first["pid"], second["pid"]);
+    let (e1, e2) = (&first["env"], &second["env"]);
+    // The new round's placement, as a fresh worker of it gets it.
+    for (key, want) in [
+        ("WORLD_SIZE", "1"),
+        ("GROUP_WORLD_SIZE", "1"),
+        ("ROLE_WORLD_SIZE", "1"),
+        ("RANK", "0"),
+        ("GROUP_RANK", "0"),
+        ("LOCAL_RANK", "0"),
+        ("LOCAL_WORLD_SIZE", "1"),
+    ] {
+        assert_eq!(e2[key], want, "{key} after the re-entry: {e2:#}");
+    }
+    // A node loss spends no restart; the round's store is a new one; the run is the same.
+    assert_eq!(e2["TORCHELASTIC_RESTART_COUNT"], e1["TORCHELASTIC_RESTART_COUNT"]);
+    assert_eq!(e2["TORCHELASTIC_RUN_ID"], e1["TORCHELASTIC_RUN_ID"]);
+    assert_eq!(e2["TORCHELASTIC_MAX_RESTARTS"], e1["TORCHELASTIC_MAX_RESTARTS"]);
+    assert_ne!(e2["MASTER_PORT"], e1["MASTER_PORT"], "the new round's store: {e1:#} -> {e2:#}");
+    // Every variable of torchrun's worker environment the first entry had, the second has.
+    for key in e1.as_object().unwrap().keys().filter(|k| {
+        k.starts_with("TORCHELASTIC_") || k.starts_with("MASTER_") || k.starts_with("GROUP_") || k.starts_with("ROLE_")
+    }) {
+        assert!(e2.get(key).is_some(), "{key} missing after the re-entry");
+    }
+    // State came back from the snapshot: the function resumed past step 0.
+    assert!(second["resumed_at_step"].as_u64().unwrap() > 0, "{second:#}");
+    let log = std::fs::read_to_string(out.join("rlaunch-a.log")).unwrap_or_default();
+    assert!(log.contains("the workers keep their processes"), "host a's agent log:\n{log}");
+    finish(out, &mut agents[..1]);
+}

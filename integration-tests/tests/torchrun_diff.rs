@@ -832,8 +832,12 @@ fn launch(case: &Case, who: Launcher, p: &Paths) -> Observation {
         for (k, val) in &env {
             let val = val.as_str().unwrap_or_default();
             // rlaunch's snapshots add two, documented in docs/src/worker-environment.md (the agent's socket and its
-            // Python package on PYTHONPATH), both under the agent's `rlaunch-snap-*` directory.
+            // Python package on PYTHONPATH), both under the agent's `rlaunch-snap-*` directory; an elastic
+            // job's workers also get the control socket of `rlaunch.resilient`.
             if ["RLAUNCH_SNAPSHOT", "PYTHONPATH"].contains(&k.as_str()) && val.contains("/rlaunch-snap-") {
+                continue;
+            }
+            if k == "RLAUNCH_CONTROL" && val.contains("/rlaunch-control-") {
                 continue;
             }
             if base.get(k).map(String::as_str) != Some(val) {

@@ -11,8 +11,12 @@ are; any other class only when named, ``load(allow=[MyClass])`` (see ``rlaunch.s
 ``rlaunch.interrupt.interrupt_collectives(hosts)`` ends a gloo collective that waits on a peer
 that will never answer (a frozen or cut-off host), from another thread of the same process: the
 building block of survivors that keep their process across a re-formed round.
+
+``@rlaunch.resilient`` marks the function that runs again, in the same process, when the job
+re-forms (see ``rlaunch.resilient``'s module).
 """
 
 from . import interrupt, snapshot  # noqa: F401
+from .resilient import resilient  # noqa: F401
 
-__all__ = ["interrupt", "snapshot"]
+__all__ = ["interrupt", "resilient", "snapshot"]

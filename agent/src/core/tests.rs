@@ -151,6 +151,13 @@ impl Sim {
                     self.stop_pending = true;
                 }
                 Action::ShareStacks { .. } => assert!(self.workers_alive && !self.stop_pending, "stacks of no workers"),
+                Action::Park { .. } | Action::Resume(_) => {
+                    assert!(
+                        self.workers_alive && !self.stop_pending,
+                        "parked or resumed workers that are gone: {:?}",
+                        self.log
+                    )
+                }
                 Action::Send(Report::Leave) => self.leave_pending = true,
                 Action::Exit(o) => self.exit = Some(o.clone()),
                 _ => {}
@@ -885,4 +892,105 @@ fn warm_workers_are_refilled_once_at_the_deadline_the_core_set_at_each_start_and
     ended.ev(Event::Start);
     ended.at(after + 10).ev(Event::WorkersEnded(WorkersEnd::Succeeded));
     assert!(ended.exit.is_some());
+}
+
+/// An elastic core whose two local workers opted in to keeping their process.
+fn resilient(opted_in: u32) -> Sim {
+    let mut s = Sim::new(elastic().with_features(Features { local_world_size: 2, ..Features::default() }));
+    s.joined_running(round(1, 0));
+    assert!(s.ev(Event::OptedIn(opted_in)).is_empty());
+    s
+}
+
+#[test]
+fn workers_that_all_opted_in_are_parked_at_a_new_round_and_resumed_in_it_never_stopped() {
+    let mut s = resilient(2);
+    let a = s.ev(Event::Watched { round: 1, answer: Ok(Watch::NewRound(2)) });
+    assert!(
+        matches!(&a[..], [Action::Note(_), Action::Park { round: 1, hosts }] if hosts == &["node0".to_string()]),
+        "{a:?}"
+    );
+    // Nothing happens until they parked (a tick before the bound, stale answers).
+    assert!(s.tick(5_000).is_empty());
+    assert!(s.ev(Event::Watched { round: 1, answer: Ok(Watch::NoChange) }).is_empty());
+    assert_eq!(s.ev(Event::WorkersParked), vec![Action::Join]);
+    let a = s.ev(Event::Joined(Ok(round(2, 0))));
+    assert!(matches!(&a[..], [Action::Resume(p), Action::Watch { round: 2 }] if p.round == 2), "{a:?}");
+    assert!(!s.log.contains(&STOP), "no stop: {:?}", s.log);
+    assert_eq!(s.starts, 1);
+    // They stay opted in: the next re-form parks them again; declared lost likewise.
+    let a = s.ev(Event::Watched { round: 2, answer: Err(CallError::NotMember) });
+    assert!(matches!(&a[..], [Action::Note(_), Action::Park { round: 2, .. }]), "{a:?}");
+}
+
+#[test]
+fn a_node_whose_workers_did_not_all_opt_in_stops_them_as_before() {
+    let mut s = resilient(1);
+    let a = s.ev(Event::Watched { round: 1, answer: Ok(Watch::NewRound(2)) });
+    assert_eq!(a[1..], [Action::ShareStacks { round: 1 }, STOP]);
+    // Workers started anew opt in anew: a stale count from the last group does not carry over.
+    let mut s = resilient(2);
+    s.ev(Event::WorkersEnded(failure(1)));
+    s.ev(Event::WorkersStopped);
+    s.ev(Event::Reported { kind: ReportKind::Failure, result: Ok(()) });
+    let a = s.ev(Event::Joined(Ok(round(2, 1))));
+    assert!(matches!(a[0], Action::StartWorkers(_)), "{a:?}");
+    let a = s.ev(Event::Watched { round: 2, answer: Ok(Watch::NewRound(3)) });
+    assert!(a.contains(&STOP), "{a:?}");
+}
+
+#[test]
+fn workers_that_do_not_park_in_time_are_stopped_and_the_node_rejoins() {
+    let mut s = resilient(2);
+    s.at(1_000).ev(Event::Watched { round: 1, answer: Ok(Watch::NewRound(2)) });
+    assert!(s.tick(1_000 + ms(PARK_WITHIN) - 1).is_empty());
+    let a = s.tick(1_000 + ms(PARK_WITHIN));
+    assert!(matches!(&a[..], [Action::Note(_), STOP]), "{a:?}");
+    assert_eq!(s.ev(Event::WorkersStopped), vec![Action::Join]);
+    let a = s.ev(Event::Joined(Ok(round(2, 0))));
+    assert!(matches!(a[0], Action::StartWorkers(_)), "{a:?}");
+    // A worker failing while the others park: stopped, rejoined, started anew.
+    let mut s = resilient(2);
+    s.ev(Event::Watched { round: 1, answer: Ok(Watch::NewRound(2)) });
+    let a = s.ev(Event::WorkersEnded(failure(1)));
+    assert!(matches!(&a[..], [Action::Note(_), STOP]), "{a:?}");
+}
+
+#[test]
+fn a_parked_worker_that_dies_while_the_node_joins_gets_the_group_started_anew_in_the_round() {
+    let mut s = resilient(2);
+    s.ev(Event::Watched { round: 1, answer: Ok(Watch::NewRound(2)) });
+    s.ev(Event::WorkersParked);
+    assert!(s.ev(Event::WorkersEnded(failure(9))).is_empty());
+    let a = s.ev(Event::Joined(Ok(round(2, 0))));
+    assert!(matches!(&a[..], [Action::Note(_), STOP]), "{a:?}");
+    let a = s.ev(Event::WorkersStopped);
+    assert!(matches!(&a[..], [Action::StartWorkers(p), Action::Watch { round: 2 }] if p.round == 2), "{a:?}");
+}
+
+#[test]
+fn any_end_of_the_run_while_workers_are_parked_stops_them_first() {
+    // The job finished while the node joined.
+    let mut s = resilient(2);
+    s.ev(Event::Watched { round: 1, answer: Ok(Watch::NewRound(2)) });
+    s.ev(Event::WorkersParked);
+    let a = s.ev(Event::Joined(Err(CallError::JobFinished)));
+    assert_eq!(a, vec![STOP]);
+    let a = s.ev(Event::WorkersStopped);
+    assert!(matches!(&a[..], [Action::Exit(Outcome::Run(RunOutcome::Succeeded { .. }))]), "{a:?}");
+    // A stop signal while parked: the node leaves, then stops them before it ends.
+    let mut s = resilient(2);
+    s.ev(Event::Watched { round: 1, answer: Ok(Watch::NewRound(2)) });
+    s.ev(Event::WorkersParked);
+    let a = s.ev(Event::Signal(libc::SIGTERM));
+    assert_eq!(a, vec![Action::Send(Report::Leave)]);
+    let a = s.ev(Event::Reported { kind: ReportKind::Leave, result: Ok(()) });
+    assert_eq!(a, vec![Action::StopWorkers { first: libc::SIGTERM }]);
+    let a = s.ev(Event::WorkersStopped);
+    assert!(matches!(&a[..], [Action::Exit(Outcome::Run(RunOutcome::Interrupted { signal: libc::SIGTERM }))]), "{a:?}");
+    // A stop signal while parking stops them at once.
+    let mut s = resilient(2);
+    s.ev(Event::Watched { round: 1, answer: Ok(Watch::NewRound(2)) });
+    let a = s.ev(Event::Signal(libc::SIGTERM));
+    assert_eq!(a, vec![Action::StopWorkers { first: libc::SIGTERM }]);
 }

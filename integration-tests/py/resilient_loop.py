@@ -1,0 +1,61 @@
+"""A gloo job whose function runs again in the same process when the job re-forms
+(`@rlaunch.resilient`), for the survivor tests.
+
+    resilient_loop.py OUT
+
+Once per process: imports, a tensor that stands for the model. Each entry of the function: a
+process group from the environment, a "start" line in OUT/events.log (the format of the loop
+worker of integration_tests::netns, so its helpers read it), this entry's environment in
+OUT/env.HOST.LOCAL_RANK.ENTRY.json, then steps (an all_reduce each, a snapshot each) until any
+rank sees OUT/stop (agreed with an all_reduce, so every rank leaves at the same step).
+"""
+
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import rlaunch
+
+OUT = sys.argv[1]
+HOST = os.environ.get("RL_HOST", "local")
+entries = 0
+model = torch.zeros(4)
+
+
+@rlaunch.resilient
+def train():
+    global entries
+    entries += 1
+    e = os.environ
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    step = 0
+    got = rlaunch.snapshot.load()
+    if got is not None:
+        step = got[0] + 1
+        model.copy_(got[1]["model"])
+    with open(os.path.join(OUT, f"env.{HOST}.{e['LOCAL_RANK']}.{entries}.json"), "w") as f:
+        json.dump({"env": dict(e), "pid": os.getpid(), "entry": entries, "resumed_at_step": step}, f)
+    with open(os.path.join(OUT, "events.log"), "a") as f:
+        f.write(
+            f"start t={time.time():.6f} host={HOST} local_rank={e['LOCAL_RANK']} rank={e['RANK']} "
+            f"group_rank={e['GROUP_RANK']} world_size={e['WORLD_SIZE']} group_world_size={e['GROUP_WORLD_SIZE']} "
+            f"restart={e['TORCHELASTIC_RESTART_COUNT']} master={e['MASTER_ADDR']}:{e['MASTER_PORT']} pid={os.getpid()}\n"
+        )
+    while True:
+        stop = torch.tensor([1.0 if os.path.exists(os.path.join(OUT, "stop")) else 0.0])
+        dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+        if stop.item() > 0:
+            break
+        model.add_(1.0)
+        rlaunch.snapshot.save(step, {"model": model})
+        step += 1
+        time.sleep(0.05)
+    dist.destroy_process_group()
+
+
+train()
