@@ -16,8 +16,10 @@
 //! ```
 //!
 //! Only this agent's own workers are heard: the socket lives in a directory of mode 0700, and a
-//! connection's peer (`SO_PEERCRED`) must be a worker process of this node's group, with the
-//! local rank it claims. Everything decided from this (whether to park, when to give up on a
+//! connection's peer (`SO_PEERCRED`) must be a worker process of this node's group or run under
+//! one (a launcher script's Python); its local rank is the worker's it runs under, whatever it
+//! claims (`--virtual-local-rank` gives every worker `LOCAL_RANK=0`). The first connection of a
+//! worker speaks for it while it lasts; the agent answers `{"welcome": {}}` to the one it took. Everything decided from this (whether to park, when to give up on a
 //! worker that does not park) is the core's; this file only moves messages.
 
 use std::collections::BTreeMap;
@@ -37,6 +39,8 @@ pub const CONTROL_ENV: &str = "RLAUNCH_CONTROL";
 
 /// Longest line a worker may send (a hello or a parked message is under 100 bytes).
 const MAX_LINE: u64 = 4096;
+/// Longest a message to a worker may take to be written.
+const WRITE_WITHIN: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// One worker that opted in.
 struct Worker {
@@ -203,25 +207,32 @@ fn serve(stream: UnixStream, shared: &Arc<Mutex<State>>, events: &UnboundedSende
         if let Some(hello) = msg.get("hello") {
             let claimed = hello.get("local_rank").and_then(Value::as_u64).and_then(|r| u32::try_from(r).ok());
             // A warm worker may say hello before the driver learnt the new group's pids: wait
-            // for them a little.
+            // for them a little (the lock is not held while waiting).
             let mut waited = 0;
-            let mut s = lock(shared);
             let mut ok = None;
             while waited < 200 {
-                ok = claimed.and_then(|r| s.pids.get(&r).map(|w| (r, *w))).filter(|(_, w)| descends_from(pid, *w));
+                ok = lock(shared).pids.iter().map(|(r, w)| (*r, *w)).find(|(_, w)| descends_from(pid, *w));
                 if ok.is_some() {
                     break;
                 }
-                drop(s);
                 std::thread::sleep(std::time::Duration::from_millis(10));
                 waited += 1;
-                s = lock(shared);
             }
             let Some((r, worker)) = ok else {
-                warn!(pid, claimed, "a process that is not this node's worker of that rank tried to opt in; refused");
+                warn!(pid, claimed, "a process that is not one of this node's workers tried to opt in; refused");
                 break;
             };
-            let Ok(writer) = stream.try_clone() else { break };
+            let mut s = lock(shared);
+            if s.workers.get(&r).is_some_and(|w| w.pid == worker) {
+                warn!(pid, local_rank = r, "a second connection for a worker that already opted in; refused");
+                break;
+            }
+            let Ok(mut writer) = stream.try_clone() else { break };
+            // A worker that stops reading must not hold up the agent (writes happen on its loop).
+            let _ = writer.set_write_timeout(Some(WRITE_WITHIN));
+            if send(&mut writer, &json!({"welcome": {}})).is_err() {
+                break;
+            }
             s.workers.insert(r, Worker { pid: worker, stream: writer, parked: None });
             rank = Some((r, worker));
             debug!(local_rank = r, pid, "a worker keeps its process across rounds (rlaunch.resilient)");

@@ -653,6 +653,8 @@ impl Core {
             }
             Ok(Watch::NewRound(n)) if !succeeded && self.can_park() => {
                 out.push(Action::Note(format!("the job is re-forming (round {n}); the workers keep their processes")));
+                // Where they stood, for a hang report elsewhere, before they are told.
+                out.push(Action::ShareStacks { round });
                 self.park(&placement, now, out);
             }
             Ok(Watch::NewRound(n)) => {
@@ -908,6 +910,11 @@ impl Core {
                 *pending = then;
             }
             Phase::Leaving { .. } | Phase::Done => {}
+            Phase::Joining { .. } if self.parked.is_some() => {
+                // Parked workers stop first: nothing of the job runs on while the node leaves.
+                let round = self.parked.take().unwrap_or_default();
+                self.stop_workers(round, then, out);
+            }
             _ => {
                 self.outbox = None;
                 self.leave(signal, now, out);

@@ -118,8 +118,10 @@ enum GroupCmd {
     },
     /// Where the running ranks stand, as report lines (none without hang detection).
     Stacks(tokio::sync::oneshot::Sender<Vec<String>>),
-    /// The workers kept their processes into a new round: these are their ranks now.
-    Renumber(Vec<rlaunch::env::WorkerEnv>),
+    /// The workers were told their round ended (no hang is judged while they wait).
+    Park,
+    /// The workers kept their processes into a new round: their specification there.
+    Renumber(Vec<crate::spec::WorkerSpec>),
 }
 
 /// The effects of [`Supervisor`]'s decisions for one group, on a task of its own: exits, the
@@ -173,9 +175,13 @@ fn supervise(
                         replies.push(reply);
                         SupEvent::StacksWanted
                     }
-                    Some(GroupCmd::Renumber(envs)) => {
-                        sup.renumber(envs.iter().map(|e| e.rank).collect());
-                        group.renumber(envs);
+                    Some(GroupCmd::Park) => {
+                        sup.park();
+                        continue;
+                    }
+                    Some(GroupCmd::Renumber(specs)) => {
+                        sup.renumber(specs.iter().map(|s| s.env.rank).collect(), clock());
+                        group.renumber(specs);
                         continue;
                     }
                     // The driver let go of the group: `WorkerGroup`'s drop kills what is left.
@@ -390,6 +396,7 @@ impl Io<'_> {
             Action::StartWorkers(p) => self.start_workers(p).await?,
             Action::Park { round, hosts } => {
                 info!(round, "telling the workers that keep their process that the round ended");
+                self.command(GroupCmd::Park);
                 if let Some(c) = &self.control {
                     c.end_round(round, &hosts);
                 }
@@ -592,6 +599,10 @@ impl Io<'_> {
             self.ctx.containment.clone(),
             self.ctx.warm,
         )?;
+        // At once: a warm worker may say hello within milliseconds.
+        if let Some(c) = &self.control {
+            c.new_group(group.pids().into_iter().enumerate().map(|(i, pid)| (i as u32, pid)).collect());
+        }
         self.watching_hangs = p.hang_timeout.is_some();
         let hang = p.hang_timeout.map(|timeout| {
             let (py_spy, refused) = hangwatch::find_py_spy(&self.config.program, self.ctx.agent_env);
@@ -607,9 +618,6 @@ impl Io<'_> {
         let steps = self.elastic.as_ref().map(|e| e.steps.clone());
         if let Some(s) = &steps {
             s.lock().unwrap_or_else(|p| p.into_inner()).clear(); // the last round's ranks
-        }
-        if let Some(c) = &self.control {
-            c.new_group(group.pids().into_iter().enumerate().map(|(i, pid)| (i as u32, pid)).collect());
         }
         self.group = Some(supervise(group, self.config.job.stop_grace, self.tx.clone(), hang, steps));
         Ok(())
@@ -634,9 +642,15 @@ impl Io<'_> {
             spec.overrides.push(control.worker_env());
         }
         for spec in &specs {
-            // Where the new round's error file goes (the worker's output stays in its files).
+            // Where the new round's error file and heartbeat go (the worker's output stays in
+            // the files it was started with).
             if let Err(e) = self.ctx.log_root.create_dirs(&spec.dir) {
                 warn!(path = %spec.dir.display(), error = %e, "cannot make a worker's directory for the new round");
+            }
+            if let Some(path) = &spec.heartbeat {
+                if let Err(e) = hangwatch::create_heartbeat(self.ctx.log_root, path) {
+                    warn!(path = %path.display(), error = %e, "cannot make a worker's heartbeat for the new round");
+                }
             }
         }
         self.ctx.progress.begin(p.round, p.rank_offset..p.rank_offset.saturating_add(self.config.nproc_per_node));
@@ -646,11 +660,14 @@ impl Io<'_> {
                 let mut vars: Vec<(String, String)> =
                     s.env.to_vars(self.ctx.agent_env).into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
                 vars.extend(s.overrides.iter().map(|(k, v)| ((*k).to_owned(), v.clone())));
+                if let (true, Some(path)) = (s.heartbeat_env, &s.heartbeat) {
+                    vars.push((hangwatch::HEARTBEAT_ENV.to_owned(), path.to_string_lossy().into_owned()));
+                }
                 (s.env.local_rank, vars)
             })
             .collect();
         control.resume(p.round, &envs);
-        self.command(GroupCmd::Renumber(specs.into_iter().map(|s| s.env).collect()));
+        self.command(GroupCmd::Renumber(specs));
     }
 
     /// Opens the round's snapshots as the core chose.

@@ -160,6 +160,8 @@ pub struct Supervisor {
     wanted: bool,
     /// The stacks read when the group ended: what a request racing that end gets.
     last_lines: Vec<String>,
+    /// The workers wait for the next round (`rlaunch.resilient`): nothing is sampled.
+    parked: bool,
 }
 
 fn ms(d: Duration) -> Millis {
@@ -167,11 +169,26 @@ fn ms(d: Duration) -> Millis {
 }
 
 impl Supervisor {
-    /// The workers kept their processes into a new round: these are their global ranks now.
-    pub fn renumber(&mut self, ranks: Vec<u32>) {
+    /// The workers were told their round ended: they wait, quiet, for the next one, and no
+    /// quiet time of theirs counts toward a hang.
+    pub fn park(&mut self) {
+        self.parked = true;
+    }
+
+    /// The workers kept their processes into a new round: these are their global ranks now;
+    /// hang detection starts again from `now`.
+    pub fn renumber(&mut self, ranks: Vec<u32>, now: Millis) {
         if ranks.len() == self.ranks.len() {
             self.ranks = ranks;
         }
+        self.parked = false;
+        let n = self.ranks.len();
+        if let Some((p, d)) = &mut self.hang {
+            *d = Detector::new(p.timeout, n, p.ticks_per_s, now);
+        }
+        self.next_sample = now;
+        self.hold_until = None;
+        self.verdict_read = None;
     }
 
     /// A group of workers with these global ranks, started at `now`.
@@ -191,6 +208,7 @@ impl Supervisor {
             last_id: 0,
             wanted: false,
             last_lines: Vec::new(),
+            parked: false,
         }
     }
 
@@ -209,7 +227,7 @@ impl Supervisor {
     }
 
     fn samples(&self) -> bool {
-        self.hang.is_some() || self.steps
+        !self.parked && (self.hang.is_some() || self.steps)
     }
 
     fn running_indices(&self) -> impl Iterator<Item = usize> + '_ {
@@ -346,7 +364,7 @@ impl Supervisor {
 
     fn on_sampled(&mut self, samples: BTreeMap<usize, Sample>, now: Millis, out: &mut Vec<Action>) {
         self.sampling = false;
-        if self.phase != Phase::Running {
+        if self.phase != Phase::Running || self.parked {
             return;
         }
         let Some((_, d)) = &mut self.hang else { return };

@@ -276,9 +276,11 @@ impl WorkerGroup {
 
     /// The workers kept their processes into a new round: their environment there (by index),
     /// for the reports that name their ranks and error files.
-    pub fn renumber(&mut self, envs: Vec<rlaunch::env::WorkerEnv>) {
-        for (w, env) in self.workers.iter_mut().zip(envs) {
-            w.spec.env = env;
+    pub fn renumber(&mut self, specs: Vec<WorkerSpec>) {
+        for (w, spec) in self.workers.iter_mut().zip(specs) {
+            w.spec.env = spec.env;
+            w.spec.dir = spec.dir;
+            w.spec.heartbeat = spec.heartbeat;
         }
     }
 

@@ -7,7 +7,8 @@ Once per process: imports, a tensor that stands for the model. Each entry of the
 process group from the environment, a "start" line in OUT/events.log (the format of the loop
 worker of integration_tests::netns, so its helpers read it), this entry's environment in
 OUT/env.HOST.LOCAL_RANK.ENTRY.json, then steps (an all_reduce each, a snapshot each) until any
-rank sees OUT/stop (agreed with an all_reduce, so every rank leaves at the same step).
+rank sees OUT/stop (agreed with an all_reduce, so every rank leaves at the same step). A worker
+that finds OUT/crash_HOST removes it and exits 7.
 """
 
 import json
@@ -47,6 +48,11 @@ def train():
             f"restart={e['TORCHELASTIC_RESTART_COUNT']} master={e['MASTER_ADDR']}:{e['MASTER_PORT']} pid={os.getpid()}\n"
         )
     while True:
+        crash = os.path.join(OUT, f"crash_{HOST}")
+        if os.path.exists(crash):
+            os.unlink(crash)
+            print(f"worker {e['RANK']} on {HOST} crashing on purpose", file=sys.stderr, flush=True)
+            os._exit(7)
         stop = torch.tensor([1.0 if os.path.exists(os.path.join(OUT, "stop")) else 0.0])
         dist.all_reduce(stop, op=dist.ReduceOp.MAX)
         if stop.item() > 0:

@@ -152,10 +152,12 @@ fn a_recycled_pid_of_a_reaped_worker_is_never_signalled() {
         s.strip_suffix('\n')?.trim().parse().ok()
     });
     wait_until("rank 0 to be gone", Duration::from_secs(10), || !pid_alive(pid0));
-    std::thread::sleep(Duration::from_millis(300)); // and reaped
-                                                    // Hand its pid to an unrelated process group leader (retry: other processes allocate too).
+    // And reaped.
+    std::thread::sleep(Duration::from_millis(300));
+    // Hand its pid to an unrelated process group leader. Retried: other processes take pids
+    // too, and the tests that run beside this one (scripts/test.sh) start many.
     let mut victim = None;
-    for _ in 0..50 {
+    for _ in 0..2000 {
         std::fs::write("/proc/sys/kernel/ns_last_pid", (pid0 - 1).to_string()).expect("root can set ns_last_pid");
         let c = std::process::Command::new("setsid").args(["sleep", "30"]).spawn().unwrap();
         if c.id() as i32 == pid0 {

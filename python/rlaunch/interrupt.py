@@ -99,18 +99,21 @@ def _ips(hosts):
     return out
 
 
-def interrupt_collectives(hosts, keep_ports=()):
+def interrupt_collectives(hosts, keep_ports=(), skip_inodes=()):
     """Shuts down this process's TCP connections to ``hosts`` (names or addresses; a loopback
-    address stands for every loopback address), except those whose remote or local port is in
-    ``keep_ports`` (a store this process reaches or serves). Answers how many were shut down. A
-    collective waiting on any of them raises in its own thread."""
+    address stands for every loopback address; no hosts: every host), except those whose
+    remote or local port is in ``keep_ports`` (a store this process reaches or serves) and the
+    sockets in ``skip_inodes``. Answers how many were shut down. A collective waiting on any of
+    them raises in its own thread."""
     targets = _ips(hosts)
     loopback = any(ip.is_loopback for ip in targets)
     done = 0
     for fd, inode, local_port, ip, port, state in tcp_connections():
         if port in keep_ports or local_port in keep_ports or state in ("CLOSE", "TIME_WAIT"):
             continue
-        if not (ip in targets or (loopback and ip.is_loopback)):
+        if inode in skip_inodes:
+            continue
+        if hosts and not (ip in targets or (loopback and ip.is_loopback)):
             continue
         try:
             dup = os.dup(fd)

@@ -56,6 +56,10 @@ WAIT_FOR_WORD_S = 30.0
 
 
 
+# How long the agent has to take this worker in (it waits for its worker's pid itself).
+WELCOME_WITHIN_S = 10.0
+
+
 class _Control:
     """The connection to the agent, and what it said."""
 
@@ -67,9 +71,18 @@ class _Control:
         self.ended = None  # {"round", "hosts"} once a round ended
         self.resume = None  # {"round", "env"} once the next round closed
         self.closed = False
+        self.welcome = False
         self.rounds_ended = 0
+        # TCP connections this process had before the function first ran: never the
+        # collectives', so never shut down at a round's end (a local service, a data server).
+        self.keep_inodes = {inode for _, inode, *_ in _interrupt.tcp_connections()}
+        self.abort_thread = None
         self._send({"hello": {"local_rank": local_rank, "pid": os.getpid()}})
         threading.Thread(target=self._read, name="rlaunch-resilient", daemon=True).start()
+        with self.lock:
+            self.changed.wait_for(lambda: self.welcome or self.closed, WELCOME_WITHIN_S)
+            if not self.welcome:
+                raise OSError("the agent did not take this worker in")
 
     def _send(self, msg):
         self.sock.sendall((json.dumps(msg) + "\n").encode())
@@ -79,12 +92,21 @@ class _Control:
         try:
             for line in f:
                 msg = json.loads(line)
-                if "end" in msg:
+                if "welcome" in msg:
+                    with self.lock:
+                        self.welcome = True
+                        self.changed.notify_all()
+                elif "end" in msg:
+                    # Saves stop first: an aborted NCCL reduction may return garbage, whose
+                    # step must not commit. Then the collectives end; the main thread, woken
+                    # last, destroys the group only after that (and an NCCL abort) is done.
+                    global _saves_closed
+                    _saves_closed = True
+                    self.abort_thread = _end_collectives(msg["end"].get("hosts", []), self.keep_inodes)
                     with self.lock:
                         self.ended = msg["end"]
                         self.rounds_ended += 1
                         self.changed.notify_all()
-                    _end_collectives(msg["end"].get("hosts", []))
                 elif "resume" in msg:
                     with self.lock:
                         self.resume = msg["resume"]
@@ -108,12 +130,31 @@ class _Control:
         self._send({"parked": {"round": round_}})
         with self.lock:
             self.changed.wait_for(lambda: self.resume is not None or self.closed)
-            resume, self.resume, self.ended = self.resume, None, None
+            resume, self.resume = self.resume, None
+            # An end that came after the resume is the next round's: kept.
+            if self.ended is not None and self.ended.get("round") == round_:
+                self.ended = None
         return resume
+
+    def wait_for_abort(self, timeout):
+        t = self.abort_thread
+        if t is not None:
+            t.join(timeout)
+            if t.is_alive():
+                print(f"rlaunch.resilient: the NCCL abort did not return within {timeout} s", file=sys.stderr)
+
 
 
 _control = None
 _control_lock = threading.Lock()
+# From the word that a round ended until the function runs again: this worker's saves are not
+# its round's (rlaunch.snapshot.save answers False).
+_saves_closed = False
+
+
+def saves_closed():
+    """Whether the current round ended for this worker and it has not run again yet."""
+    return _saves_closed
 
 
 def _connect():
@@ -133,30 +174,32 @@ def _connect():
         return _control or None
 
 
-def _end_collectives(hosts):
-    """Ends the collective in flight, from the control thread: NCCL's communicators aborted,
-    gloo's connections to the round's hosts shut down."""
+def _end_collectives(hosts, keep_inodes):
+    """Ends the collective in flight, from the control thread: NCCL's communicators aborted (on
+    a thread of its own, returned, so that an abort that blocks never stops this thread from
+    hearing the next round), and TCP connections to the round's hosts shut down (gloo's, and a
+    store a group being made waits on). With no hosts (the round's members unknown), every
+    connection made since the function first ran."""
     dist = sys.modules.get("torch.distributed")
-    if dist is None:
-        return
+    backend = ""
     try:
-        if not dist.is_initialized():
-            return
-        backend = str(dist.get_backend()).lower()
-    except Exception:  # noqa: BLE001 - a group half made or half gone: nothing to end
-        return
+        if dist is not None and dist.is_initialized():
+            backend = str(dist.get_backend()).lower()
+    except Exception:  # noqa: BLE001 - a group half made or half gone
+        backend = ""
+    aborting = None
     if "nccl" in backend:
-        # In a thread of its own: an abort that blocks must not stop this thread from hearing
-        # the next round.
+
         def abort():
             try:
                 dist.distributed_c10d._abort_process_group()
             except Exception as e:  # noqa: BLE001
                 print(f"rlaunch.resilient: aborting NCCL failed: {e!r}", file=sys.stderr)
 
-        threading.Thread(target=abort, name="rlaunch-resilient-abort", daemon=True).start()
-    if "gloo" in backend or "nccl" not in backend:
-        _interrupt.interrupt_collectives(hosts)
+        aborting = threading.Thread(target=abort, name="rlaunch-resilient-abort", daemon=True)
+        aborting.start()
+    _interrupt.interrupt_collectives(hosts, skip_inodes=keep_inodes)
+    return aborting
 
 
 def _looks_like_a_collective(e):
@@ -190,27 +233,33 @@ def resilient(fn):
         ctl = _connect()
         if ctl is None:
             return fn(*args, **kwargs)
-        # torch's NCCL watchdog must leave a failed communicator to this module: with its
-        # default (tear the process down) a peer's death kills the survivor, and its abort
-        # racing this module's hung a survivor on an H200 (bench/gpu/README.md). Read when a
-        # process group is made, in the function; a user's own setting is kept.
+        # The agent took this worker in. torch's NCCL watchdog must leave a failed communicator
+        # to this module: with its default (tear the process down) a peer's death kills the
+        # survivor, and its abort racing this module's hung a survivor on an H200
+        # (bench/gpu/README.md). Read when a process group is made, in the function; a user's
+        # own setting is kept.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
         while True:
             seen = ctl.rounds_ended
             try:
                 return fn(*args, **kwargs)
+            except (KeyboardInterrupt, SystemExit):
+                raise  # the operator's or the program's own: never a round's end
             except BaseException as e:  # noqa: BLE001 - decided below, re-raised if not ours
                 if ctl.rounds_ended == seen:
-                    if isinstance(e, (KeyboardInterrupt, SystemExit)) or not _looks_like_a_collective(e):
+                    if not _looks_like_a_collective(e):
                         raise
                     wait = float(os.environ.get(WAIT_FOR_WORD_ENV, WAIT_FOR_WORD_S))
                     if not ctl.wait_for_end(wait):
                         raise
                 failure = e
+            ctl.wait_for_abort(timeout=10)
             _destroy_group()
             resume = ctl.park()
             if resume is None:
                 raise failure
             os.environ.update(resume["env"])
+            global _saves_closed
+            _saves_closed = False
 
     return run

@@ -215,6 +215,9 @@ def save(step, state):
     Raises SnapshotError when the agent cannot be reached or refuses otherwise."""
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, not {step!r}")
+    resilient = sys.modules.get(__package__ + ".resilient")
+    if resilient is not None and resilient.saves_closed():
+        return False  # the round ended (rlaunch.resilient): this step is not the round's
     with _lock:
         s = _connection()
         if s is None:

@@ -34,6 +34,10 @@ impl Core {
         hosts.sort();
         hosts.dedup();
         self.outbox = None;
+        // The round's snapshots stay open until the next begins: a save racing the word must
+        // not wait for a round that comes only once every worker parked. The workers refuse
+        // their own saves from the word on (`rlaunch.snapshot.save` answers False), so a step
+        // "completed" on the garbage of an aborted NCCL reduction never commits.
         out.push(Action::Park { round: placement.round, hosts });
         self.phase = Phase::Parking { round: placement.round, until: now.saturating_add(ms(PARK_WITHIN)) };
     }

@@ -906,8 +906,10 @@ fn resilient(opted_in: u32) -> Sim {
 fn workers_that_all_opted_in_are_parked_at_a_new_round_and_resumed_in_it_never_stopped() {
     let mut s = resilient(2);
     let a = s.ev(Event::Watched { round: 1, answer: Ok(Watch::NewRound(2)) });
+    // Where they stood goes first (a hang report elsewhere waits for every rank's stack).
     assert!(
-        matches!(&a[..], [Action::Note(_), Action::Park { round: 1, hosts }] if hosts == &["node0".to_string()]),
+        matches!(&a[..], [Action::Note(_), Action::ShareStacks { round: 1 }, Action::Park { round: 1, hosts }]
+            if hosts == &["node0".to_string()]),
         "{a:?}"
     );
     // Nothing happens until they parked (a tick before the bound, stale answers).
@@ -978,15 +980,17 @@ fn any_end_of_the_run_while_workers_are_parked_stops_them_first() {
     assert_eq!(a, vec![STOP]);
     let a = s.ev(Event::WorkersStopped);
     assert!(matches!(&a[..], [Action::Exit(Outcome::Run(RunOutcome::Succeeded { .. }))]), "{a:?}");
-    // A stop signal while parked: the node leaves, then stops them before it ends.
+    // A stop signal while parked: the parked workers stop first, then the node leaves.
     let mut s = resilient(2);
     s.ev(Event::Watched { round: 1, answer: Ok(Watch::NewRound(2)) });
     s.ev(Event::WorkersParked);
     let a = s.ev(Event::Signal(libc::SIGTERM));
+    assert_eq!(a, vec![Action::StopWorkers { first: libc::SIGTERM }]);
+    // The join answered meanwhile starts nothing.
+    assert!(s.ev(Event::Joined(Ok(round(2, 0)))).is_empty());
+    let a = s.ev(Event::WorkersStopped);
     assert_eq!(a, vec![Action::Send(Report::Leave)]);
     let a = s.ev(Event::Reported { kind: ReportKind::Leave, result: Ok(()) });
-    assert_eq!(a, vec![Action::StopWorkers { first: libc::SIGTERM }]);
-    let a = s.ev(Event::WorkersStopped);
     assert!(matches!(&a[..], [Action::Exit(Outcome::Run(RunOutcome::Interrupted { signal: libc::SIGTERM }))]), "{a:?}");
     // A stop signal while parking stops them at once.
     let mut s = resilient(2);
