@@ -1,0 +1,282 @@
+"""A node lost mid-training, the survivors' program under torch.compile: do the survivors keep
+their processes (`@rlaunch.resilient`), against rlaunch's restart path and torchrun, in the same
+run. Plot: step against time since the fault.
+
+Hosts as network namespaces (the harness of bench/recovery/bench.py), etcd and
+`rlaunch-rendezvous --store etcd` in the root namespace (torchrun: its c10d store on host a).
+Hosts a and b run 2 ranks each of train.py (DDP, gloo, an MLP under torch.compile, a snapshot
+every step); with a spare, host c waits. At step CUT host b's link is cut and every process of
+it killed 0.3 s later. Rows:
+
+  0  rlaunch, restart path: the survivor goes on alone (--nnodes 1:2), its processes started again
+  1  rlaunch, @rlaunch.resilient: the survivor alone, its processes kept
+  2  torchrun (c10d, --nnodes 1:2), disk checkpoint every 50 steps
+  3  rlaunch, restart path, a spare waiting (--nnodes 2)
+  4  rlaunch, @rlaunch.resilient, a spare waiting
+
+Measured: the fault → the first training step again; the verdict (host a's agent hears the
+round ended, its log) → that step; steps computed again; whether rank 0's process is the one
+from before the fault.
+
+Usage (root): .venv/bin/python bench/resilient/survivor.py [--rows 0,1,2,3,4] [--out bench/resilient/RESULTS.md]
+"""
+
+import argparse
+import datetime
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+spec = importlib.util.spec_from_file_location("recovery", os.path.join(ROOT, "bench/recovery/bench.py"))
+recovery = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(recovery)
+Net, wait_for, listening = recovery.Net, recovery.wait_for, recovery.listening
+RDZV_PORT, ETCD_PORT, ETCD_PEER, C10D_PORT = 29431, 23790, 23800, 29400
+ROWS = [
+    ("rlaunch, restart path, survivor alone", "rlaunch", "plain", False),
+    ("rlaunch, @rlaunch.resilient, survivor alone", "rlaunch", "resilient", False),
+    ("torchrun (c10d), survivor alone, disk checkpoint every 50 steps", "torchrun", "disk", False),
+    ("rlaunch, restart path, a spare waiting", "rlaunch", "plain", True),
+    ("rlaunch, @rlaunch.resilient, a spare waiting", "rlaunch", "resilient", True),
+]
+
+
+def events(out):
+    evs = []
+    try:
+        lines = open(os.path.join(out, "events.log")).read().splitlines()
+    except OSError:
+        return evs
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 2:
+            continue
+        kv = dict(p.split("=", 1) for p in parts[2:] if "=" in p)
+        try:
+            evs.append((parts[0], int(parts[1]), float(kv["t"]), kv.get("loss"), kv.get("world"), kv.get("pid")))
+        except (KeyError, ValueError):
+            pass
+    return evs
+
+
+def verdict_seen(out, t0):
+    """When host a's agent heard that the round ended (its log's first such line after t0)."""
+    try:
+        lines = open(os.path.join(out, "agent-a.log"), errors="replace").read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        if "re-forming" not in line and "declared this node lost" not in line:
+            continue
+        stamp = line.split()[0] if line.split() else ""
+        try:
+            t = datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            continue
+        if t > t0:
+            return t
+    return None
+
+
+def run(label, launcher, mode, spare, args, net, root_ip):
+    out = tempfile.mkdtemp(prefix="rlaunch-bench-survivor-")
+    os.chmod(out, 0o777)
+    a, b, c = net.hosts
+    env = dict(os.environ, RLAUNCH_LOG="info", PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="eth0", LOGLEVEL="INFO",
+               BENCH_COMPILE="1")
+    script = [args.python, os.path.join(HERE, "train.py"), out, mode, str(args.steps)]
+    nnodes = "2" if spare else "1:2"
+    common = ["--nnodes", nnodes, "--nproc-per-node", "2", "--max-restarts", "3"]
+    if launcher == "rlaunch":
+        cmd = [args.rlaunch, *common, "--rdzv-backend", "rlaunch", "--rdzv-endpoint", f"{root_ip}:{RDZV_PORT}",
+               "--rdzv-id", f"bench-{mode}-{int(spare)}",
+               "--rdzv-conf", "heartbeat_interval=0.5,node_ttl=2,last_call_timeout=1", *script]
+    else:
+        cmd = [args.torchrun, *common, "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{a['ip']}:{C10D_PORT}",
+               "--rdzv-id", "bench", "--rdzv-conf", "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3",
+               *script[1:]]
+    procs = []
+
+    def start(h):
+        log = open(os.path.join(out, f"agent-{h['name']}.log"), "w")
+        procs.append(subprocess.Popen(net.prefix(h) + cmd, env=dict(env, BENCH_HOST=h["name"]),
+                                      stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT))
+
+    try:
+        start(a)
+        start(b)
+        if not wait_for(lambda: any(e == "step" and s >= 10 for e, s, *_ in events(out)), 300):
+            raise RuntimeError(f"{label}: no training (logs in {out})")
+        if spare:
+            start(c)
+        if not wait_for(lambda: any(e == "step" and s >= args.cut for e, s, *_ in events(out)), 300):
+            raise RuntimeError(f"{label}: never reached step {args.cut} (logs in {out})")
+        before_pid = [p for e, s, t, l, w, p in events(out) if e == "step"][-1]
+        t0 = time.time()
+        net.cut_link(b)
+        time.sleep(0.3)
+        net.kill_all(b)
+
+        def again():
+            evs = events(out)
+            res = [(s, t) for e, s, t, *_ in evs if e in ("resume", "fresh") and t > t0]
+            if not res:
+                return None
+            r_step, r_t = res[0]
+            first = [(t, p) for e, s, t, l, w, p in evs if e == "step" and t > r_t]
+            return (r_step, first[0]) if first else None
+
+        got = wait_for(again, args.wait, step=0.1)
+        evs = events(out)
+        before = {s: l for e, s, t, l, w, p in evs if e == "step" and t <= t0 + 0.3}
+        if got is None:
+            return {"label": label, "again": None, "evs": evs, "t0": t0}
+        r_step, (t_first, after_pid) = got
+        verdict = verdict_seen(out, t0) if launcher == "rlaunch" else None
+        wait_for(lambda: any(e == "done" for e, *_ in events(out)), 300)
+        evs = events(out)
+        after = {}
+        for e, s, t, l, w, p in evs:
+            if e == "step" and t >= t_first - 1e-6 and s not in after:
+                after[s] = l
+        redone = [s for s in before if s > r_step]
+        return {"label": label, "again": t_first - t0, "after_verdict": (t_first - verdict) if verdict else None,
+                "redone": len(redone), "kept": before_pid == after_pid, "evs": evs, "t0": t0,
+                "world": [w for e, s, t, l, w, p in evs if e == "step" and t >= t_first][:1]}
+    finally:
+        for p in procs:
+            try:
+                p.kill()
+            except ProcessLookupError:
+                pass
+        for h in net.hosts:
+            recovery.kill_ns(h["ns"])
+        for p in procs:
+            p.wait()
+        if args.keep:
+            print(f"  logs kept in {out}", file=sys.stderr)
+        else:
+            shutil.rmtree(out, ignore_errors=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--cut", type=int, default=100)
+    ap.add_argument("--wait", type=float, default=90.0)
+    ap.add_argument("--rlaunch", default=os.path.join(ROOT, "target/debug/rlaunch"))
+    ap.add_argument("--rendezvous", default=os.path.join(ROOT, "target/debug/rlaunch-rendezvous"))
+    ap.add_argument("--torchrun", default=os.path.join(ROOT, ".venv/bin/torchrun"))
+    ap.add_argument("--python", default=os.path.join(ROOT, ".venv/bin/python"))
+    ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--rows", default="0,1,2,3,4")
+    ap.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("run as root: the hosts are network namespaces")
+    wanted = [int(x) for x in args.rows.split(",")]
+    rows = []
+    for i, (label, launcher, mode, spare) in enumerate(ROWS):
+        if i not in wanted:
+            continue
+        net = Net(3)
+        data = tempfile.mkdtemp(prefix="rlaunch-bench-etcd-")
+        side = []
+        try:
+            root_ip = f"10.77.{net.subnet}.1"
+            side.append(subprocess.Popen(["etcd", "--data-dir", os.path.join(data, "d"),
+                                          "--listen-client-urls", f"http://{root_ip}:{ETCD_PORT}",
+                                          "--advertise-client-urls", f"http://{root_ip}:{ETCD_PORT}",
+                                          "--listen-peer-urls", f"http://{root_ip}:{ETCD_PEER}",
+                                          "--initial-advertise-peer-urls", f"http://{root_ip}:{ETCD_PEER}",
+                                          "--initial-cluster", f"default=http://{root_ip}:{ETCD_PEER}"],
+                                         stdout=open(os.path.join(data, "etcd.log"), "w"), stderr=subprocess.STDOUT))
+            side.append(subprocess.Popen([args.rendezvous, "--listen", f"{root_ip}:{RDZV_PORT}", "--store", "etcd",
+                                          "--etcd-endpoints", f"http://{root_ip}:{ETCD_PORT}"],
+                                         stdout=open(os.path.join(data, "rdzv.log"), "w"), stderr=subprocess.STDOUT))
+            if not wait_for(lambda: listening(root_ip, RDZV_PORT), 20):
+                raise SystemExit("the rendezvous did not start")
+            r = None
+            for attempt in range(2):
+                try:
+                    r = run(label, launcher, mode, spare, args, net, root_ip)
+                    break
+                except RuntimeError as e:
+                    print(f"{label}: {e}; again", flush=True)
+            if r is None:
+                r = {"label": label, "again": None, "evs": [], "t0": 0}
+        finally:
+            for p in side:
+                p.kill()
+                p.wait()
+            net.close()
+            shutil.rmtree(data, ignore_errors=True)
+        rows.append(r)
+        print(f"{label}: again after {r['again']}, after the verdict {r.get('after_verdict')}, "
+              f"redone {r.get('redone')}, process kept {r.get('kept')}, world {r.get('world')}", flush=True)
+
+    sec = lambda v: f"{v:.2f} s" if v is not None else "–"
+    table = ["| | fault → first training step again | verdict heard → that step | steps computed again | rank 0 kept its process | world after |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        again = sec(r["again"]) if r["again"] is not None else f"never (bounded wait {args.wait:.0f} s)"
+        kept = {True: "yes", False: "no"}.get(r.get("kept"), "–")
+        table.append(f"| {r['label']} | {again} | {sec(r.get('after_verdict'))} | {r.get('redone', '–')} | {kept} | "
+                     f"{(r.get('world') or ['–'])[0]} |")
+    text = "\n".join(table)
+    print(text)
+    plot(rows, os.path.join(HERE, "survivor.png"), args.cut)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(HEAD.format(date=time.strftime("%Y-%m-%d"), steps=args.steps, cut=args.cut) + text + "\n" + TAIL)
+
+
+def plot(rows, path, cut):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for r in rows:
+        pts = [(t - r["t0"], s) for e, s, t, *_ in r["evs"] if e == "step"]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], ".", markersize=2, label=r["label"])
+    ax.axvline(0, color="gray", linestyle="--", linewidth=1)
+    ax.set_xlabel("seconds since host b's link was cut")
+    ax.set_ylabel("step (rank 0)")
+    ax.set_xlim(-5, 40)
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_title(f"A node lost at step {cut}, the model under torch.compile")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+HEAD = """# Survivors that keep their process: a node lost, the program under torch.compile
+
+Date: {date}. Machine: 2 cores, 24 GiB, PyTorch 2.15 (CPU, gloo), rlaunch's debug build. Script:
+`bench/resilient/survivor.py` (as root), one run per row, the rows one after another.
+
+Hosts as network namespaces; etcd and `rlaunch-rendezvous --store etcd` in the root namespace
+(torchrun: its c10d store on host a). Hosts a and b run 2 ranks each of `train.py` (DDP, gloo,
+an MLP under `torch.compile`, a snapshot every step, about 8 steps a second, {steps} steps);
+in the spare rows host c waits. At step {cut}, host b's link is cut and 0.3 s later every
+process of it is killed. "Verdict heard": host a's agent learns that the round ended (node TTL
+2 s, heartbeats every 0.5 s). "Steps computed again": steps logged before the cut computed again
+after the resume.
+
+"""
+
+TAIL = """
+![step against time since the fault](survivor.png)
+"""
+
+
+if __name__ == "__main__":
+    main()
