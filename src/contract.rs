@@ -545,6 +545,10 @@ pub struct NodeProgress {
     /// Every local rank saved `step_before` (or a later step) again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub caught_up: Option<StepAgo>,
+    /// This node's ranks that kept their process into this round (`rlaunch.resilient`); with
+    /// `started_ago_ms`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kept_ranks: Option<u32>,
 }
 
 /// A step and how long before the report it was reached.

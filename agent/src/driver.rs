@@ -588,7 +588,7 @@ impl Io<'_> {
             }
         }
         // Before any worker runs: a warm one may ask for its state at once.
-        self.ctx.progress.begin(p.round, p.rank_offset..p.rank_offset.saturating_add(self.config.nproc_per_node));
+        self.ctx.progress.begin(p.round, p.rank_offset..p.rank_offset.saturating_add(self.config.nproc_per_node), 0);
         let io = self.group_io(p.restart_count)?;
         let group = WorkerGroup::start(
             &self.config.program,
@@ -653,7 +653,8 @@ impl Io<'_> {
                 }
             }
         }
-        self.ctx.progress.begin(p.round, p.rank_offset..p.rank_offset.saturating_add(self.config.nproc_per_node));
+        let nproc = self.config.nproc_per_node;
+        self.ctx.progress.begin(p.round, p.rank_offset..p.rank_offset.saturating_add(nproc), nproc);
         let envs = specs
             .iter()
             .map(|s| {

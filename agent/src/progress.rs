@@ -41,17 +41,21 @@ pub struct RoundProgress {
     step_before: Option<u64>,
     /// The newest step every local rank saved, in any round.
     newest: Option<u64>,
+    /// This node's ranks that kept their process into the round (`rlaunch.resilient`).
+    kept: u32,
 }
 
 impl RoundProgress {
-    /// Round `round` started this node's workers, of global ranks `ranks`, at `now`.
-    pub fn begin(&mut self, round: u64, ranks: Range<u32>, now: u64) {
+    /// Round `round` started this node's workers, of global ranks `ranks`, at `now`; `kept`
+    /// of them are processes kept from the last round.
+    pub fn begin(&mut self, round: u64, ranks: Range<u32>, kept: u32, now: u64) {
         *self = RoundProgress {
             round: Some(round),
             ranks,
             started: Some(now),
             step_before: self.newest,
             newest: self.newest,
+            kept,
             ..RoundProgress::default()
         };
     }
@@ -136,6 +140,7 @@ impl RoundProgress {
                 first_step: step(self.first_step),
                 step_before: self.step_before,
                 caught_up: step(self.caught_up),
+                kept_ranks: self.started.map(|_| self.kept),
             },
         ))
     }
@@ -191,10 +196,11 @@ impl Tracker {
         }
     }
 
-    /// Round `round` starts this node's workers, of global ranks `ranks`.
-    pub fn begin(&self, round: u64, ranks: Range<u32>) {
+    /// Round `round` starts this node's workers, of global ranks `ranks`; `kept` of them
+    /// keep their process from the last round.
+    pub fn begin(&self, round: u64, ranks: Range<u32>, kept: u32) {
         self.update(|p, now| {
-            p.begin(round, ranks, now);
+            p.begin(round, ranks, kept, now);
             true
         });
     }
@@ -243,7 +249,7 @@ mod tests {
         let mut p = RoundProgress::default();
         assert_eq!(p.report(0), None, "nothing before a round");
         // Round 1: two ranks save steps 1..=5; rank 1 also saves 6 before the fault.
-        p.begin(1, 0..2, 100);
+        p.begin(1, 0..2, 0, 100);
         for step in 1..=5 {
             p.saved(0, step, 100 + step * 10);
             p.saved(1, step, 100 + step * 10);
@@ -257,7 +263,7 @@ mod tests {
         assert_eq!(p.report(210), None);
 
         // Round 2 restores step 4 (the last committed everywhere), redoes 5, then goes on.
-        p.begin(2, 0..2, 1000);
+        p.begin(2, 0..2, 0, 1000);
         assert!(!p.asked(0, 1400) && p.asked(1, 1450) && !p.asked(1, 1460), "ready once, with the last rank");
         assert!(!p.loaded(0, Some(4), 1500), "one of two ranks");
         assert!(p.loaded(1, Some(4), 1600));
@@ -277,7 +283,7 @@ mod tests {
         // The second node of a round: global ranks 2 and 3. Rank 2 reshards: it loads its own
         // part, then other nodes' ranks' parts (`load(rank=k)`), before rank 3 asked for anything.
         let mut p = RoundProgress::default();
-        p.begin(4, 2..4, 0);
+        p.begin(4, 2..4, 0, 0);
         assert!(!p.asked(2, 10));
         for k in [0, 1, 4, 7] {
             assert!(!p.asked(k, 20), "rank {k} asked through rank 2: not this node's ready");
@@ -303,7 +309,7 @@ mod tests {
     #[test]
     fn a_spare_has_nothing_before_and_a_partial_step_is_never_whole() {
         let mut p = RoundProgress::default();
-        p.begin(3, 0..4, 0);
+        p.begin(3, 0..4, 0, 0);
         assert!(!p.loaded(0, None, 5), "nothing restored");
         for rank in 0..3 {
             assert!(!p.saved(rank, 9, 10));

@@ -8,7 +8,7 @@ process group from the environment, a "start" line in OUT/events.log (the format
 worker of integration_tests::netns, so its helpers read it), this entry's environment in
 OUT/env.HOST.LOCAL_RANK.ENTRY.json, then steps (an all_reduce each, a snapshot each) until any
 rank sees OUT/stop (agreed with an all_reduce, so every rank leaves at the same step). A worker
-that finds OUT/crash_HOST removes it and exits 7.
+that finds OUT/crash_HOST removes it and exits 7. OUT/saved.HOST holds the last step saved.
 """
 
 import json
@@ -58,7 +58,9 @@ def train():
         if stop.item() > 0:
             break
         model.add_(1.0)
-        rlaunch.snapshot.save(step, {"model": model})
+        if rlaunch.snapshot.save(step, {"model": model}):
+            with open(os.path.join(OUT, f"saved.{HOST}"), "w") as f:
+                f.write(str(step))
         step += 1
         time.sleep(0.05)
     dist.destroy_process_group()

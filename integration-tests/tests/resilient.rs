@@ -119,6 +119,13 @@ fn a_survivor_keeps_its_process_when_the_other_host_is_killed_and_runs_on_with_t
     let mut agents = start_two_hosts(&cluster, out, &args, &endpoint);
     let before = wait_formed(out, &["a", "b"], 1, &mut agents, Duration::from_secs(60));
     let a0 = before.iter().find(|s| s.host == "a").expect("host a's worker").clone();
+    // Some steps saved first, so that there is a step to resume from.
+    integration_tests::wait_until("host a to save step 5", Duration::from_secs(30), || {
+        std::fs::read_to_string(out.join("saved.a"))
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok())
+            .is_some_and(|s| s >= 5)
+    });
 
     // As a partition would: host b's link goes down first (no reset reaches host a: its
     // collective is ended by the agent's word), its processes die 0.3 s later.
@@ -158,5 +165,14 @@ fn a_survivor_keeps_its_process_when_the_other_host_is_killed_and_runs_on_with_t
     assert!(second["resumed_at_step"].as_u64().unwrap() > 0, "{second:#}");
     let log = std::fs::read_to_string(out.join("rlaunch-a.log")).unwrap_or_default();
     assert!(log.contains("the workers keep their processes"), "host a's agent log:\n{log}");
+    // The rendezvous' account of the recovery names the rank that kept its process.
+    let kept = || {
+        let status = netns::rdzv_status("rlaunch", &endpoint, "resilient");
+        let last = status["recovery"]["recoveries"].as_array().and_then(|r| r.last().cloned());
+        last.map(|r| r["phases"]["ranks_kept"].clone()).unwrap_or_default()
+    };
+    integration_tests::wait_until("the recovery's account to count the kept rank", Duration::from_secs(15), || {
+        kept() == 1
+    });
     finish(out, &mut agents[..1]);
 }

@@ -86,6 +86,7 @@ fn check_recovery(browser: &mut Browser, token: &str, lost: &str, killed_ms: u64
             noticing: Number(cell('noticing').dataset.ms),
             starting: cell('starting').textContent,
             restoring: cell('restoring').textContent,
+            kept: cell('ranks_kept').textContent,
             fault: row.children[1].textContent,
             goodput: document.getElementById('goodput').textContent,
             phases: [...document.querySelectorAll('#timeline rect[data-phase][data-round="ROUND"]')].map((e) => e.dataset.phase),
@@ -98,6 +99,8 @@ fn check_recovery(browser: &mut Browser, token: &str, lost: &str, killed_ms: u64
     assert_eq!(shown["noticing"].as_u64(), Some(ms(&p["noticing_ms"])));
     assert!(shown["starting"].as_str().is_some_and(|s| s.ends_with(" s")), "{shown}");
     assert_eq!(shown["restoring"], "—", "not known, never guessed");
+    // Host a's workers were started again, not kept (no rlaunch.resilient).
+    assert_eq!(shown["kept"], "0", "{shown}");
     assert!(shown["fault"].as_str().is_some_and(|f| f.contains(lost)), "{shown}");
     assert!(shown["goodput"].as_str().is_some_and(|g| g.contains("goodput") && g.contains("recover")), "{shown}");
     assert_eq!(shown["phases"], serde_json::json!(["noticing", "reforming", "starting"]), "{shown}");
@@ -107,6 +110,7 @@ fn check_recovery(browser: &mut Browser, token: &str, lost: &str, killed_ms: u64
     let metrics = browser.eval(&fetch("/metrics", "text"));
     let metrics = metrics.as_str().unwrap_or_default();
     for line in [
+        "rlaunch_job_last_recovery_ranks_kept{run_id=\"page\"} 0",
         "rlaunch_job_goodput{run_id=\"page\"} ",
         "rlaunch_job_recoveries_total{run_id=\"page\"} ",
         "rlaunch_job_last_recovery_seconds{run_id=\"page\",phase=\"noticing\"} ",

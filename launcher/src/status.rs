@@ -270,14 +270,15 @@ fn recoveries(r: &rlaunch_rendezvous::round::RecoveryStatus) -> String {
     if r.recoveries.is_empty() {
         return out;
     }
-    out += "  round  noticing  re-forming  starting  restoring  again     redone  total     fault\n";
+    out += "  round  noticing  re-forming  starting  restoring  again     redone  kept  total     fault\n";
     for v in &r.recoveries {
         let p = &v.phases;
         let col = |ms: Option<u64>| ms.map(secs).unwrap_or_else(|| if v.ongoing { "…".into() } else { "-".into() });
         let total = if v.ongoing { format!("{}…", secs(v.lost_ms)) } else { secs(v.lost_ms) };
         let redone = p.steps_redone.map(|n| n.to_string()).unwrap_or_else(|| "-".into());
+        let kept = p.ranks_kept.map(|n| n.to_string()).unwrap_or_else(|| "-".into());
         out += &format!(
-            "  {:<5}  {:<8}  {:<10}  {:<8}  {:<9}  {:<8}  {redone:<6}  {total:<8}  {}\n",
+            "  {:<5}  {:<8}  {:<10}  {:<8}  {:<9}  {:<8}  {redone:<6}  {kept:<4}  {total:<8}  {}\n",
             v.recovery.round,
             col(p.noticing_ms),
             col(p.reforming_ms),
@@ -398,13 +399,14 @@ mod tests {
             first_step: Some(StepAgo { step: 5, ago_ms: 0 }),
             step_before: Some(5),
             caught_up: Some(StepAgo { step: 5, ago_ms: 0 }),
+            kept_ranks: Some(2),
         };
         job = apply(&job, Event::Progress { node_id: "a".into(), round: 2, progress: back }, 11_000).0;
         let text = render(&job.status("j", 20_000));
         // Wall 20 s; lost: start-up 1 s and the recovery (9.5 → 11 s) 1.5 s.
         assert!(text.contains("goodput: 87.5% (2.50 s lost of 20.00 s: start-up 1.00 s, 1 recovery)"), "{text}");
         assert!(
-            text.contains("  2      0.50 s    0.20 s      0.60 s    0.10 s     0.10 s    1       1.50 s    rank 0 on node a: exit code 1"),
+            text.contains("  2      0.50 s    0.20 s      0.60 s    0.10 s     0.10 s    1       2     1.50 s    rank 0 on node a: exit code 1"),
             "{text}"
         );
     }

@@ -743,6 +743,13 @@ fn recovery_metrics(out: &mut String, jobs: &[(String, Job)], now: Millis) {
             let _ = writeln!(out, "{name}{{run_id=\"{id}\"}} {n}");
         }
     }
+    let name = "rlaunch_job_last_recovery_ranks_kept";
+    head(out, name, "gauge", "Ranks whose process the last recovery kept (rlaunch.resilient).");
+    for (id, v) in &views {
+        if let Some(n) = v.recoveries.last().and_then(|r| r.phases.ranks_kept) {
+            let _ = writeln!(out, "{name}{{run_id=\"{id}\"}} {n}");
+        }
+    }
 }
 
 fn label_value(s: &str) -> String {

@@ -465,7 +465,9 @@ function renderRecovery(r) {
     total.dataset.ms = v.lost_ms;
     const redone = el('td', p.steps_redone ?? '—', 'num');
     redone.dataset.phase = 'steps_redone';
-    tr.append(el('td', v.round, 'num'), el('td', v.fault), ...PHASES.map((ph) => cell(p[ph + '_ms'], ph)), redone, total);
+    const kept = el('td', p.ranks_kept ?? '—', 'num');
+    kept.dataset.phase = 'ranks_kept';
+    tr.append(el('td', v.round, 'num'), el('td', v.fault), ...PHASES.map((ph) => cell(p[ph + '_ms'], ph)), redone, kept, total);
     tbody.append(tr);
   }
 

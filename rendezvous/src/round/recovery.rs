@@ -128,6 +128,10 @@ pub struct Milestones {
     pub caught_up_nodes: u32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub caught_up_at: Option<Millis>,
+    /// Ranks whose process was kept into the round (`rlaunch.resilient`), over the members
+    /// that reported their start.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub kept_ranks: u32,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -227,6 +231,7 @@ impl Recovery {
                 _ => None,
             },
             first_step_after_ms: m.first_step_at.map(|at| at.saturating_sub(self.fault_at)),
+            ranks_kept: (m.started_nodes > 0).then_some(m.kept_ranks),
         }
     }
 }
@@ -243,6 +248,10 @@ pub struct Phases {
     pub steps_redone: Option<u64>,
     /// The fault → the first step saved in the new round.
     pub first_step_after_ms: Option<Millis>,
+    /// Ranks that kept their process through the recovery (`rlaunch.resilient`), as far as
+    /// the members that started report.
+    #[serde(default)]
+    pub ranks_kept: Option<u32>,
 }
 
 /// Something that happened to the job, for the timeline.
@@ -405,6 +414,7 @@ impl Accounting {
         if let Some(ago) = p.started_ago_ms.filter(|_| bits & STARTED == 0) {
             m.started_nodes += 1;
             m.started_at = m.started_at.max(Some(at(ago)));
+            m.kept_ranks = m.kept_ranks.saturating_add(p.kept_ranks.unwrap_or(0));
             new |= STARTED;
         }
         if let Some(ago) = p.ready_ago_ms.filter(|_| bits & READY == 0) {

@@ -1987,15 +1987,19 @@ fn a_lost_node_recovery_is_dated_from_its_last_heartbeat_through_each_phase_to_c
         first_step: at(2, 0),
         step_before: Some(2),
         caught_up: at(2, 0),
+        // a's ranks kept their processes (rlaunch.resilient); c's, a spare's, are new.
+        kept_ranks: Some(2),
     };
     let c2 = NodeProgress {
         started_ago_ms: Some(1250),
         ready_ago_ms: Some(600),
         restored: at(1, 350),
         first_step: at(2, 50),
+        kept_ranks: Some(0),
         ..Default::default()
     };
     let (job, _) = progress(&job, "c", 2, c2, t0 + 1300);
+    let (job, _) = progress(&job, "a", 2, a2.clone(), t0 + 1300);
     let (job, _) = progress(&job, "a", 2, a2, t0 + 1300);
     let st = job.status("j", t0 + 5000);
     let r = &st.recovery.recoveries[0];
@@ -2006,6 +2010,7 @@ fn a_lost_node_recovery_is_dated_from_its_last_heartbeat_through_each_phase_to_c
     assert_eq!(p.starting_ms, Some(800), "until the last member's program was up");
     assert_eq!(p.restoring_ms, Some(200));
     assert_eq!((p.computing_again_ms, p.steps_redone), (Some(300), Some(1)));
+    assert_eq!(p.ranks_kept, Some(2), "a's two ranks, counted once though a reported twice");
     assert_eq!(r.lost_ms, t0 + 1300 - 3000, "fault → caught up");
     // Goodput: wall from 100; lost = start-up (100 → 2000) + the recovery.
     assert_eq!(st.recovery.startup_ms, Some(1900));
