@@ -22,6 +22,7 @@ import torch.distributed as dist
 OUT, MODE, STEPS = sys.argv[1], sys.argv[2], int(sys.argv[3])
 HOST = os.environ.get("BENCH_HOST", "?")
 COMPILE = os.environ.get("BENCH_COMPILE", "1") == "1"
+PAUSE = float(os.environ.get("BENCH_PAUSE", "0.08"))  # between steps (0: as fast as it goes)
 
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 16))
@@ -75,7 +76,7 @@ def train():
             compiled = True
             log("compiled 0")
         log(f"step {step} loss={loss.item()!r}")
-        time.sleep(0.08)
+        time.sleep(PAUSE)
     dist.barrier()
     log("done 0")
     dist.destroy_process_group()

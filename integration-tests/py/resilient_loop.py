@@ -8,7 +8,9 @@ process group from the environment, a "start" line in OUT/events.log (the format
 worker of integration_tests::netns, so its helpers read it), this entry's environment in
 OUT/env.HOST.LOCAL_RANK.ENTRY.json, then steps (an all_reduce each, a snapshot each) until any
 rank sees OUT/stop (agreed with an all_reduce, so every rank leaves at the same step). A worker
-that finds OUT/crash_HOST removes it and exits 7. OUT/saved.HOST holds the last step saved.
+that finds OUT/crash_HOST removes it and exits 7 (OUT/crash_every_HOST holding N: after 3 steps
+of every entry while the restart count is under N). OUT/saved.HOST holds the last step saved.
+Each entry's record also holds the process's open descriptors, threads and resident memory.
 """
 
 import json
@@ -28,6 +30,12 @@ entries = 0
 model = torch.zeros(4)
 
 
+def rss_kib():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+
 @rlaunch.resilient
 def train():
     global entries
@@ -40,17 +48,30 @@ def train():
         step = got[0] + 1
         model.copy_(got[1]["model"])
     with open(os.path.join(OUT, f"env.{HOST}.{e['LOCAL_RANK']}.{entries}.json"), "w") as f:
-        json.dump({"env": dict(e), "pid": os.getpid(), "entry": entries, "resumed_at_step": step}, f)
+        json.dump({"env": dict(e), "pid": os.getpid(), "entry": entries, "resumed_at_step": step,
+                   "fds": len(os.listdir("/proc/self/fd")), "threads": len(os.listdir("/proc/self/task")),
+                   "rss_kib": rss_kib()}, f)
     with open(os.path.join(OUT, "events.log"), "a") as f:
         f.write(
             f"start t={time.time():.6f} host={HOST} local_rank={e['LOCAL_RANK']} rank={e['RANK']} "
             f"group_rank={e['GROUP_RANK']} world_size={e['WORLD_SIZE']} group_world_size={e['GROUP_WORLD_SIZE']} "
             f"restart={e['TORCHELASTIC_RESTART_COUNT']} master={e['MASTER_ADDR']}:{e['MASTER_PORT']} pid={os.getpid()}\n"
         )
+    here = 0
     while True:
         crash = os.path.join(OUT, f"crash_{HOST}")
-        if os.path.exists(crash):
-            os.unlink(crash)
+        # OUT/crash_every_HOST holding N: this host's worker exits 7 after 3 steps of each entry
+        # until the restart count reaches N.
+        every = False
+        try:
+            with open(os.path.join(OUT, f"crash_every_{HOST}")) as f:
+                every = here >= 3 and int(e["TORCHELASTIC_RESTART_COUNT"]) < int(f.read())
+        except (OSError, ValueError):
+            pass
+        here += 1
+        if every or os.path.exists(crash):
+            if not every:
+                os.unlink(crash)
             print(f"worker {e['RANK']} on {HOST} crashing on purpose", file=sys.stderr, flush=True)
             os._exit(7)
         stop = torch.tensor([1.0 if os.path.exists(os.path.join(OUT, "stop")) else 0.0])
