@@ -11,6 +11,7 @@ rank sees OUT/stop (agreed with an all_reduce, so every rank leaves at the same 
 that finds OUT/crash_HOST removes it and exits 7 (OUT/crash_every_HOST holding N: after 3 steps
 of every entry while the restart count is under N). OUT/saved.HOST holds the last step saved.
 Each entry's record also holds the process's open descriptors, threads and resident memory.
+OUT/stubborn_HOST: this host's worker sleeps 60 s in every step, in Python, with no collective.
 """
 
 import json
@@ -69,6 +70,9 @@ def train():
         except (OSError, ValueError):
             pass
         here += 1
+        if os.path.exists(os.path.join(OUT, f"stubborn_{HOST}")):
+            # Long work with no collective: the word that the round ended finds nothing to end.
+            time.sleep(60)
         if every or os.path.exists(crash):
             if not every:
                 os.unlink(crash)

@@ -217,3 +217,30 @@ fn twenty_recoveries_in_one_process_leak_no_descriptor_thread_or_memory() {
     eprintln!("over {} entries: fds {:?}, threads {:?}", entries.len(), series("fds"), series("threads"));
     finish(out, &mut agents);
 }
+
+/// A worker that opted in but does not come back when its round ends (a minute of work with no
+/// collective to end): after `PARK_WITHIN` it is stopped and started as without the decorator,
+/// and the job goes on.
+#[test]
+fn a_survivor_that_does_not_park_in_time_is_stopped_and_started_as_before() {
+    use integration_tests::netns::{self, finish, wait_formed, Cluster};
+
+    let cluster = Cluster::new(2);
+    let dir = integration_tests::tempdir();
+    let out = dir.path();
+    let (args, endpoint) = resilient_args(&cluster, out, "1:2", "resilient-stubborn");
+    let mut agents = start_two_hosts(&cluster, out, &args, &endpoint);
+    let before = wait_formed(out, &["a", "b"], 1, &mut agents, Duration::from_secs(60));
+    let a0 = before.iter().find(|s| s.host == "a").expect("host a's worker").pid;
+    std::fs::write(out.join("stubborn_a"), b"").unwrap();
+    std::thread::sleep(Duration::from_millis(500)); // into its sleep
+    let t0 = netns::now_unix_f64();
+    cluster.host(1).kill_all();
+    std::fs::remove_file(out.join("stubborn_a")).unwrap(); // the next process works normally
+    let after = wait_formed(out, &["a"], 1, &mut agents[..1], Duration::from_secs(40));
+    eprintln!("a survivor that did not park: started again after {:.2} s", after[0].t - t0);
+    assert_ne!(after[0].pid, a0, "stopped and started again");
+    let log = std::fs::read_to_string(out.join("rlaunch-a.log")).unwrap_or_default();
+    assert!(log.contains("not every worker ended its round"), "host a's agent log:\n{log}");
+    finish(out, &mut agents[..1]);
+}
