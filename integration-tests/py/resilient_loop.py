@@ -3,7 +3,8 @@
 
     resilient_loop.py OUT
 
-Once per process: imports, a tensor that stands for the model. Each entry of the function: a
+Once per process: imports, a tensor that stands for the model, a data loader with a persistent
+worker process (each step takes a batch; each entry's record names its worker's pid). Each entry of the function: a
 process group from the environment, a "start" line in OUT/events.log (the format of the loop
 worker of integration_tests::netns, so its helpers read it), this entry's environment in
 OUT/env.HOST.LOCAL_RANK.ENTRY.json, then steps (an all_reduce each, a snapshot each) until any
@@ -29,6 +30,9 @@ OUT = sys.argv[1]
 HOST = os.environ.get("RL_HOST", "local")
 entries = 0
 model = torch.zeros(4)
+# A data loader made once per process, its worker process persistent: it must live through
+# every recovery of the function.
+loader = iter(torch.utils.data.DataLoader(torch.arange(10**6), batch_size=4, num_workers=1, persistent_workers=True))
 
 
 def rss_kib():
@@ -50,6 +54,7 @@ def train():
         model.copy_(got[1]["model"])
     with open(os.path.join(OUT, f"env.{HOST}.{e['LOCAL_RANK']}.{entries}.json"), "w") as f:
         json.dump({"env": dict(e), "pid": os.getpid(), "entry": entries, "resumed_at_step": step,
+                   "loader_pids": [w.pid for w in loader._workers if w.is_alive()],
                    "fds": len(os.listdir("/proc/self/fd")), "threads": len(os.listdir("/proc/self/task")),
                    "rss_kib": rss_kib()}, f)
     with open(os.path.join(OUT, "events.log"), "a") as f:
@@ -82,7 +87,7 @@ def train():
         dist.all_reduce(stop, op=dist.ReduceOp.MAX)
         if stop.item() > 0:
             break
-        model.add_(1.0)
+        model.add_(next(loader).float().mean() * 0 + 1.0)
         if rlaunch.snapshot.save(step, {"model": model}):
             with open(os.path.join(OUT, f"saved.{HOST}"), "w") as f:
                 f.write(str(step))

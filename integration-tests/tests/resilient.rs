@@ -161,6 +161,10 @@ fn a_survivor_keeps_its_process_when_the_other_host_is_killed_and_runs_on_with_t
     // The new round's error file, under its attempt's directory; the control socket kept.
     assert!(e2["TORCHELASTIC_ERROR_FILE"].as_str().unwrap().ends_with("attempt_0/0/error.json"), "{e2:#}");
     assert_eq!(e2["RLAUNCH_CONTROL"], e1["RLAUNCH_CONTROL"]);
+    // The data loader's worker process made before the function lives on through the recovery.
+    let loader = first["loader_pids"].as_array().cloned().unwrap_or_default();
+    assert_eq!(loader.len(), 1, "{first:#}");
+    assert_eq!(second["loader_pids"], first["loader_pids"], "the data loader's worker kept: {second:#}");
     // State came back from the snapshot: the function resumed past step 0.
     assert!(second["resumed_at_step"].as_u64().unwrap() > 0, "{second:#}");
     let log = std::fs::read_to_string(out.join("rlaunch-a.log")).unwrap_or_default();
@@ -203,8 +207,8 @@ fn twenty_recoveries_in_one_process_leak_no_descriptor_thread_or_memory() {
     assert!(entries.iter().all(|e| &e["pid"] == pid), "one process throughout");
     let num = |e: &serde_json::Value, k: &str| e[k].as_u64().unwrap_or_else(|| panic!("{k} in {e}"));
     // The first recoveries make what is made once, lazily (the control thread, the snapshot
-    // connection, the first groups' helpers: 13, 21, 24 descriptors, then 24 through the
-    // twentieth): from the fifth entry on nothing grows from one recovery to the next.
+    // connection, the first groups' helpers: 19, 27, 30 descriptors, then 30 through the
+    // twentieth, on 2026-11-28): from the fifth entry on nothing grows from one recovery to the next.
     let (second, last) = (&entries[4], &entries[entries.len() - 1]);
     let series = |k: &str| entries.iter().map(|e| num(e, k)).collect::<Vec<_>>();
     assert!(num(last, "fds") <= num(second, "fds") + 2, "descriptors grew: {:?}", series("fds"));
