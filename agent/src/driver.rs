@@ -301,6 +301,20 @@ async fn report_progress(client: RendezvousClient, node_id: String, tracker: std
     }
 }
 
+/// Says where a round's workers run, as they are started or resumed.
+fn log_round(p: &Placement, master: &HostPort, logs: &std::path::Path, what: &str) {
+    info!(
+        round = p.round,
+        group_rank = p.group_rank,
+        nodes = p.group_world_size,
+        world_size = p.world_size,
+        restart_count = p.restart_count,
+        master = %master,
+        logs = %logs.display(),
+        "{what}"
+    );
+}
+
 /// Sleeps until `at`, or forever.
 async fn sleep_until_or_never(at: Option<tokio::time::Instant>) {
     match at {
@@ -562,16 +576,7 @@ impl Io<'_> {
                 HostPort::new("127.0.0.1", port).expect("a loopback address is a valid host")
             }
         };
-        info!(
-            round = p.round,
-            group_rank = p.group_rank,
-            nodes = p.group_world_size,
-            world_size = p.world_size,
-            restart_count = p.restart_count,
-            master = %master,
-            logs = %self.ctx.log_root.path().display(),
-            "starting workers"
-        );
+        log_round(&p, &master, self.ctx.log_root.path(), "starting workers");
         if !p.fingerprint_diff.is_empty() {
             warn!(
                 round = p.round,
@@ -581,12 +586,7 @@ impl Io<'_> {
                 warn!("  {l}");
             }
         }
-        let mut specs = worker_specs(self.config, &p, &master, &self.ctx.view());
-        if let Some(c) = &self.control {
-            for spec in &mut specs {
-                spec.overrides.push(c.worker_env());
-            }
-        }
+        let specs = self.specs(&p, &master);
         // Before any worker runs: a warm one may ask for its state at once.
         self.ctx.progress.begin(p.round, p.rank_offset..p.rank_offset.saturating_add(self.config.nproc_per_node), 0);
         let io = self.group_io(p.restart_count)?;
@@ -627,20 +627,13 @@ impl Io<'_> {
     /// program's function again, with exactly the environment a fresh worker would get.
     fn resume_workers(&mut self, p: Placement) {
         let master = p.master.clone().expect("an elastic round names its workers' store");
-        info!(
-            round = p.round,
-            group_rank = p.group_rank,
-            nodes = p.group_world_size,
-            world_size = p.world_size,
-            restart_count = p.restart_count,
-            master = %master,
-            "the workers keep their processes: resuming them in the new round"
+        log_round(
+            &p,
+            &master,
+            self.ctx.log_root.path(),
+            "the workers keep their processes: resuming them in the new round",
         );
-        let mut specs = worker_specs(self.config, &p, &master, &self.ctx.view());
-        let Some(control) = &self.control else { return };
-        for spec in &mut specs {
-            spec.overrides.push(control.worker_env());
-        }
+        let specs = self.specs(&p, &master);
         for spec in &specs {
             // Where the new round's error file and heartbeat go (the worker's output stays in
             // the files it was started with).
@@ -655,20 +648,23 @@ impl Io<'_> {
         }
         let nproc = self.config.nproc_per_node;
         self.ctx.progress.begin(p.round, p.rank_offset..p.rank_offset.saturating_add(nproc), nproc);
-        let envs = specs
-            .iter()
-            .map(|s| {
-                let mut vars: Vec<(String, String)> =
-                    s.env.to_vars(self.ctx.agent_env).into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
-                vars.extend(s.overrides.iter().map(|(k, v)| ((*k).to_owned(), v.clone())));
-                if let (true, Some(path)) = (s.heartbeat_env, &s.heartbeat) {
-                    vars.push((hangwatch::HEARTBEAT_ENV.to_owned(), path.to_string_lossy().into_owned()));
-                }
-                (s.env.local_rank, vars)
-            })
-            .collect();
-        control.resume(p.round, &envs);
+        let envs = specs.iter().map(|s| (s.env.local_rank, s.vars(self.ctx.agent_env))).collect();
+        if let Some(control) = &self.control {
+            control.resume(p.round, &envs);
+        }
         self.command(GroupCmd::Renumber(specs));
+    }
+
+    /// The placement's worker specifications, with the control socket of workers that keep
+    /// their process (elastic).
+    fn specs(&self, p: &Placement, master: &HostPort) -> Vec<crate::spec::WorkerSpec> {
+        let mut specs = worker_specs(self.config, p, master, &self.ctx.view());
+        if let Some(c) = &self.control {
+            for spec in &mut specs {
+                spec.overrides.push(c.worker_env());
+            }
+        }
+        specs
     }
 
     /// Opens the round's snapshots as the core chose.

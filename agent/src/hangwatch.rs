@@ -11,10 +11,10 @@ use std::time::Duration;
 use crate::hang::{self, Frame, Sample, Stack};
 use crate::logdir::LogRoot;
 
-/// The variable naming a worker's heartbeat file (with `--hang-timeout`): touching it is a sign
-/// of progress, e.g. `os.utime(os.environ["RLAUNCH_HEARTBEAT_FILE"])` once per step (the Rust
-/// runtime also writes its step statistics there, see [`rank_waits`]).
-pub use rlaunch::heartbeat::HEARTBEAT_ENV;
+// A worker told its heartbeat file (`RLAUNCH_HEARTBEAT_FILE`, with `--hang-timeout`; see
+// `spec::WorkerSpec::vars`) touches it as a sign of progress, e.g.
+// `os.utime(os.environ["RLAUNCH_HEARTBEAT_FILE"])` once per step (the Rust runtime also writes
+// its step statistics there, see `rank_waits`).
 
 /// The pseudo-file of frames that are a thread's kernel wait channel.
 const NATIVE_FILE: &str = "[kernel]";

@@ -41,6 +41,20 @@ pub struct WorkerSpec {
     pub heartbeat_env: bool,
 }
 
+impl WorkerSpec {
+    /// Every variable the worker is given, in the order they apply: torchrun's environment,
+    /// then the overrides, then the heartbeat file's name (when it is told).
+    pub fn vars(&self, agent_env: &BTreeMap<String, String>) -> Vec<(String, String)> {
+        let mut vars: Vec<(String, String)> =
+            self.env.to_vars(agent_env).into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
+        vars.extend(self.overrides.iter().map(|(k, v)| ((*k).to_owned(), v.clone())));
+        if let (true, Some(path)) = (self.heartbeat_env, &self.heartbeat) {
+            vars.push((rlaunch::heartbeat::HEARTBEAT_ENV.to_owned(), path.to_string_lossy().into_owned()));
+        }
+        vars
+    }
+}
+
 /// Where the agent's stdin goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stdin {
@@ -248,6 +262,23 @@ mod tests {
         assert_eq!(ranks, [(2, 0), (3, 1)]);
         assert_eq!(specs[1].dir, Path::new("/logs/run/attempt_0/1"));
         assert_eq!((specs[0].env.master_addr.as_str(), specs[0].env.master_port), ("10.0.0.1", 29500));
+    }
+
+    #[test]
+    fn a_workers_variables_are_torchruns_then_the_overrides_then_the_heartbeat_when_told() {
+        let (config, env) = (AgentConfig::standalone(vec!["train".into()], 2), BTreeMap::new());
+        let snapshot_env = [("RLAUNCH_SNAPSHOT", "/run/s".to_string())];
+        let view = NodeView { snapshot_env: &snapshot_env, ..node(&env, Stdin::None, false) };
+        let mut spec = worker_specs(&config, &second_node(), &master(), &view).remove(0);
+        let names = |spec: &WorkerSpec| spec.vars(&env).into_iter().map(|(k, _)| k).collect::<Vec<_>>();
+        let vars = names(&spec);
+        let (rank, snap) = (vars.iter().position(|k| k == "RANK"), vars.iter().position(|k| k == "RLAUNCH_SNAPSHOT"));
+        assert!(rank.is_some() && snap.is_some() && rank < snap, "{vars:?}");
+        assert!(!vars.iter().any(|k| k == "RLAUNCH_HEARTBEAT_FILE"), "not told without --hang-timeout: {vars:?}");
+        spec.heartbeat = Some("/logs/attempt_0/0/heartbeat".into());
+        spec.heartbeat_env = true;
+        assert_eq!(names(&spec).last().map(String::as_str), Some("RLAUNCH_HEARTBEAT_FILE"));
+        assert_eq!(spec.vars(&env).len(), vars.len() + 1);
     }
 
     #[test]

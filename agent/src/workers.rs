@@ -109,18 +109,10 @@ impl WorkerGroup {
         let (exe, args) = program.split_first().expect("the launcher never passes an empty program");
         let mut cmd = std::process::Command::new(exe);
         cmd.args(args);
-        for (k, v) in spec.env.to_vars(agent_env) {
-            cmd.env(k, v);
-        }
-        for (k, v) in &spec.overrides {
-            cmd.env(k, v);
-        }
+        cmd.envs(spec.vars(agent_env));
         if let Some(path) = &spec.heartbeat {
             crate::hangwatch::create_heartbeat(&io.log_root, path)
                 .map_err(|source| AgentError::LogDir { path: path.clone(), source })?;
-            if spec.heartbeat_env {
-                cmd.env(crate::hangwatch::HEARTBEAT_ENV, path);
-            }
         }
         let place = Placement { cgroup_procs: self.containment.procs_file(local_rank), cpus: spec.cpus, keep_fd: None };
         // A warm interpreter becomes this worker when one waits (`cmd` says what it becomes);

@@ -33,11 +33,13 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-spec = importlib.util.spec_from_file_location("recovery", os.path.join(ROOT, "bench/recovery/bench.py"))
-recovery = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(recovery)
-Net, wait_for, listening = recovery.Net, recovery.wait_for, recovery.listening
-RDZV_PORT, ETCD_PORT, ETCD_PEER, C10D_PORT = 29431, 23790, 23800, 29400
+spec = importlib.util.spec_from_file_location("node_loss", os.path.join(ROOT, "bench/snapshot/node_loss.py"))
+node_loss = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(node_loss)
+# The hosts, etcd and the rendezvous as bench/snapshot/node_loss.py has them.
+recovery, start_services = node_loss.recovery, node_loss.start_services
+Net, wait_for = recovery.Net, recovery.wait_for
+RDZV_PORT, C10D_PORT = node_loss.RDZV_PORT, node_loss.C10D_PORT
 ROWS = [
     ("rlaunch, restart path, survivor alone", "rlaunch", "plain", False),
     ("rlaunch, @rlaunch.resilient, survivor alone", "rlaunch", "resilient", False),
@@ -189,19 +191,7 @@ def main():
         data = tempfile.mkdtemp(prefix="rlaunch-bench-etcd-")
         side = []
         try:
-            root_ip = f"10.77.{net.subnet}.1"
-            side.append(subprocess.Popen(["etcd", "--data-dir", os.path.join(data, "d"),
-                                          "--listen-client-urls", f"http://{root_ip}:{ETCD_PORT}",
-                                          "--advertise-client-urls", f"http://{root_ip}:{ETCD_PORT}",
-                                          "--listen-peer-urls", f"http://{root_ip}:{ETCD_PEER}",
-                                          "--initial-advertise-peer-urls", f"http://{root_ip}:{ETCD_PEER}",
-                                          "--initial-cluster", f"default=http://{root_ip}:{ETCD_PEER}"],
-                                         stdout=open(os.path.join(data, "etcd.log"), "w"), stderr=subprocess.STDOUT))
-            side.append(subprocess.Popen([args.rendezvous, "--listen", f"{root_ip}:{RDZV_PORT}", "--store", "etcd",
-                                          "--etcd-endpoints", f"http://{root_ip}:{ETCD_PORT}"],
-                                         stdout=open(os.path.join(data, "rdzv.log"), "w"), stderr=subprocess.STDOUT))
-            if not wait_for(lambda: listening(root_ip, RDZV_PORT), 20):
-                raise SystemExit("the rendezvous did not start")
+            root_ip = start_services(net, args.rendezvous, data, side)
             r = None
             for attempt in range(2):
                 try:

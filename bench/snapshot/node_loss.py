@@ -146,6 +146,25 @@ def run(label, launcher, mode, args, net, root_ip):
             shutil.rmtree(out, ignore_errors=True)
 
 
+def start_services(net, rendezvous, data, side):
+    """etcd and `rlaunch-rendezvous --store etcd` in the root namespace of `net`, their data and
+    logs in `data`, their processes appended to `side`; answers the root namespace's address."""
+    root_ip = f"10.77.{net.subnet}.1"
+    side.append(subprocess.Popen(["etcd", "--data-dir", os.path.join(data, "d"),
+                                  "--listen-client-urls", f"http://{root_ip}:{ETCD_PORT}",
+                                  "--advertise-client-urls", f"http://{root_ip}:{ETCD_PORT}",
+                                  "--listen-peer-urls", f"http://{root_ip}:{ETCD_PEER}",
+                                  "--initial-advertise-peer-urls", f"http://{root_ip}:{ETCD_PEER}",
+                                  "--initial-cluster", f"default=http://{root_ip}:{ETCD_PEER}"],
+                                 stdout=open(os.path.join(data, "etcd.log"), "w"), stderr=subprocess.STDOUT))
+    side.append(subprocess.Popen([rendezvous, "--listen", f"{root_ip}:{RDZV_PORT}", "--store", "etcd",
+                                  "--etcd-endpoints", f"http://{root_ip}:{ETCD_PORT}"],
+                                 stdout=open(os.path.join(data, "rdzv.log"), "w"), stderr=subprocess.STDOUT))
+    if not wait_for(lambda: listening(root_ip, RDZV_PORT), 20):
+        raise SystemExit("the rendezvous did not start")
+    return root_ip
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=200)
@@ -172,20 +191,7 @@ def main():
         data = tempfile.mkdtemp(prefix="rlaunch-bench-etcd-")
         side = []
         try:
-            root_ip = f"10.77.{net.subnet}.1"
-            etcd_log = open(os.path.join(data, "etcd.log"), "w")
-            side.append(subprocess.Popen(["etcd", "--data-dir", os.path.join(data, "d"),
-                                          "--listen-client-urls", f"http://{root_ip}:{ETCD_PORT}",
-                                          "--advertise-client-urls", f"http://{root_ip}:{ETCD_PORT}",
-                                          "--listen-peer-urls", f"http://{root_ip}:{ETCD_PEER}",
-                                          "--initial-advertise-peer-urls", f"http://{root_ip}:{ETCD_PEER}",
-                                          "--initial-cluster", f"default=http://{root_ip}:{ETCD_PEER}"],
-                                         stdout=etcd_log, stderr=subprocess.STDOUT))
-            side.append(subprocess.Popen([args.rendezvous, "--listen", f"{root_ip}:{RDZV_PORT}", "--store", "etcd",
-                                          "--etcd-endpoints", f"http://{root_ip}:{ETCD_PORT}"],
-                                         stdout=open(os.path.join(data, "rdzv.log"), "w"), stderr=subprocess.STDOUT))
-            if not wait_for(lambda: listening(root_ip, RDZV_PORT), 20):
-                raise SystemExit("the rendezvous did not start")
+            root_ip = start_services(net, args.rendezvous, data, side)
             for attempt in range(3):
                 try:
                     r = run(label, launcher, mode, args, net, root_ip)

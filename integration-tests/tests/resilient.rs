@@ -62,18 +62,47 @@ fn start_two_hosts(
     agents
 }
 
-/// The resilient loop on every host: one rank each, `--nnodes nnodes`.
-fn resilient_args(
-    cluster: &integration_tests::netns::Cluster,
-    out: &std::path::Path,
-    nnodes: &str,
-    run_id: &str,
-) -> (Vec<String>, String) {
-    let endpoint = format!("{}:29400", cluster.host(0).ip);
-    let python = venv_python();
-    let script = repo_root().join("integration-tests/py/resilient_loop.py");
-    let program = ["--max-restarts", "3", python.to_str().unwrap(), script.to_str().unwrap(), out.to_str().unwrap()];
-    (integration_tests::netns::rdzv_args(nnodes, 1, &endpoint, run_id, CONF, "3", &program), endpoint)
+/// A formed two-host job of the resilient loop, one rank per host: its hosts, files, agents
+/// and first workers.
+struct Job {
+    /// The hosts: dropping it takes their namespaces down (bind it for the whole test).
+    cluster: integration_tests::netns::Cluster,
+    dir: tempfile::TempDir,
+    endpoint: String,
+    agents: Vec<integration_tests::netns::Proc>,
+    before: Vec<integration_tests::netns::Start>,
+}
+
+impl Job {
+    /// `--nnodes nnodes`, `--max-restarts max_restarts`; waits until both hosts run.
+    fn start(nnodes: &str, run_id: &str, max_restarts: u32) -> Job {
+        let cluster = integration_tests::netns::Cluster::new(2);
+        let dir = integration_tests::tempdir();
+        let out = dir.path();
+        let endpoint = format!("{}:29400", cluster.host(0).ip);
+        let (python, script) = (venv_python(), repo_root().join("integration-tests/py/resilient_loop.py"));
+        let budget = max_restarts.to_string();
+        let program = [
+            "--max-restarts",
+            budget.as_str(),
+            python.to_str().unwrap(),
+            script.to_str().unwrap(),
+            out.to_str().unwrap(),
+        ];
+        let args = integration_tests::netns::rdzv_args(nnodes, 1, &endpoint, run_id, CONF, "3", &program);
+        let mut agents = start_two_hosts(&cluster, out, &args, &endpoint);
+        let before = integration_tests::netns::wait_formed(out, &["a", "b"], 1, &mut agents, Duration::from_secs(60));
+        Job { cluster, dir, endpoint, agents, before }
+    }
+
+    fn out(&self) -> &std::path::Path {
+        self.dir.path()
+    }
+
+    /// The pid of `host`'s worker among `starts`.
+    fn pid(starts: &[integration_tests::netns::Start], host: &str) -> i32 {
+        starts.iter().find(|s| s.host == host).map(|s| s.pid).expect("the host's worker")
+    }
 }
 
 /// A worker failing on host b: host b's worker is started again (its own rank failed: not
@@ -81,17 +110,10 @@ fn resilient_args(
 /// the restart counted once.
 #[test]
 fn a_worker_failing_on_another_host_is_restarted_there_and_the_survivor_keeps_its_process() {
-    use integration_tests::netns::{finish, wait_formed, Cluster};
+    use integration_tests::netns::{finish, wait_formed};
 
-    let cluster = Cluster::new(2);
-    let dir = integration_tests::tempdir();
-    let out = dir.path();
-    let (args, endpoint) = resilient_args(&cluster, out, "2", "resilient-crash");
-    let mut agents = start_two_hosts(&cluster, out, &args, &endpoint);
-    let before = wait_formed(out, &["a", "b"], 1, &mut agents, Duration::from_secs(60));
-    let pid = |starts: &[integration_tests::netns::Start], host: &str| {
-        starts.iter().find(|s| s.host == host).map(|s| s.pid).expect("the host's worker")
-    };
+    let Job { mut agents, before, dir, cluster: _hosts, .. } = Job::start("2", "resilient-crash", 3);
+    let (out, pid) = (dir.path(), Job::pid);
     std::fs::write(out.join("crash_b"), b"").unwrap();
     integration_tests::wait_until("the group to re-form after the crash", Duration::from_secs(60), || {
         integration_tests::netns::formed(out, &["a", "b"], 1).is_some_and(|g| g.iter().all(|s| s.restart == 1))
@@ -110,14 +132,11 @@ fn a_worker_failing_on_another_host_is_restarted_there_and_the_survivor_keeps_it
 /// from its snapshot.
 #[test]
 fn a_survivor_keeps_its_process_when_the_other_host_is_killed_and_runs_on_with_the_new_round_s_environment() {
-    use integration_tests::netns::{self, finish, wait_formed, Cluster};
+    use integration_tests::netns::{self, finish, wait_formed};
 
-    let cluster = Cluster::new(2);
-    let dir = integration_tests::tempdir();
-    let out = dir.path();
-    let (args, endpoint) = resilient_args(&cluster, out, "1:2", "resilient");
-    let mut agents = start_two_hosts(&cluster, out, &args, &endpoint);
-    let before = wait_formed(out, &["a", "b"], 1, &mut agents, Duration::from_secs(60));
+    let mut job = Job::start("1:2", "resilient", 3);
+    let (before, out) = (job.before.clone(), job.out().to_path_buf());
+    let (out, agents, cluster, endpoint) = (out.as_path(), &mut job.agents, &job.cluster, &job.endpoint);
     let a0 = before.iter().find(|s| s.host == "a").expect("host a's worker").clone();
     // Some steps saved first, so that there is a step to resume from.
     integration_tests::wait_until("host a to save step 5", Duration::from_secs(30), || {
@@ -171,7 +190,7 @@ fn a_survivor_keeps_its_process_when_the_other_host_is_killed_and_runs_on_with_t
     assert!(log.contains("the workers keep their processes"), "host a's agent log:\n{log}");
     // The rendezvous' account of the recovery names the rank that kept its process.
     let kept = || {
-        let status = netns::rdzv_status("rlaunch", &endpoint, "resilient");
+        let status = netns::rdzv_status("rlaunch", endpoint, "resilient");
         let last = status["recovery"]["recoveries"].as_array().and_then(|r| r.last().cloned());
         last.map(|r| r["phases"]["ranks_kept"].clone()).unwrap_or_default()
     };
@@ -186,17 +205,11 @@ fn a_survivor_keeps_its_process_when_the_other_host_is_killed_and_runs_on_with_t
 /// not grow with each recovery.
 #[test]
 fn twenty_recoveries_in_one_process_leak_no_descriptor_thread_or_memory() {
-    use integration_tests::netns::{finish, wait_formed, Cluster};
+    use integration_tests::netns::finish;
 
     const RECOVERIES: u32 = 20;
-    let cluster = Cluster::new(2);
-    let dir = integration_tests::tempdir();
+    let Job { mut agents, dir, cluster: _hosts, .. } = Job::start("2", "resilient-leak", RECOVERIES + 1);
     let out = dir.path();
-    let (mut args, endpoint) = resilient_args(&cluster, out, "2", "resilient-leak");
-    let budget = args.iter().position(|a| a == "--max-restarts").expect("a restart budget") + 1;
-    args[budget] = (RECOVERIES + 1).to_string();
-    let mut agents = start_two_hosts(&cluster, out, &args, &endpoint);
-    wait_formed(out, &["a", "b"], 1, &mut agents, Duration::from_secs(60));
     std::fs::write(out.join("crash_every_b"), RECOVERIES.to_string()).unwrap();
     integration_tests::wait_until("twenty recoveries", Duration::from_secs(240), || {
         integration_tests::netns::formed(out, &["a", "b"], 1).is_some_and(|g| g.iter().all(|s| s.restart == RECOVERIES))
@@ -227,15 +240,11 @@ fn twenty_recoveries_in_one_process_leak_no_descriptor_thread_or_memory() {
 /// and the job goes on.
 #[test]
 fn a_survivor_that_does_not_park_in_time_is_stopped_and_started_as_before() {
-    use integration_tests::netns::{self, finish, wait_formed, Cluster};
+    use integration_tests::netns::{self, finish, wait_formed};
 
-    let cluster = Cluster::new(2);
-    let dir = integration_tests::tempdir();
+    let Job { cluster, mut agents, before, dir, .. } = Job::start("1:2", "resilient-stubborn", 3);
     let out = dir.path();
-    let (args, endpoint) = resilient_args(&cluster, out, "1:2", "resilient-stubborn");
-    let mut agents = start_two_hosts(&cluster, out, &args, &endpoint);
-    let before = wait_formed(out, &["a", "b"], 1, &mut agents, Duration::from_secs(60));
-    let a0 = before.iter().find(|s| s.host == "a").expect("host a's worker").pid;
+    let a0 = Job::pid(&before, "a");
     std::fs::write(out.join("stubborn_a"), b"").unwrap();
     std::thread::sleep(Duration::from_millis(500)); // into its sleep
     let t0 = netns::now_unix_f64();
