@@ -157,11 +157,25 @@ fn fnv(params: &[f32]) -> u64 {
 
 fn main() -> Result<()> {
     let args = parse_args()?;
+    // Once per process: the dataset. Each round (a fresh start, or again in the same process
+    // when the job re-forms around this node: rlaunch::resilient) joins the round's group and
+    // resumes from the newest checkpoint or snapshot.
+    let data = make_dataset(&args);
+    let mut rounds = 0u32;
+    rlaunch::resilient::run(|| {
+        rounds += 1;
+        train(&args, &data, rounds)
+    })
+}
+
+/// One round of training: the group from the round's environment, the state from the newest
+/// checkpoint or snapshot, then steps until the end. `round`: how many times this process
+/// entered it.
+fn train(args: &Args, data: &Dataset, round: u32) -> Result<()> {
     let worker = rlaunch::env::WorkerEnv::from_env().context("run me under rlaunch (or torchrun)")?;
     let pg = rlaunch::worker::init_from_env().context("joining the process group")?;
     let (rank, world) = (pg.rank(), pg.world_size());
     let backend = pg.backend_name();
-    let data = make_dataset(&args);
     let mut model = Mlp::new(&[args.dim, args.hidden, args.hidden, args.classes], args.seed);
     let sizes = model.param_sizes();
     let mut opt = Sgd::new(model.params.len(), args.lr, args.momentum, 0.0);
@@ -200,7 +214,13 @@ fn main() -> Result<()> {
     // step (the agents agree on it), its own part.
     let mut resumed_from_snapshot = false;
     if args.snapshot_every > 0 {
-        if let Some(snap) = rlaunch::snapshot::load()? {
+        let snap = match rlaunch::snapshot::load() {
+            // Saved by a smaller world (a scale-up): the state is data-parallel, the same in
+            // every rank's part, so rank 0's serves.
+            Err(rlaunch::snapshot::SnapshotError::NoPart { .. }) => rlaunch::snapshot::load_rank(0)?,
+            other => other?,
+        };
+        if let Some(snap) = snap {
             let counters_of = snap.get("counters").context("snapshot lacks counters")?;
             let (params, momentum) = (snap.get("params"), snap.get("momentum"));
             if snap.step as i64 > counters[1] && counters_of.len() == 16 {
@@ -213,10 +233,10 @@ fn main() -> Result<()> {
         }
     }
     let (mut step, start_epoch, start_pos) = (counters[1] as u64, counters[2] as u64, counters[3] as usize);
-    let mut gpu = gpu_trainer(&args, &worker, &model, &opt)?;
+    let mut gpu = gpu_trainer(args, &worker, &model, &opt)?;
     if rank == 0 {
         println!(
-            "train: world {world} backend {backend} restart {} | {} params | checkpoints {} | {}",
+            "train: world {world} backend {backend} restart {} | {} params | checkpoints {} | {} | pid {} round {round}",
             worker.restart_count,
             model.params.len(),
             ckpath.as_ref().map_or("off".to_string(), |p| p.display().to_string()),
@@ -226,7 +246,8 @@ fn main() -> Result<()> {
                 format!("resumed at step {step} (epoch {start_epoch}, batch {start_pos})")
             } else {
                 "fresh start".into()
-            }
+            },
+            std::process::id()
         );
     }
 

@@ -12,6 +12,7 @@ pub mod fingerprint;
 pub mod gpu;
 pub mod heartbeat;
 pub mod model;
+pub mod resilient;
 pub mod sampler;
 pub mod snapshot;
 pub mod stacks;

@@ -203,6 +203,9 @@ pub enum SnapshotError {
     Io(#[from] io::Error),
     #[error("the agent refused: {0}")]
     Refused(String),
+    /// The step this round restores was saved by a world without this rank (a scale-up).
+    #[error("step {step} was saved by {world} ranks: rank {rank} has no part (read the saved ranks' parts with load_rank to reshard)")]
+    NoPart { step: u64, world: u32, rank: u32 },
     #[error("{0}")]
     Full(String),
     #[error("the agent's answer: {0}")]
@@ -267,8 +270,12 @@ struct Entry {
 /// state, the sampler's position, ...). `Ok(false)`: nothing saved, because this process was not
 /// started by rlaunch or because the part does not fit in the node's snapshot memory (said once;
 /// the last committed step stays). When it returns `Ok(true)` the agent holds the part, whatever
-/// becomes of this process.
+/// becomes of this process. Also `Ok(false)` once this process heard that its round ended
+/// (`rlaunch::resilient`), until its function runs again: that step is not the round's.
 pub fn save(step: u64, entries: &[(&str, &[u8])]) -> Result<bool, SnapshotError> {
+    if crate::resilient::saves_closed() {
+        return Ok(false);
+    }
     let Some(conn) = connection()? else { return Ok(false) };
     let (rank, world) = (env_u32(crate::env::RANK)?, env_u32(crate::env::WORLD_SIZE)?);
     let mut header = Vec::new();
@@ -404,10 +411,7 @@ fn load_part(rank: Option<u32>) -> Result<Option<Loaded>, SnapshotError> {
     let (answer, fd) = call(&sock, &Request::Load { rank: Some(rank) })?;
     let Some(step) = answer.step else { return Ok(None) };
     let (Some(len), Some(fd)) = (answer.len, fd) else {
-        return Err(SnapshotError::Refused(format!(
-            "step {step} was saved by {} ranks: rank {rank} has no part (read the saved ranks' parts with load_rank to reshard)",
-            answer.world.unwrap_or(0)
-        )));
+        return Err(SnapshotError::NoPart { step, world: answer.world.unwrap_or(0), rank });
     };
     let map = Mapping::read_only(&fd, len as usize)?;
     let bytes = map.bytes();

@@ -10,7 +10,6 @@
 //! `RLAUNCH_FILE_STORE` (a directory used as the store instead of `MASTER_ADDR:MASTER_PORT`,
 //! for runs without an agent).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use crate::comm::{BackendKind, CommError, FileStore, PgOptions, ProcessGroup, Rendezvous};
@@ -36,7 +35,8 @@ pub enum InitError {
     Comm(#[from] CommError),
 }
 
-static GROUPS_FORMED: AtomicUsize = AtomicUsize::new(0);
+/// The round the last group was formed in, and how many groups were formed in it.
+static GROUPS_FORMED: std::sync::Mutex<(String, usize)> = std::sync::Mutex::new((String::new(), 0));
 
 /// Forms the job's process group from the environment an agent (rlaunch or torchrun) set.
 pub fn init_from_env() -> Result<ProcessGroup, InitError> {
@@ -50,7 +50,17 @@ pub fn init_from_env() -> Result<ProcessGroup, InitError> {
 pub fn options_from(env: &WorkerEnv, get: impl Fn(&str) -> Option<String>) -> Result<PgOptions, InitError> {
     let mut o = PgOptions::new(env.rank as usize, env.world_size as usize);
     o.group_rank = env.group_rank as usize;
-    let n = GROUPS_FORMED.fetch_add(1, Ordering::Relaxed);
+    // Groups are counted per round (its run, restart count and store): a process that runs again
+    // in the next round (rlaunch::resilient) names its first group there as a fresh worker does.
+    let round = format!("rlaunch/{}/{}/{}:{}", env.run_id, env.restart_count, env.master_addr, env.master_port);
+    let n = {
+        let mut formed = GROUPS_FORMED.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if formed.0 != round {
+            *formed = (round, 0);
+        }
+        formed.1 += 1;
+        formed.1 - 1
+    };
     o.namespace = format!("rlaunch/{}/{}/pg{n}", env.run_id, env.restart_count);
     o.master_addr = Some(env.master_addr.clone());
     let bad =

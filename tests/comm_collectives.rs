@@ -87,6 +87,42 @@ fn worker_entry() {
                 pg.barrier().map_err(|e| e.to_string())
             })
         }
+        "abort" => {
+            // Every rank but the last waits in an all_reduce that the last never joins (a silent
+            // peer); another thread of the process aborts its collectives 0.3 s in. Then every
+            // rank makes a new group in the same process, and it works.
+            let old = if me + 1 < w {
+                let t = Instant::now();
+                std::thread::spawn(|| {
+                    std::thread::sleep(Duration::from_millis(300));
+                    rlaunch::comm::abort_all();
+                });
+                let mut buf = vec![1f32; 1 << 16];
+                match pg.all_reduce(&mut buf, ReduceOp::Sum) {
+                    Err(e @ rlaunch::comm::CommError::Aborted { .. }) if t.elapsed() < Duration::from_secs(5) => {
+                        eprintln!("aborted after {:?}: {e}", t.elapsed());
+                        match pg.barrier() {
+                            Err(_) => Ok(()),
+                            Ok(()) => Err("the aborted group still ran a barrier".to_string()),
+                        }
+                    }
+                    other => Err(format!("the abort did not end the all_reduce: {other:?} after {:?}", t.elapsed())),
+                }
+            } else {
+                std::thread::sleep(Duration::from_millis(1500));
+                Ok(())
+            };
+            old.and_then(|()| {
+                let mut pg = rlaunch::worker::init_from_env().map_err(|e| format!("a new group: {e}"))?;
+                let mut v = vec![1i64; 3];
+                pg.all_reduce(&mut v, ReduceOp::Sum).map_err(|e| e.to_string())?;
+                if v != vec![w as i64; 3] {
+                    return Err(format!("the new group summed {v:?}"));
+                }
+                eprintln!("new group ok");
+                Ok(())
+            })
+        }
         other => Err(format!("unknown scenario {other}")),
     };
     match res {
@@ -238,4 +274,19 @@ fn bootstraps_through_the_agents_tcp_store() {
     }
     assert!(server.num_keys() > 0, "the workers' keys went to the TCPStore");
     rt.block_on(server.shutdown()).expect("store shutdown");
+}
+
+/// `rlaunch::comm::abort_all` (what a survivor does when its round ends elsewhere) ends a
+/// collective waiting on a peer that never answers within milliseconds, not at its 60 s
+/// timeout; the aborted group refuses further collectives; a new group made in the same process
+/// works with the peer.
+#[test]
+fn an_abort_ends_a_collective_waiting_on_a_silent_peer_and_a_new_group_works_in_the_same_process() {
+    for backend in ["shm", "tcp"] {
+        let f = run(&[0, 0, 0], "abort", &[("RLAUNCH_BACKEND", backend.into())], Duration::from_secs(60));
+        assert!(f.all_ok(), "backend {backend}:\n{}", f.dump());
+        let aborted = f.logs.iter().filter(|l| l.contains("aborted after")).count();
+        assert_eq!(aborted, 2, "backend {backend}: the two waiting ranks were aborted:\n{}", f.dump());
+        assert!(f.logs.iter().all(|l| l.contains("new group ok")), "backend {backend}:\n{}", f.dump());
+    }
 }

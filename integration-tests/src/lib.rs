@@ -59,8 +59,11 @@ pub fn worker() -> PathBuf {
 }
 
 /// A fresh temporary directory, removed when dropped.
+/// A test's own directory, removed when the test ends (kept with `RLAUNCH_TEST_KEEP=1`, to read
+/// a failed test's files).
 pub fn tempdir() -> tempfile::TempDir {
-    tempfile::Builder::new().prefix("rlaunch-it-").tempdir().expect("temp dir")
+    let keep = std::env::var_os("RLAUNCH_TEST_KEEP").is_some_and(|v| v == "1");
+    tempfile::Builder::new().prefix("rlaunch-it-").disable_cleanup(keep).tempdir().expect("temp dir")
 }
 
 /// Runs `cmd` to completion; kills it and panics if it runs past `deadline`.

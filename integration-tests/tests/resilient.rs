@@ -123,6 +123,28 @@ fn a_worker_failing_on_another_host_is_restarted_there_and_the_survivor_keeps_it
     assert_ne!(pid(&after, "b"), pid(&before, "b"), "host b's failed worker was started again: {after:?}");
     let second = entry_env(out, "a", 2).expect("host a's function ran again");
     assert_eq!(second["env"]["TORCHELASTIC_RESTART_COUNT"], "1", "the restart is counted: {second:#}");
+    // Field by field, host a's environment after the re-entry is what the round's fresh worker
+    // on host b got (written by the new process, over the old one's file), but for what names
+    // the rank and the host's own agent.
+    let fresh = entry_env(out, "b", 1).expect("host b's new worker's environment");
+    assert_eq!(fresh["pid"].as_i64(), Some(pid(&after, "b") as i64), "{fresh:#}");
+    let (resumed, fresh) = (second["env"].as_object().unwrap(), fresh["env"].as_object().unwrap());
+    let keys = |m: &serde_json::Map<String, serde_json::Value>| m.keys().cloned().collect::<Vec<_>>();
+    assert_eq!(keys(resumed), keys(fresh), "the same variables");
+    // The rank's own, and the node's agent's own (its sockets, its snapshot package on the
+    // Python path, the test's host name): the latter as host a's worker had them before.
+    const THE_RANK_S: [&str; 4] = ["RANK", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_ERROR_FILE"];
+    const THE_AGENT_S: [&str; 4] = ["RL_HOST", "RLAUNCH_CONTROL", "RLAUNCH_SNAPSHOT", "PYTHONPATH"];
+    let differ: Vec<&String> = resumed.keys().filter(|k| resumed[*k] != fresh[*k]).collect();
+    assert!(
+        differ.iter().all(|k| THE_RANK_S.contains(&k.as_str()) || THE_AGENT_S.contains(&k.as_str())),
+        "host a's resumed environment differs from the round's fresh worker's in {differ:?}:\n{resumed:#?}\n{fresh:#?}"
+    );
+    let first = entry_env(out, "a", 1).expect("host a's first entry");
+    for key in THE_AGENT_S {
+        assert_eq!(resumed.get(key), first["env"].get(key), "{key}: host a's agent's own, as before");
+    }
+    assert_ne!(resumed["RANK"], fresh["RANK"]);
     finish(out, &mut agents);
 }
 
@@ -256,4 +278,182 @@ fn a_survivor_that_does_not_park_in_time_is_stopped_and_started_as_before() {
     let log = std::fs::read_to_string(out.join("rlaunch-a.log")).unwrap_or_default();
     assert!(log.contains("not every worker ended its round"), "host a's agent log:\n{log}");
     finish(out, &mut agents[..1]);
+}
+
+/// The step a worker recorded in `OUT/held_HOST` when it was held in a phase.
+fn held_step(out: &std::path::Path, host: &str) -> u64 {
+    let path = out.join(format!("held_{host}"));
+    integration_tests::wait_until(&format!("host {host} to be held"), Duration::from_secs(60), || path.exists());
+    std::thread::sleep(Duration::from_millis(50)); // its step written
+    std::fs::read_to_string(&path).unwrap().trim().parse().expect("the held step")
+}
+
+/// Host b is lost (its link cut, its processes killed 0.3 s later) while host `holder`'s worker
+/// is held in `phase` of a step (the other worker then waits in that step's next collective):
+/// host a's worker keeps its process, resumes at the step in flight or the one after (at most
+/// that step computed again, none skipped), with a state that matches the step it resumed at,
+/// and trains on.
+fn node_lost_while_a_worker_is_in(phase: &str, holder: &str) {
+    use integration_tests::netns::{self, finish, wait_formed};
+
+    let job = Job::start("1:2", &format!("resilient-{phase}"), 3);
+    let Job { cluster, mut agents, before, dir, .. } = job;
+    let out = dir.path();
+    std::fs::write(out.join(format!("hold_{holder}")), phase).unwrap();
+    let in_flight = held_step(out, holder);
+    let t0 = netns::now_unix_f64();
+    cluster.host(1).cut_link();
+    std::thread::sleep(Duration::from_millis(300));
+    cluster.host(1).kill_all();
+    let after = wait_formed(out, &["a"], 1, &mut agents[..1], Duration::from_secs(40));
+    assert_eq!(after[0].pid, Job::pid(&before, "a"), "host a's worker kept its process");
+    let second = entry_env(out, "a", 2).expect("host a's function ran again");
+    let resumed = second["resumed_at_step"].as_u64().unwrap();
+    eprintln!(
+        "host b lost while host {holder} was in {phase} of step {in_flight}: host a ran again after {:.2} s, at step {resumed}",
+        after[0].t - t0
+    );
+    assert!(
+        (in_flight..=in_flight + 1).contains(&resumed),
+        "the fault came in {phase} of step {in_flight}; host a resumed at step {resumed}"
+    );
+    // The counter adds 1 each step: a state restored for step s-1 holds s. A half-made step's
+    // state (one whose optimizer step ran, its snapshot not committed) would not.
+    assert_eq!(second["counter"].as_f64(), Some(resumed as f64), "the state matches its step: {second:#}");
+    integration_tests::wait_until("host a to train on", Duration::from_secs(30), || {
+        std::fs::read_to_string(out.join("saved.a"))
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok())
+            .is_some_and(|s| s >= resumed + 3)
+    });
+    finish(out, &mut agents[..1]);
+}
+
+/// The agent's word comes while host a's worker computes its forward pass (no collective in
+/// flight): its next collective, the gradients' all-reduce, fails at once and it parks.
+#[test]
+fn a_node_lost_during_the_survivor_s_forward_pass_costs_it_no_process() {
+    node_lost_while_a_worker_is_in("forward", "a");
+}
+
+/// Host b held before its backward: host a waits in the gradients' all-reduce (DDP's bucket)
+/// on a peer that then vanishes.
+#[test]
+fn a_node_lost_during_the_survivor_s_gradient_all_reduce_costs_it_no_process() {
+    node_lost_while_a_worker_is_in("backward", "b");
+}
+
+/// The word comes between the gradients' all-reduce and the optimizer step: the step is taken
+/// locally, its snapshot refused (the round ended), and the state comes back from the step before.
+#[test]
+fn a_node_lost_during_the_survivor_s_optimizer_step_costs_it_no_process() {
+    node_lost_while_a_worker_is_in("optimizer", "a");
+}
+
+/// The word comes while host a's worker is inside `rlaunch.snapshot.save`, its state half
+/// written: never half a step restored.
+#[test]
+fn a_node_lost_while_the_survivor_saves_costs_it_no_process_and_no_half_step() {
+    node_lost_while_a_worker_is_in("save", "a");
+}
+
+/// A fault during the recovery: host b's worker fails, and its replacement fails again as soon
+/// as it starts, twice, while host a's worker is making the new round's process group (waiting
+/// on its store for a peer that never comes). Host a's worker keeps one process through the
+/// three rounds and trains on with the third.
+#[test]
+fn faults_during_the_recovery_itself_cost_the_survivor_no_process() {
+    use integration_tests::netns::{finish, wait_formed};
+
+    let Job { mut agents, before, dir, cluster: _hosts, .. } = Job::start("2", "resilient-again", 5);
+    let out = dir.path();
+    std::fs::write(out.join("crash_at_start_b"), b"3").unwrap();
+    std::fs::write(out.join("crash_b"), b"").unwrap();
+    integration_tests::wait_until("the group to form with restart 3", Duration::from_secs(90), || {
+        integration_tests::netns::formed(out, &["a", "b"], 1).is_some_and(|g| g.iter().all(|s| s.restart == 3))
+    });
+    let after = wait_formed(out, &["a", "b"], 1, &mut agents, Duration::from_secs(5));
+    assert_eq!(Job::pid(&after, "a"), Job::pid(&before, "a"), "host a's worker kept its process");
+    let entries = std::fs::read_to_string(out.join("entries.a")).unwrap();
+    let restarts: Vec<&str> = entries.lines().filter_map(|l| l.split("restart=").nth(1)).collect();
+    eprintln!("host a's entries:\n{entries}");
+    assert_eq!(restarts.first(), Some(&"0"), "{entries}");
+    assert_eq!(restarts.last(), Some(&"3"), "{entries}");
+    let pids: std::collections::BTreeSet<&str> = entries.lines().filter_map(|l| l.split_whitespace().next()).collect();
+    assert_eq!(pids.len(), 1, "one process: {entries}");
+    let log = std::fs::read_to_string(out.join("rlaunch-a.log")).unwrap_or_default();
+    assert!(!log.contains("not every worker ended its round"), "host a's worker parked each time:\n{log}");
+    finish(out, &mut agents);
+}
+
+/// The Rust runtime's side: `examples/train` (its rounds under `rlaunch::resilient::run`) on two
+/// hosts, one rank each, a snapshot every step. Host b's link is cut, then its processes killed:
+/// host a's rank keeps its process, which joins a group of one (the TCP ring's transfer that
+/// waited on host b ended by the agent's word) and resumes from the agents' snapshot. Then host b
+/// comes back and joins: the same process makes a group of two with host b's fresh worker, and
+/// the run finishes.
+#[test]
+fn a_rust_survivor_keeps_its_process_through_a_loss_and_a_join() {
+    use integration_tests::netns::{self, Cluster, Proc};
+
+    let cluster = Cluster::new(2);
+    let dir = integration_tests::tempdir();
+    let endpoint = format!("{}:29400", cluster.host(0).ip);
+    let train = integration_tests::bin("examples/train");
+    let program = [
+        train.to_str().unwrap(),
+        "--steps",
+        "300",
+        "--epochs",
+        "100",
+        "--no-checkpoint",
+        "--log-every",
+        "20",
+        "--slow-rank",
+        "0",
+        "--slow-ms",
+        "20",
+    ];
+    let args = netns::rdzv_args("1:2", 1, &endpoint, "resilient-rust", CONF, "3", &program);
+    let agent = |i: usize, log: &str| {
+        let h = cluster.host(i);
+        let mut c = h.command(integration_tests::bin("rlaunch"));
+        c.args(&args).env("RLAUNCH_LOG", "info");
+        Proc::spawn(c, &format!("rlaunch on host {}", h.name), &dir.path().join(log))
+    };
+    let mut a = agent(0, "rlaunch-a.log");
+    integration_tests::wait_until("host a to host the rendezvous server", Duration::from_secs(10), || {
+        netns::listening(&endpoint)
+    });
+    let _b = agent(1, "rlaunch-b.log");
+    let rounds = |out: &str| -> Vec<String> {
+        out.lines().filter(|l| l.contains("[default0]:train: world")).map(str::to_owned).collect()
+    };
+    integration_tests::wait_until("the two hosts to train together", Duration::from_secs(60), || {
+        a.output().contains("train: world 2") && a.output().contains("[default0]:step     60 ")
+    });
+    let t0 = netns::now_unix_f64();
+    cluster.host(1).cut_link();
+    std::thread::sleep(Duration::from_millis(300));
+    cluster.host(1).kill_all();
+    integration_tests::wait_until("host a to train alone", Duration::from_secs(30), || rounds(&a.output()).len() >= 2);
+    eprintln!("host a alone {:.2} s after the cut", netns::now_unix_f64() - t0);
+    cluster.host(1).restore_link();
+    let mut b = agent(1, "rlaunch-b-again.log");
+    let status = a.wait(Duration::from_secs(120));
+    let out = a.output();
+    assert!(status.success(), "host a's job failed ({status}):\n{}", a.log_tail(4000));
+    assert!(b.wait(Duration::from_secs(30)).success(), "host b's second agent:\n{}", b.log_tail(4000));
+    let rounds = rounds(&out);
+    eprintln!("host a's rounds:\n{}", rounds.join("\n"));
+    assert_eq!(rounds.len(), 3, "with host b, alone, with host b again:\n{out}");
+    for (i, (line, world)) in rounds.iter().zip(["world 2", "world 1", "world 2"]).enumerate() {
+        assert!(line.contains(world) && line.ends_with(&format!("round {}", i + 1)), "{line}");
+    }
+    assert!(rounds[1].contains("from the agents' snapshot"), "resumed from memory: {}", rounds[1]);
+    assert!(rounds[2].contains("from the agents' snapshot"), "resumed from memory: {}", rounds[2]);
+    let pid = |l: &str| l.split(" pid ").nth(1).and_then(|p| p.split_whitespace().next()).map(str::to_owned);
+    assert!(rounds.iter().all(|l| pid(l) == pid(&rounds[0])), "the same process ran every round");
+    assert!(out.contains("[default0]:done: 300 steps"), "{out}");
+    assert!(out.contains("the workers keep their processes"), "host a's agent log:\n{out}");
 }

@@ -221,6 +221,14 @@ def _destroy_group():
     try:
         if dist.is_initialized():
             dist.destroy_process_group()
+        else:
+            # The round ended while its group was being made (waiting on a peer that failed
+            # again): torch named the group, advancing its group counter, and made nothing.
+            # destroy_process_group would have reset the counter; a fresh worker of the next
+            # round starts from 0, and the groups' names (their store prefixes) must agree.
+            world = dist.distributed_c10d._world
+            if getattr(world, "group_count", 0):
+                world.group_count = 0
     except Exception as e:  # noqa: BLE001 - a broken group still goes
         print(f"rlaunch.resilient: destroying the process group: {e!r}", file=sys.stderr)
 

@@ -11,6 +11,7 @@ mod rendezvous;
 pub mod shm;
 pub mod tcp;
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 pub use elem::{DType, Element, ReduceOp};
@@ -19,6 +20,31 @@ pub use rendezvous::Rendezvous;
 
 /// Default deadline of one collective.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How many times [`abort_all`] was called in this process.
+static ABORTS: AtomicU64 = AtomicU64::new(0);
+/// How many collectives or group bootstraps failed in this process (any group, any cause but
+/// bad arguments): `rlaunch::resilient` tells a failed collective from the program's own error.
+static FAILURES: AtomicU64 = AtomicU64::new(0);
+
+/// Ends every collective and bootstrap in flight in this process, from any thread: each returns
+/// [`CommError::Aborted`] within milliseconds (a TCP wait within its 100 ms poll, a shared-memory
+/// wait within its 2 ms futex sleep), and every process group made before the call fails every
+/// later collective at once. Groups made afterwards are not affected. This is how a survivor
+/// ends its round (`rlaunch::resilient`) when its peers will never answer.
+pub fn abort_all() {
+    ABORTS.fetch_add(1, Ordering::SeqCst);
+}
+
+/// The count of [`abort_all`] calls so far.
+pub(crate) fn aborts() -> u64 {
+    ABORTS.load(Ordering::SeqCst)
+}
+
+/// The count of failed collectives and bootstraps in this process so far.
+pub fn failures() -> u64 {
+    FAILURES.load(Ordering::SeqCst)
+}
 
 /// Why a collective or the bootstrap of a process group failed.
 #[derive(Debug, thiserror::Error)]
@@ -47,6 +73,8 @@ pub enum CommError {
     },
     #[error("store operation {what} on key {key:?} failed: {reason}")]
     Store { what: &'static str, key: String, reason: String },
+    #[error("{op} was aborted: this process's collectives were ended (the job's round ended)")]
+    Aborted { op: &'static str },
     #[error("bootstrap of the process group failed: {reason}")]
     Bootstrap { reason: String },
     #[error("the process group failed earlier and cannot be used: {first}")]
@@ -187,22 +215,32 @@ impl Desc {
     }
 }
 
-/// A deadline shared by all the waits of one collective.
+/// A deadline shared by all the waits of one collective; [`abort_all`] ends it early.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Deadline {
     pub at: Instant,
     pub timeout: Duration,
     pub op: &'static str,
+    /// [`aborts`] when the collective began.
+    aborts: u64,
 }
 
 impl Deadline {
     pub fn new(timeout: Duration, op: &'static str) -> Self {
-        Self { at: Instant::now() + timeout, timeout, op }
+        Self { at: Instant::now() + timeout, timeout, op, aborts: aborts() }
     }
+    /// Whether the waiting must end: the time is up, or the collectives were aborted.
     pub fn expired(&self) -> bool {
-        Instant::now() >= self.at
+        Instant::now() >= self.at || self.aborted()
     }
+    pub fn aborted(&self) -> bool {
+        aborts() != self.aborts
+    }
+    /// The error of an expired deadline (waiting on `rank`).
     pub fn timeout_err(&self, rank: usize) -> CommError {
+        if self.aborted() {
+            return CommError::Aborted { op: self.op };
+        }
         CommError::Timeout { op: self.op, rank, timeout: self.timeout }
     }
 }
@@ -232,6 +270,8 @@ pub struct ProcessGroup {
     backend: Backend,
     backend_name: &'static str,
     poisoned: Option<String>,
+    /// [`aborts`] when the group was made: a later abort ends it.
+    aborts: u64,
 }
 
 impl std::fmt::Debug for ProcessGroup {
@@ -254,6 +294,14 @@ impl ProcessGroup {
     /// Forms a group through `store`: every rank publishes its host, then the backend is set up
     /// (shared memory segment names and TCP ring addresses also travel through the store).
     pub fn new(store: &mut dyn Rendezvous, opts: PgOptions) -> Result<Self, CommError> {
+        let r = Self::bootstrap(store, opts);
+        if matches!(&r, Err(e) if !matches!(e, CommError::InvalidArgument { .. })) {
+            FAILURES.fetch_add(1, Ordering::SeqCst);
+        }
+        r
+    }
+
+    fn bootstrap(store: &mut dyn Rendezvous, opts: PgOptions) -> Result<Self, CommError> {
         let PgOptions { rank, world_size, .. } = opts;
         if world_size == 0 || rank >= world_size {
             return Err(CommError::InvalidArgument {
@@ -262,6 +310,7 @@ impl ProcessGroup {
             });
         }
         let deadline = Deadline::new(opts.timeout, "bootstrap");
+        let born = deadline.aborts;
         // Publish which host this rank is on, then learn everyone's.
         store.set(&key(&opts.namespace, &format!("host/{rank}")), opts.group_rank.to_string().as_bytes())?;
         let mut group_of = Vec::with_capacity(world_size);
@@ -339,6 +388,7 @@ impl ProcessGroup {
             backend,
             backend_name,
             poisoned: None,
+            aborts: born,
         })
     }
 
@@ -558,7 +608,13 @@ impl ProcessGroup {
         self.poisoned.as_deref()
     }
 
-    fn check_poisoned(&self) -> Result<(), CommError> {
+    fn check_poisoned(&mut self) -> Result<(), CommError> {
+        if self.poisoned.is_none() && aborts() != self.aborts {
+            let e = CommError::Aborted { op: "the process group" };
+            FAILURES.fetch_add(1, Ordering::SeqCst);
+            self.poisoned = Some(e.to_string());
+            return Err(e);
+        }
         match &self.poisoned {
             Some(first) => Err(CommError::Poisoned { first: first.clone() }),
             None => Ok(()),
@@ -569,6 +625,7 @@ impl ProcessGroup {
         if let Err(e) = &r {
             // Argument errors are caught before any data moves; they leave the group usable.
             if !matches!(e, CommError::InvalidArgument { .. } | CommError::Poisoned { .. }) {
+                FAILURES.fetch_add(1, Ordering::SeqCst);
                 self.poisoned.get_or_insert_with(|| e.to_string());
             }
         }
@@ -588,6 +645,9 @@ impl ProcessGroup {
 
 /// Time left before `deadline`, or a timeout error naming `rank` (the peer being waited for).
 pub(crate) fn remaining(deadline: &Deadline, rank: usize) -> Result<Duration, CommError> {
+    if deadline.aborted() {
+        return Err(CommError::Aborted { op: deadline.op });
+    }
     deadline
         .at
         .checked_duration_since(Instant::now())

@@ -90,6 +90,7 @@ impl TcpRing {
         let mut next = loop {
             match TcpStream::connect_timeout(&next_addr, Duration::from_secs(1)) {
                 Ok(s) => break s,
+                Err(_) if deadline.aborted() => return Err(deadline.timeout_err(ranks[ni])),
                 Err(e) if deadline.expired() => {
                     return Err(sock_err(format!("connect to rank {} at {next_addr}", ranks[ni]), e))
                 }
@@ -419,7 +420,7 @@ fn split_pair<T>(data: &mut [T], a: (usize, usize), b: (usize, usize)) -> (&[T],
 /// Waits until `wfd` is writable (if `want_w`) or `rfd` readable (if `want_r`), or errors.
 fn poll_two(wfd: i32, want_w: bool, rfd: i32, want_r: bool, dl: &Deadline, waiting_on: usize) -> Result<(), CommError> {
     let left = dl.at.saturating_duration_since(Instant::now());
-    if left.is_zero() {
+    if left.is_zero() || dl.aborted() {
         return Err(dl.timeout_err(waiting_on));
     }
     let mut fds = [
