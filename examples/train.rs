@@ -161,6 +161,11 @@ fn main() -> Result<()> {
     // when the job re-forms around this node: rlaunch::resilient) joins the round's group and
     // resumes from the newest checkpoint or snapshot.
     let data = make_dataset(&args);
+    if args.device != "cpu" {
+        // The GPU path's NCCL waits are not ended by a round's end yet: its rounds start as
+        // new processes.
+        return train(&args, &data, 1);
+    }
     let mut rounds = 0u32;
     rlaunch::resilient::run(|| {
         rounds += 1;
@@ -190,8 +195,10 @@ fn train(args: &Args, data: &Dataset, round: u32) -> Result<()> {
         (Some(d), 0) => Some(CheckpointDir::new(d, 3)?),
         _ => None,
     };
+    // What a checkpoint must have been written with to be resumed (not the world size: a job
+    // that re-forms with fewer or more nodes resumes, as from a snapshot).
     let meta = serde_json::json!({
-        "world": world, "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
+        "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
         "sizes": model.sizes, "samples": args.samples,
     });
 

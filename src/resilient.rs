@@ -38,6 +38,7 @@
 use std::collections::HashSet;
 use std::io::{BufRead, BufReader, Write};
 use std::net::IpAddr;
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError};
@@ -115,21 +116,22 @@ impl Control {
             if msg.get("welcome").is_some() {
                 self.update(|h| h.welcome = true);
             } else if let Some(end) = msg.get("end") {
-                // Saves close first, then the collectives end; the main thread, woken last,
-                // finds them ended.
-                SAVES_CLOSED.store(true, Ordering::SeqCst);
-                crate::comm::abort_all();
+                // Under the lock, so that a round beginning (`begin_round`) sees all of it or
+                // none: saves closed, every collective and bootstrap ended (and whatever
+                // starts before the next round), the end noted. Then the connections.
+                let round = end["round"].as_u64().unwrap_or(0);
+                self.update(|h| {
+                    SAVES_CLOSED.store(true, Ordering::SeqCst);
+                    crate::comm::abort_all();
+                    h.ended = Some(round);
+                    h.rounds_ended += 1;
+                });
                 let hosts: Vec<String> = end["hosts"]
                     .as_array()
                     .map(|a| a.iter().filter_map(|h| h.as_str().map(str::to_owned)).collect())
                     .unwrap_or_default();
                 let shut = interrupt_connections(&hosts, &keep);
                 tracing::debug!(shut, "rlaunch::resilient: the round ended");
-                let round = end["round"].as_u64().unwrap_or(0);
-                self.update(|h| {
-                    h.ended = Some(round);
-                    h.rounds_ended += 1;
-                });
             } else if let Some(resume) = msg.get("resume") {
                 let env = resume["env"]
                     .as_object()
@@ -148,6 +150,20 @@ impl Control {
 
     fn rounds_ended(&self) -> u64 {
         self.heard.lock().unwrap_or_else(PoisonError::into_inner).rounds_ended
+    }
+
+    /// Begins a run of the function: saves and collectives open again, groups named afresh, and
+    /// the count of ends so far. None when an end was heard since the last resume (the round
+    /// about to run is over already: park again without running).
+    fn begin_round(&self) -> Option<u64> {
+        let heard = self.heard.lock().unwrap_or_else(PoisonError::into_inner);
+        if heard.ended.is_some() {
+            return None;
+        }
+        SAVES_CLOSED.store(false, Ordering::SeqCst);
+        crate::comm::clear_abort();
+        crate::worker::new_round();
+        Some(heard.rounds_ended)
     }
 
     fn wait_for_end(&self, within: Duration) -> bool {
@@ -199,7 +215,16 @@ fn control() -> Option<Arc<Control>> {
 pub fn run<T, E: std::fmt::Display>(mut f: impl FnMut() -> Result<T, E>) -> Result<T, E> {
     let Some(ctl) = control() else { return f() };
     loop {
-        let (seen, failures) = (ctl.rounds_ended(), crate::comm::failures());
+        let Some(seen) = ctl.begin_round() else {
+            // Ended before it ran: park again. Should the agent be gone, the function runs as
+            // a plain call.
+            match ctl.park() {
+                Some(env) => set_env(env),
+                None => return f(),
+            }
+            continue;
+        };
+        let failures = crate::comm::failures();
         let err = match f() {
             Ok(v) => return Ok(v),
             Err(e) => e,
@@ -221,10 +246,16 @@ pub fn run<T, E: std::fmt::Display>(mut f: impl FnMut() -> Result<T, E>) -> Resu
         }
         tracing::debug!("rlaunch::resilient: the round ended ({err}); parked");
         let Some(env) = ctl.park() else { return Err(err) };
-        for (k, v) in env {
-            std::env::set_var(k, v);
-        }
-        SAVES_CLOSED.store(false, Ordering::SeqCst);
+        set_env(env);
+    }
+}
+
+/// The next round's environment, as a fresh worker of it gets it, set while no round runs (this
+/// module's reader thread reads no variable; a program's own threads that read the environment
+/// through C's `getenv` between rounds race with it, as with any `set_var`).
+fn set_env(env: Vec<(String, String)>) {
+    for (k, v) in env {
+        std::env::set_var(k, v);
     }
 }
 
@@ -327,16 +358,25 @@ fn to_shut_down(conns: Vec<TcpConn>, targets: &HashSet<IpAddr>, any_host: bool, 
 }
 
 fn shut_down(c: &TcpConn) -> bool {
-    // The number may have been closed and given to another file since the tables were read:
-    // only the same socket is touched.
-    // SAFETY: fstat into a zeroed struct we own, on a descriptor number that may be stale (then
-    // it fails or names another file, which the inode check tells).
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    if unsafe { libc::fstat(c.fd, &mut st) } != 0 || st.st_ino != c.inode {
+    // The number may have been closed and given to another file since the tables were read, or
+    // be closed and reused while this runs: a duplicate pins whatever it names now, and only
+    // the same socket (by inode) is touched.
+    // SAFETY: F_DUPFD_CLOEXEC on a number that may be stale fails or duplicates whatever file it
+    // names now; the duplicate is ours alone and closed below.
+    let dup = unsafe { libc::fcntl(c.fd, libc::F_DUPFD_CLOEXEC, 0) };
+    if dup < 0 {
         return false;
     }
-    // SAFETY: shutdown(2) on a socket this process holds; it does not close the descriptor.
-    unsafe { libc::shutdown(c.fd, libc::SHUT_RDWR) == 0 }
+    // SAFETY: `dup` is a descriptor this function owns, opened just above.
+    let dup = unsafe { std::os::fd::OwnedFd::from_raw_fd(dup) };
+    // SAFETY: fstat into a zeroed struct we own, on our own descriptor.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    if unsafe { libc::fstat(dup.as_raw_fd(), &mut st) } != 0 || st.st_ino != c.inode {
+        return false;
+    }
+    // SAFETY: shutdown(2) on our duplicate of the socket: it ends the connection for every
+    // descriptor of it, and closes none.
+    unsafe { libc::shutdown(dup.as_raw_fd(), libc::SHUT_RDWR) == 0 }
 }
 
 #[cfg(test)]
@@ -383,7 +423,6 @@ mod tests {
     #[test]
     fn a_reader_blocked_on_a_silent_peer_wakes_when_its_connection_is_shut_down() {
         use std::io::Read;
-        use std::os::fd::AsRawFd;
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let mut waiting = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
         let _peer = listener.accept().unwrap(); // open, silent: a frozen peer

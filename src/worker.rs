@@ -101,7 +101,34 @@ pub fn connect_store(
 }
 
 fn connect_tcp_store(addr: &str, timeout: Duration) -> Result<Box<dyn Rendezvous>, InitError> {
-    let client = crate::store::StoreClient::connect(addr, timeout)
-        .map_err(|e| InitError::Store { addr: addr.to_string(), reason: e.to_string() })?;
-    Ok(Box::new(client))
+    // Tried two seconds at a time, so that the end of a round (comm::abort_all, from
+    // rlaunch::resilient) ends the trying soon; the client then keeps the whole timeout.
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        if crate::comm::aborted() {
+            crate::comm::note_failure();
+            return Err(CommError::Aborted { op: "connecting to the store" }.into());
+        }
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        let slice = left.min(Duration::from_secs(2));
+        match crate::store::StoreClient::connect(addr, slice) {
+            Ok(mut client) => {
+                client.set_timeout(timeout);
+                return Ok(Box::new(client));
+            }
+            Err(e) if slice >= left => {
+                crate::comm::note_failure();
+                return Err(InitError::Store { addr: addr.to_string(), reason: e.to_string() });
+            }
+            Err(_) => {}
+        }
+    }
+}
+
+/// Names the next group formed as the first of a round: `rlaunch::resilient::run` calls it as
+/// each round begins, so that a process that runs again names its groups as a fresh worker of
+/// the round does.
+pub(crate) fn new_round() {
+    let mut formed = GROUPS_FORMED.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    *formed = (String::new(), 0);
 }

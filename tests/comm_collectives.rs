@@ -113,6 +113,8 @@ fn worker_entry() {
                 Ok(())
             };
             old.and_then(|()| {
+                // As rlaunch::resilient does when the next round begins.
+                rlaunch::comm::clear_abort();
                 let mut pg = rlaunch::worker::init_from_env().map_err(|e| format!("a new group: {e}"))?;
                 let mut v = vec![1i64; 3];
                 pg.all_reduce(&mut v, ReduceOp::Sum).map_err(|e| e.to_string())?;

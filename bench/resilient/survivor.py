@@ -13,12 +13,14 @@ it killed 0.3 s later. Rows:
   2  torchrun (c10d, --nnodes 1:2), disk checkpoint every 50 steps
   3  rlaunch, restart path, a spare waiting (--nnodes 2)
   4  rlaunch, @rlaunch.resilient, a spare waiting
+  5-7  as 0-2, but the fault is one worker of host b killed (SIGKILL), no node lost
 
 Measured: the fault → the first training step again; the verdict (host a's agent hears the
-round ended, its log) → that step; steps computed again; whether rank 0's process is the one
-from before the fault.
+round ended, its log) → that step; steps computed again; whether host a's ranks kept their
+processes.
 
-Usage (root): .venv/bin/python bench/resilient/survivor.py [--rows 0,1,2,3,4] [--out bench/resilient/RESULTS.md]
+Usage (root): .venv/bin/python bench/resilient/survivor.py [--rows 0,1,2,3,4,5,6,7] [--out bench/resilient/RESULTS.md]
+(the plot goes beside --out)
 """
 
 import argparse
@@ -40,13 +42,34 @@ spec.loader.exec_module(node_loss)
 recovery, start_services = node_loss.recovery, node_loss.start_services
 Net, wait_for = recovery.Net, recovery.wait_for
 RDZV_PORT, C10D_PORT = node_loss.RDZV_PORT, node_loss.C10D_PORT
+# (label, launcher, mode, a spare waiting, the fault: "cut" host b's link cut then its processes
+# killed, "crash" one worker of host b killed and nothing else)
 ROWS = [
-    ("rlaunch, restart path, survivor alone", "rlaunch", "plain", False),
-    ("rlaunch, @rlaunch.resilient, survivor alone", "rlaunch", "resilient", False),
-    ("torchrun (c10d), survivor alone, disk checkpoint every 50 steps", "torchrun", "disk", False),
-    ("rlaunch, restart path, a spare waiting", "rlaunch", "plain", True),
-    ("rlaunch, @rlaunch.resilient, a spare waiting", "rlaunch", "resilient", True),
+    ("rlaunch, restart path, survivor alone", "rlaunch", "plain", False, "cut"),
+    ("rlaunch, @rlaunch.resilient, survivor alone", "rlaunch", "resilient", False, "cut"),
+    ("torchrun (c10d), survivor alone, disk checkpoint every 50 steps", "torchrun", "disk", False, "cut"),
+    ("rlaunch, restart path, a spare waiting", "rlaunch", "plain", True, "cut"),
+    ("rlaunch, @rlaunch.resilient, a spare waiting", "rlaunch", "resilient", True, "cut"),
+    ("rlaunch, restart path, a worker of host b killed", "rlaunch", "plain", False, "crash"),
+    ("rlaunch, @rlaunch.resilient, a worker of host b killed", "rlaunch", "resilient", False, "crash"),
+    ("torchrun (c10d), a worker of host b killed, disk checkpoint every 50 steps", "torchrun", "disk", False, "crash"),
 ]
+
+
+def entries(out):
+    """[(host, local_rank, pid, n, t)] from OUT/entries.log."""
+    got = []
+    try:
+        lines = open(os.path.join(out, "entries.log")).read().splitlines()
+    except OSError:
+        return got
+    for line in lines:
+        kv = dict(p.split("=", 1) for p in line.split()[1:] if "=" in p)
+        try:
+            got.append((kv["host"], int(kv["local_rank"]), int(kv["pid"]), int(kv["n"]), float(kv["t"])))
+        except (KeyError, ValueError):
+            pass
+    return got
 
 
 def events(out):
@@ -86,7 +109,7 @@ def verdict_seen(out, t0):
     return None
 
 
-def run(label, launcher, mode, spare, args, net, root_ip):
+def run(label, launcher, mode, spare, fault, args, net, root_ip):
     out = tempfile.mkdtemp(prefix="rlaunch-bench-survivor-")
     os.chmod(out, 0o777)
     a, b, c = net.hosts
@@ -119,11 +142,14 @@ def run(label, launcher, mode, spare, args, net, root_ip):
             start(c)
         if not wait_for(lambda: any(e == "step" and s >= args.cut for e, s, *_ in events(out)), 300):
             raise RuntimeError(f"{label}: never reached step {args.cut} (logs in {out})")
-        before_pid = [p for e, s, t, l, w, p in events(out) if e == "step"][-1]
         t0 = time.time()
-        net.cut_link(b)
-        time.sleep(0.3)
-        net.kill_all(b)
+        if fault == "cut":
+            net.cut_link(b)
+            time.sleep(0.3)
+            net.kill_all(b)
+        else:
+            victim = [pid for h, lr, pid, n, t in entries(out) if h == "b" and lr == 1][-1]
+            os.kill(victim, 9)
 
         def again():
             evs = events(out)
@@ -139,7 +165,7 @@ def run(label, launcher, mode, spare, args, net, root_ip):
         before = {s: l for e, s, t, l, w, p in evs if e == "step" and t <= t0 + 0.3}
         if got is None:
             return {"label": label, "again": None, "evs": evs, "t0": t0}
-        r_step, (t_first, after_pid) = got
+        r_step, (t_first, _) = got
         verdict = verdict_seen(out, t0) if launcher == "rlaunch" else None
         wait_for(lambda: any(e == "done" for e, *_ in events(out)), 300)
         evs = events(out)
@@ -148,8 +174,12 @@ def run(label, launcher, mode, spare, args, net, root_ip):
             if e == "step" and t >= t_first - 1e-6 and s not in after:
                 after[s] = l
         redone = [s for s in before if s > r_step]
+        # Host a's ranks kept their processes: each entered the function again after the fault in
+        # a process that had entered it before.
+        again_a = [n for h, lr, pid, n, t in entries(out) if h == "a" and t > t0]
+        kept = bool(again_a) and all(n >= 2 for n in again_a)
         return {"label": label, "again": t_first - t0, "after_verdict": (t_first - verdict) if verdict else None,
-                "redone": len(redone), "kept": before_pid == after_pid, "evs": evs, "t0": t0,
+                "redone": len(redone), "kept": kept, "evs": evs, "t0": t0,
                 "world": [w for e, s, t, l, w, p in evs if e == "step" and t >= t_first][:1]}
     finally:
         for p in procs:
@@ -177,14 +207,14 @@ def main():
     ap.add_argument("--torchrun", default=os.path.join(ROOT, ".venv/bin/torchrun"))
     ap.add_argument("--python", default=os.path.join(ROOT, ".venv/bin/python"))
     ap.add_argument("--keep", action="store_true")
-    ap.add_argument("--rows", default="0,1,2,3,4")
+    ap.add_argument("--rows", default="0,1,2,3,4,5,6,7")
     ap.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
     args = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("run as root: the hosts are network namespaces")
     wanted = [int(x) for x in args.rows.split(",")]
     rows = []
-    for i, (label, launcher, mode, spare) in enumerate(ROWS):
+    for i, (label, launcher, mode, spare, fault) in enumerate(ROWS):
         if i not in wanted:
             continue
         net = Net(3)
@@ -195,7 +225,7 @@ def main():
             r = None
             for attempt in range(2):
                 try:
-                    r = run(label, launcher, mode, spare, args, net, root_ip)
+                    r = run(label, launcher, mode, spare, fault, args, net, root_ip)
                     break
                 except RuntimeError as e:
                     print(f"{label}: {e}; again", flush=True)
@@ -212,7 +242,7 @@ def main():
               f"redone {r.get('redone')}, process kept {r.get('kept')}, world {r.get('world')}", flush=True)
 
     sec = lambda v: f"{v:.2f} s" if v is not None else "–"
-    table = ["| | fault → first training step again | verdict heard → that step | steps computed again | rank 0 kept its process | world after |",
+    table = ["| | fault → first training step again | verdict heard → that step | steps computed again | host a's ranks kept their processes | world after |",
              "|---|---|---|---|---|---|"]
     for r in rows:
         again = sec(r["again"]) if r["again"] is not None else f"never (bounded wait {args.wait:.0f} s)"
@@ -221,8 +251,8 @@ def main():
                      f"{(r.get('world') or ['–'])[0]} |")
     text = "\n".join(table)
     print(text)
-    plot(rows, os.path.join(HERE, "survivor.png"), args.cut)
     if args.out:
+        plot(rows, os.path.join(os.path.dirname(os.path.abspath(args.out)), "survivor.png"), args.cut)
         with open(args.out, "w") as f:
             f.write(HEAD.format(date=time.strftime("%Y-%m-%d"), steps=args.steps, cut=args.cut) + text + "\n" + TAIL)
 
@@ -257,9 +287,11 @@ Hosts as network namespaces; etcd and `rlaunch-rendezvous --store etcd` in the r
 (torchrun: its c10d store on host a). Hosts a and b run 2 ranks each of `train.py` (DDP, gloo,
 an MLP under `torch.compile`, a snapshot every step, about 8 steps a second, {steps} steps);
 in the spare rows host c waits. At step {cut}, host b's link is cut and 0.3 s later every
-process of it is killed. "Verdict heard": host a's agent learns that the round ended (node TTL
-2 s, heartbeats every 0.5 s). "Steps computed again": steps logged before the cut computed again
-after the resume.
+process of it is killed; in the last rows, only host b's local rank 1 is killed (SIGKILL), no
+node lost. "Verdict heard": host a's agent learns that the round ended (node TTL 2 s,
+heartbeats every 0.5 s). "Steps computed again": steps logged before the fault computed again
+after the resume. "Kept": each of host a's ranks entered the training function again in the
+process it had before the fault.
 
 """
 

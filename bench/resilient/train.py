@@ -9,7 +9,8 @@ snapshot every step, about 8 steps a second.
 Once per process: imports, the model, torch.compile (compiled at the first step). Each entry of
 the function: the process group, DDP, the state. Appends to OUT/events.log, rank 0 only:
 `step S t=<unix> loss=<exact> host=H world=W pid=P`, and at each entry `resume S ..`/`fresh 0 ..`;
-`compiled t=..` after the first step of a process.
+`compiled t=..` after the first step of a process. Every rank appends to OUT/entries.log at each
+entry: `entry host=H local_rank=L pid=P n=<this process's entries> t=<unix>`.
 """
 
 import os
@@ -30,6 +31,7 @@ opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
 fast = torch.compile(model) if COMPILE else model
 CKPT = os.path.join(OUT, "ckpt.pt")
 compiled = False
+entries = 0
 
 
 def log(line):
@@ -39,8 +41,13 @@ def log(line):
 
 
 def train():
-    global compiled
+    global compiled, entries
+    entries += 1
     rank = int(os.environ["RANK"])
+    # Every rank: which process runs this entry (the benchmark kills host b's local rank 1 by it,
+    # and tells which processes were kept).
+    with open(os.path.join(OUT, "entries.log"), "a") as f:
+        f.write(f"entry host={HOST} local_rank={os.environ['LOCAL_RANK']} pid={os.getpid()} n={entries} t={time.time():.6f}\n")
     dist.init_process_group("gloo")
     ddp = torch.nn.parallel.DistributedDataParallel(fast)
     start = 0

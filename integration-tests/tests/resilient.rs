@@ -283,9 +283,13 @@ fn a_survivor_that_does_not_park_in_time_is_stopped_and_started_as_before() {
 /// The step a worker recorded in `OUT/held_HOST` when it was held in a phase.
 fn held_step(out: &std::path::Path, host: &str) -> u64 {
     let path = out.join(format!("held_{host}"));
-    integration_tests::wait_until(&format!("host {host} to be held"), Duration::from_secs(60), || path.exists());
-    std::thread::sleep(Duration::from_millis(50)); // its step written
-    std::fs::read_to_string(&path).unwrap().trim().parse().expect("the held step")
+    let mut step = None;
+    integration_tests::wait_until(&format!("host {host} to be held"), Duration::from_secs(60), || {
+        // Written in place: read until it parses.
+        step = std::fs::read_to_string(&path).ok().and_then(|s| s.trim().parse().ok());
+        step.is_some()
+    });
+    step.expect("the held step")
 }
 
 /// Host b is lost (its link cut, its processes killed 0.3 s later) while host `holder`'s worker
@@ -377,8 +381,7 @@ fn faults_during_the_recovery_itself_cost_the_survivor_no_process() {
     let entries = std::fs::read_to_string(out.join("entries.a")).unwrap();
     let restarts: Vec<&str> = entries.lines().filter_map(|l| l.split("restart=").nth(1)).collect();
     eprintln!("host a's entries:\n{entries}");
-    assert_eq!(restarts.first(), Some(&"0"), "{entries}");
-    assert_eq!(restarts.last(), Some(&"3"), "{entries}");
+    assert_eq!(restarts, ["0", "1", "2", "3"], "an entry in every round, each made anew: {entries}");
     let pids: std::collections::BTreeSet<&str> = entries.lines().filter_map(|l| l.split_whitespace().next()).collect();
     assert_eq!(pids.len(), 1, "one process: {entries}");
     let log = std::fs::read_to_string(out.join("rlaunch-a.log")).unwrap_or_default();
@@ -403,7 +406,7 @@ fn a_rust_survivor_keeps_its_process_through_a_loss_and_a_join() {
     let program = [
         train.to_str().unwrap(),
         "--steps",
-        "300",
+        "500",
         "--epochs",
         "100",
         "--no-checkpoint",
@@ -412,7 +415,7 @@ fn a_rust_survivor_keeps_its_process_through_a_loss_and_a_join() {
         "--slow-rank",
         "0",
         "--slow-ms",
-        "20",
+        "40",
     ];
     let args = netns::rdzv_args("1:2", 1, &endpoint, "resilient-rust", CONF, "3", &program);
     let agent = |i: usize, log: &str| {
@@ -454,6 +457,6 @@ fn a_rust_survivor_keeps_its_process_through_a_loss_and_a_join() {
     assert!(rounds[2].contains("from the agents' snapshot"), "resumed from memory: {}", rounds[2]);
     let pid = |l: &str| l.split(" pid ").nth(1).and_then(|p| p.split_whitespace().next()).map(str::to_owned);
     assert!(rounds.iter().all(|l| pid(l) == pid(&rounds[0])), "the same process ran every round");
-    assert!(out.contains("[default0]:done: 300 steps"), "{out}");
+    assert!(out.contains("[default0]:done: 500 steps"), "{out}");
     assert!(out.contains("the workers keep their processes"), "host a's agent log:\n{out}");
 }

@@ -97,15 +97,17 @@ class _Control:
                         self.welcome = True
                         self.changed.notify_all()
                 elif "end" in msg:
-                    # Saves stop first: an aborted NCCL reduction may return garbage, whose
-                    # step must not commit. Then the collectives end; the main thread, woken
-                    # last, destroys the group only after that (and an NCCL abort) is done.
+                    # Saves stop first, under the lock with the end noted (a round beginning
+                    # sees both or neither): an aborted NCCL reduction may return garbage,
+                    # whose step must not commit. Then the collectives end; the main thread,
+                    # woken last, destroys the group only after that (and an NCCL abort) is done.
                     global _saves_closed
-                    _saves_closed = True
-                    self.abort_thread = _end_collectives(msg["end"].get("hosts", []), self.keep_inodes)
                     with self.lock:
+                        _saves_closed = True
                         self.ended = msg["end"]
                         self.rounds_ended += 1
+                    self.abort_thread = _end_collectives(msg["end"].get("hosts", []), self.keep_inodes)
+                    with self.lock:
                         self.changed.notify_all()
                 elif "resume" in msg:
                     with self.lock:
@@ -116,6 +118,16 @@ class _Control:
         with self.lock:
             self.closed = True
             self.changed.notify_all()
+
+    def begin_round(self):
+        """Opens saves for a run of the function and answers the count of ends so far; None when
+        an end was heard since the last resume (the round about to run is over already)."""
+        global _saves_closed
+        with self.lock:
+            if self.ended is not None:
+                return None
+            _saves_closed = False
+            return self.rounds_ended
 
     def wait_for_end(self, timeout):
         with self.lock:
@@ -221,16 +233,16 @@ def _destroy_group():
     try:
         if dist.is_initialized():
             dist.destroy_process_group()
-        else:
-            # The round ended while its group was being made (waiting on a peer that failed
-            # again): torch named the group, advancing its group counter, and made nothing.
-            # destroy_process_group would have reset the counter; a fresh worker of the next
-            # round starts from 0, and the groups' names (their store prefixes) must agree.
-            world = dist.distributed_c10d._world
-            if getattr(world, "group_count", 0):
-                world.group_count = 0
     except Exception as e:  # noqa: BLE001 - a broken group still goes
         print(f"rlaunch.resilient: destroying the process group: {e!r}", file=sys.stderr)
+    finally:
+        # torch names a group before making it, advancing its group counter; a group whose
+        # making failed (the round ended while it waited on a peer) leaves it advanced, and
+        # destroy_process_group may fail before resetting it. A fresh worker of the next round
+        # starts from 0, and the groups' names (their store prefixes) must agree.
+        world = getattr(getattr(dist, "distributed_c10d", None), "_world", None)
+        if world is not None and getattr(world, "group_count", 0):
+            world.group_count = 0
 
 
 def resilient(fn):
@@ -248,7 +260,16 @@ def resilient(fn):
         # own setting is kept.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
         while True:
-            seen = ctl.rounds_ended
+            seen = ctl.begin_round()
+            if seen is None:
+                # Ended before it ran: park again (should the agent be gone: a plain call).
+                ctl.wait_for_abort(timeout=10)
+                _destroy_group()
+                resume = ctl.park()
+                if resume is None:
+                    return fn(*args, **kwargs)
+                os.environ.update(resume["env"])
+                continue
             try:
                 return fn(*args, **kwargs)
             except (KeyboardInterrupt, SystemExit):
@@ -267,7 +288,5 @@ def resilient(fn):
             if resume is None:
                 raise failure
             os.environ.update(resume["env"])
-            global _saves_closed
-            _saves_closed = False
 
     return run

@@ -11,7 +11,7 @@ mod rendezvous;
 pub mod shm;
 pub mod tcp;
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 pub use elem::{DType, Element, ReduceOp};
@@ -23,17 +23,32 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// How many times [`abort_all`] was called in this process.
 static ABORTS: AtomicU64 = AtomicU64::new(0);
+/// Set by [`abort_all`], cleared by [`clear_abort`]: while set, whatever starts fails at once.
+static ABORTED: AtomicBool = AtomicBool::new(false);
 /// How many collectives or group bootstraps failed in this process (any group, any cause but
 /// bad arguments): `rlaunch::resilient` tells a failed collective from the program's own error.
 static FAILURES: AtomicU64 = AtomicU64::new(0);
 
-/// Ends every collective and bootstrap in flight in this process, from any thread: each returns
-/// [`CommError::Aborted`] within milliseconds (a TCP wait within its 100 ms poll, a shared-memory
-/// wait within its 2 ms futex sleep), and every process group made before the call fails every
-/// later collective at once. Groups made afterwards are not affected. This is how a survivor
-/// ends its round (`rlaunch::resilient`) when its peers will never answer.
+/// Ends every collective and bootstrap in this process, from any thread: each one in flight
+/// returns [`CommError::Aborted`] within milliseconds (a TCP wait within its 100 ms poll, a
+/// shared-memory wait within its 2 ms futex sleep), and every one started afterwards fails at
+/// once, until [`clear_abort`]. Every process group made before the call stays unusable, after
+/// `clear_abort` too. This is how a survivor ends its round (`rlaunch::resilient`) when its
+/// peers will never answer; `rlaunch::resilient::run` clears it when the next round begins.
 pub fn abort_all() {
     ABORTS.fetch_add(1, Ordering::SeqCst);
+    ABORTED.store(true, Ordering::SeqCst);
+}
+
+/// Lets collectives and groups made from now on run again after [`abort_all`] (the groups made
+/// before stay unusable).
+pub fn clear_abort() {
+    ABORTED.store(false, Ordering::SeqCst);
+}
+
+/// Whether [`abort_all`] was called and not cleared since.
+pub fn aborted() -> bool {
+    ABORTED.load(Ordering::SeqCst)
 }
 
 /// The count of [`abort_all`] calls so far.
@@ -41,9 +56,15 @@ pub(crate) fn aborts() -> u64 {
     ABORTS.load(Ordering::SeqCst)
 }
 
-/// The count of failed collectives and bootstraps in this process so far.
+/// The count of failed collectives and bootstraps (and store connections of `rlaunch::worker`)
+/// in this process so far.
 pub fn failures() -> u64 {
     FAILURES.load(Ordering::SeqCst)
+}
+
+/// Counts one failure (see [`failures`]).
+pub(crate) fn note_failure() {
+    FAILURES.fetch_add(1, Ordering::SeqCst);
 }
 
 /// Why a collective or the bootstrap of a process group failed.
@@ -234,7 +255,7 @@ impl Deadline {
         Instant::now() >= self.at || self.aborted()
     }
     pub fn aborted(&self) -> bool {
-        aborts() != self.aborts
+        aborted() || aborts() != self.aborts
     }
     /// The error of an expired deadline (waiting on `rank`).
     pub fn timeout_err(&self, rank: usize) -> CommError {
@@ -296,7 +317,7 @@ impl ProcessGroup {
     pub fn new(store: &mut dyn Rendezvous, opts: PgOptions) -> Result<Self, CommError> {
         let r = Self::bootstrap(store, opts);
         if matches!(&r, Err(e) if !matches!(e, CommError::InvalidArgument { .. })) {
-            FAILURES.fetch_add(1, Ordering::SeqCst);
+            note_failure();
         }
         r
     }
@@ -609,9 +630,9 @@ impl ProcessGroup {
     }
 
     fn check_poisoned(&mut self) -> Result<(), CommError> {
-        if self.poisoned.is_none() && aborts() != self.aborts {
+        if self.poisoned.is_none() && (aborted() || aborts() != self.aborts) {
             let e = CommError::Aborted { op: "the process group" };
-            FAILURES.fetch_add(1, Ordering::SeqCst);
+            note_failure();
             self.poisoned = Some(e.to_string());
             return Err(e);
         }
@@ -625,7 +646,7 @@ impl ProcessGroup {
         if let Err(e) = &r {
             // Argument errors are caught before any data moves; they leave the group usable.
             if !matches!(e, CommError::InvalidArgument { .. } | CommError::Poisoned { .. }) {
-                FAILURES.fetch_add(1, Ordering::SeqCst);
+                note_failure();
                 self.poisoned.get_or_insert_with(|| e.to_string());
             }
         }

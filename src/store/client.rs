@@ -104,6 +104,14 @@ impl StoreClient {
         self.timeout
     }
 
+    /// Changes the default timeout for replies and for `get`.
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout;
+        // One socket under both halves: its timeouts are the reader's too.
+        let _ = self.writer.set_read_timeout(Some(at_least_1ms(timeout)));
+        let _ = self.writer.set_write_timeout(Some(at_least_1ms(timeout)));
+    }
+
     pub fn set(&mut self, key: &str, value: &[u8]) -> Result<(), StoreError> {
         self.check_sizes(key, Some(value))?;
         self.send("set", key, &Request::Set { key: wire_key(key), value: value.to_vec() })
