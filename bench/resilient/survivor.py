@@ -269,11 +269,11 @@ def plot(rows, path, cut):
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], ".", markersize=2, label=r["label"])
     ax.axvline(0, color="gray", linestyle="--", linewidth=1)
-    ax.set_xlabel("seconds since host b's link was cut")
+    ax.set_xlabel("seconds since the fault (host b's link cut, or one of its workers killed)")
     ax.set_ylabel("step (rank 0)")
     ax.set_xlim(-5, 40)
     ax.legend(fontsize=7, loc="lower right")
-    ax.set_title(f"A node lost at step {cut}, the model under torch.compile")
+    ax.set_title(f"A fault at step {cut}, the model under torch.compile")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
