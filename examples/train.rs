@@ -161,9 +161,10 @@ fn main() -> Result<()> {
     // when the job re-forms around this node: rlaunch::resilient) joins the round's group and
     // resumes from the newest checkpoint or snapshot.
     let data = make_dataset(&args);
-    if args.device != "cpu" {
-        // The GPU path's NCCL waits are not ended by a round's end yet: its rounds start as
-        // new processes.
+    // The GPU path's NCCL waits are not ended by a round's end yet: where it may be chosen, the
+    // rounds start as new processes.
+    let may_use_gpu = args.device == "cuda" || (args.device == "auto" && cfg!(feature = "cuda"));
+    if may_use_gpu {
         return train(&args, &data, 1);
     }
     let mut rounds = 0u32;
@@ -239,7 +240,10 @@ fn train(args: &Args, data: &Dataset, round: u32) -> Result<()> {
             }
         }
     }
-    let (mut step, start_epoch, start_pos) = (counters[1] as u64, counters[2] as u64, counters[3] as usize);
+    // The sampler's position is kept as the samples of the epoch consumed by the whole world,
+    // so that a world of another size resumes where the last one stopped (to within a batch).
+    let (mut step, start_epoch) = (counters[1] as u64, counters[2] as u64);
+    let start_pos = counters[3] as usize / (args.batch_size * world);
     let mut gpu = gpu_trainer(args, &worker, &model, &opt)?;
     if rank == 0 {
         println!(
@@ -329,7 +333,7 @@ fn train(args: &Args, data: &Dataset, round: u32) -> Result<()> {
                 let (e, p) = if pos + 1 == per_epoch { (epoch + 1, 0) } else { (epoch, pos + 1) };
                 let mut next = [0u8; 16];
                 next[..8].copy_from_slice(&e.to_le_bytes());
-                next[8..].copy_from_slice(&(p as u64).to_le_bytes());
+                next[8..].copy_from_slice(&((p * args.batch_size * world) as u64).to_le_bytes());
                 rlaunch::snapshot::save(
                     step,
                     &[
@@ -348,7 +352,7 @@ fn train(args: &Args, data: &Dataset, round: u32) -> Result<()> {
                     let ck = Checkpoint {
                         step,
                         epoch: e,
-                        sampler_pos: p as u64,
+                        sampler_pos: (p * args.batch_size * world) as u64,
                         meta: meta.clone(),
                         tensors: vec![
                             ("params".into(), model.params.clone()),

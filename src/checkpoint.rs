@@ -33,7 +33,8 @@ pub struct Checkpoint {
     /// Optimizer steps taken so far.
     pub step: u64,
     pub epoch: u64,
-    /// Batches of `epoch` already consumed (the sampler's position).
+    /// The sampler's position in `epoch`, as the program counts it (`examples/train`: the samples
+    /// of the epoch the whole world consumed, so that another world size resumes there).
     pub sampler_pos: u64,
     /// Free-form metadata (hyper-parameters, to check a resume is compatible).
     pub meta: serde_json::Value,

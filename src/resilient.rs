@@ -33,6 +33,9 @@
 //! program's own: it is returned, and the worker fails as it would without this module.
 //! Outside rlaunch, or when the agent cannot be reached, the function runs once.
 //!
+//! What a round's end does not end: `rlaunch::gpu`'s NCCL waits (a GPU program under `run`
+//! would leave its node waiting `PARK_WITHIN` before its workers are stopped, as without it).
+//!
 //! The protocol (JSON, one object per line) is the agent's (`agent/src/control.rs`).
 
 use std::collections::HashSet;
@@ -152,9 +155,9 @@ impl Control {
         self.heard.lock().unwrap_or_else(PoisonError::into_inner).rounds_ended
     }
 
-    /// Begins a run of the function: saves and collectives open again, groups named afresh, and
-    /// the count of ends so far. None when an end was heard since the last resume (the round
-    /// about to run is over already: park again without running).
+    /// Begins a run of the function: saves and collectives open again, after a round's end
+    /// groups named afresh, and the count of ends so far. None when an end was heard since the
+    /// last resume (the round about to run is over already: park again without running).
     fn begin_round(&self) -> Option<u64> {
         let heard = self.heard.lock().unwrap_or_else(PoisonError::into_inner);
         if heard.ended.is_some() {
@@ -162,7 +165,10 @@ impl Control {
         }
         SAVES_CLOSED.store(false, Ordering::SeqCst);
         crate::comm::clear_abort();
-        crate::worker::new_round();
+        if heard.rounds_ended > 0 {
+            // Not before the first run: groups the program made before it are of this round.
+            crate::worker::new_round();
+        }
         Some(heard.rounds_ended)
     }
 
@@ -216,8 +222,9 @@ pub fn run<T, E: std::fmt::Display>(mut f: impl FnMut() -> Result<T, E>) -> Resu
     let Some(ctl) = control() else { return f() };
     loop {
         let Some(seen) = ctl.begin_round() else {
-            // Ended before it ran: park again. Should the agent be gone, the function runs as
-            // a plain call.
+            // Ended before it ran: park again. Should the agent be gone (the job is ending),
+            // the function runs as a plain call in the ended round, where its collectives and
+            // group bootstraps fail at once and its saves answer Ok(false).
             match ctl.park() {
                 Some(env) => set_env(env),
                 None => return f(),

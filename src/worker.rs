@@ -101,26 +101,15 @@ pub fn connect_store(
 }
 
 fn connect_tcp_store(addr: &str, timeout: Duration) -> Result<Box<dyn Rendezvous>, InitError> {
-    // Tried two seconds at a time, so that the end of a round (comm::abort_all, from
-    // rlaunch::resilient) ends the trying soon; the client then keeps the whole timeout.
-    let deadline = std::time::Instant::now() + timeout;
-    loop {
-        if crate::comm::aborted() {
+    // Given up at a round's end (comm::abort_all, from rlaunch::resilient) between attempts.
+    match crate::store::StoreClient::connect_until(addr, timeout, crate::comm::aborted) {
+        Ok(client) => Ok(Box::new(client)),
+        Err(e) => {
             crate::comm::note_failure();
-            return Err(CommError::Aborted { op: "connecting to the store" }.into());
-        }
-        let left = deadline.saturating_duration_since(std::time::Instant::now());
-        let slice = left.min(Duration::from_secs(2));
-        match crate::store::StoreClient::connect(addr, slice) {
-            Ok(mut client) => {
-                client.set_timeout(timeout);
-                return Ok(Box::new(client));
+            if crate::comm::aborted() {
+                return Err(CommError::Aborted { op: "connecting to the store" }.into());
             }
-            Err(e) if slice >= left => {
-                crate::comm::note_failure();
-                return Err(InitError::Store { addr: addr.to_string(), reason: e.to_string() });
-            }
-            Err(_) => {}
+            Err(InitError::Store { addr: addr.to_string(), reason: e.to_string() })
         }
     }
 }

@@ -460,3 +460,14 @@ fn a_rust_survivor_keeps_its_process_through_a_loss_and_a_join() {
     assert!(out.contains("[default0]:done: 500 steps"), "{out}");
     assert!(out.contains("the workers keep their processes"), "host a's agent log:\n{out}");
 }
+
+/// The decorator's side of an end that comes right behind a resume, against a scripted agent:
+/// the function does not run on in the round that ended (`integration-tests/py/resilient_protocol.py`).
+#[test]
+fn an_end_right_behind_a_resume_never_lets_the_python_function_run_on_in_that_round() {
+    let script = repo_root().join("integration-tests/py/resilient_protocol.py");
+    let o = run_deadline(Command::new(venv_python()).arg(&script), Duration::from_secs(60));
+    let out = stdout_of(&o);
+    assert!(o.status.success(), "{out}\n{}", stderr_of(&o));
+    assert!(out.starts_with("ok "), "{out}");
+}

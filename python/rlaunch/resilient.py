@@ -101,12 +101,15 @@ class _Control:
                     # sees both or neither): an aborted NCCL reduction may return garbage,
                     # whose step must not commit. Then the collectives end; the main thread,
                     # woken last, destroys the group only after that (and an NCCL abort) is done.
+                    # The NCCL abort is started under the lock too: a main thread that sees the end
+                    # always finds the abort to join before it destroys the group.
                     global _saves_closed
                     with self.lock:
                         _saves_closed = True
+                        self.abort_thread = _start_nccl_abort()
                         self.ended = msg["end"]
                         self.rounds_ended += 1
-                    self.abort_thread = _end_collectives(msg["end"].get("hosts", []), self.keep_inodes)
+                    _interrupt.interrupt_collectives(msg["end"].get("hosts", []), skip_inodes=self.keep_inodes)
                     with self.lock:
                         self.changed.notify_all()
                 elif "resume" in msg:
@@ -186,12 +189,12 @@ def _connect():
         return _control or None
 
 
-def _end_collectives(hosts, keep_inodes):
-    """Ends the collective in flight, from the control thread: NCCL's communicators aborted (on
-    a thread of its own, returned, so that an abort that blocks never stops this thread from
-    hearing the next round), and TCP connections to the round's hosts shut down (gloo's, and a
-    store a group being made waits on). With no hosts (the round's members unknown), every
-    connection made since the function first ran."""
+def _start_nccl_abort():
+    """Starts aborting NCCL's communicators, on a thread of its own (returned, or None without an
+    NCCL group), so that an abort that blocks never stops the control thread from hearing the
+    next round. The TCP connections to the round's hosts (gloo's, and a store a group being made
+    waits on) are shut down by the caller (rlaunch.interrupt); with no hosts (the round's members
+    unknown), every connection made since the function first ran."""
     dist = sys.modules.get("torch.distributed")
     backend = ""
     try:
@@ -199,18 +202,17 @@ def _end_collectives(hosts, keep_inodes):
             backend = str(dist.get_backend()).lower()
     except Exception:  # noqa: BLE001 - a group half made or half gone
         backend = ""
-    aborting = None
-    if "nccl" in backend:
+    if "nccl" not in backend:
+        return None
 
-        def abort():
-            try:
-                dist.distributed_c10d._abort_process_group()
-            except Exception as e:  # noqa: BLE001
-                print(f"rlaunch.resilient: aborting NCCL failed: {e!r}", file=sys.stderr)
+    def abort():
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except Exception as e:  # noqa: BLE001
+            print(f"rlaunch.resilient: aborting NCCL failed: {e!r}", file=sys.stderr)
 
-        aborting = threading.Thread(target=abort, name="rlaunch-resilient-abort", daemon=True)
-        aborting.start()
-    _interrupt.interrupt_collectives(hosts, skip_inodes=keep_inodes)
+    aborting = threading.Thread(target=abort, name="rlaunch-resilient-abort", daemon=True)
+    aborting.start()
     return aborting
 
 
@@ -262,12 +264,12 @@ def resilient(fn):
         while True:
             seen = ctl.begin_round()
             if seen is None:
-                # Ended before it ran: park again (should the agent be gone: a plain call).
+                # Ended before it ran: park again (the agent gone: the job is ending).
                 ctl.wait_for_abort(timeout=10)
                 _destroy_group()
                 resume = ctl.park()
                 if resume is None:
-                    return fn(*args, **kwargs)
+                    raise RuntimeError("rlaunch.resilient: the agent went away while this worker was parked")
                 os.environ.update(resume["env"])
                 continue
             try:

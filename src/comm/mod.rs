@@ -248,7 +248,9 @@ pub(crate) struct Deadline {
 
 impl Deadline {
     pub fn new(timeout: Duration, op: &'static str) -> Self {
-        Self { at: Instant::now() + timeout, timeout, op, aborts: aborts() }
+        // Begun while aborted: aborted for good, even if its first look comes after a clear.
+        let aborts = if aborted() { u64::MAX } else { aborts() };
+        Self { at: Instant::now() + timeout, timeout, op, aborts }
     }
     /// Whether the waiting must end: the time is up, or the collectives were aborted.
     pub fn expired(&self) -> bool {

@@ -60,11 +60,21 @@ impl StoreClient {
     /// yet), then validates the connection. `timeout` is also the client's default timeout for
     /// replies and for `get`.
     pub fn connect(addr: &str, timeout: Duration) -> Result<Self, StoreError> {
+        Self::connect_until(addr, timeout, || false)
+    }
+
+    /// [`StoreClient::connect`], giving up between attempts (each at most 2 s) once `stop`
+    /// answers true (a round's end, `rlaunch::resilient`).
+    pub fn connect_until(addr: &str, timeout: Duration, stop: impl Fn() -> bool) -> Result<Self, StoreError> {
         let deadline = Instant::now() + timeout;
         let mut backoff = Duration::from_millis(10);
         let stream = loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            match connect_once(addr, left) {
+            let stopped = || std::io::Error::new(io::ErrorKind::Interrupted, "given up: the round ended");
+            if stop() {
+                return Err(StoreError::Connect { address: addr.to_string(), timeout, source: stopped() });
+            }
+            match connect_once(addr, left.min(Duration::from_secs(2))) {
                 Ok(stream) => break stream,
                 Err(source) if Instant::now() + backoff >= deadline => {
                     return Err(StoreError::Connect { address: addr.to_string(), timeout, source });
@@ -102,14 +112,6 @@ impl StoreClient {
     /// The default timeout for replies and for `get`.
     pub fn timeout(&self) -> Duration {
         self.timeout
-    }
-
-    /// Changes the default timeout for replies and for `get`.
-    pub fn set_timeout(&mut self, timeout: Duration) {
-        self.timeout = timeout;
-        // One socket under both halves: its timeouts are the reader's too.
-        let _ = self.writer.set_read_timeout(Some(at_least_1ms(timeout)));
-        let _ = self.writer.set_write_timeout(Some(at_least_1ms(timeout)));
     }
 
     pub fn set(&mut self, key: &str, value: &[u8]) -> Result<(), StoreError> {
