@@ -50,11 +50,10 @@ pub(crate) async fn run(config: &AgentConfig, ctx: &Ctx<'_>, signals: &mut Signa
         watching_hangs: false,
         control: None,
     };
-    if let Some(pool) = ctx.warm {
-        // Before the first rendezvous: a spare has its workers warm before any fault.
-        pool.fill(&warm_templates(config, None, &ctx.view()));
-    }
     let membership = io.setup().await?;
+    // Before the first rendezvous (a spare has its workers warm before any fault), once the
+    // setup made what the workers' environment names (the control socket).
+    io.fill_warm(None);
     let features = Features {
         snapshots: ctx.snapshots.is_some_and(|s| s.enabled()),
         warm_workers: ctx.warm.is_some(),
@@ -427,9 +426,7 @@ impl Io<'_> {
                 self.ctx.progress.end();
             }
             Action::FillWarm(p) => {
-                if let Some(pool) = self.ctx.warm {
-                    pool.fill(&warm_templates(self.config, Some(&p), &self.ctx.view()));
-                }
+                self.fill_warm(Some(&p));
             }
             Action::StopWorkers { first } => self.command(GroupCmd::Stop { first }),
             Action::ShareStacks { round } => self.share_stacks(round).await,
@@ -655,16 +652,28 @@ impl Io<'_> {
         self.command(GroupCmd::Renumber(specs));
     }
 
-    /// The placement's worker specifications, with the control socket of workers that keep
-    /// their process (elastic).
+    /// What the driver adds to every worker's environment: the control socket of workers that
+    /// keep their process (elastic).
+    fn overrides(&self) -> Vec<(&'static str, String)> {
+        self.control.iter().map(|c| c.worker_env()).collect()
+    }
+
+    /// The placement's worker specifications, with the driver's own variables.
     fn specs(&self, p: &Placement, master: &HostPort) -> Vec<crate::spec::WorkerSpec> {
         let mut specs = worker_specs(self.config, p, master, &self.ctx.view());
-        if let Some(c) = &self.control {
-            for spec in &mut specs {
-                spec.overrides.push(c.worker_env());
-            }
+        let overrides = self.overrides();
+        for spec in &mut specs {
+            spec.overrides.extend(overrides.iter().cloned());
         }
         specs
+    }
+
+    /// Warm workers for the round `p` gives (None: before any round), made as `specs` makes the
+    /// round's workers.
+    fn fill_warm(&self, p: Option<&Placement>) {
+        if let Some(pool) = self.ctx.warm {
+            pool.fill(&warm_templates(self.config, p, &self.ctx.view(), &self.overrides()));
+        }
     }
 
     /// Opens the round's snapshots as the core chose.

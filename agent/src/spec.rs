@@ -185,12 +185,25 @@ pub fn worker_specs(config: &AgentConfig, p: &Placement, master: &HostPort, node
 
 /// What this node's warm workers are started with: each rank's terminal and CPUs as `p` (or,
 /// before any round, a first round of this node alone) gives them, and of the environment the
-/// part every round's worker of that rank gets.
-pub fn warm_templates(config: &AgentConfig, p: Option<&Placement>, node: &NodeView<'_>) -> Vec<Template> {
+/// part every round's worker of that rank gets, `overrides` included (the driver's own
+/// variables, as it adds them to the round's workers: a warm worker started without one would
+/// not fit the round's worker, and that rank would start cold).
+pub fn warm_templates(
+    config: &AgentConfig,
+    p: Option<&Placement>,
+    node: &NodeView<'_>,
+    overrides: &[(&'static str, String)],
+) -> Vec<Template> {
     let first = Placement::fixed(0, 1, config.nproc_per_node, None, None);
     let p = p.unwrap_or(&first);
     let master = HostPort::new("127.0.0.1", 0).expect("a loopback address is a valid host");
-    worker_specs(config, p, &master, node).iter().map(|spec| warm_template(spec, node.agent_env)).collect()
+    worker_specs(config, p, &master, node)
+        .into_iter()
+        .map(|mut spec| {
+            spec.overrides.extend(overrides.iter().cloned());
+            warm_template(&spec, node.agent_env)
+        })
+        .collect()
 }
 
 /// The warm worker a worker of `spec` can be made from: `spec`'s environment but for what
@@ -311,7 +324,7 @@ mod tests {
         let config = AgentConfig::standalone(vec!["train.py".into()], 2);
         let snapshot_env = [("RLAUNCH_SNAPSHOT", "/run/s".to_string())];
         let view = NodeView { snapshot_env: &snapshot_env, ..node(&env, Stdin::Inherited, false) };
-        let templates = warm_templates(&config, None, &view);
+        let templates = warm_templates(&config, None, &view, &[]);
         assert_eq!(templates.len(), 2);
         let t = &templates[0];
         let has = |k: &str| t.env.iter().any(|(n, _)| n == k);
@@ -323,6 +336,26 @@ mod tests {
         }
         // Before any round the node is taken to be the job alone: rank 0 is the stdin rank.
         assert!(t.terminal.inherit_stdin && !templates[1].terminal.inherit_stdin);
+    }
+
+    /// The round's workers carry the driver's own variables (the control socket of
+    /// `rlaunch.resilient` in an elastic job): the warm templates carry them too, so that the
+    /// round's worker fits its warm interpreter. Without them every warm interpreter of an
+    /// elastic job was discarded and its rank started cold.
+    #[test]
+    fn a_warm_template_carries_the_round_s_overrides_so_the_round_s_worker_fits_it() {
+        let env = BTreeMap::from([("PATH".to_string(), "/bin".to_string())]);
+        let config = AgentConfig::standalone(vec!["train.py".into()], 2);
+        let view = node(&env, Stdin::Inherited, false);
+        let control = [("RLAUNCH_CONTROL", "/run/control.sock".to_string())];
+        let p = Placement::fixed(0, 1, 2, None, None);
+        let templates = warm_templates(&config, Some(&p), &view, &control);
+        for (spec, t) in worker_specs(&config, &p, &master(), &view).into_iter().zip(&templates) {
+            let mut spec = spec;
+            spec.overrides.extend(control.iter().cloned());
+            assert_eq!(warm_template(&spec, &env).env, t.env, "local rank {}", t.local_rank);
+        }
+        assert!(templates[0].env.contains(&("RLAUNCH_CONTROL".to_string(), "/run/control.sock".to_string())));
     }
 
     #[test]

@@ -350,3 +350,24 @@ fn a_rank_looked_up_while_importing_ahead_makes_a_moved_worker_start_cold() {
     assert_eq!(scanned["warm"], true, "a scan is no lookup: the worker stayed warm: {scanned}");
     assert_eq!(scanned["rank"], "1");
 }
+
+/// In an elastic job (a rendezvous endpoint) the workers start warm too: the warm interpreters
+/// are made with what the round's workers get, the control socket of `rlaunch.resilient`
+/// included. Without it every warm interpreter of an elastic job was discarded and its rank
+/// started cold (2026-11-28: a node lost with a spare waiting cost 9.7 s instead of 2.6 s).
+#[test]
+fn the_workers_of_an_elastic_job_start_warm() {
+    let dir = tempdir();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let endpoint = format!("127.0.0.1:{port}");
+    let mut r = std::process::Command::new(bin("rlaunch"));
+    r.args(["--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "rlaunch", "--rdzv-endpoint", &endpoint])
+        .args(["--rdzv-id", "warm-elastic", "--rdzv-conf", "last_call_timeout=0.5"])
+        .arg(py("warm_probe.py"));
+    let o = run_deadline(&mut clean(r, dir.path()), DEADLINE);
+    assert!(o.status.success(), "{}\n{}", stdout_of(&o), stderr_of(&o));
+    for (rank, p) in read_probes(dir.path(), "", 2).iter().enumerate() {
+        assert!(p["env"]["RLAUNCH_CONTROL"].is_string(), "rank {rank}: an elastic job's worker: {p:#}");
+        assert_eq!(p["warm"], true, "rank {rank}: a warm interpreter became the worker");
+    }
+}
