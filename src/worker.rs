@@ -10,6 +10,7 @@
 //! `RLAUNCH_FILE_STORE` (a directory used as the store instead of `MASTER_ADDR:MASTER_PORT`,
 //! for runs without an agent).
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use crate::comm::{BackendKind, CommError, FileStore, PgOptions, ProcessGroup, Rendezvous};
@@ -35,8 +36,8 @@ pub enum InitError {
     Comm(#[from] CommError),
 }
 
-/// The round the last group was formed in, and how many groups were formed in it.
-static GROUPS_FORMED: std::sync::Mutex<(String, usize)> = std::sync::Mutex::new((String::new(), 0));
+/// Groups formed since the process started, or since the round began (`new_round`).
+static GROUPS_FORMED: AtomicUsize = AtomicUsize::new(0);
 
 /// Forms the job's process group from the environment an agent (rlaunch or torchrun) set.
 pub fn init_from_env() -> Result<ProcessGroup, InitError> {
@@ -50,17 +51,7 @@ pub fn init_from_env() -> Result<ProcessGroup, InitError> {
 pub fn options_from(env: &WorkerEnv, get: impl Fn(&str) -> Option<String>) -> Result<PgOptions, InitError> {
     let mut o = PgOptions::new(env.rank as usize, env.world_size as usize);
     o.group_rank = env.group_rank as usize;
-    // Groups are counted per round (its run, restart count and store): a process that runs again
-    // in the next round (rlaunch::resilient) names its first group there as a fresh worker does.
-    let round = format!("rlaunch/{}/{}/{}:{}", env.run_id, env.restart_count, env.master_addr, env.master_port);
-    let n = {
-        let mut formed = GROUPS_FORMED.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if formed.0 != round {
-            *formed = (round, 0);
-        }
-        formed.1 += 1;
-        formed.1 - 1
-    };
+    let n = GROUPS_FORMED.fetch_add(1, Ordering::Relaxed);
     o.namespace = format!("rlaunch/{}/{}/pg{n}", env.run_id, env.restart_count);
     o.master_addr = Some(env.master_addr.clone());
     let bad =
@@ -118,6 +109,5 @@ fn connect_tcp_store(addr: &str, timeout: Duration) -> Result<Box<dyn Rendezvous
 /// each round begins, so that a process that runs again names its groups as a fresh worker of
 /// the round does.
 pub(crate) fn new_round() {
-    let mut formed = GROUPS_FORMED.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    *formed = (String::new(), 0);
+    GROUPS_FORMED.store(0, Ordering::Relaxed);
 }

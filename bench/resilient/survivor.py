@@ -28,7 +28,6 @@ import datetime
 import importlib.util
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,10 +37,10 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 spec = importlib.util.spec_from_file_location("node_loss", os.path.join(ROOT, "bench/snapshot/node_loss.py"))
 node_loss = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(node_loss)
-# The hosts, etcd and the rendezvous as bench/snapshot/node_loss.py has them.
-recovery, start_services = node_loss.recovery, node_loss.start_services
+# The hosts, etcd, the rendezvous, the launchers and the event log as bench/snapshot/node_loss.py
+# has them.
+recovery, start_services, events = node_loss.recovery, node_loss.start_services, node_loss.events
 Net, wait_for = recovery.Net, recovery.wait_for
-RDZV_PORT, C10D_PORT = node_loss.RDZV_PORT, node_loss.C10D_PORT
 # (label, launcher, mode, a spare waiting, the fault: "cut" host b's link cut then its processes
 # killed, "crash" one worker of host b killed and nothing else)
 ROWS = [
@@ -72,24 +71,6 @@ def entries(out):
     return got
 
 
-def events(out):
-    evs = []
-    try:
-        lines = open(os.path.join(out, "events.log")).read().splitlines()
-    except OSError:
-        return evs
-    for line in lines:
-        parts = line.split()
-        if len(parts) < 2:
-            continue
-        kv = dict(p.split("=", 1) for p in parts[2:] if "=" in p)
-        try:
-            evs.append((parts[0], int(parts[1]), float(kv["t"]), kv.get("loss"), kv.get("world"), kv.get("pid")))
-        except (KeyError, ValueError):
-            pass
-    return evs
-
-
 def verdict_seen(out, t0):
     """When host a's agent heard that the round ended (its log's first such line after t0)."""
     try:
@@ -116,23 +97,10 @@ def run(label, launcher, mode, spare, fault, args, net, root_ip):
     env = dict(os.environ, RLAUNCH_LOG="info", PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="eth0", LOGLEVEL="INFO",
                BENCH_COMPILE="1")
     script = [args.python, os.path.join(HERE, "train.py"), out, mode, str(args.steps)]
-    nnodes = "2" if spare else "1:2"
-    common = ["--nnodes", nnodes, "--nproc-per-node", "2", "--max-restarts", "3"]
-    if launcher == "rlaunch":
-        cmd = [args.rlaunch, *common, "--rdzv-backend", "rlaunch", "--rdzv-endpoint", f"{root_ip}:{RDZV_PORT}",
-               "--rdzv-id", f"bench-{mode}-{int(spare)}",
-               "--rdzv-conf", "heartbeat_interval=0.5,node_ttl=2,last_call_timeout=1", *script]
-    else:
-        cmd = [args.torchrun, *common, "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{a['ip']}:{C10D_PORT}",
-               "--rdzv-id", "bench", "--rdzv-conf", "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3",
-               *script[1:]]
-    procs = []
-
-    def start(h):
-        log = open(os.path.join(out, f"agent-{h['name']}.log"), "w")
-        procs.append(subprocess.Popen(net.prefix(h) + cmd, env=dict(env, BENCH_HOST=h["name"]),
-                                      stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT))
-
+    cmd = node_loss.agent_command(args, launcher, script, "2" if spare else "1:2", f"bench-{mode}-{int(spare)}",
+                                  root_ip, a)
+    agents = node_loss.Agents(net, out, cmd, env)
+    start = agents.start
     try:
         start(a)
         start(b)
@@ -157,22 +125,18 @@ def run(label, launcher, mode, spare, fault, args, net, root_ip):
             if not res:
                 return None
             r_step, r_t = res[0]
-            first = [(t, p) for e, s, t, l, w, p in evs if e == "step" and t > r_t]
+            first = [t for e, s, t, *_ in evs if e == "step" and t > r_t]
             return (r_step, first[0]) if first else None
 
         got = wait_for(again, args.wait, step=0.1)
         evs = events(out)
-        before = {s: l for e, s, t, l, w, p in evs if e == "step" and t <= t0 + 0.3}
+        before = [s for e, s, t, *_ in evs if e == "step" and t <= t0 + 0.3]
         if got is None:
             return {"label": label, "again": None, "evs": evs, "t0": t0}
-        r_step, (t_first, _) = got
+        r_step, t_first = got
         verdict = verdict_seen(out, t0) if launcher == "rlaunch" else None
         wait_for(lambda: any(e == "done" for e, *_ in events(out)), 300)
         evs = events(out)
-        after = {}
-        for e, s, t, l, w, p in evs:
-            if e == "step" and t >= t_first - 1e-6 and s not in after:
-                after[s] = l
         redone = [s for s in before if s > r_step]
         # Host a's ranks kept their processes: each entered the function again after the fault in
         # a process that had entered it before.
@@ -180,17 +144,9 @@ def run(label, launcher, mode, spare, fault, args, net, root_ip):
         kept = bool(again_a) and all(n >= 2 for n in again_a)
         return {"label": label, "again": t_first - t0, "after_verdict": (t_first - verdict) if verdict else None,
                 "redone": len(redone), "kept": kept, "evs": evs, "t0": t0,
-                "world": [w for e, s, t, l, w, p in evs if e == "step" and t >= t_first][:1]}
+                "world": [w for e, s, t, l, w in evs if e == "step" and t >= t_first][:1]}
     finally:
-        for p in procs:
-            try:
-                p.kill()
-            except ProcessLookupError:
-                pass
-        for h in net.hosts:
-            recovery.kill_ns(h["ns"])
-        for p in procs:
-            p.wait()
+        agents.stop()
         if args.keep:
             print(f"  logs kept in {out}", file=sys.stderr)
         else:
@@ -252,7 +208,9 @@ def main():
     text = "\n".join(table)
     print(text)
     if args.out:
-        plot(rows, os.path.join(os.path.dirname(os.path.abspath(args.out)), "survivor.png"), args.cut)
+        there = os.path.dirname(os.path.abspath(args.out))
+        os.makedirs(there, exist_ok=True)
+        plot(rows, os.path.join(there, "survivor.png"), args.cut)
         with open(args.out, "w") as f:
             f.write(HEAD.format(date=time.strftime("%Y-%m-%d"), steps=args.steps, cut=args.cut) + text + "\n" + TAIL)
 

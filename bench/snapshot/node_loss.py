@@ -61,28 +61,53 @@ def accounting(root_ip, run_id):
     return {"recovery": last, "goodput": rec.get("goodput")}
 
 
+def agent_command(args, launcher, script, nnodes, run_id, root_ip, host_a):
+    """One host's launcher command line, 2 ranks a host and 3 restarts: rlaunch on the rendezvous at
+    `root_ip` (node TTL 2 s), or torchrun on a c10d store on host a (it runs `script` without its
+    python)."""
+    common = ["--nnodes", nnodes, "--nproc-per-node", "2", "--max-restarts", "3"]
+    if launcher == "rlaunch":
+        return [args.rlaunch, *common, "--rdzv-backend", "rlaunch", "--rdzv-endpoint", f"{root_ip}:{RDZV_PORT}",
+                "--rdzv-id", run_id, "--rdzv-conf", "heartbeat_interval=0.5,node_ttl=2,last_call_timeout=1",
+                *script]
+    return [args.torchrun, *common, "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host_a['ip']}:{C10D_PORT}",
+            "--rdzv-id", "bench", "--rdzv-conf", "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3",
+            *script[1:]]
+
+
+class Agents:
+    """The launchers of a run, one per host, their output in OUT/agent-HOST.log."""
+
+    def __init__(self, net, out, cmd, env):
+        self.net, self.out, self.cmd, self.env, self.procs = net, out, cmd, env, []
+
+    def start(self, h):
+        log = open(os.path.join(self.out, f"agent-{h['name']}.log"), "w")
+        self.procs.append(subprocess.Popen(self.net.prefix(h) + self.cmd, env=dict(self.env, BENCH_HOST=h["name"]),
+                                           stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT))
+
+    def stop(self):
+        """Every launcher killed, and whatever still runs in the hosts' namespaces."""
+        for p in self.procs:
+            try:
+                p.kill()
+            except ProcessLookupError:
+                pass
+        for h in self.net.hosts:
+            recovery.kill_ns(h["ns"])
+        for p in self.procs:
+            p.wait()
+
+
 def run(label, launcher, mode, args, net, root_ip):
     out = tempfile.mkdtemp(prefix="rlaunch-bench-snapshot-")
     os.chmod(out, 0o777)
     a, b, c = net.hosts
     env = dict(os.environ, RLAUNCH_LOG="info", PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="eth0", LOGLEVEL="INFO")
     script = [args.python, os.path.join(HERE, "train_ddp.py"), out, mode, str(args.steps)]
-    common = ["--nnodes", "2", "--nproc-per-node", "2", "--max-restarts", "3"]
-    if launcher == "rlaunch":
-        cmd = [args.rlaunch, *common, "--rdzv-backend", "rlaunch", "--rdzv-endpoint", f"{root_ip}:{RDZV_PORT}",
-               "--rdzv-id", "bench-" + mode, "--rdzv-conf", "heartbeat_interval=0.5,node_ttl=2,last_call_timeout=1",
-               *script]
-    else:
-        cmd = [args.torchrun, *common, "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{a['ip']}:{C10D_PORT}",
-               "--rdzv-id", "bench", "--rdzv-conf", "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3",
-               *script[1:]]  # torchrun runs the script with its own python
-    procs = []
-
-    def start(h):
-        log = open(os.path.join(out, f"agent-{h['name']}.log"), "w")
-        procs.append(subprocess.Popen(net.prefix(h) + cmd, env=dict(env, BENCH_HOST=h["name"]),
-                                      stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT))
-
+    cmd = agent_command(args, launcher, script, "2", "bench-" + mode, root_ip, a)
+    agents = Agents(net, out, cmd, env)
+    start = agents.start
     try:
         start(a)
         start(b)
@@ -130,15 +155,7 @@ def run(label, launcher, mode, args, net, root_ip):
         return {"label": label, "again": t_first - t0, "redone": len(redone), "equal": (equal, exact, len(redone)),
                 "evs": evs, "t0": t0, "last": last, "resumed": r_step, "acct": acct}
     finally:
-        for p in procs:
-            try:
-                p.kill()
-            except ProcessLookupError:
-                pass
-        for h in net.hosts:
-            recovery.kill_ns(h["ns"])
-        for p in procs:
-            p.wait()
+        agents.stop()
         net.restore = None
         if args.keep:
             print(f"  logs kept in {out}", file=sys.stderr)
