@@ -100,13 +100,26 @@ impl Control {
         s.workers.retain(|rank, w| pids.get(rank) == Some(&w.pid));
         s.pids = pids;
         s.parking = None;
-        let _ = self.events.send(Event::OptedIn(count(&s)));
+        let _ = self.events.send(Event::OptedIn(opted(&s)));
+    }
+
+    /// A worker started at local index `rank` in place of one that failed: it may speak now.
+    pub fn add_worker(&self, rank: u32, pid: u32) {
+        let mut s = lock(&self.state);
+        s.workers.remove(&rank);
+        s.pids.insert(rank, pid);
+        let _ = self.events.send(Event::OptedIn(opted(&s)));
     }
 
     /// Tells every worker that opted in that `round` ended; `hosts` are the round's hosts,
-    /// whose connections the workers shut down (gloo's collectives end on that).
-    pub fn end_round(&self, round: u64, hosts: &[String]) {
+    /// whose connections the workers shut down (gloo's collectives end on that). The workers
+    /// at the local indices in `failed` are gone: no longer heard, not waited for.
+    pub fn end_round(&self, round: u64, hosts: &[String], failed: &[u32]) {
         let mut s = lock(&self.state);
+        for rank in failed {
+            s.pids.remove(rank);
+            s.workers.remove(rank);
+        }
         s.parking = Some(round);
         let msg = json!({"end": {"round": round, "hosts": hosts}});
         for (rank, w) in s.workers.iter_mut() {
@@ -179,8 +192,9 @@ fn descends_from(pid: u32, worker: u32) -> bool {
     false
 }
 
-fn count(s: &State) -> u32 {
-    u32::try_from(s.workers.len()).unwrap_or(u32::MAX)
+/// The local indices of the workers that opted in.
+fn opted(s: &State) -> Vec<u32> {
+    s.workers.keys().copied().collect()
 }
 
 fn serve(stream: UnixStream, shared: &Arc<Mutex<State>>, events: &UnboundedSender<Event>) {
@@ -236,7 +250,7 @@ fn serve(stream: UnixStream, shared: &Arc<Mutex<State>>, events: &UnboundedSende
             s.workers.insert(r, Worker { pid: worker, stream: writer, parked: None });
             rank = Some((r, worker));
             debug!(local_rank = r, pid, "a worker keeps its process across rounds (rlaunch.resilient)");
-            let _ = events.send(Event::OptedIn(count(&s)));
+            let _ = events.send(Event::OptedIn(opted(&s)));
         } else if let Some(parked) = msg.get("parked") {
             let Some((r, _)) = rank else { break };
             let round = parked.get("round").and_then(Value::as_u64);
@@ -257,7 +271,7 @@ fn serve(stream: UnixStream, shared: &Arc<Mutex<State>>, events: &UnboundedSende
         let mut s = lock(shared);
         if s.workers.get(&r).is_some_and(|w| w.pid == worker) {
             s.workers.remove(&r);
-            let _ = events.send(Event::OptedIn(count(&s)));
+            let _ = events.send(Event::OptedIn(opted(&s)));
         }
     }
 }

@@ -135,12 +135,15 @@ enum Phase {
         placement: Placement,
         succeeded: bool,
     },
-    /// Elastic: the round ended elsewhere and every worker of this node keeps its process
-    /// (`rlaunch.resilient`): they were told (`Park`); until `until` the node waits for them
-    /// to park, then joins the next round with them.
+    /// Elastic: the round ended (elsewhere, or by the failure of some of this node's workers)
+    /// and every other worker of this node keeps its process (`rlaunch.resilient`): they were
+    /// told (`Park`); until `until` the node waits for them to park, then joins the next round
+    /// with them. `failure`: the failure of this node's own that ended the round, reported
+    /// meanwhile (its workers are started anew in the next round).
     Parking {
         round: u64,
         until: Millis,
+        failure: Option<Box<RootCause>>,
     },
     /// `StopWorkers` was sent.
     Stopping {
@@ -230,8 +233,12 @@ pub struct Core {
     features: Features,
     /// When to start the next set of warm workers, and for which placement.
     refill_at: Option<(Millis, Placement)>,
-    /// How many of this node's workers keep their process across rounds (`rlaunch.resilient`).
-    opted_in: u32,
+    /// Which of this node's workers (local indices) keep their process across rounds
+    /// (`rlaunch.resilient`).
+    opted_in: Vec<u32>,
+    /// Workers (local indices) whose own rank failed while the others kept their processes:
+    /// started anew when the others resume.
+    fresh: Vec<u32>,
     /// The round after which this node's workers parked: alive, waiting for the next round.
     parked: Option<u64>,
     /// A parked worker ended while the node joined: the others are stopped, not resumed.
@@ -302,7 +309,8 @@ impl Core {
             ever_joined: false,
             features: Features::default(),
             refill_at: None,
-            opted_in: 0,
+            opted_in: Vec::new(),
+            fresh: Vec::new(),
             parked: None,
             park_broken: false,
         }
@@ -357,7 +365,7 @@ impl Core {
             Event::Heartbeat(result) => self.on_heartbeat(result, now, &mut out),
             Event::RootCauseFetched(rc, round) => self.on_root_cause(rc, round, now, &mut out),
             Event::Signal(sig) => self.on_signal(sig, now, &mut out),
-            Event::OptedIn(n) => self.opted_in = n,
+            Event::OptedIn(ranks) => self.opted_in = ranks,
             Event::WorkersParked => self.on_parked(&mut out),
             Event::Tick => self.on_tick(now, &mut out),
         }
@@ -397,7 +405,11 @@ impl Core {
     }
 
     fn exit(&mut self, outcome: Outcome, out: &mut Vec<Action>) {
-        if let Some(round) = self.parked.take() {
+        let parking = match self.phase {
+            Phase::Parking { round, .. } => Some(round),
+            _ => None,
+        };
+        if let Some(round) = self.parked.take().or(parking) {
             // Parked workers are alive: nothing of the job is left running.
             self.stop_workers(round, AfterStop::Exit(outcome), out);
             return;
@@ -411,8 +423,11 @@ impl Core {
     fn start_workers(&mut self, placement: Placement, now: Millis, out: &mut Vec<Action>) {
         let resume = self.parked.take().is_some();
         debug_assert!(resume || !self.workers_alive, "workers are started only once the previous ones are gone");
-        if !resume {
-            self.opted_in = 0; // new processes opt in anew
+        let fresh = std::mem::take(&mut self.fresh);
+        if resume {
+            self.opted_in.retain(|i| !fresh.contains(i)); // their processes are new
+        } else {
+            self.opted_in.clear(); // new processes opt in anew
         }
         self.workers_alive = true;
         self.started_at = now;
@@ -424,7 +439,11 @@ impl Core {
             out.extend(note.map(Action::Note));
             out.push(Action::BeginSnapshots(snapshots));
         }
-        out.push(if resume { Action::Resume(placement.clone()) } else { Action::StartWorkers(placement.clone()) });
+        out.push(if resume {
+            Action::Resume { placement: placement.clone(), fresh }
+        } else {
+            Action::StartWorkers(placement.clone())
+        });
         if self.features.warm_workers {
             self.refill_at = Some((now.saturating_add(ms(REFILL_AFTER)), placement.clone()));
         }
@@ -442,6 +461,7 @@ impl Core {
 
     fn stop_workers(&mut self, round: u64, then: AfterStop, out: &mut Vec<Action>) {
         self.outbox = None;
+        self.fresh.clear(); // every worker starts anew
         self.phase = Phase::Stopping { round, then };
         out.push(Action::StopWorkers { first: self.stop_first });
     }
@@ -578,6 +598,9 @@ impl Core {
                     until: now.saturating_add(ms(HANG_LINGER)),
                     poll_at: Some(now.saturating_add(ms(LINGER_POLL))),
                 };
+            }
+            WorkersEnd::Failed(rc) if killed_by.is_none() && self.can_keep_all_but(&placement, &rc) => {
+                self.keep_all_but_failed(&placement, rc, now, out);
             }
             WorkersEnd::Failed(rc) | WorkersEnd::Hung(rc) => {
                 self.killed_by = killed_by;
@@ -741,6 +764,8 @@ impl Core {
             Err(CallError::NotMember) => {
                 self.outbox = None;
                 match report {
+                    // The others still park: the node joins once they did.
+                    Report::Failure { .. } if matches!(self.phase, Phase::Parking { .. }) => {}
                     // The round this node reported on is gone (declared lost, or re-formed):
                     // nothing was counted against the budget; join the next one.
                     Report::Failure { .. } => self.join(out),
@@ -766,7 +791,11 @@ impl Core {
                 self.outbox = None;
                 match report {
                     Report::Leave => self.acknowledged(report, out),
-                    _ => self.job_failed(reason, out),
+                    _ => match self.phase {
+                        // Workers that were parking are stopped before the root cause is fetched.
+                        Phase::Parking { round, .. } => self.stop_workers(round, AfterStop::JobFailed(reason), out),
+                        _ => self.job_failed(reason, out),
+                    },
                 }
             }
             Err(CallError::Refused(e)) => {

@@ -49,6 +49,8 @@ pub(crate) async fn run(config: &AgentConfig, ctx: &Ctx<'_>, signals: &mut Signa
         join: None,
         watching_hangs: false,
         control: None,
+        group_exits: None,
+        reaped: None,
     };
     let membership = io.setup().await?;
     // Before the first rendezvous (a spare has its workers warm before any fault), once the
@@ -117,10 +119,18 @@ enum GroupCmd {
     },
     /// Where the running ranks stand, as report lines (none without hang detection).
     Stacks(tokio::sync::oneshot::Sender<Vec<String>>),
-    /// The workers were told their round ended (no hang is judged while they wait).
-    Park,
-    /// The workers kept their processes into a new round: their specification there.
-    Renumber(Vec<crate::spec::WorkerSpec>),
+    /// The workers were told their round ended (no hang is judged while they wait); what the
+    /// failed ones at the indices in `reap` left running is killed, then `done` is answered.
+    Park {
+        reap: Vec<usize>,
+        done: tokio::sync::oneshot::Sender<()>,
+    },
+    /// The workers kept their processes into a new round: their specification there, and the
+    /// workers started anew in place of failed ones.
+    Renumber {
+        specs: Vec<crate::spec::WorkerSpec>,
+        fresh: Vec<crate::workers::Fresh>,
+    },
 }
 
 /// The effects of [`Supervisor`]'s decisions for one group, on a task of its own: exits, the
@@ -174,12 +184,20 @@ fn supervise(
                         replies.push(reply);
                         SupEvent::StacksWanted
                     }
-                    Some(GroupCmd::Park) => {
+                    Some(GroupCmd::Park { reap, done }) => {
                         sup.park();
+                        for index in reap {
+                            group.reap_worker(index).await;
+                        }
+                        let _ = done.send(());
                         continue;
                     }
-                    Some(GroupCmd::Renumber(specs)) => {
-                        sup.renumber(specs.iter().map(|s| s.env.rank).collect(), clock());
+                    Some(GroupCmd::Renumber { specs, fresh }) => {
+                        let indices: Vec<usize> = fresh.iter().map(crate::workers::Fresh::index).collect();
+                        for f in fresh {
+                            group.adopt(f);
+                        }
+                        sup.renumber(specs.iter().map(|s| s.env.rank).collect(), &indices, clock());
                         group.renumber(specs);
                         continue;
                     }
@@ -341,6 +359,10 @@ struct Io<'a> {
     watching_hangs: bool,
     /// Elastic: the socket of workers that keep their process across rounds.
     control: Option<crate::control::Control>,
+    /// The running group's exit channel, for workers started in it in place of failed ones.
+    group_exits: Option<crate::workers::ExitSender>,
+    /// Answered once what failed workers left running is killed (their replacements wait).
+    reaped: Option<tokio::sync::oneshot::Receiver<()>>,
 }
 
 /// The core's view of a call's result.
@@ -407,14 +429,16 @@ impl Io<'_> {
         match action {
             Action::Join => self.join().await?,
             Action::StartWorkers(p) => self.start_workers(p).await?,
-            Action::Park { round, hosts } => {
+            Action::Park { round, hosts, failed } => {
                 info!(round, "telling the workers that keep their process that the round ended");
-                self.command(GroupCmd::Park);
+                let (done, reaped) = tokio::sync::oneshot::channel();
+                self.command(GroupCmd::Park { reap: failed.iter().map(|i| *i as usize).collect(), done });
+                self.reaped = Some(reaped);
                 if let Some(c) = &self.control {
-                    c.end_round(round, &hosts);
+                    c.end_round(round, &hosts, &failed);
                 }
             }
-            Action::Resume(p) => self.resume_workers(p),
+            Action::Resume { placement, fresh } => self.resume_workers(placement, fresh).await?,
             Action::BeginSnapshots(round) => self.begin_snapshots(round),
             Action::EndRound { flush_console } => {
                 if flush_console {
@@ -596,6 +620,7 @@ impl Io<'_> {
             self.ctx.containment.clone(),
             self.ctx.warm,
         )?;
+        self.group_exits = Some(group.exit_sender());
         // At once: a warm worker may say hello within milliseconds.
         if let Some(c) = &self.control {
             c.new_group(group.pids().into_iter().enumerate().map(|(i, pid)| (i as u32, pid)).collect());
@@ -621,8 +646,10 @@ impl Io<'_> {
     }
 
     /// Hands the parked workers the placement's environment: the same processes run the
-    /// program's function again, with exactly the environment a fresh worker would get.
-    fn resume_workers(&mut self, p: Placement) {
+    /// program's function again, with exactly the environment a fresh worker would get; the
+    /// workers at the local indices in `fresh` (their own rank failed) are started anew, warm
+    /// where a warm interpreter waits.
+    async fn resume_workers(&mut self, p: Placement, fresh: Vec<u32>) -> Result<(), AgentError> {
         let master = p.master.clone().expect("an elastic round names its workers' store");
         log_round(
             &p,
@@ -631,7 +658,7 @@ impl Io<'_> {
             "the workers keep their processes: resuming them in the new round",
         );
         let specs = self.specs(&p, &master);
-        for spec in &specs {
+        for spec in specs.iter().filter(|s| !fresh.contains(&s.env.local_rank)) {
             // Where the new round's error file and heartbeat go (the worker's output stays in
             // the files it was started with).
             if let Err(e) = self.ctx.log_root.create_dirs(&spec.dir) {
@@ -644,12 +671,46 @@ impl Io<'_> {
             }
         }
         let nproc = self.config.nproc_per_node;
-        self.ctx.progress.begin(p.round, p.rank_offset..p.rank_offset.saturating_add(nproc), nproc);
-        let envs = specs.iter().map(|s| (s.env.local_rank, s.vars(self.ctx.agent_env))).collect();
+        let kept = nproc.saturating_sub(u32::try_from(fresh.len()).unwrap_or(u32::MAX));
+        self.ctx.progress.begin(p.round, p.rank_offset..p.rank_offset.saturating_add(nproc), kept);
+        let envs = specs
+            .iter()
+            .filter(|s| !fresh.contains(&s.env.local_rank))
+            .map(|s| (s.env.local_rank, s.vars(self.ctx.agent_env)))
+            .collect();
         if let Some(control) = &self.control {
             control.resume(p.round, &envs);
         }
-        self.command(GroupCmd::Renumber(specs));
+        let mut started = Vec::new();
+        if !fresh.is_empty() {
+            // What the failed workers left running (children in their cgroup or left over from
+            // their process group) goes first: a new worker in the same cgroup would go with it.
+            if let Some(reaped) = self.reaped.take() {
+                let _ = tokio::time::timeout(Duration::from_secs(10), reaped).await;
+            }
+            let exits = self.group_exits.clone().expect("a resumed group was started");
+            let io = self.group_io(p.restart_count)?;
+            for spec in specs.iter().filter(|s| fresh.contains(&s.env.local_rank)) {
+                let index = spec.env.local_rank;
+                info!(rank = spec.env.rank, local_rank = index, "starting a worker anew in place of the failed one");
+                let worker = crate::workers::WorkerGroup::start_fresh(
+                    index as usize,
+                    spec.clone(),
+                    &self.config.program,
+                    self.ctx.agent_env,
+                    &io,
+                    self.ctx.containment,
+                    self.ctx.warm,
+                    &exits,
+                )?;
+                if let Some(c) = &self.control {
+                    c.add_worker(index, worker.pid());
+                }
+                started.push(worker);
+            }
+        }
+        self.command(GroupCmd::Renumber { specs, fresh: started });
+        Ok(())
     }
 
     /// What the driver adds to every worker's environment: the control socket of workers that

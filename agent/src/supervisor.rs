@@ -171,15 +171,27 @@ fn ms(d: Duration) -> Millis {
 impl Supervisor {
     /// The workers were told their round ended: they wait, quiet, for the next one, and no
     /// quiet time of theirs counts toward a hang.
+    ///
+    /// After a failure was reported (some workers died, the others park): the group is watched
+    /// again, so that one of the others ending while parked is reported too.
     pub fn park(&mut self) {
         self.parked = true;
+        if self.phase == Phase::Ended {
+            self.phase = Phase::Running;
+        }
     }
 
     /// The workers kept their processes into a new round: these are their global ranks now;
+    /// the workers at the indices in `fresh` were started anew (their exits are forgotten);
     /// hang detection starts again from `now`.
-    pub fn renumber(&mut self, ranks: Vec<u32>, now: Millis) {
+    pub fn renumber(&mut self, ranks: Vec<u32>, fresh: &[usize], now: Millis) {
         if ranks.len() == self.ranks.len() {
             self.ranks = ranks;
+        }
+        for i in fresh {
+            if let Some(e) = self.exits.get_mut(*i) {
+                *e = None;
+            }
         }
         self.parked = false;
         let n = self.ranks.len();

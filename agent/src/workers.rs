@@ -52,10 +52,34 @@ struct How<'a> {
     warm: Option<&'a crate::warm::WarmPool>,
 }
 
+/// A worker started in place of one of a group's that failed (its own rank failed; the others
+/// kept their processes): [`WorkerGroup::adopt`] makes it the group's.
+pub struct Fresh {
+    index: usize,
+    running: Running,
+    waiter: JoinHandle<()>,
+}
+
+impl Fresh {
+    pub fn pid(&self) -> u32 {
+        self.running.pid
+    }
+
+    pub fn index(&self) -> usize {
+        self.index
+    }
+}
+
+/// What starting a worker in an existing group needs: the group's exit channel.
+#[derive(Clone)]
+pub struct ExitSender(mpsc::UnboundedSender<(usize, Exit, u64)>);
+
 pub struct WorkerGroup {
     containment: Arc<Containment>,
     workers: Vec<Running>,
     exits: mpsc::UnboundedReceiver<(usize, Exit, u64)>,
+    /// The exit channel's sender, for workers started later in place of failed ones.
+    exit_tx: mpsc::UnboundedSender<(usize, Exit, u64)>,
     waiters: Vec<JoinHandle<()>>,
     host: String,
     stdin: Option<StdinRouter>,
@@ -79,6 +103,7 @@ impl WorkerGroup {
             containment,
             workers: Vec::new(),
             exits,
+            exit_tx: tx.clone(),
             waiters: Vec::new(),
             host: host.to_string(),
             stdin: io.stdin.clone(),
@@ -86,22 +111,88 @@ impl WorkerGroup {
         };
         let how = How { program, agent_env, warm };
         for (index, spec) in specs.into_iter().enumerate() {
-            if let Err(e) = group.spawn_one(index, spec, &how, io, tx.clone()) {
-                group.kill_now();
-                return Err(e);
+            match Self::spawn_one(&group.containment, index, spec, &how, io, tx.clone()) {
+                Ok((running, waiter)) => {
+                    group.workers.push(running);
+                    group.waiters.push(waiter);
+                }
+                Err(e) => {
+                    group.kill_now();
+                    return Err(e);
+                }
             }
         }
         Ok(group)
     }
 
+    /// What starting a worker in this group later needs (see [`WorkerGroup::start_fresh`]).
+    pub fn exit_sender(&self) -> ExitSender {
+        ExitSender(self.exit_tx.clone())
+    }
+
+    /// Starts a worker for index `index` of a running group, in place of one that failed:
+    /// warm when a warm interpreter fits, else cold. [`WorkerGroup::adopt`] hands it to the
+    /// group; until then its exit is held in the group's channel.
+    #[allow(clippy::too_many_arguments)]
+    pub fn start_fresh(
+        index: usize,
+        spec: WorkerSpec,
+        program: &[OsString],
+        agent_env: &BTreeMap<String, String>,
+        io: &GroupIo,
+        containment: &Containment,
+        warm: Option<&crate::warm::WarmPool>,
+        exits: &ExitSender,
+    ) -> Result<Fresh, AgentError> {
+        let how = How { program, agent_env, warm };
+        let (running, waiter) = Self::spawn_one(containment, index, spec, &how, io, exits.0.clone())?;
+        Ok(Fresh { index, running, waiter })
+    }
+
+    /// Makes `fresh` the group's worker at its index (the failed one there was reaped with
+    /// [`WorkerGroup::reap_worker`]).
+    pub fn adopt(&mut self, fresh: Fresh) {
+        let Fresh { index, running, waiter } = fresh;
+        if let Some(slot) = self.workers.get_mut(index) {
+            *slot = running;
+            self.waiters.push(waiter);
+        } else {
+            let _ = running.proc.signal_group(libc::SIGKILL);
+            waiter.abort();
+        }
+    }
+
+    /// Kills what a failed worker left running (its children, its process group) and takes its
+    /// last output, while the group's other workers go on.
+    pub async fn reap_worker(&mut self, index: usize) {
+        let Some(w) = self.workers.get(index) else { return };
+        match &*self.containment {
+            Containment::Cgroup(_) => self.containment.kill_rest(&[w.spec.env.local_rank], &[]).await,
+            Containment::ProcessGroups(_) => {
+                let _ = w.proc.signal_group(libc::SIGKILL);
+                self.containment.watch_group(w.pid, false);
+                // Orphans of the failed worker only: the others, alive, are kept.
+                let alive: Vec<u32> = self.workers.iter().filter(|w| !w.proc.is_reaped()).map(|w| w.pid).collect();
+                self.containment.kill_rest(&[], &alive).await;
+            }
+        }
+        let w = &mut self.workers[index];
+        for p in w.pumps.drain(..) {
+            let _ = tokio::time::timeout(Duration::from_secs(2), p).await;
+        }
+        if let (Some(router), Some(id)) = (&self.stdin, w.stdin_id.take()) {
+            router.clear(id);
+        }
+    }
+
     fn spawn_one(
-        &mut self,
+        containment: &Containment,
         index: usize,
         spec: WorkerSpec,
         how: &How<'_>,
         io: &GroupIo,
         tx: mpsc::UnboundedSender<(usize, Exit, u64)>,
-    ) -> Result<(), AgentError> {
+    ) -> Result<(Running, JoinHandle<()>), AgentError> {
         let How { program, agent_env, warm } = *how;
         let console: &Console = &io.console;
         let local_rank = spec.env.local_rank;
@@ -114,7 +205,7 @@ impl WorkerGroup {
             crate::hangwatch::create_heartbeat(&io.log_root, path)
                 .map_err(|source| AgentError::LogDir { path: path.clone(), source })?;
         }
-        let place = Placement { cgroup_procs: self.containment.procs_file(local_rank), cpus: spec.cpus, keep_fd: None };
+        let place = Placement { cgroup_procs: containment.procs_file(local_rank), cpus: spec.cpus, keep_fd: None };
         // A warm interpreter becomes this worker when one waits (`cmd` says what it becomes);
         // otherwise the worker starts cold.
         let template = crate::spec::warm_template(&spec, agent_env);
@@ -130,7 +221,7 @@ impl WorkerGroup {
         let pid = proc.pid();
         // Process groups: the watchdog kills this group too if the agent dies (a child left in
         // the worker's group has no parent-death signal of its own).
-        self.containment.watch_group(pid, true);
+        containment.watch_group(pid, true);
         let stdin_id = match (spawned.stdin, &io.stdin) {
             (Some(terminal), Some(router)) => {
                 let id = console.new_source();
@@ -171,7 +262,7 @@ impl WorkerGroup {
             }));
         }
         let waited = proc.clone();
-        self.waiters.push(tokio::spawn(async move {
+        let waiter = tokio::spawn(async move {
             let exit = match waited.wait().await {
                 Ok(exit) => exit,
                 Err(e) => {
@@ -180,10 +271,9 @@ impl WorkerGroup {
                 }
             };
             let _ = tx.send((index, exit, now_unix_ms()));
-        }));
+        });
         debug!(local_rank, rank = spec.env.rank, pid, "worker started");
-        self.workers.push(Running { spec, pid, proc, exit: None, stderr_tail, pumps, stdin_id, written });
-        Ok(())
+        Ok((Running { spec, pid, proc, exit: None, stderr_tail, pumps, stdin_id, written }, waiter))
     }
 
     /// The workers still running, as hang detection samples them.
@@ -242,7 +332,8 @@ impl WorkerGroup {
     }
 
     /// The next worker exit, recorded here (a reaped worker is never signalled again); `None`
-    /// once every waiter is gone. Cancel-safe: it can sit in a `select!`.
+    /// only if the channel closed (the group holds a sender for workers started later, so a
+    /// waiter that never reports is not seen as one). Cancel-safe: it can sit in a `select!`.
     pub async fn next_exit(&mut self) -> Option<(usize, Exit, u64)> {
         let (index, exit, seen_at) = self.exits.recv().await?;
         self.workers[index].exit = Some(exit);
@@ -309,11 +400,7 @@ impl WorkerGroup {
     /// `seen_at`: when the exit was seen (Unix ms).
     async fn root_cause(&mut self, index: usize, exit: Exit, seen_at: u64) -> RootCause {
         let w = &mut self.workers[index];
-        // Let the output pumps drain what the worker wrote before it died, so the stderr tail
-        // is complete; a grandchild still holding the pipe must not hold up the report.
-        for p in w.pumps.drain(..) {
-            let _ = tokio::time::timeout(Duration::from_millis(500), p).await;
-        }
+        drain_output(&w.pumps, &w.written).await;
         let error_file = w.spec.env.error_file.as_ref().map(PathBuf::from);
         let data = error_file.as_deref().and_then(|p| read_error_file(&self.log_root, p));
         let tail: Vec<String> = w.stderr_tail.lock().unwrap_or_else(|p| p.into_inner()).iter().cloned().collect();
@@ -412,6 +499,30 @@ impl WorkerGroup {
             for id in self.workers.iter().filter_map(|w| w.stdin_id) {
                 router.clear(id);
             }
+        }
+    }
+}
+
+/// How long a dead worker's output must have been quiet for what it wrote to count as read.
+const OUTPUT_QUIET: Duration = Duration::from_millis(50);
+/// Longest the report of a dead worker waits for its output.
+const OUTPUT_DRAIN_WITHIN: Duration = Duration::from_millis(500);
+
+/// Waits until a dead worker's output pumps are done, so that its stderr tail is complete: until
+/// they end (the pipes closed), or their output was quiet for [`OUTPUT_QUIET`] (a child of the
+/// worker, a data loader's process, still holds the pipes: what the worker wrote is in them
+/// already and read at once), at most [`OUTPUT_DRAIN_WITHIN`]. The pumps go on.
+async fn drain_output(pumps: &[JoinHandle<()>], written: &std::sync::atomic::AtomicU64) {
+    use std::sync::atomic::Ordering;
+    let start = tokio::time::Instant::now();
+    let (mut seen, mut quiet_since) = (written.load(Ordering::Relaxed), start);
+    while !pumps.iter().all(JoinHandle::is_finished) && start.elapsed() < OUTPUT_DRAIN_WITHIN {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let now = written.load(Ordering::Relaxed);
+        if now != seen {
+            (seen, quiet_since) = (now, tokio::time::Instant::now());
+        } else if quiet_since.elapsed() >= OUTPUT_QUIET {
+            break;
         }
     }
 }

@@ -9,10 +9,11 @@ process group from the environment, a "start" line in OUT/events.log (the format
 worker of integration_tests::netns, so its helpers read it), this entry's environment in
 OUT/env.HOST.LOCAL_RANK.ENTRY.json, then steps (an all_reduce each, a snapshot each) until any
 rank sees OUT/stop (agreed with an all_reduce, so every rank leaves at the same step). A worker
-that finds OUT/crash_HOST removes it and exits 7 (OUT/crash_every_HOST holding N: after 3 steps
+that finds OUT/crash_HOST (or OUT/crash_HOST.LOCAL_RANK, for that local rank alone) removes it
+and exits 7 (OUT/crash_every_HOST holding N: after 3 steps
 of every entry while the restart count is under N). OUT/saved.HOST holds the last step saved.
 OUT/crash_at_start_HOST holding N: this host's worker exits 7 as soon as the function is entered
-while the restart count is under N. Each entry appends a line to OUT/entries.HOST.
+while the restart count is under N (OUT/crash_at_start_HOST.LOCAL_RANK: that local rank alone). Each entry appends a line to OUT/entries.HOST.
 Each entry's record also holds the process's open descriptors, threads and resident memory.
 OUT/stubborn_HOST: this host's worker sleeps 60 s in every step, in Python, with no collective.
 
@@ -92,7 +93,10 @@ def train():
     with open(os.path.join(OUT, f"entries.{HOST}"), "a") as f:
         f.write(f"pid={os.getpid()} entry={entries} restart={e['TORCHELASTIC_RESTART_COUNT']}\n")
     try:
-        with open(os.path.join(OUT, f"crash_at_start_{HOST}")) as f:
+        at_start = os.path.join(OUT, f"crash_at_start_{HOST}")
+        if not os.path.exists(at_start):
+            at_start = os.path.join(OUT, f"crash_at_start_{HOST}.{e['LOCAL_RANK']}")
+        with open(at_start) as f:
             if int(e["TORCHELASTIC_RESTART_COUNT"]) < int(f.read()):
                 print(f"worker on {HOST} crashing at its start on purpose", file=sys.stderr, flush=True)
                 os._exit(7)
@@ -122,6 +126,8 @@ def train():
     here = 0
     while True:
         crash = os.path.join(OUT, f"crash_{HOST}")
+        if not os.path.exists(crash):
+            crash = os.path.join(OUT, f"crash_{HOST}.{e['LOCAL_RANK']}")
         # OUT/crash_every_HOST holding N: this host's worker exits 7 after 3 steps of each entry
         # until the restart count reaches N.
         every = False

@@ -76,6 +76,11 @@ struct Job {
 impl Job {
     /// `--nnodes nnodes`, `--max-restarts max_restarts`; waits until both hosts run.
     fn start(nnodes: &str, run_id: &str, max_restarts: u32) -> Job {
+        Job::start_with(nnodes, 1, run_id, max_restarts)
+    }
+
+    /// [`Job::start`] with `nproc` ranks per host.
+    fn start_with(nnodes: &str, nproc: u32, run_id: &str, max_restarts: u32) -> Job {
         let cluster = integration_tests::netns::Cluster::new(2);
         let dir = integration_tests::tempdir();
         let out = dir.path();
@@ -89,9 +94,10 @@ impl Job {
             script.to_str().unwrap(),
             out.to_str().unwrap(),
         ];
-        let args = integration_tests::netns::rdzv_args(nnodes, 1, &endpoint, run_id, CONF, "3", &program);
+        let args = integration_tests::netns::rdzv_args(nnodes, nproc, &endpoint, run_id, CONF, "3", &program);
         let mut agents = start_two_hosts(&cluster, out, &args, &endpoint);
-        let before = integration_tests::netns::wait_formed(out, &["a", "b"], 1, &mut agents, Duration::from_secs(60));
+        let before =
+            integration_tests::netns::wait_formed(out, &["a", "b"], nproc, &mut agents, Duration::from_secs(60));
         Job { cluster, dir, endpoint, agents, before }
     }
 
@@ -145,6 +151,77 @@ fn a_worker_failing_on_another_host_is_restarted_there_and_the_survivor_keeps_it
         assert_eq!(resumed.get(key), first["env"].get(key), "{key}: host a's agent's own, as before");
     }
     assert_ne!(resumed["RANK"], fresh["RANK"]);
+    finish(out, &mut agents);
+}
+
+/// Two hosts of two ranks each; host b's local rank 1 fails. It alone is started anew; host b's
+/// local rank 0 and both of host a's keep their processes and run the function again in the
+/// next round, which counts the restart once. What the failed worker left running (its data
+/// loader's worker process) is gone.
+#[test]
+fn a_worker_whose_own_rank_failed_is_started_anew_and_every_other_rank_keeps_its_process() {
+    use integration_tests::netns::{finish, wait_formed};
+
+    let Job { mut agents, before, dir, cluster: _hosts, .. } = Job::start_with("2", 2, "resilient-rank", 3);
+    let out = dir.path();
+    let pid_of = |starts: &[integration_tests::netns::Start], host: &str, local: u32| {
+        starts.iter().find(|s| s.host == host && s.local_rank == local).map(|s| s.pid).expect("the worker")
+    };
+    let b1: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("env.b.1.1.json")).unwrap()).unwrap();
+    let loader_of_b1 = b1["loader_pids"][0].as_i64().expect("host b's local rank 1 has a data loader worker");
+    std::fs::write(out.join("crash_b.1"), b"").unwrap();
+    integration_tests::wait_until("the group to re-form after the failure", Duration::from_secs(60), || {
+        integration_tests::netns::formed(out, &["a", "b"], 2).is_some_and(|g| g.iter().all(|s| s.restart == 1))
+    });
+    let after = wait_formed(out, &["a", "b"], 2, &mut agents, Duration::from_secs(5));
+    for (host, local) in [("a", 0), ("a", 1), ("b", 0)] {
+        assert_eq!(
+            pid_of(&after, host, local),
+            pid_of(&before, host, local),
+            "host {host}'s local rank {local} kept its process: {before:#?} -> {after:#?}"
+        );
+    }
+    assert_ne!(pid_of(&after, "b", 1), pid_of(&before, "b", 1), "the failed worker was started anew");
+    // The kept ones ran the function a second time; the new one its first.
+    let b0 = std::fs::read_to_string(out.join("env.b.0.2.json")).expect("host b's local rank 0 ran again");
+    let b0: serde_json::Value = serde_json::from_str(&b0).unwrap();
+    assert_eq!(b0["env"]["TORCHELASTIC_RESTART_COUNT"], "1", "{b0:#}");
+    assert!(b0["resumed_at_step"].as_u64().unwrap() > 0, "resumed from its snapshot: {b0:#}");
+    // The failed worker's data loader process went with it (killed by the agent as the others
+    // parked, not by torch's own watchdog, which looks every 5 s).
+    let state = std::fs::read_to_string(format!("/proc/{loader_of_b1}/stat")).unwrap_or_default();
+    let running = state.rsplit_once(')').is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z'));
+    assert!(!running, "the failed worker's data loader process {loader_of_b1} still runs: {state}");
+    let log = std::fs::read_to_string(out.join("rlaunch-b.log")).unwrap();
+    assert!(log.contains("this node's other workers keep their processes"), "{log}");
+    finish(out, &mut agents);
+}
+
+/// Host b's local rank 1 fails, and its replacement fails again as it starts: each failure costs
+/// the other three ranks nothing (each counts against the budget), and the third worker of that
+/// rank trains with them.
+#[test]
+fn a_replacement_that_fails_as_it_starts_is_started_anew_again_and_the_others_still_keep_their_processes() {
+    use integration_tests::netns::{finish, wait_formed};
+
+    let Job { mut agents, before, dir, cluster: _hosts, .. } = Job::start_with("2", 2, "resilient-rank-again", 3);
+    let out = dir.path();
+    let pid_of = |starts: &[integration_tests::netns::Start], host: &str, local: u32| {
+        starts.iter().find(|s| s.host == host && s.local_rank == local).map(|s| s.pid).expect("the worker")
+    };
+    std::fs::write(out.join("crash_at_start_b.1"), b"2").unwrap();
+    std::fs::write(out.join("crash_b.1"), b"").unwrap();
+    integration_tests::wait_until("the group to re-form after the two failures", Duration::from_secs(90), || {
+        integration_tests::netns::formed(out, &["a", "b"], 2).is_some_and(|g| g.iter().all(|s| s.restart == 2))
+    });
+    let after = wait_formed(out, &["a", "b"], 2, &mut agents, Duration::from_secs(5));
+    for (host, local) in [("a", 0), ("a", 1), ("b", 0)] {
+        assert_eq!(pid_of(&after, host, local), pid_of(&before, host, local), "host {host}'s local rank {local}");
+    }
+    assert_ne!(pid_of(&after, "b", 1), pid_of(&before, "b", 1));
+    let log = std::fs::read_to_string(out.join("rlaunch-b.log")).unwrap();
+    assert_eq!(log.matches("this node's other workers keep their processes").count(), 2, "{log}");
     finish(out, &mut agents);
 }
 

@@ -371,3 +371,27 @@ fn the_workers_of_an_elastic_job_start_warm() {
         assert_eq!(p["warm"], true, "rank {rank}: a warm interpreter became the worker");
     }
 }
+
+/// A program that calls `torch.compile` gets what that call imports (inductor, 0.9 s here) imported
+/// ahead by its warm worker, so a worker started anew does not pay it; one that does not call it
+/// gets nothing more imported.
+#[test]
+fn a_program_that_calls_torch_compile_gets_inductor_imported_ahead_and_only_that_one() {
+    for (program, suffix, expected) in
+        [("warm_compile_probe.py", ".compile", true), ("warm_plain_probe.py", ".plain", false)]
+    {
+        let dir = tempdir();
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let endpoint = format!("127.0.0.1:{port}");
+        let mut r = std::process::Command::new(bin("rlaunch"));
+        // The round closes 10 s after the node joined: time for the warm worker's imports.
+        r.args(["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "rlaunch", "--rdzv-endpoint", &endpoint])
+            .args(["--rdzv-id", "warm-compile", "--rdzv-conf", "last_call_timeout=10"])
+            .arg(py(program));
+        let o = run_deadline(&mut clean(r, dir.path()), DEADLINE);
+        assert!(o.status.success(), "{}\n{}", stdout_of(&o), stderr_of(&o));
+        let p = &read_probes(dir.path(), suffix, 1)[0];
+        assert_eq!(p["warm"], true, "{program}: a warm interpreter became the worker: {p}");
+        assert_eq!(p["inductor_ahead"], expected, "{program}: {p}");
+    }
+}

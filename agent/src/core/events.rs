@@ -120,9 +120,9 @@ pub enum Event {
     RootCauseFetched(Option<Box<RootCause>>, Option<u64>),
     /// A signal reached the agent.
     Signal(i32),
-    /// How many of this node's workers keep their process across rounds (`rlaunch.resilient`:
-    /// connected to the control socket), whenever that changes.
-    OptedIn(u32),
+    /// Which of this node's workers (by local index) keep their process across rounds
+    /// (`rlaunch.resilient`: connected to the control socket), whenever that changes.
+    OptedIn(Vec<u32>),
     /// Every worker told that its round ended (`Action::Park`) has ended its collectives and
     /// waits for the next round.
     WorkersParked,
@@ -184,13 +184,16 @@ pub enum Action {
     /// This node's workers of the round are gone: its snapshots and its progress end; with
     /// `flush_console`, what they printed is written out first (they were stopped).
     EndRound { flush_console: bool },
-    /// Tell the workers that keep their process (all of this node's) that `round` ended: they
-    /// end their collectives, destroy their process group and wait; answered by
-    /// `WorkersParked`, or by nothing within `PARK_WITHIN` (then they are stopped as usual).
-    Park { round: u64, hosts: Vec<String> },
+    /// Tell the workers that keep their process (all of this node's, but the failed ones in
+    /// `failed`) that `round` ended: they end their collectives, destroy their process group
+    /// and wait; answered by `WorkersParked`, or by nothing within `PARK_WITHIN` (then they are
+    /// stopped as usual). The workers in `failed` (local indices) are gone: what they left
+    /// running is killed, and they are not waited for.
+    Park { round: u64, hosts: Vec<String>, failed: Vec<u32> },
     /// Hand the parked workers their environment for this placement: the same processes run
-    /// the program's function again (in place of `StartWorkers`).
-    Resume(Placement),
+    /// the program's function again (in place of `StartWorkers`); the workers at the local
+    /// indices in `fresh` (their own rank failed) are started anew in it.
+    Resume { placement: Placement, fresh: Vec<u32> },
     /// Start the next set of warm workers, made for this placement (warm workers on).
     FillWarm(Placement),
     /// Stop the workers: `first` (SIGTERM; SIGINT when the agent got one, so that Python's

@@ -7,10 +7,16 @@
 //! [`PARK_WITHIN`], or one that ends while parked, and the node's workers are stopped and
 //! started as they are without it. Any end of the run while workers are parked stops them
 //! first (`Core::exit`).
+//!
+//! A worker of this node that fails while every other worker of the node opted in costs the
+//! others nothing either: they park as above while the failure is reported (the job's restart
+//! budget counts it, as any failure), and in the next round they resume while the failed
+//! worker alone is started anew (`Resume::fresh`). A worker killed by a stop signal the agent did
+//! not send (a scheduler stopping the job) goes the usual way: the whole group stops.
 
 use std::time::Duration;
 
-use super::{ms, Action, AfterStop, Core, Millis, Phase, Placement, WorkersEnd};
+use super::{ms, Action, AfterStop, Core, Millis, Phase, Placement, Report, RootCause, WorkersEnd};
 
 /// How long the workers told that their round ended have to park: a worker notices within its
 /// step (its next collective fails at once); one computing for longer, or stuck, is stopped.
@@ -23,12 +29,77 @@ impl Core {
         self.elastic().is_some()
             && self.workers_alive
             && self.features.local_world_size > 0
-            && self.opted_in >= self.features.local_world_size
+            && (0..self.features.local_world_size).all(|i| self.opted_in.contains(&i))
+    }
+
+    /// The local indices of the workers a failure names (its rank and those that failed with
+    /// it); `None` when one is not of this node's placement.
+    fn failed_indices(placement: &Placement, rc: &RootCause) -> Option<Vec<u32>> {
+        let mut failed = Vec::new();
+        for rank in std::iter::once(rc.rank).chain(rc.other_failures.iter().map(|o| o.rank)) {
+            let index = rank.checked_sub(placement.rank_offset)?;
+            if !failed.contains(&index) {
+                failed.push(index);
+            }
+        }
+        Some(failed)
+    }
+
+    /// Whether, after this failure, every other worker of the node keeps its process: an
+    /// elastic job, at least one worker left, and each one left opted in.
+    pub(super) fn can_keep_all_but(&self, placement: &Placement, rc: &RootCause) -> bool {
+        let n = self.features.local_world_size;
+        let Some(failed) = Self::failed_indices(placement, rc) else { return false };
+        self.elastic().is_some()
+            && failed.iter().all(|i| *i < n)
+            && failed.len() < n as usize
+            && (0..n).filter(|i| !failed.contains(i)).all(|i| self.opted_in.contains(&i))
+    }
+
+    /// Some of this node's workers failed and every other one opted in: the others park, the
+    /// failure is reported at once (the other nodes learn of it as soon as they would otherwise),
+    /// and the failed workers are started anew when the others resume.
+    pub(super) fn keep_all_but_failed(
+        &mut self,
+        placement: &Placement,
+        rc: Box<RootCause>,
+        now: Millis,
+        out: &mut Vec<Action>,
+    ) {
+        let failed = Self::failed_indices(placement, &rc).unwrap_or_default();
+        out.push(Action::Note(format!(
+            "rank {} failed; this node's other workers keep their processes, and the failed ones start anew in the \
+             next round",
+            rc.rank
+        )));
+        self.local_failure = Some(rc.clone());
+        self.park_without(placement, failed.clone(), now, out);
+        self.fresh = failed;
+        if let Phase::Parking { failure, .. } = &mut self.phase {
+            *failure = Some(rc.clone());
+        }
+        let deadline = now.saturating_add(ms(self.join_timeout()));
+        self.send(Report::Failure { round: placement.round, root_cause: Box::new(rc.bounded()) }, now, deadline, out);
+    }
+
+    /// What a stop of workers that were parking leads to: the failure that ended the round,
+    /// when it was this node's, is reported (again: the rendezvous counts a round's failure
+    /// once), else the node rejoins.
+    fn after_failed_parking(&self) -> AfterStop {
+        match &self.phase {
+            Phase::Parking { failure: Some(rc), .. } => AfterStop::ReportFailure(rc.clone()),
+            _ => AfterStop::Rejoin,
+        }
     }
 
     /// The round of `placement` ended elsewhere: tell the workers, with the round's hosts (their
     /// connections to those hosts are what a gloo collective waits on).
     pub(super) fn park(&mut self, placement: &Placement, now: Millis, out: &mut Vec<Action>) {
+        self.park_without(placement, Vec::new(), now, out);
+    }
+
+    /// [`Core::park`], but for the workers at the local indices `failed`, which are gone.
+    fn park_without(&mut self, placement: &Placement, failed: Vec<u32>, now: Millis, out: &mut Vec<Action>) {
         let mut hosts: Vec<String> = placement.members.iter().map(|m| m.store_addr.host().to_owned()).collect();
         hosts.extend(placement.master.iter().map(|m| m.host().to_owned()));
         hosts.sort();
@@ -38,28 +109,36 @@ impl Core {
         // not wait for a round that comes only once every worker parked. The workers refuse
         // their own saves from the word on (`rlaunch.snapshot.save` answers False), so a step
         // "completed" on the garbage of an aborted NCCL reduction never commits.
-        out.push(Action::Park { round: placement.round, hosts });
-        self.phase = Phase::Parking { round: placement.round, until: now.saturating_add(ms(PARK_WITHIN)) };
+        out.push(Action::Park { round: placement.round, hosts, failed });
+        self.phase =
+            Phase::Parking { round: placement.round, until: now.saturating_add(ms(PARK_WITHIN)), failure: None };
     }
 
     /// Every worker parked: join the next round with them.
     pub(super) fn on_parked(&mut self, out: &mut Vec<Action>) {
-        let Phase::Parking { round, .. } = self.phase else { return };
+        let Phase::Parking { round, failure, .. } = std::mem::replace(&mut self.phase, Phase::Idle) else { return };
         self.parked = Some(round);
         self.park_broken = false;
-        self.join(out);
+        match failure {
+            // This node's failure is still on its way: the node joins once it is counted.
+            Some(root_cause) if self.outbox.is_some() => self.phase = Phase::ReportingFailure { round, root_cause },
+            _ => self.join(out),
+        }
     }
 
     /// A workers' end outside `Running`: handled here when it concerns parking or parked
     /// workers (returns true).
     pub(super) fn parked_worker_ended(&mut self, end: &WorkersEnd, out: &mut Vec<Action>) -> bool {
-        if let Phase::Parking { round, .. } = self.phase {
+        if let Phase::Parking { round, failure, .. } = &self.phase {
+            let (round, own_failure) = (*round, failure.is_some());
             if let WorkersEnd::Failed(rc) | WorkersEnd::Hung(rc) = end {
-                self.local_failure = Some(rc.clone());
+                if !own_failure {
+                    self.local_failure = Some(rc.clone());
+                }
             }
             match end {
                 // Every worker finished its function while the round ended: nothing to keep.
-                WorkersEnd::Succeeded => {
+                WorkersEnd::Succeeded if !own_failure => {
                     self.workers_alive = false;
                     self.join(out);
                 }
@@ -67,7 +146,8 @@ impl Core {
                     out.push(Action::Note(
                         "a worker ended while the others parked; stopping this node's workers and rejoining".into(),
                     ));
-                    self.stop_workers(round, AfterStop::Rejoin, out);
+                    let then = self.after_failed_parking();
+                    self.stop_workers(round, then, out);
                 }
             }
             return true;
@@ -107,12 +187,13 @@ impl Core {
 
     /// Workers that did not park in time are stopped, and the node rejoins as usual.
     pub(super) fn parking_tick(&mut self, now: Millis, out: &mut Vec<Action>) {
-        if let Phase::Parking { round, until } = self.phase {
+        if let Phase::Parking { round, until, .. } = self.phase {
             if now >= until {
                 out.push(Action::Note(format!(
                     "not every worker ended its round within {PARK_WITHIN:?}; stopping this node's workers and rejoining"
                 )));
-                self.stop_workers(round, AfterStop::Rejoin, out);
+                let then = self.after_failed_parking();
+                self.stop_workers(round, then, out);
             }
         }
     }

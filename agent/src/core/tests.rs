@@ -69,6 +69,22 @@ fn round(n: u64, restart_count: u32) -> RoundInfo {
     }
 }
 
+/// Rank 1 failed with `code`, and `others` (ranks) with it.
+fn failed_with_others(code: i32, others: &[u32]) -> WorkersEnd {
+    let WorkersEnd::Failed(mut rc) = failure(code) else { unreachable!() };
+    rc.other_failures = others
+        .iter()
+        .map(|r| rlaunch::contract::OtherFailure {
+            rank: *r,
+            local_rank: *r,
+            pid: 40 + r,
+            exit: Exit::Code(code),
+            message: String::new(),
+        })
+        .collect();
+    WorkersEnd::Failed(rc)
+}
+
 fn failure(code: i32) -> WorkersEnd {
     WorkersEnd::Failed(Box::new(RootCause {
         rank: 1,
@@ -151,7 +167,7 @@ impl Sim {
                     self.stop_pending = true;
                 }
                 Action::ShareStacks { .. } => assert!(self.workers_alive && !self.stop_pending, "stacks of no workers"),
-                Action::Park { .. } | Action::Resume(_) => {
+                Action::Park { .. } | Action::Resume { .. } => {
                     assert!(
                         self.workers_alive && !self.stop_pending,
                         "parked or resumed workers that are gone: {:?}",
@@ -898,7 +914,7 @@ fn warm_workers_are_refilled_once_at_the_deadline_the_core_set_at_each_start_and
 fn resilient(opted_in: u32) -> Sim {
     let mut s = Sim::new(elastic().with_features(Features { local_world_size: 2, ..Features::default() }));
     s.joined_running(round(1, 0));
-    assert!(s.ev(Event::OptedIn(opted_in)).is_empty());
+    assert!(s.ev(Event::OptedIn((0..opted_in).collect())).is_empty());
     s
 }
 
@@ -908,8 +924,8 @@ fn workers_that_all_opted_in_are_parked_at_a_new_round_and_resumed_in_it_never_s
     let a = s.ev(Event::Watched { round: 1, answer: Ok(Watch::NewRound(2)) });
     // Where they stood goes first (a hang report elsewhere waits for every rank's stack).
     assert!(
-        matches!(&a[..], [Action::Note(_), Action::ShareStacks { round: 1 }, Action::Park { round: 1, hosts }]
-            if hosts == &["node0".to_string()]),
+        matches!(&a[..], [Action::Note(_), Action::ShareStacks { round: 1 }, Action::Park { round: 1, hosts, failed }]
+            if hosts == &["node0".to_string()] && failed.is_empty()),
         "{a:?}"
     );
     // Nothing happens until they parked (a tick before the bound, stale answers).
@@ -917,7 +933,11 @@ fn workers_that_all_opted_in_are_parked_at_a_new_round_and_resumed_in_it_never_s
     assert!(s.ev(Event::Watched { round: 1, answer: Ok(Watch::NoChange) }).is_empty());
     assert_eq!(s.ev(Event::WorkersParked), vec![Action::Join]);
     let a = s.ev(Event::Joined(Ok(round(2, 0))));
-    assert!(matches!(&a[..], [Action::Resume(p), Action::Watch { round: 2 }] if p.round == 2), "{a:?}");
+    assert!(
+        matches!(&a[..], [Action::Resume { placement, fresh }, Action::Watch { round: 2 }]
+            if placement.round == 2 && fresh.is_empty()),
+        "{a:?}"
+    );
     assert!(!s.log.contains(&STOP), "no stop: {:?}", s.log);
     assert_eq!(s.starts, 1);
     // They stay opted in: the next re-form parks them again; declared lost likewise.
@@ -931,8 +951,9 @@ fn a_node_whose_workers_did_not_all_opt_in_stops_them_as_before() {
     let a = s.ev(Event::Watched { round: 1, answer: Ok(Watch::NewRound(2)) });
     assert_eq!(a[1..], [Action::ShareStacks { round: 1 }, STOP]);
     // Workers started anew opt in anew: a stale count from the last group does not carry over.
+    // (Both failed: none is left to keep its process.)
     let mut s = resilient(2);
-    s.ev(Event::WorkersEnded(failure(1)));
+    s.ev(Event::WorkersEnded(failed_with_others(1, &[0])));
     s.ev(Event::WorkersStopped);
     s.ev(Event::Reported { kind: ReportKind::Failure, result: Ok(()) });
     let a = s.ev(Event::Joined(Ok(round(2, 1))));
@@ -997,4 +1018,143 @@ fn any_end_of_the_run_while_workers_are_parked_stops_them_first() {
     s.ev(Event::Watched { round: 1, answer: Ok(Watch::NewRound(2)) });
     let a = s.ev(Event::Signal(libc::SIGTERM));
     assert_eq!(a, vec![Action::StopWorkers { first: libc::SIGTERM }]);
+}
+
+/// Rank `rank` (local index `rank`) failed with exit code 7.
+fn failure_of(rank: u32) -> WorkersEnd {
+    let WorkersEnd::Failed(mut rc) = failure(7) else { unreachable!() };
+    (rc.rank, rc.local_rank) = (rank, rank);
+    WorkersEnd::Failed(rc)
+}
+
+fn is_failure_report(a: &Action, round: u64) -> bool {
+    matches!(a, Action::Send(Report::Failure { round: r, .. }) if *r == round)
+}
+
+#[test]
+fn a_worker_whose_own_rank_failed_starts_anew_while_the_node_s_other_workers_keep_their_processes() {
+    let mut s = resilient(2);
+    let a = s.ev(Event::WorkersEnded(failure_of(1)));
+    // The others park, told which worker is gone; the failure goes out at once.
+    assert!(
+        matches!(&a[..], [Action::Note(_), Action::Park { round: 1, failed, .. }, r]
+            if failed == &[1] && is_failure_report(r, 1)),
+        "{a:?}"
+    );
+    // Parked before the failure is counted: the node joins once it is.
+    assert!(s.ev(Event::WorkersParked).is_empty());
+    assert_eq!(s.ev(Event::Reported { kind: ReportKind::Failure, result: Ok(()) }), vec![Action::Join]);
+    let a = s.ev(Event::Joined(Ok(round(2, 1))));
+    assert!(
+        matches!(&a[..], [Action::Resume { placement, fresh }, Action::Watch { round: 2 }]
+            if placement.round == 2 && fresh == &[1]),
+        "{a:?}"
+    );
+    assert!(!s.log.contains(&STOP), "no stop: {:?}", s.log);
+    assert_eq!(s.starts, 1, "no group started anew");
+    // Until the new worker opts in, a re-form stops them all (it cannot be parked).
+    let mut t = s.core.clone();
+    let a = t.step(Event::Watched { round: 2, answer: Ok(Watch::NewRound(3)) }, s.now);
+    assert!(a.contains(&STOP), "{a:?}");
+    // Once it did, they park together again.
+    s.ev(Event::OptedIn(vec![0, 1]));
+    let a = s.ev(Event::Watched { round: 2, answer: Ok(Watch::NewRound(3)) });
+    assert!(matches!(&a[..], [_, _, Action::Park { round: 2, failed, .. }] if failed.is_empty()), "{a:?}");
+
+    // Counted before the others parked: the node joins as they do.
+    let mut s = resilient(2);
+    s.ev(Event::WorkersEnded(failure_of(0)));
+    assert!(s.ev(Event::Reported { kind: ReportKind::Failure, result: Ok(()) }).is_empty());
+    assert_eq!(s.ev(Event::WorkersParked), vec![Action::Join]);
+    let a = s.ev(Event::Joined(Ok(round(2, 1))));
+    assert!(matches!(&a[..], [Action::Resume { fresh, .. }, _] if fresh == &[0]), "{a:?}");
+    // The round it reported on was gone already: nothing counted, the node joins all the same.
+    let mut s = resilient(2);
+    s.ev(Event::WorkersEnded(failure_of(1)));
+    assert!(s.ev(Event::Reported { kind: ReportKind::Failure, result: Err(CallError::NotMember) }).is_empty());
+    assert_eq!(s.ev(Event::WorkersParked), vec![Action::Join]);
+}
+
+#[test]
+fn a_failure_that_leaves_no_worker_or_one_not_opted_in_or_comes_from_a_stop_signal_stops_the_node_s_group() {
+    // Both failed: nothing to keep.
+    let mut s = resilient(2);
+    let a = s.ev(Event::WorkersEnded(failed_with_others(7, &[0])));
+    assert_eq!(a, vec![STOP]);
+    // The other worker did not opt in.
+    let mut s = resilient(1);
+    let a = s.ev(Event::WorkersEnded(failure_of(0)));
+    assert_eq!(a, vec![STOP]);
+    // Killed by a stop signal the agent did not send (a scheduler stopping the job): the
+    // usual stop, held for the agent's own signal.
+    let mut s = resilient(2);
+    let WorkersEnd::Failed(mut rc) = failure_of(1) else { unreachable!() };
+    rc.exit = Exit::Signal(libc::SIGTERM);
+    assert_eq!(s.ev(Event::WorkersEnded(WorkersEnd::Failed(rc))), vec![STOP]);
+    // A rank not of this node's placement (a report that cannot be told apart): the usual stop.
+    let mut s = resilient(2);
+    assert_eq!(s.ev(Event::WorkersEnded(failure_of(7))), vec![STOP]);
+}
+
+#[test]
+fn when_the_node_s_other_workers_cannot_be_kept_after_its_failure_they_stop_and_the_failure_still_counts() {
+    // They do not park in time: stopped, the failure reported again (counted once).
+    let mut s = resilient(2);
+    s.at(1_000).ev(Event::WorkersEnded(failure_of(1)));
+    let a = s.tick(1_000 + ms(PARK_WITHIN));
+    assert!(matches!(&a[..], [Action::Note(_), STOP]), "{a:?}");
+    let a = s.ev(Event::WorkersStopped);
+    assert!(matches!(&a[..], [r] if is_failure_report(r, 1)), "{a:?}");
+    assert_eq!(s.ev(Event::Reported { kind: ReportKind::Failure, result: Ok(()) }), vec![Action::Join]);
+    let a = s.ev(Event::Joined(Ok(round(2, 1))));
+    assert!(matches!(a[0], Action::StartWorkers(_)), "{a:?}");
+    // Another dies while they park: the same.
+    let mut s = resilient(2);
+    s.ev(Event::WorkersEnded(failure_of(1)));
+    let a = s.ev(Event::WorkersEnded(failure_of(0)));
+    assert!(matches!(&a[..], [Action::Note(_), STOP]), "{a:?}");
+    let a = s.ev(Event::WorkersStopped);
+    assert!(matches!(&a[..], [r] if is_failure_report(r, 1)), "{a:?}");
+    // One dies once parked: the group starts anew in the next round.
+    let mut s = resilient(2);
+    s.ev(Event::WorkersEnded(failure_of(1)));
+    s.ev(Event::WorkersParked);
+    assert!(s.ev(Event::WorkersEnded(failure_of(0))).is_empty());
+    s.ev(Event::Reported { kind: ReportKind::Failure, result: Ok(()) });
+    let a = s.ev(Event::Joined(Ok(round(2, 1))));
+    assert!(matches!(&a[..], [Action::Note(_), STOP]), "{a:?}");
+    let a = s.ev(Event::WorkersStopped);
+    assert!(matches!(&a[..], [Action::StartWorkers(p), _] if p.round == 2), "{a:?}");
+}
+
+#[test]
+fn the_budget_spent_or_the_job_over_while_the_others_park_stops_them_before_the_run_ends() {
+    // The failure spent the budget: the parking workers stop, then the root cause is fetched.
+    let mut s = resilient(2);
+    s.ev(Event::WorkersEnded(failure_of(1)));
+    let a = s.ev(Event::Reported { kind: ReportKind::Failure, result: Err(CallError::JobFailed("spent".into())) });
+    assert_eq!(a, vec![STOP]);
+    assert_eq!(s.ev(Event::WorkersStopped), vec![Action::FetchRootCause]);
+    // Spent once they parked: fetched while they wait, stopped before the run ends.
+    let mut s = resilient(2);
+    s.ev(Event::WorkersEnded(failure_of(1)));
+    s.ev(Event::WorkersParked);
+    let a = s.ev(Event::Reported { kind: ReportKind::Failure, result: Err(CallError::JobFailed("spent".into())) });
+    assert_eq!(a, vec![Action::FetchRootCause]);
+    let a = s.ev(Event::RootCauseFetched(None, None));
+    assert_eq!(a, vec![STOP]);
+    let a = s.ev(Event::WorkersStopped);
+    assert!(matches!(&a[..], [Action::Exit(Outcome::Run(RunOutcome::Failed { .. }))]), "{a:?}");
+    // The job finished meanwhile: stopped, then this node's failure ends its run.
+    let mut s = resilient(2);
+    s.ev(Event::WorkersEnded(failure_of(1)));
+    let a = s.ev(Event::Reported { kind: ReportKind::Failure, result: Err(CallError::JobFinished) });
+    assert_eq!(a, vec![STOP]);
+    let a = s.ev(Event::WorkersStopped);
+    assert!(matches!(&a[..], [Action::Exit(Outcome::Run(RunOutcome::Failed { .. }))]), "{a:?}");
+    // A stop signal while they park after the failure.
+    let mut s = resilient(2);
+    s.ev(Event::WorkersEnded(failure_of(1)));
+    assert_eq!(s.ev(Event::Signal(libc::SIGTERM)), vec![STOP]);
+    assert_eq!(s.ev(Event::WorkersStopped), vec![Action::Send(Report::Leave)]);
 }

@@ -434,3 +434,25 @@ fn random_worlds_keep_every_invariant() {
         }
     }
 }
+
+#[test]
+fn after_a_failure_the_workers_kept_are_watched_again_and_one_started_anew_is_one_of_the_group() {
+    let mut s = Supervisor::new(vec![0, 1, 2], None, false, 0);
+    step(&mut s, exited(1, code(7)), T);
+    let a = step(&mut s, Event::Tick, T + ms(FAILING_ALONG));
+    assert!(matches!(reports(&a)[..], [Action::Failed(f)] if f.index == 1), "{a:?}");
+    // The others park: the group is watched again, and one of them ending is reported.
+    s.park();
+    assert!(s.running());
+    let mut kept = s.clone();
+    kept.step(exited(0, code(1)), T + 100);
+    let a = step(&mut kept, Event::Tick, T + 100 + ms(FAILING_ALONG));
+    assert!(matches!(reports(&a)[..], [Action::Failed(f)] if f.index == 0), "{a:?}");
+    // Worker 1 started anew in the next round, with new ranks: its exit counts again, and the
+    // group succeeds once all three did.
+    s.renumber(vec![3, 4, 5], &[1], T + 200);
+    assert!(step(&mut s, exited(0, code(0)), T + 300).is_empty());
+    assert!(step(&mut s, exited(2, code(0)), T + 300).is_empty());
+    let a = step(&mut s, exited(1, code(0)), T + 400);
+    assert_eq!(reports(&a), vec![&Action::Succeeded]);
+}

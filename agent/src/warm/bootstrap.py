@@ -14,7 +14,10 @@
 # differ from the cold start's import:
 # - only the import statements the program (or a module of its own directory that those
 #   statements import) begins with, before any other statement: a program that sets a variable,
-#   a warnings filter or sys.path before an import has that import run as the worker;
+#   a warnings filter or sys.path before an import has that import run as the worker; and what
+#   such a library imports lazily on first use (`_LAZY`: torch._dynamo for torch), or on a call
+#   that the program's own files name (`_LAZY_CALLS`: inductor for a program that calls
+#   `torch.compile(`);
 # - only modules found in site-packages or dist-packages (installed distributions), never the
 #   program's own or anything on PYTHONPATH;
 # - with the rank's variables of the round the agent expects next (RANK, WORLD_SIZE, ...):
@@ -106,6 +109,10 @@ class _Watched(os._Environ):
 # Modules a library imports lazily, the first time a program uses it as every program does:
 # torch imports torch._dynamo (seconds) when the first optimizer is made.
 _LAZY = {"torch": ["torch._dynamo"]}
+# Modules a library imports lazily when a program calls one of its functions, imported ahead for
+# a program whose own files name that call: torch.compile imports inductor (0.9 s here, with
+# torch._dynamo imported already), before the model's first step compiles anything.
+_LAZY_CALLS = {"torch": [("torch.compile(", ["torch._inductor.compile_fx"])]}
 
 # How many of the program's own files are read for their imports, at most.
 _OWN_FILES = 100
@@ -165,6 +172,15 @@ def _leading_imports(path):
     return [n for n in dict.fromkeys(names) if n.split(".")[0] != "__future__"]
 
 
+def _names(path, text):
+    """Whether the file at `path` holds `text` (a call the program makes)."""
+    try:
+        with open(path, "rb") as f:
+            return text.encode() in f.read()
+    except OSError:
+        return False
+
+
 def _installed(where):
     parts = os.path.realpath(where).split(os.sep)
     return "site-packages" in parts or "dist-packages" in parts
@@ -187,12 +203,14 @@ def _warm_up(own_dir, program_file, fd):
             where[top] = spec and (spec.origin or next(iter(spec.submodule_search_locations or []), ""))
         return where[top]
 
-    outside, files, seen = [], [program_file], set()
+    outside, files, seen, calls = [], [program_file], set(), set()
+    wanted = {call for uses in _LAZY_CALLS.values() for call, _ in uses}
     while files and len(seen) < _OWN_FILES:
         path = files.pop(0)
         if path in seen:
             continue
         seen.add(path)
+        calls |= {c for c in wanted if _names(path, c)}
         for name in _leading_imports(path):
             o = origin(name.split(".")[0])
             if not o:
@@ -203,7 +221,9 @@ def _warm_up(own_dir, program_file, fd):
                     files.append(own_file)
             elif _installed(o):
                 outside.append(name)
-    lazy = [m for top in dict.fromkeys(n.split(".")[0] for n in outside) for m in _LAZY.get(top, [])]
+    tops = list(dict.fromkeys(n.split(".")[0] for n in outside))
+    lazy = [m for top in tops for m in _LAZY.get(top, [])]
+    lazy += [m for top in tops for call, mods in _LAZY_CALLS.get(top, []) if call in calls for m in mods]
     plain = os.environ.__class__
     os.environ.__class__ = _Watched
     try:
