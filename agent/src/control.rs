@@ -252,10 +252,11 @@ fn serve(stream: UnixStream, shared: &Arc<Mutex<State>>, events: &UnboundedSende
             debug!(local_rank = r, pid, "a worker keeps its process across rounds (rlaunch.resilient)");
             let _ = events.send(Event::OptedIn(opted(&s)));
         } else if let Some(parked) = msg.get("parked") {
-            let Some((r, _)) = rank else { break };
+            let Some((r, worker)) = rank else { break };
             let round = parked.get("round").and_then(Value::as_u64);
             let mut s = lock(shared);
-            if let (Some(round), Some(w)) = (round, s.workers.get_mut(&r)) {
+            // Only for the worker this connection spoke for (not one started since in its place).
+            if let (Some(round), Some(w)) = (round, s.workers.get_mut(&r).filter(|w| w.pid == worker)) {
                 w.parked = Some(round);
             }
             if s.parking.is_some()

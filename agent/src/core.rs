@@ -352,7 +352,10 @@ impl Core {
         if Self::is_contact(&event) {
             self.last_contact = self.last_contact.max(now);
         }
-        if matches!(event, Event::WorkersStopped | Event::WorkersEnded(_)) {
+        // (Not when some of this node's workers failed and the others keep their processes: their
+        // round's snapshots stay open until the next begins, as when a round ends elsewhere.)
+        let keeps = matches!(&event, Event::WorkersEnded(WorkersEnd::Failed(rc)) if self.keeps_others(rc));
+        if matches!(event, Event::WorkersStopped | Event::WorkersEnded(_)) && !keeps {
             out.push(Action::EndRound { flush_console: event == Event::WorkersStopped });
         }
         match event {
@@ -599,7 +602,7 @@ impl Core {
                     poll_at: Some(now.saturating_add(ms(LINGER_POLL))),
                 };
             }
-            WorkersEnd::Failed(rc) if killed_by.is_none() && self.can_keep_all_but(&placement, &rc) => {
+            WorkersEnd::Failed(rc) if self.keeps_others(&rc) => {
                 self.keep_all_but_failed(&placement, rc, now, out);
             }
             WorkersEnd::Failed(rc) | WorkersEnd::Hung(rc) => {

@@ -185,12 +185,11 @@ fn supervise(
                         SupEvent::StacksWanted
                     }
                     Some(GroupCmd::Park { reap, done }) => {
-                        sup.park();
                         for index in reap {
                             group.reap_worker(index).await;
                         }
                         let _ = done.send(());
-                        continue;
+                        SupEvent::Park
                     }
                     Some(GroupCmd::Renumber { specs, fresh }) => {
                         let indices: Vec<usize> = fresh.iter().map(crate::workers::Fresh::index).collect();
@@ -702,11 +701,22 @@ impl Io<'_> {
                     self.ctx.containment,
                     self.ctx.warm,
                     &exits,
-                )?;
-                if let Some(c) = &self.control {
-                    c.add_worker(index, worker.pid());
+                );
+                match worker {
+                    Ok(worker) => {
+                        if let Some(c) = &self.control {
+                            c.add_worker(index, worker.pid());
+                        }
+                        started.push(worker);
+                    }
+                    Err(e) => {
+                        // The run ends; those started for it never join the group.
+                        for w in started {
+                            w.kill();
+                        }
+                        return Err(e);
+                    }
                 }
-                started.push(worker);
             }
         }
         self.command(GroupCmd::Renumber { specs, fresh: started });

@@ -776,7 +776,7 @@ pub fn kill_orphans(keep: &[u32]) {
         let any = {
             let spared = spared();
             let keep: Vec<u32> = keep.iter().copied().chain(spared.iter().copied()).collect();
-            kill_children_once(&keep)
+            kill_children_once(|p| !keep.iter().any(|k| i64::from(*k) == i64::from(p)))
         };
         if !any {
             return;
@@ -784,17 +784,32 @@ pub fn kill_orphans(keep: &[u32]) {
     }
 }
 
-/// One pass of [`kill_orphans`]; whether there was any child.
-fn kill_children_once(keep: &[u32]) -> bool {
+/// Kills and reaps the children of this process in process group `pgid`: what a worker (the
+/// group's leader, dead and reaped) left running and was orphaned to this subreaper (a data
+/// loader's processes), while the group's other workers and their own children go on.
+pub fn kill_orphans_in_group(pgid: u32) {
+    for _ in 0..8 {
+        if !kill_children_once(|p| process_group_of(p) == Some(pgid)) {
+            return;
+        }
+    }
+}
+
+/// The process group of `pid`, from `/proc/PID/stat`.
+fn process_group_of(pid: i32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // After the command's closing parenthesis: state, parent, process group.
+    stat.rsplit_once(')')?.1.split_whitespace().nth(2)?.parse().ok()
+}
+
+/// One pass of [`kill_orphans`]: kills and reaps this process's children that `chosen` picks;
+/// whether there was any.
+fn kill_children_once(chosen: impl Fn(i32) -> bool) -> bool {
     let mut children = Vec::new();
     if let Ok(tasks) = std::fs::read_dir("/proc/self/task") {
         for t in tasks.flatten() {
             if let Ok(list) = std::fs::read_to_string(t.path().join("children")) {
-                children.extend(
-                    list.split_whitespace()
-                        .filter_map(|p| p.parse::<i32>().ok())
-                        .filter(|p| !keep.iter().any(|k| i64::from(*k) == i64::from(*p))),
-                );
+                children.extend(list.split_whitespace().filter_map(|p| p.parse::<i32>().ok()).filter(|p| chosen(*p)));
             }
         }
     }

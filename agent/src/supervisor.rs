@@ -55,6 +55,11 @@ pub enum Event {
     StacksWanted,
     /// The driver stops the group: `first` signal, then SIGTERM, then SIGKILL.
     Stop { first: i32 },
+    /// The workers were told their round ended (`rlaunch.resilient`): they wait, quiet, for the
+    /// next one, and no quiet time of theirs counts toward a hang. After a failure was reported
+    /// (some workers died, the others park) the group is watched again: an exit seen since the
+    /// report, or any end of a parked worker, is reported.
+    Park,
     /// The stop asked for is done: every worker reaped.
     Stopped,
 }
@@ -162,6 +167,9 @@ pub struct Supervisor {
     last_lines: Vec<String>,
     /// The workers wait for the next round (`rlaunch.resilient`): nothing is sampled.
     parked: bool,
+    /// Exits seen after the group's report (`Ended`), in the order seen: reported if the group
+    /// is watched again ([`Event::Park`]).
+    late: Vec<(usize, Exit, u64)>,
 }
 
 fn ms(d: Duration) -> Millis {
@@ -169,15 +177,22 @@ fn ms(d: Duration) -> Millis {
 }
 
 impl Supervisor {
-    /// The workers were told their round ended: they wait, quiet, for the next one, and no
-    /// quiet time of theirs counts toward a hang.
-    ///
-    /// After a failure was reported (some workers died, the others park): the group is watched
-    /// again, so that one of the others ending while parked is reported too.
-    pub fn park(&mut self) {
+    fn on_park(&mut self, out: &mut Vec<Action>) {
         self.parked = true;
-        if self.phase == Phase::Ended {
-            self.phase = Phase::Running;
+        if self.phase != Phase::Ended {
+            return;
+        }
+        self.phase = Phase::Running;
+        let mut late = std::mem::take(&mut self.late).into_iter();
+        if let Some((index, exit, seen_at)) = late.next() {
+            out.push(Action::Warn(format!(
+                "worker ended after its group's failure was reported: rank {}, {}",
+                self.ranks[index],
+                exit.describe()
+            )));
+            let others = late.map(|(i, e, _)| (i, e)).collect();
+            self.end(out);
+            out.push(Action::Failed(Failure { index, exit, seen_at, others, stacks: Vec::new() }));
         }
     }
 
@@ -194,6 +209,7 @@ impl Supervisor {
             }
         }
         self.parked = false;
+        self.late.clear();
         let n = self.ranks.len();
         if let Some((p, d)) = &mut self.hang {
             *d = Detector::new(p.timeout, n, p.ticks_per_s, now);
@@ -221,6 +237,7 @@ impl Supervisor {
             wanted: false,
             last_lines: Vec::new(),
             parked: false,
+            late: Vec::new(),
         }
     }
 
@@ -283,6 +300,7 @@ impl Supervisor {
                 self.phase = Phase::Stopping;
                 out.push(Action::Stop { first });
             }
+            Event::Park => self.on_park(&mut out),
             Event::Stopped => {
                 if self.phase == Phase::Stopping {
                     self.phase = Phase::Stopped;
@@ -304,7 +322,9 @@ impl Supervisor {
         }
         match &mut self.phase {
             Phase::Running => {
-                if exit.success() {
+                // A parked worker waits for its next round: any end of it is a failure of the
+                // group (its function cannot have returned).
+                if exit.success() && !self.parked {
                     if self.exits.iter().all(|e| *e == Some(Exit::Code(0))) {
                         self.end(out);
                         out.push(Action::Succeeded);
@@ -327,7 +347,9 @@ impl Supervisor {
                     self.failure_settled(out);
                 }
             }
-            // Exits after the failure's moment, after a report or during a stop are no news.
+            // After the report: kept, in case the group is watched again.
+            Phase::Ended => self.late.push((index, exit, seen_at)),
+            // Exits after the failure's moment or during a stop are no news.
             _ => {}
         }
     }

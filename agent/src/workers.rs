@@ -61,6 +61,11 @@ pub struct Fresh {
 }
 
 impl Fresh {
+    /// Kills it: it will never be the group's (the round could not start).
+    pub fn kill(self) {
+        let _ = self.running.proc.signal_group(libc::SIGKILL);
+    }
+
     pub fn pid(&self) -> u32 {
         self.running.pid
     }
@@ -72,14 +77,22 @@ impl Fresh {
 
 /// What starting a worker in an existing group needs: the group's exit channel.
 #[derive(Clone)]
-pub struct ExitSender(mpsc::UnboundedSender<(usize, Exit, u64)>);
+pub struct ExitSender(mpsc::UnboundedSender<ExitMsg>);
+
+/// A worker's exit as its waiter reports it: its index, its pid (a worker started later in place
+/// of a failed one reports under the same index), the exit and when it was seen (Unix ms).
+type ExitMsg = (usize, u32, Exit, u64);
 
 pub struct WorkerGroup {
     containment: Arc<Containment>,
     workers: Vec<Running>,
-    exits: mpsc::UnboundedReceiver<(usize, Exit, u64)>,
+    exits: mpsc::UnboundedReceiver<ExitMsg>,
     /// The exit channel's sender, for workers started later in place of failed ones.
-    exit_tx: mpsc::UnboundedSender<(usize, Exit, u64)>,
+    exit_tx: mpsc::UnboundedSender<ExitMsg>,
+    /// Exits of workers started in place of failed ones that came before the group adopted them.
+    early: Vec<ExitMsg>,
+    /// Exits to hand out before the channel's (an adopted worker's early exit).
+    ready: VecDeque<ExitMsg>,
     waiters: Vec<JoinHandle<()>>,
     host: String,
     stdin: Option<StdinRouter>,
@@ -104,6 +117,8 @@ impl WorkerGroup {
             workers: Vec::new(),
             exits,
             exit_tx: tx.clone(),
+            early: Vec::new(),
+            ready: VecDeque::new(),
             waiters: Vec::new(),
             host: host.to_string(),
             stdin: io.stdin.clone(),
@@ -132,7 +147,7 @@ impl WorkerGroup {
 
     /// Starts a worker for index `index` of a running group, in place of one that failed:
     /// warm when a warm interpreter fits, else cold. [`WorkerGroup::adopt`] hands it to the
-    /// group; until then its exit is held in the group's channel.
+    /// group; an exit of it before that is held by the group until then.
     #[allow(clippy::too_many_arguments)]
     pub fn start_fresh(
         index: usize,
@@ -153,9 +168,15 @@ impl WorkerGroup {
     /// [`WorkerGroup::reap_worker`]).
     pub fn adopt(&mut self, fresh: Fresh) {
         let Fresh { index, running, waiter } = fresh;
+        let pid = running.pid;
         if let Some(slot) = self.workers.get_mut(index) {
             *slot = running;
             self.waiters.push(waiter);
+            // It may have died already: its exit is handed out next.
+            let (early, rest): (Vec<ExitMsg>, Vec<ExitMsg>) =
+                std::mem::take(&mut self.early).into_iter().partition(|m| m.0 == index && m.1 == pid);
+            self.early = rest;
+            self.ready.extend(early);
         } else {
             let _ = running.proc.signal_group(libc::SIGKILL);
             waiter.abort();
@@ -171,9 +192,11 @@ impl WorkerGroup {
             Containment::ProcessGroups(_) => {
                 let _ = w.proc.signal_group(libc::SIGKILL);
                 self.containment.watch_group(w.pid, false);
-                // Orphans of the failed worker only: the others, alive, are kept.
-                let alive: Vec<u32> = self.workers.iter().filter(|w| !w.proc.is_reaped()).map(|w| w.pid).collect();
-                self.containment.kill_rest(&[], &alive).await;
+                // What is left of the failed worker's process group, orphaned to the agent: the
+                // other workers and their children (in their own groups) go on. A process of it
+                // that left the group is killed with the group's last stop, as before.
+                let pgid = w.pid;
+                let _ = tokio::task::spawn_blocking(move || crate::process::kill_orphans_in_group(pgid)).await;
             }
         }
         let w = &mut self.workers[index];
@@ -191,7 +214,7 @@ impl WorkerGroup {
         spec: WorkerSpec,
         how: &How<'_>,
         io: &GroupIo,
-        tx: mpsc::UnboundedSender<(usize, Exit, u64)>,
+        tx: mpsc::UnboundedSender<ExitMsg>,
     ) -> Result<(Running, JoinHandle<()>), AgentError> {
         let How { program, agent_env, warm } = *how;
         let console: &Console = &io.console;
@@ -270,7 +293,7 @@ impl WorkerGroup {
                     Exit::Code(1)
                 }
             };
-            let _ = tx.send((index, exit, now_unix_ms()));
+            let _ = tx.send((index, pid, exit, now_unix_ms()));
         });
         debug!(local_rank, rank = spec.env.rank, pid, "worker started");
         Ok((Running { spec, pid, proc, exit: None, stderr_tail, pumps, stdin_id, written }, waiter))
@@ -335,16 +358,48 @@ impl WorkerGroup {
     /// only if the channel closed (the group holds a sender for workers started later, so a
     /// waiter that never reports is not seen as one). Cancel-safe: it can sit in a `select!`.
     pub async fn next_exit(&mut self) -> Option<(usize, Exit, u64)> {
-        let (index, exit, seen_at) = self.exits.recv().await?;
-        self.workers[index].exit = Some(exit);
-        Some((index, exit, seen_at))
+        loop {
+            if let Some(got) = self.try_ready() {
+                return Some(got);
+            }
+            let msg = self.exits.recv().await?;
+            if let Some(got) = self.record(msg) {
+                return Some(got);
+            }
+        }
     }
 
     /// An exit already noticed, without waiting.
     pub fn try_next_exit(&mut self) -> Option<(usize, Exit, u64)> {
-        let (index, exit, seen_at) = self.exits.try_recv().ok()?;
-        self.workers[index].exit = Some(exit);
-        Some((index, exit, seen_at))
+        loop {
+            if let Some(got) = self.try_ready() {
+                return Some(got);
+            }
+            let msg = self.exits.try_recv().ok()?;
+            if let Some(got) = self.record(msg) {
+                return Some(got);
+            }
+        }
+    }
+
+    fn try_ready(&mut self) -> Option<(usize, Exit, u64)> {
+        let msg = self.ready.pop_front()?;
+        self.record(msg)
+    }
+
+    /// Records an exit on its worker; one of a process the group has not adopted yet (started in
+    /// place of a failed worker, dead before the group took it) is kept for its adoption.
+    fn record(&mut self, (index, pid, exit, seen_at): ExitMsg) -> Option<(usize, Exit, u64)> {
+        match self.workers.get_mut(index) {
+            Some(w) if w.pid == pid => {
+                w.exit = Some(exit);
+                Some((index, exit, seen_at))
+            }
+            _ => {
+                self.early.push((index, pid, exit, seen_at));
+                None
+            }
+        }
     }
 
     /// Whether a worker has not been seen to exit.
@@ -456,8 +511,13 @@ impl WorkerGroup {
     /// Records exits until every worker has one or `deadline`; whether some are still running.
     async fn await_exits(&mut self, deadline: tokio::time::Instant) -> bool {
         while self.workers.iter().any(|w| w.exit.is_none()) {
+            if self.try_ready().is_some() {
+                continue;
+            }
             match tokio::time::timeout_at(deadline, self.exits.recv()).await {
-                Ok(Some((i, exit, _))) => self.workers[i].exit = Some(exit),
+                Ok(Some(msg)) => {
+                    self.record(msg);
+                }
                 Ok(None) => return false,
                 Err(_) => return true,
             }
@@ -503,8 +563,10 @@ impl WorkerGroup {
     }
 }
 
-/// How long a dead worker's output must have been quiet for what it wrote to count as read.
-const OUTPUT_QUIET: Duration = Duration::from_millis(50);
+/// How long a dead worker's output must have been quiet for what it wrote to count as read (its
+/// pipes' pumps read whatever is in them at once; a runtime too busy to run them for this long
+/// would lose the tail's last lines, as the bound below always could).
+const OUTPUT_QUIET: Duration = Duration::from_millis(100);
 /// Longest the report of a dead worker waits for its output.
 const OUTPUT_DRAIN_WITHIN: Duration = Duration::from_millis(500);
 
@@ -601,6 +663,97 @@ mod tests {
         assert!(rc.stderr_tail.iter().any(|l| l.contains("rank 1 gives up")), "{:?}", rc.stderr_tail);
         assert_eq!(rc.other_failures.len(), 1);
         assert_eq!((rc.other_failures[0].rank, rc.other_failures[0].exit), (0, Exit::Code(3)));
+    }
+
+    /// Worker 1 fails leaving a child that holds its output; worker 0 runs on. The report does
+    /// not wait for the child's pipes; what the failed worker left is killed while worker 0 goes
+    /// on; a worker started in its place that dies before the group adopts it is reported once
+    /// adopted, under its index. In a process of its own: it makes itself a subreaper (as the
+    /// agent is), and the other tests' stops kill every child of theirs they do not know.
+    #[test]
+    fn a_failed_worker_is_reaped_alone_and_its_replacement_s_early_death_is_not_lost() {
+        // Spared by the other tests' stops, as a warm interpreter is by a group's (registered
+        // under the lock a sweep takes, before any sweep can see it).
+        let mut spared = crate::process::spared();
+        let child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "workers::tests::failed_worker_reaped_alone_in_its_own_process"])
+            .args(["--ignored", "--nocapture", "--test-threads", "1"])
+            .env("RLAUNCH_TEST_OWN_PROCESS", "1")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        spared.insert(pid);
+        drop(spared);
+        let out = child.wait_with_output();
+        crate::process::spared().remove(&pid);
+        let out = out.unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success() && text.contains("1 passed"), "{text}");
+    }
+
+    #[tokio::test]
+    #[ignore = "run by a_failed_worker_is_reaped_alone_and_its_replacement_s_early_death_is_not_lost"]
+    async fn failed_worker_reaped_alone_in_its_own_process() {
+        assert!(std::env::var_os("RLAUNCH_TEST_OWN_PROCESS").is_some(), "run alone, in its own process");
+        // Orphans come to this process, as to the agent (a subreaper).
+        // SAFETY: prctl with an integer argument.
+        assert_eq!(unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) }, 0);
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().display();
+        let script = format!(
+            "if [ -f {d}/second ]; then exit 9; fi; \
+             if [ \"$LOCAL_RANK\" = 1 ]; then sleep 60 & echo $! > {d}/child; echo 'rank 1 gives up' >&2; exit 5; fi; \
+             while :; do sleep 0.05; done"
+        );
+        let root = Arc::new(crate::logdir::LogRoot::create_private(&dir.path().join("logs"), 0o700).unwrap());
+        let env = BTreeMap::from([("PATH".to_string(), "/usr/bin:/bin".to_string())]);
+        let program: Vec<OsString> = vec!["/bin/sh".into(), "-c".into(), script.into()];
+        let config = AgentConfig::standalone(program.clone(), 2);
+        let view = NodeView {
+            host: "node0",
+            log_root: root.path(),
+            agent_env: &env,
+            tty: false,
+            stderr_tty: false,
+            stdin: Stdin::None,
+            term_size: None,
+            cpus: None,
+            snapshot_env: &[],
+        };
+        let master = HostPort::new("127.0.0.1", 1).unwrap();
+        let specs = worker_specs(&config, &Placement::fixed(0, 1, 2, None, None), &master, &view);
+        let io = GroupIo { console: Console::start(), stdin: None, dup: [None, None], log_root: root };
+        let containment = Arc::new(Containment::detect(2, Some("process-group")));
+        let mut g = WorkerGroup::start(&program, specs.clone(), &env, &io, "node0", containment.clone(), None).unwrap();
+        let (index, exit, seen_at) = exits(&mut g, 1).await[0];
+        assert_eq!((index, exit), (1, Exit::Code(5)));
+        let t = std::time::Instant::now();
+        let rc =
+            g.failure_report(crate::supervisor::Failure { index, exit, seen_at, others: vec![], stacks: vec![] }).await;
+        assert!(
+            t.elapsed() < Duration::from_millis(450),
+            "the report waited {:?} for pipes a child holds",
+            t.elapsed()
+        );
+        assert!(rc.stderr_tail.iter().any(|l| l.contains("rank 1 gives up")), "{:?}", rc.stderr_tail);
+        let child: i32 = std::fs::read_to_string(dir.path().join("child")).unwrap().trim().parse().unwrap();
+        g.reap_worker(1).await;
+        assert!(!std::path::Path::new(&format!("/proc/{child}")).exists(), "the failed worker's child is gone");
+        assert!(g.any_running(), "worker 0 runs on");
+        // Its replacement dies at once, before the group adopts it.
+        std::fs::write(dir.path().join("second"), "").unwrap();
+        let fresh =
+            WorkerGroup::start_fresh(1, specs[1].clone(), &program, &env, &io, &containment, None, &g.exit_sender())
+                .unwrap();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let early = g.try_next_exit();
+        assert!(early.is_none(), "no exit of a worker the group has not adopted: {early:?}");
+        g.adopt(fresh);
+        let next = tokio::time::timeout(Duration::from_secs(5), g.next_exit()).await.expect("its exit").unwrap();
+        assert_eq!((next.0, next.1), (1, Exit::Code(9)));
+        g.stop(Duration::from_millis(300), libc::SIGTERM).await;
     }
 
     #[tokio::test]

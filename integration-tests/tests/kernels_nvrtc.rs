@@ -228,6 +228,8 @@ fn nccl_unique_id_reaches_every_rank_through_the_store_and_a_missing_rank_is_a_t
                     exchange_unique_id(&mut c, &prefix, rank, world, timeout).map(|id| id.internal).map_err(|e| match e
                     {
                         GpuError::Store { step, .. } => format!("store step {step}"),
+                        GpuError::Timeout { op, .. } => format!("timeout at {op}"),
+                        GpuError::Interrupted { op, .. } => format!("interrupted at {op}"),
                         other => other.to_string(),
                     })
                 })
@@ -246,7 +248,61 @@ fn nccl_unique_id_reaches_every_rank_through_the_store_and_a_missing_rank_is_a_t
     // Rank 1 of 2 never comes: rank 0 fails at the store barrier within its deadline.
     let t = Instant::now();
     let lonely = run(key_prefix("job-b", 0), 2, 0..1, Duration::from_millis(800));
-    assert_eq!(lonely[0], Err("store step wait for every rank".to_string()));
+    assert_eq!(lonely[0], Err("timeout at wait for every rank".to_string()));
     assert!(t.elapsed() < Duration::from_secs(5), "took {:?}", t.elapsed());
+    rt.block_on(server.shutdown()).expect("store shutdown");
+}
+
+/// A round's end (`rlaunch::comm::abort_all`, what `rlaunch::resilient::run` calls when the
+/// agent says the round ended) ends an NCCL group's bootstrap waiting on a rank that will never
+/// come, at once rather than at its timeout, and a new bootstrap in the same process works once
+/// the abort is cleared. In a process of its own (the abort is process-wide): this test runs
+/// `nccl_bootstrap_ended_by_the_round_s_end_in_its_own_process`.
+#[test]
+fn a_round_s_end_ends_an_nccl_bootstrap_waiting_on_a_lost_rank() {
+    let exe = std::env::current_exe().expect("the test binary");
+    let out = std::process::Command::new(exe)
+        .args(["--exact", "kernels_nvrtc::nccl_bootstrap_ended_by_the_round_s_end_in_its_own_process"])
+        .args(["--ignored", "--nocapture", "--test-threads", "1"])
+        .env("RLAUNCH_TEST_OWN_PROCESS", "1")
+        .output()
+        .expect("running the test binary");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && text.contains("1 passed"), "{text}");
+}
+
+#[test]
+#[ignore = "run by a_round_s_end_ends_an_nccl_bootstrap_waiting_on_a_lost_rank, in a process of its own"]
+fn nccl_bootstrap_ended_by_the_round_s_end_in_its_own_process() {
+    use rlaunch::gpu::{exchange_unique_id, key_prefix, GpuError};
+    use rlaunch::store::{StoreClient, StoreServer};
+    use std::time::{Duration, Instant};
+    assert!(std::env::var_os("RLAUNCH_TEST_OWN_PROCESS").is_some(), "run alone, in its own process");
+    probe::ensure(Lib::Nccl, &venv_search()).unwrap_or_else(|e| panic!("{e}"));
+    let rt = tokio::runtime::Runtime::new().expect("tokio runtime");
+    let server = rt.block_on(StoreServer::start("127.0.0.1:0".parse().expect("address"))).expect("store server");
+    let addr = server.local_addr().to_string();
+    // Rank 1 of 2 waits for rank 0's id, which never comes; the round ends 0.3 s in.
+    let (a, p) = (addr.clone(), key_prefix("job-abort", 0));
+    let waiting = std::thread::spawn(move || {
+        let mut c = StoreClient::connect(&a, Duration::from_secs(10)).expect("store");
+        let t = Instant::now();
+        (exchange_unique_id(&mut c, &p, 1, 2, Duration::from_secs(60)).map(|_| ()), t.elapsed())
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let failures = rlaunch::comm::failures();
+    rlaunch::comm::abort_all();
+    let (got, took) = waiting.join().expect("the waiting rank");
+    assert!(matches!(got, Err(GpuError::Interrupted { rank: 1, op: "wait for id" })), "{got:?}");
+    assert!(took < Duration::from_secs(3), "ended {took:?} after it began, not at the round's end");
+    assert!(rlaunch::comm::failures() > failures, "counted as a failed collective (the survivor waits for the word)");
+    // Started after the abort and before it is cleared: fails at once.
+    let mut c = StoreClient::connect(&addr, Duration::from_secs(10)).expect("store");
+    let got = exchange_unique_id(&mut c, &key_prefix("job-abort", 1), 0, 1, Duration::from_secs(60));
+    assert!(matches!(got, Err(GpuError::Interrupted { .. })), "{got:?}");
+    // The next round: a new bootstrap in the same process.
+    rlaunch::comm::clear_abort();
+    let got = exchange_unique_id(&mut c, &key_prefix("job-abort", 2), 0, 1, Duration::from_secs(10));
+    assert!(got.is_ok(), "{got:?}");
     rt.block_on(server.shutdown()).expect("store shutdown");
 }

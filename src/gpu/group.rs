@@ -11,6 +11,11 @@
 //! buffer, so a reduction waits only for the kernel that produced its gradient while the
 //! backward pass goes on on the compute stream. [`NcclGroup::wait`] polls completion and
 //! NCCL's asynchronous error against the deadline; either failure aborts the communicator.
+//!
+//! A round's end (`rlaunch::comm::abort_all`, called by `rlaunch::resilient::run` when the
+//! agent says the round ended) ends the bootstrap's waits and every wait of a group made before
+//! it: the communicator is aborted and [`GpuError::Interrupted`] returned, so a survivor waiting
+//! on a lost peer's reduction makes a new group in the same process, on the same CUDA context.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -46,6 +51,8 @@ pub struct NcclGroup {
     timeout: Duration,
     /// Operations enqueued since the last successful wait.
     pending: usize,
+    /// `rlaunch::comm`'s count of aborts when the group was made: a later one ends it.
+    aborts: u64,
 }
 
 /// The store keys of one attempt of one job.
@@ -66,6 +73,11 @@ pub fn exchange_unique_id(
     if world == 0 || rank >= world {
         return Err(GpuError::Invalid { op: "exchange_unique_id", reason: format!("rank {rank} of world {world}") });
     }
+    if crate::comm::aborted() {
+        // Started after a round's end and before the next round cleared it: that round is over.
+        crate::comm::note_failure();
+        return Err(GpuError::Interrupted { rank, op: "bootstrap" });
+    }
     let t = timeout;
     let store_err = |step: &'static str, key: &str| {
         let key = key.to_string();
@@ -76,7 +88,8 @@ pub fn exchange_unique_id(
         let id = UniqueId::new().map_err(super::kerr("making the NCCL unique id"))?;
         store.set(&id_key, &id.internal).map_err(store_err("publish id", &id_key))?;
     }
-    store.wait(&[&id_key], t).map_err(store_err("wait for id", &id_key))?;
+    let aborts = crate::comm::aborts();
+    wait_for_key(store, &id_key, rank, t, aborts).map_err(|e| e.keyed("wait for id", &id_key))?;
     let bytes = store.get(&id_key).map_err(store_err("read id", &id_key))?;
     let id = UniqueId::from_bytes(&bytes).ok_or_else(|| GpuError::Invalid {
         op: "exchange_unique_id",
@@ -88,8 +101,54 @@ pub fn exchange_unique_id(
     if n == world as i64 {
         store.set(&ready_key, b"1").map_err(store_err("announce ready", &ready_key))?;
     }
-    store.wait(&[&ready_key], t).map_err(store_err("wait for every rank", &ready_key))?;
+    wait_for_key(store, &ready_key, rank, t, aborts).map_err(|e| e.keyed("wait for every rank", &ready_key))?;
     Ok(id)
+}
+
+/// How a bootstrap wait ended, short of the key.
+enum KeyWait {
+    Store(crate::store::StoreError),
+    Timeout { rank: usize, timeout: Duration },
+    Interrupted { rank: usize },
+}
+
+impl KeyWait {
+    fn keyed(self, step: &'static str, key: &str) -> GpuError {
+        match self {
+            KeyWait::Store(source) => GpuError::Store { step, key: key.to_string(), source: Box::new(source) },
+            KeyWait::Timeout { rank, timeout } => GpuError::Timeout { rank, op: step, timeout },
+            KeyWait::Interrupted { rank } => GpuError::Interrupted { rank, op: step },
+        }
+    }
+}
+
+/// Waits (at most `timeout`) until `key` is set, looking every millisecond at first, every
+/// 20 ms at most; a round's end since `aborts` ends the wait.
+fn wait_for_key(
+    store: &mut StoreClient,
+    key: &str,
+    rank: usize,
+    timeout: Duration,
+    aborts: u64,
+) -> Result<(), KeyWait> {
+    let deadline = Instant::now() + timeout;
+    let mut pause = Duration::from_millis(1);
+    loop {
+        if store.check(&[key]).map_err(KeyWait::Store)? {
+            return Ok(());
+        }
+        if crate::comm::aborted() || crate::comm::aborts() != aborts {
+            crate::comm::note_failure();
+            return Err(KeyWait::Interrupted { rank });
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            crate::comm::note_failure();
+            return Err(KeyWait::Timeout { rank, timeout });
+        }
+        std::thread::sleep(pause.min(deadline - now));
+        pause = (pause * 2).min(Duration::from_millis(20));
+    }
 }
 
 impl NcclGroup {
@@ -97,11 +156,8 @@ impl NcclGroup {
     /// from `LOCAL_RANK`), through the store at `MASTER_ADDR:MASTER_PORT`.
     pub fn from_env(env: &WorkerEnv, ctx: &Arc<CudaContext>, opts: NcclGroupOptions) -> Result<Self, GpuError> {
         let addr = format!("{}:{}", env.master_addr, env.master_port);
-        let mut store = StoreClient::connect(&addr, opts.timeout).map_err(|source| GpuError::Store {
-            step: "connect",
-            key: String::new(),
-            source: Box::new(source),
-        })?;
+        let mut store = StoreClient::connect_until(&addr, opts.timeout, crate::comm::aborted)
+            .map_err(|source| GpuError::Store { step: "connect", key: String::new(), source: Box::new(source) })?;
         Self::init(
             &mut store,
             &key_prefix(&env.run_id, env.restart_count),
@@ -121,11 +177,24 @@ impl NcclGroup {
         ctx: &Arc<CudaContext>,
         opts: NcclGroupOptions,
     ) -> Result<Self, GpuError> {
+        let aborts = crate::comm::aborts();
         let id = exchange_unique_id(store, prefix, rank, world, opts.timeout)?;
         ctx.bind_to_thread().map_err(derr("binding the GPU context"))?;
         let stream = ctx.new_stream().map_err(derr("creating the NCCL stream"))?;
         let comm = Comm::init_rank(&id, rank, world).map_err(super::kerr("ncclCommInitRank"))?;
-        Ok(Self { ctx: ctx.clone(), stream, comm, rank, world, timeout: opts.timeout, pending: 0 })
+        Ok(Self { ctx: ctx.clone(), stream, comm, rank, world, timeout: opts.timeout, pending: 0, aborts })
+    }
+
+    /// Whether a round ended since the group was made (it is unusable then).
+    fn round_ended(&self) -> bool {
+        crate::comm::aborted() || crate::comm::aborts() != self.aborts
+    }
+
+    /// The round ended: the communicator is aborted (no kernel stays stuck on a lost peer).
+    fn interrupted(&mut self, op: &'static str) -> GpuError {
+        let _ = self.comm.abort();
+        crate::comm::note_failure();
+        GpuError::Interrupted { rank: self.rank, op }
     }
 
     pub fn rank(&self) -> usize {
@@ -154,6 +223,7 @@ impl NcclGroup {
 
     fn fail(&mut self, op: &'static str, source: rlaunch_kernels::KernelError) -> GpuError {
         let _ = self.comm.abort();
+        crate::comm::note_failure();
         GpuError::Aborted { rank: self.rank, op, source }
     }
 
@@ -163,6 +233,9 @@ impl NcclGroup {
         buf: &mut B,
         op: RedOp,
     ) -> Result<(), GpuError> {
+        if self.round_ended() {
+            return Err(self.interrupted("all_reduce"));
+        }
         let stream = self.stream.clone();
         match self.comm.all_reduce_in_place(buf, op, &stream) {
             Ok(()) => {
@@ -179,6 +252,9 @@ impl NcclGroup {
         buf: &mut B,
         root: usize,
     ) -> Result<(), GpuError> {
+        if self.round_ended() {
+            return Err(self.interrupted("broadcast"));
+        }
         let stream = self.stream.clone();
         match self.comm.broadcast_in_place(buf, root, &stream) {
             Ok(()) => {
@@ -205,14 +281,19 @@ impl NcclGroup {
                 Ok(false) => {}
                 Err(e) => {
                     let _ = self.comm.abort();
+                    crate::comm::note_failure();
                     return Err(derr("polling the NCCL stream")(e));
                 }
             }
             if let Err(e) = self.comm.async_error() {
                 return Err(self.fail("wait", e));
             }
+            if self.round_ended() {
+                return Err(self.interrupted("wait for NCCL"));
+            }
             if Instant::now() >= deadline {
                 let _ = self.comm.abort();
+                crate::comm::note_failure();
                 return Err(GpuError::Timeout { rank: self.rank, op: "wait for NCCL", timeout: self.timeout });
             }
             // Spin briefly (reductions of a step take micro- to milliseconds), then back off.

@@ -63,6 +63,10 @@ pub enum GpuError {
         #[source]
         source: KernelError,
     },
+    /// The round ended (`rlaunch::comm::abort_all`, what `rlaunch::resilient::run` calls when
+    /// the agent says so): the communicator was aborted, or the bootstrap given up.
+    #[error("rank {rank}: {op} ended because the round ended; the NCCL communicator was aborted")]
+    Interrupted { rank: usize, op: &'static str },
     #[error("the worker environment is unusable for the NCCL group")]
     Env(#[from] crate::env::EnvError),
     #[error("invalid arguments to {op}: {reason}")]

@@ -32,24 +32,33 @@ impl Core {
             && (0..self.features.local_world_size).all(|i| self.opted_in.contains(&i))
     }
 
-    /// The local indices of the workers a failure names (its rank and those that failed with
-    /// it); `None` when one is not of this node's placement.
-    fn failed_indices(placement: &Placement, rc: &RootCause) -> Option<Vec<u32>> {
+    /// The local indices of the workers a failure names (its worker and those that failed with
+    /// it), as the group filled them in (`local_rank`: the worker's index in the node's group,
+    /// whatever `--virtual-local-rank` shows it; never derived from a global rank, which a
+    /// report made as the ranks moved may hold from the last round).
+    fn failed_indices(rc: &RootCause) -> Vec<u32> {
         let mut failed = Vec::new();
-        for rank in std::iter::once(rc.rank).chain(rc.other_failures.iter().map(|o| o.rank)) {
-            let index = rank.checked_sub(placement.rank_offset)?;
+        for index in std::iter::once(rc.local_rank).chain(rc.other_failures.iter().map(|o| o.local_rank)) {
             if !failed.contains(&index) {
                 failed.push(index);
             }
         }
-        Some(failed)
+        failed
+    }
+
+    /// Whether this failure of running workers leaves the node's other workers their
+    /// processes: not a death by a stop signal the agent did not send (a scheduler stopping the
+    /// job: the group stops as before), and [`Core::can_keep_all_but`].
+    pub(super) fn keeps_others(&self, rc: &RootCause) -> bool {
+        let stop_signal = matches!(rc.exit, rlaunch::contract::Exit::Signal(sig) if super::is_stop_signal(sig));
+        matches!(self.phase, Phase::Running { succeeded: false, .. }) && !stop_signal && self.can_keep_all_but(rc)
     }
 
     /// Whether, after this failure, every other worker of the node keeps its process: an
     /// elastic job, at least one worker left, and each one left opted in.
-    pub(super) fn can_keep_all_but(&self, placement: &Placement, rc: &RootCause) -> bool {
+    fn can_keep_all_but(&self, rc: &RootCause) -> bool {
         let n = self.features.local_world_size;
-        let Some(failed) = Self::failed_indices(placement, rc) else { return false };
+        let failed = Self::failed_indices(rc);
         self.elastic().is_some()
             && failed.iter().all(|i| *i < n)
             && failed.len() < n as usize
@@ -66,7 +75,7 @@ impl Core {
         now: Millis,
         out: &mut Vec<Action>,
     ) {
-        let failed = Self::failed_indices(placement, &rc).unwrap_or_default();
+        let failed = Self::failed_indices(&rc);
         out.push(Action::Note(format!(
             "rank {} failed; this node's other workers keep their processes, and the failed ones start anew in the \
              next round",

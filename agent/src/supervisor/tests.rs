@@ -441,11 +441,18 @@ fn after_a_failure_the_workers_kept_are_watched_again_and_one_started_anew_is_on
     step(&mut s, exited(1, code(7)), T);
     let a = step(&mut s, Event::Tick, T + ms(FAILING_ALONG));
     assert!(matches!(reports(&a)[..], [Action::Failed(f)] if f.index == 1), "{a:?}");
-    // The others park: the group is watched again, and one of them ending is reported.
-    s.park();
+    // Another one ending between the report and the park: reported as the group is watched
+    // again.
+    let mut late = s.clone();
+    assert!(step(&mut late, exited(2, code(0)), T + 50).is_empty());
+    let a = step(&mut late, Event::Park, T + 60);
+    assert!(matches!(reports(&a)[..], [Action::Failed(f)] if f.index == 2), "{a:?}");
+    // The others park: the group is watched again, and one of them ending is reported, even
+    // with code 0 (a parked worker waits for its round: it cannot have finished).
+    assert!(reports(&step(&mut s, Event::Park, T + 60)).is_empty());
     assert!(s.running());
     let mut kept = s.clone();
-    kept.step(exited(0, code(1)), T + 100);
+    kept.step(exited(0, code(0)), T + 100);
     let a = step(&mut kept, Event::Tick, T + 100 + ms(FAILING_ALONG));
     assert!(matches!(reports(&a)[..], [Action::Failed(f)] if f.index == 0), "{a:?}");
     // Worker 1 started anew in the next round, with new ranks: its exit counts again, and the

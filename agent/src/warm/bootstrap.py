@@ -113,6 +113,10 @@ _LAZY = {"torch": ["torch._dynamo"]}
 # a program whose own files name that call: torch.compile imports inductor (0.9 s here, with
 # torch._dynamo imported already), before the model's first step compiles anything.
 _LAZY_CALLS = {"torch": [("torch.compile(", ["torch._inductor.compile_fx"])]}
+# Inductor reads its settings from the environment when imported: a program whose files name
+# them (or its config module) may set them first, so for it nothing of inductor is imported
+# ahead, and the import happens where a cold start makes it.
+_LAZY_CALLS_UNLESS = ("TORCHINDUCTOR", "_inductor")
 
 # How many of the program's own files are read for their imports, at most.
 _OWN_FILES = 100
@@ -211,6 +215,9 @@ def _warm_up(own_dir, program_file, fd):
             continue
         seen.add(path)
         calls |= {c for c in wanted if _names(path, c)}
+        if any(_names(path, t) for t in _LAZY_CALLS_UNLESS):
+            wanted = set()
+            calls = set()
         for name in _leading_imports(path):
             o = origin(name.split(".")[0])
             if not o:
