@@ -161,12 +161,8 @@ fn main() -> Result<()> {
     // when the job re-forms around this node: rlaunch::resilient) joins the round's group and
     // resumes from the newest checkpoint or snapshot.
     let data = make_dataset(&args);
-    // The GPU path's NCCL waits are not ended by a round's end yet: where it may be chosen, the
-    // rounds start as new processes.
-    let may_use_gpu = args.device == "cuda" || (args.device == "auto" && cfg!(feature = "cuda"));
-    if may_use_gpu {
-        return train(&args, &data, 1);
-    }
+    // On the GPU as on the CPU: a round's end ends the NCCL group's waits (rlaunch::gpu), and
+    // the next round makes a new group on the context the first one made.
     let mut rounds = 0u32;
     rlaunch::resilient::run(|| {
         rounds += 1;

@@ -14,12 +14,13 @@ it killed 0.3 s later. Rows:
   3  rlaunch, restart path, a spare waiting (--nnodes 2)
   4  rlaunch, @rlaunch.resilient, a spare waiting
   5-7  as 0-2, but the fault is one worker of host b killed (SIGKILL), no node lost
+  8-9  as 5-6, the model not compiled
 
 Measured: the fault → the first training step again; the verdict (host a's agent hears the
 round ended, its log) → that step; steps computed again; whether host a's ranks kept their
 processes.
 
-Usage (root): .venv/bin/python bench/resilient/survivor.py [--rows 0,1,2,3,4,5,6,7] [--out bench/resilient/RESULTS.md]
+Usage (root): .venv/bin/python bench/resilient/survivor.py [--rows 0,1,2,3,4,5,6,7,8,9] [--out bench/resilient/RESULTS.md]
 (the plot goes beside --out)
 """
 
@@ -42,16 +43,20 @@ spec.loader.exec_module(node_loss)
 recovery, start_services, events = node_loss.recovery, node_loss.start_services, node_loss.events
 Net, wait_for = recovery.Net, recovery.wait_for
 # (label, launcher, mode, a spare waiting, the fault: "cut" host b's link cut then its processes
-# killed, "crash" one worker of host b killed and nothing else)
+# killed, "crash" one worker of host b killed and nothing else; the model under torch.compile)
 ROWS = [
-    ("rlaunch, restart path, survivor alone", "rlaunch", "plain", False, "cut"),
-    ("rlaunch, @rlaunch.resilient, survivor alone", "rlaunch", "resilient", False, "cut"),
-    ("torchrun (c10d), survivor alone, disk checkpoint every 50 steps", "torchrun", "disk", False, "cut"),
-    ("rlaunch, restart path, a spare waiting", "rlaunch", "plain", True, "cut"),
-    ("rlaunch, @rlaunch.resilient, a spare waiting", "rlaunch", "resilient", True, "cut"),
-    ("rlaunch, restart path, a worker of host b killed", "rlaunch", "plain", False, "crash"),
-    ("rlaunch, @rlaunch.resilient, a worker of host b killed", "rlaunch", "resilient", False, "crash"),
-    ("torchrun (c10d), a worker of host b killed, disk checkpoint every 50 steps", "torchrun", "disk", False, "crash"),
+    ("rlaunch, restart path, survivor alone", "rlaunch", "plain", False, "cut", True),
+    ("rlaunch, @rlaunch.resilient, survivor alone", "rlaunch", "resilient", False, "cut", True),
+    ("torchrun (c10d), survivor alone, disk checkpoint every 50 steps", "torchrun", "disk", False, "cut", True),
+    ("rlaunch, restart path, a spare waiting", "rlaunch", "plain", True, "cut", True),
+    ("rlaunch, @rlaunch.resilient, a spare waiting", "rlaunch", "resilient", True, "cut", True),
+    ("rlaunch, restart path, a worker of host b killed", "rlaunch", "plain", False, "crash", True),
+    ("rlaunch, @rlaunch.resilient, a worker of host b killed", "rlaunch", "resilient", False, "crash", True),
+    ("torchrun (c10d), a worker of host b killed, disk checkpoint every 50 steps", "torchrun", "disk", False, "crash",
+     True),
+    ("rlaunch, restart path, a worker of host b killed, no torch.compile", "rlaunch", "plain", False, "crash", False),
+    ("rlaunch, @rlaunch.resilient, a worker of host b killed, no torch.compile", "rlaunch", "resilient", False,
+     "crash", False),
 ]
 
 
@@ -90,12 +95,12 @@ def verdict_seen(out, t0):
     return None
 
 
-def run(label, launcher, mode, spare, fault, args, net, root_ip):
+def run(label, launcher, mode, spare, fault, compiled, args, net, root_ip):
     out = tempfile.mkdtemp(prefix="rlaunch-bench-survivor-")
     os.chmod(out, 0o777)
     a, b, c = net.hosts
     env = dict(os.environ, RLAUNCH_LOG="info", PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="eth0", LOGLEVEL="INFO",
-               BENCH_COMPILE="1")
+               BENCH_COMPILE="1" if compiled else "0")
     script = [args.python, os.path.join(HERE, "train.py"), out, mode, str(args.steps)]
     cmd = node_loss.agent_command(args, launcher, script, "2" if spare else "1:2", f"bench-{mode}-{int(spare)}",
                                   root_ip, a)
@@ -138,12 +143,13 @@ def run(label, launcher, mode, spare, fault, args, net, root_ip):
         wait_for(lambda: any(e == "done" for e, *_ in events(out)), 300)
         evs = events(out)
         redone = [s for s in before if s > r_step]
-        # Host a's ranks kept their processes: each entered the function again after the fault in
-        # a process that had entered it before.
-        again_a = [n for h, lr, pid, n, t in entries(out) if h == "a" and t > t0]
-        kept = bool(again_a) and all(n >= 2 for n in again_a)
+        # The ranks that kept their processes: each entered the function again after the fault in
+        # a process that had entered it before. The survivors: host a's ranks, and with one worker
+        # killed host b's other one too.
+        survivors = [("a", 0), ("a", 1)] + ([("b", 0)] if fault == "crash" else [])
+        kept = sorted({(h, lr) for h, lr, pid, n, t in entries(out) if t > t0 and n >= 2})
         return {"label": label, "again": t_first - t0, "after_verdict": (t_first - verdict) if verdict else None,
-                "redone": len(redone), "kept": kept, "evs": evs, "t0": t0,
+                "redone": len(redone), "kept": kept, "survivors": survivors, "evs": evs, "t0": t0,
                 "world": [w for e, s, t, l, w in evs if e == "step" and t >= t_first][:1]}
     finally:
         agents.stop()
@@ -163,14 +169,14 @@ def main():
     ap.add_argument("--torchrun", default=os.path.join(ROOT, ".venv/bin/torchrun"))
     ap.add_argument("--python", default=os.path.join(ROOT, ".venv/bin/python"))
     ap.add_argument("--keep", action="store_true")
-    ap.add_argument("--rows", default="0,1,2,3,4,5,6,7")
+    ap.add_argument("--rows", default="0,1,2,3,4,5,6,7,8,9")
     ap.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
     args = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("run as root: the hosts are network namespaces")
     wanted = [int(x) for x in args.rows.split(",")]
     rows = []
-    for i, (label, launcher, mode, spare, fault) in enumerate(ROWS):
+    for i, (label, launcher, mode, spare, fault, compiled) in enumerate(ROWS):
         if i not in wanted:
             continue
         net = Net(3)
@@ -181,7 +187,7 @@ def main():
             r = None
             for attempt in range(2):
                 try:
-                    r = run(label, launcher, mode, spare, fault, args, net, root_ip)
+                    r = run(label, launcher, mode, spare, fault, compiled, args, net, root_ip)
                     break
                 except RuntimeError as e:
                     print(f"{label}: {e}; again", flush=True)
@@ -195,14 +201,18 @@ def main():
             shutil.rmtree(data, ignore_errors=True)
         rows.append(r)
         print(f"{label}: again after {r['again']}, after the verdict {r.get('after_verdict')}, "
-              f"redone {r.get('redone')}, process kept {r.get('kept')}, world {r.get('world')}", flush=True)
+              f"redone {r.get('redone')}, processes kept {r.get('kept')}, world {r.get('world')}", flush=True)
 
     sec = lambda v: f"{v:.2f} s" if v is not None else "–"
-    table = ["| | fault → first training step again | verdict heard → that step | steps computed again | host a's ranks kept their processes | world after |",
+    table = ["| | fault → first training step again | verdict heard → that step | steps computed again | surviving ranks that kept their process | world after |",
              "|---|---|---|---|---|---|"]
     for r in rows:
         again = sec(r["again"]) if r["again"] is not None else f"never (bounded wait {args.wait:.0f} s)"
-        kept = {True: "yes", False: "no"}.get(r.get("kept"), "–")
+        kept = "–"
+        if "survivors" in r:
+            kept_ = [s for s in r["survivors"] if s in r["kept"]]
+            kept = f"{len(kept_)} of {len(r['survivors'])}" + (
+                f" ({', '.join(f'{h}{lr}' for h, lr in kept_)})" if kept_ else "")
         table.append(f"| {r['label']} | {again} | {sec(r.get('after_verdict'))} | {r.get('redone', '–')} | {kept} | "
                      f"{(r.get('world') or ['–'])[0]} |")
     text = "\n".join(table)
@@ -231,7 +241,7 @@ def plot(rows, path, cut):
     ax.set_ylabel("step (rank 0)")
     ax.set_xlim(-5, 40)
     ax.legend(fontsize=7, loc="lower right")
-    ax.set_title(f"A fault at step {cut}, the model under torch.compile")
+    ax.set_title(f"A fault at step {cut}, the model under torch.compile (but where a row says not)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -245,11 +255,12 @@ Hosts as network namespaces; etcd and `rlaunch-rendezvous --store etcd` in the r
 (torchrun: its c10d store on host a). Hosts a and b run 2 ranks each of `train.py` (DDP, gloo,
 an MLP under `torch.compile`, a snapshot every step, about 8 steps a second, {steps} steps);
 in the spare rows host c waits. At step {cut}, host b's link is cut and 0.3 s later every
-process of it is killed; in the last rows, only host b's local rank 1 is killed (SIGKILL), no
-node lost. "Verdict heard": host a's agent learns that the round ended (node TTL 2 s,
-heartbeats every 0.5 s). "Steps computed again": steps logged before the fault computed again
-after the resume. "Kept": each of host a's ranks entered the training function again in the
-process it had before the fault.
+process of it is killed; in the rows of a worker killed, only host b's local rank 1 is killed
+(SIGKILL), no node lost; the last two rows without `torch.compile`. "Verdict heard": host a's
+agent learns that the round ended (node TTL 2 s, heartbeats every 0.5 s). "Steps computed
+again": steps logged before the fault computed again after the resume. "Kept": the surviving
+ranks (host a's; with a worker killed, host b's other one too) that entered the training
+function again in the process they had before the fault.
 
 """
 

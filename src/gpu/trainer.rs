@@ -11,6 +11,21 @@ use super::{derr, GpuError, GpuMlp, GpuMlpConfig, NcclGroup, NcclGroupOptions, O
 use crate::env::WorkerEnv;
 use crate::model::{Mlp, Sgd};
 
+/// GPU `ordinal`'s context, made once per process and kept for its life: a round run again in
+/// the same process (`rlaunch::resilient::run`) trains on the context the first round made,
+/// never paying for a new one.
+fn context(ordinal: usize) -> Result<Arc<CudaContext>, GpuError> {
+    static CONTEXTS: std::sync::Mutex<std::collections::BTreeMap<usize, Arc<CudaContext>>> =
+        std::sync::Mutex::new(std::collections::BTreeMap::new());
+    let mut contexts = CONTEXTS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some(ctx) = contexts.get(&ordinal) {
+        return Ok(ctx.clone());
+    }
+    let ctx = CudaContext::new(ordinal).map_err(derr(format!("opening GPU {ordinal}")))?;
+    contexts.insert(ordinal, ctx.clone());
+    Ok(ctx)
+}
+
 /// The train example's model, optimizer and gradient all-reduce on one GPU.
 #[derive(Debug)]
 pub struct GpuTrainer {
@@ -29,7 +44,7 @@ impl GpuTrainer {
         opt: &Sgd,
         precision: Precision,
     ) -> Result<Self, GpuError> {
-        let ctx = CudaContext::new(ordinal).map_err(derr(format!("opening GPU {ordinal}")))?;
+        let ctx = context(ordinal)?;
         let group =
             if env.world_size > 1 { Some(NcclGroup::from_env(env, &ctx, NcclGroupOptions::default())?) } else { None };
         let cfg = GpuMlpConfig {
