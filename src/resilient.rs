@@ -33,8 +33,9 @@
 //! program's own: it is returned, and the worker fails as it would without this module.
 //! Outside rlaunch, or when the agent cannot be reached, the function runs once.
 //!
-//! What a round's end does not end: `rlaunch::gpu`'s NCCL waits (a GPU program under `run`
-//! would leave its node waiting `PARK_WITHIN` before its workers are stopped, as without it).
+//! `rlaunch::gpu`'s NCCL groups end at a round's end too: their bootstrap's store waits stop,
+//! their waits and later enqueues abort the communicator (`GpuError::Interrupted`); an
+//! `ncclCommInitRank` already blocked ends only when its connections are shut down.
 //!
 //! The protocol (JSON, one object per line) is the agent's (`agent/src/control.rs`).
 

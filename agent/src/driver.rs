@@ -719,7 +719,11 @@ impl Io<'_> {
                 }
             }
         }
-        self.command(GroupCmd::Renumber { specs, fresh: started });
+        match &self.group {
+            Some(_) => self.command(GroupCmd::Renumber { specs, fresh: started }),
+            // No group to take them (cannot happen while workers are parked): not left running.
+            None => started.into_iter().for_each(crate::workers::Fresh::kill),
+        }
         Ok(())
     }
 

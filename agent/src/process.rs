@@ -789,7 +789,16 @@ pub fn kill_orphans(keep: &[u32]) {
 /// loader's processes), while the group's other workers and their own children go on.
 pub fn kill_orphans_in_group(pgid: u32) {
     for _ in 0..8 {
-        if !kill_children_once(|p| process_group_of(p) == Some(pgid)) {
+        let any = {
+            // Never a warm worker or a new group's leader that got the old leader's number.
+            let spared = spared();
+            kill_children_once(|p| {
+                i64::from(p) != i64::from(pgid)
+                    && !spared.iter().any(|s| i64::from(*s) == i64::from(p))
+                    && process_group_of(p) == Some(pgid)
+            })
+        };
+        if !any {
             return;
         }
     }

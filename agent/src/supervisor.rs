@@ -179,6 +179,9 @@ fn ms(d: Duration) -> Millis {
 impl Supervisor {
     fn on_park(&mut self, out: &mut Vec<Action>) {
         self.parked = true;
+        // No verdict of a hang is judged for workers that wait for their next round.
+        self.hold_until = None;
+        self.verdict_read = None;
         if self.phase != Phase::Ended {
             return;
         }
@@ -322,9 +325,10 @@ impl Supervisor {
         }
         match &mut self.phase {
             Phase::Running => {
-                // A parked worker waits for its next round: any end of it is a failure of the
-                // group (its function cannot have returned).
-                if exit.success() && !self.parked {
+                // A worker that kept its process while others of the group failed waits for its
+                // next round: any end of it is a failure (its function cannot have returned).
+                let beside_failed = self.parked && self.exits.iter().flatten().any(|e| !e.success());
+                if exit.success() && !beside_failed {
                     if self.exits.iter().all(|e| *e == Some(Exit::Code(0))) {
                         self.end(out);
                         out.push(Action::Succeeded);
@@ -342,13 +346,16 @@ impl Supervisor {
             Phase::Failing { failure, .. } => {
                 if !exit.success() {
                     failure.others.push((index, exit));
+                } else {
+                    self.late.push((index, exit, seen_at));
                 }
                 if self.exits.iter().all(Option::is_some) {
                     self.failure_settled(out);
                 }
             }
-            // After the report: kept, in case the group is watched again.
-            Phase::Ended => self.late.push((index, exit, seen_at)),
+            // While the survivors' stacks are read, and after the report: kept, in case the
+            // group is watched again.
+            Phase::FailureStacks { .. } | Phase::Ended => self.late.push((index, exit, seen_at)),
             // Exits after the failure's moment or during a stop are no news.
             _ => {}
         }

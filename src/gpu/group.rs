@@ -70,12 +70,31 @@ pub fn exchange_unique_id(
     world: usize,
     timeout: Duration,
 ) -> Result<UniqueId, GpuError> {
+    counted(exchange(store, prefix, rank, world, timeout))
+}
+
+/// A failed bootstrap or collective counts in `rlaunch::comm::failures` (what
+/// `rlaunch::resilient::run` reads to tell a round's end from the program's own error): a peer
+/// gone, a store gone with its agent, a round ended.
+fn counted<T>(r: Result<T, GpuError>) -> Result<T, GpuError> {
+    if r.is_err() {
+        crate::comm::note_failure();
+    }
+    r
+}
+
+fn exchange(
+    store: &mut StoreClient,
+    prefix: &str,
+    rank: usize,
+    world: usize,
+    timeout: Duration,
+) -> Result<UniqueId, GpuError> {
     if world == 0 || rank >= world {
         return Err(GpuError::Invalid { op: "exchange_unique_id", reason: format!("rank {rank} of world {world}") });
     }
     if crate::comm::aborted() {
         // Started after a round's end and before the next round cleared it: that round is over.
-        crate::comm::note_failure();
         return Err(GpuError::Interrupted { rank, op: "bootstrap" });
     }
     let t = timeout;
@@ -122,8 +141,13 @@ impl KeyWait {
     }
 }
 
-/// Waits (at most `timeout`) until `key` is set, looking every millisecond at first, every
-/// 20 ms at most; a round's end since `aborts` ends the wait.
+/// How long one slice of a bootstrap wait lasts: a round's end is seen between slices (a wait
+/// already blocked also ends when `rlaunch::resilient` shuts the store's connection down).
+const WAIT_SLICE: Duration = Duration::from_millis(250);
+
+/// Waits (at most `timeout`) until `key` is set, as the store's own waits in slices of
+/// [`WAIT_SLICE`] (one request per rank per slice, released by the store as the key is set);
+/// a round's end since `aborts` ends the wait.
 fn wait_for_key(
     store: &mut StoreClient,
     key: &str,
@@ -132,22 +156,19 @@ fn wait_for_key(
     aborts: u64,
 ) -> Result<(), KeyWait> {
     let deadline = Instant::now() + timeout;
-    let mut pause = Duration::from_millis(1);
     loop {
-        if store.check(&[key]).map_err(KeyWait::Store)? {
-            return Ok(());
-        }
         if crate::comm::aborted() || crate::comm::aborts() != aborts {
-            crate::comm::note_failure();
             return Err(KeyWait::Interrupted { rank });
         }
         let now = Instant::now();
         if now >= deadline {
-            crate::comm::note_failure();
             return Err(KeyWait::Timeout { rank, timeout });
         }
-        std::thread::sleep(pause.min(deadline - now));
-        pause = (pause * 2).min(Duration::from_millis(20));
+        match store.wait(&[key], WAIT_SLICE.min(deadline - now)) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.is_timeout() => {}
+            Err(e) => return Err(KeyWait::Store(e)),
+        }
     }
 }
 
@@ -156,8 +177,12 @@ impl NcclGroup {
     /// from `LOCAL_RANK`), through the store at `MASTER_ADDR:MASTER_PORT`.
     pub fn from_env(env: &WorkerEnv, ctx: &Arc<CudaContext>, opts: NcclGroupOptions) -> Result<Self, GpuError> {
         let addr = format!("{}:{}", env.master_addr, env.master_port);
-        let mut store = StoreClient::connect_until(&addr, opts.timeout, crate::comm::aborted)
-            .map_err(|source| GpuError::Store { step: "connect", key: String::new(), source: Box::new(source) })?;
+        let mut store =
+            counted(
+                StoreClient::connect_until(&addr, opts.timeout, crate::comm::aborted).map_err(|source| {
+                    GpuError::Store { step: "connect", key: String::new(), source: Box::new(source) }
+                }),
+            )?;
         Self::init(
             &mut store,
             &key_prefix(&env.run_id, env.restart_count),
@@ -181,7 +206,10 @@ impl NcclGroup {
         let id = exchange_unique_id(store, prefix, rank, world, opts.timeout)?;
         ctx.bind_to_thread().map_err(derr("binding the GPU context"))?;
         let stream = ctx.new_stream().map_err(derr("creating the NCCL stream"))?;
-        let comm = Comm::init_rank(&id, rank, world).map_err(super::kerr("ncclCommInitRank"))?;
+        // Blocks until every rank joined (all were counted in just before); a peer lost meanwhile
+        // fails it when `rlaunch::resilient` shuts the round's connections down (NCCL's bootstrap
+        // is TCP to the round's hosts), not on `abort_all` alone.
+        let comm = counted(Comm::init_rank(&id, rank, world).map_err(super::kerr("ncclCommInitRank")))?;
         Ok(Self { ctx: ctx.clone(), stream, comm, rank, world, timeout: opts.timeout, pending: 0, aborts })
     }
 
@@ -280,8 +308,9 @@ impl NcclGroup {
                 Ok(true) => break,
                 Ok(false) => {}
                 Err(e) => {
+                    // A fault of the device (not counted as a failed collective: the worker
+                    // ends with it, and its rank starts anew in a new process and context).
                     let _ = self.comm.abort();
-                    crate::comm::note_failure();
                     return Err(derr("polling the NCCL stream")(e));
                 }
             }

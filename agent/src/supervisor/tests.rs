@@ -463,3 +463,21 @@ fn after_a_failure_the_workers_kept_are_watched_again_and_one_started_anew_is_on
     let a = step(&mut s, exited(1, code(0)), T + 400);
     assert_eq!(reports(&a), vec![&Action::Succeeded]);
 }
+
+#[test]
+fn parked_workers_that_all_finish_succeed_and_an_exit_while_the_failure_settles_is_reported_later() {
+    // A round ending elsewhere as every worker finished its function: the group succeeded.
+    let mut s = Supervisor::new(vec![0, 1], None, false, 0);
+    assert!(reports(&step(&mut s, Event::Park, T)).is_empty());
+    assert!(step(&mut s, exited(0, code(0)), T + 1).is_empty());
+    assert_eq!(reports(&step(&mut s, exited(1, code(0)), T + 2)), vec![&Action::Succeeded]);
+    // Worker 1 fails; worker 0 ends with code 0 in the failure's moment: not one of the
+    // failures, but reported once the group is watched again.
+    let mut s = Supervisor::new(vec![0, 1, 2], None, false, 0);
+    step(&mut s, exited(1, code(7)), T);
+    assert!(step(&mut s, exited(0, code(0)), T + 1).is_empty());
+    let a = step(&mut s, Event::Tick, T + ms(FAILING_ALONG));
+    assert!(matches!(reports(&a)[..], [Action::Failed(f)] if f.index == 1 && f.others.is_empty()), "{a:?}");
+    let a = step(&mut s, Event::Park, T + 50);
+    assert!(matches!(reports(&a)[..], [Action::Failed(f)] if f.index == 0), "{a:?}");
+}
