@@ -15,12 +15,14 @@ it killed 0.3 s later. Rows:
   4  rlaunch, @rlaunch.resilient, a spare waiting
   5-7  as 0-2, but the fault is one worker of host b killed (SIGKILL), no node lost
   8-9  as 5-6, the model not compiled
+  10   as 4, each host with an inductor cache of its own (hosts with local disks; here the hosts
+       otherwise share /tmp and so one cache): the spare compiles cold
 
 Measured: the fault → the first training step again; the verdict (host a's agent hears the
 round ended, its log) → that step; steps computed again; whether host a's ranks kept their
 processes.
 
-Usage (root): .venv/bin/python bench/resilient/survivor.py [--rows 0,1,2,3,4,5,6,7,8,9] [--out bench/resilient/RESULTS.md]
+Usage (root): .venv/bin/python bench/resilient/survivor.py [--rows 0,1,2,3,4,5,6,7,8,9,10] [--out bench/resilient/RESULTS.md]
 (the plot goes beside --out)
 """
 
@@ -57,6 +59,8 @@ ROWS = [
     ("rlaunch, restart path, a worker of host b killed, no torch.compile", "rlaunch", "plain", False, "crash", False),
     ("rlaunch, @rlaunch.resilient, a worker of host b killed, no torch.compile", "rlaunch", "resilient", False,
      "crash", False),
+    ("rlaunch, @rlaunch.resilient, a spare waiting, each host its own inductor cache", "rlaunch", "resilient", True,
+     "cut", "own-cache"),
 ]
 
 
@@ -104,7 +108,11 @@ def run(label, launcher, mode, spare, fault, compiled, args, net, root_ip):
     script = [args.python, os.path.join(HERE, "train.py"), out, mode, str(args.steps)]
     cmd = node_loss.agent_command(args, launcher, script, "2" if spare else "1:2", f"bench-{mode}-{int(spare)}",
                                   root_ip, a)
-    agents = node_loss.Agents(net, out, cmd, env)
+    # "own-cache": each host compiles into a cache of its own, as hosts with local disks do (the
+    # hosts here share /tmp, where inductor's cache is otherwise one for all).
+    own = (lambda h: {"TORCHINDUCTOR_CACHE_DIR": os.path.join(out, f"inductor-{h['name']}")}) \
+        if compiled == "own-cache" else None
+    agents = node_loss.Agents(net, out, cmd, env, own)
     start = agents.start
     try:
         start(a)
@@ -169,7 +177,7 @@ def main():
     ap.add_argument("--torchrun", default=os.path.join(ROOT, ".venv/bin/torchrun"))
     ap.add_argument("--python", default=os.path.join(ROOT, ".venv/bin/python"))
     ap.add_argument("--keep", action="store_true")
-    ap.add_argument("--rows", default="0,1,2,3,4,5,6,7,8,9")
+    ap.add_argument("--rows", default="0,1,2,3,4,5,6,7,8,9,10")
     ap.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
     args = ap.parse_args()
     if os.geteuid() != 0:

@@ -78,12 +78,15 @@ def agent_command(args, launcher, script, nnodes, run_id, root_ip, host_a):
 class Agents:
     """The launchers of a run, one per host, their output in OUT/agent-HOST.log."""
 
-    def __init__(self, net, out, cmd, env):
+    def __init__(self, net, out, cmd, env, host_env=None):
+        # host_env(h): variables of host h's launcher alone (None: none).
         self.net, self.out, self.cmd, self.env, self.procs = net, out, cmd, env, []
+        self.host_env = host_env or (lambda h: {})
 
     def start(self, h):
         log = open(os.path.join(self.out, f"agent-{h['name']}.log"), "w")
-        self.procs.append(subprocess.Popen(self.net.prefix(h) + self.cmd, env=dict(self.env, BENCH_HOST=h["name"]),
+        env = dict(self.env, BENCH_HOST=h["name"], **self.host_env(h))
+        self.procs.append(subprocess.Popen(self.net.prefix(h) + self.cmd, env=env,
                                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT))
 
     def stop(self):
