@@ -49,7 +49,8 @@ pub(crate) async fn run(config: &AgentConfig, ctx: &Ctx<'_>, signals: &mut Signa
         join: None,
         watching_hangs: false,
         control: None,
-        group_exits: None,
+        starter: None,
+        agent_vars: ctx.snapshot_env.clone(),
         reaped: None,
     };
     let membership = io.setup().await?;
@@ -358,8 +359,11 @@ struct Io<'a> {
     watching_hangs: bool,
     /// Elastic: the socket of workers that keep their process across rounds.
     control: Option<crate::control::Control>,
-    /// The running group's exit channel, for workers started in it in place of failed ones.
-    group_exits: Option<crate::workers::ExitSender>,
+    /// Starts workers in the running group in place of failed ones.
+    starter: Option<crate::workers::Starter>,
+    /// What the agent adds to every worker's environment: the snapshot store's socket, and
+    /// (elastic) the control socket.
+    agent_vars: Vec<(&'static str, String)>,
     /// Answered once what failed workers left running is killed (their replacements wait).
     reaped: Option<tokio::sync::oneshot::Receiver<()>>,
 }
@@ -413,6 +417,7 @@ impl Io<'_> {
                         |e| warn!(error = %e, "cannot serve the workers' control socket: rlaunch.resilient is off"),
                     )
                     .ok();
+                self.agent_vars.extend(self.control.iter().map(|c| c.worker_env()));
                 Ok(Membership::Elastic { node_ttl: config.job.node_ttl, join_timeout: config.job.join_timeout })
             }
         }
@@ -606,7 +611,7 @@ impl Io<'_> {
                 warn!("  {l}");
             }
         }
-        let specs = self.specs(&p, &master);
+        let specs = worker_specs(self.config, &p, &master, &self.view());
         // Before any worker runs: a warm one may ask for its state at once.
         self.ctx.progress.begin(p.round, p.rank_offset..p.rank_offset.saturating_add(self.config.nproc_per_node), 0);
         let io = self.group_io(p.restart_count)?;
@@ -619,7 +624,7 @@ impl Io<'_> {
             self.ctx.containment.clone(),
             self.ctx.warm,
         )?;
-        self.group_exits = Some(group.exit_sender());
+        self.starter = Some(group.starter());
         // At once: a warm worker may say hello within milliseconds.
         if let Some(c) = &self.control {
             c.new_group(group.pids().into_iter().enumerate().map(|(i, pid)| (i as u32, pid)).collect());
@@ -656,8 +661,9 @@ impl Io<'_> {
             self.ctx.log_root.path(),
             "the workers keep their processes: resuming them in the new round",
         );
-        let specs = self.specs(&p, &master);
-        for spec in specs.iter().filter(|s| !fresh.contains(&s.env.local_rank)) {
+        let specs = worker_specs(self.config, &p, &master, &self.view());
+        let (new, kept): (Vec<_>, Vec<_>) = specs.iter().partition(|s| fresh.contains(&s.env.local_rank));
+        for spec in &kept {
             // Where the new round's error file and heartbeat go (the worker's output stays in
             // the files it was started with).
             if let Err(e) = self.ctx.log_root.create_dirs(&spec.dir) {
@@ -670,37 +676,31 @@ impl Io<'_> {
             }
         }
         let nproc = self.config.nproc_per_node;
-        let kept = nproc.saturating_sub(u32::try_from(fresh.len()).unwrap_or(u32::MAX));
-        self.ctx.progress.begin(p.round, p.rank_offset..p.rank_offset.saturating_add(nproc), kept);
-        let envs = specs
-            .iter()
-            .filter(|s| !fresh.contains(&s.env.local_rank))
-            .map(|s| (s.env.local_rank, s.vars(self.ctx.agent_env)))
-            .collect();
+        let kept_count = u32::try_from(kept.len()).unwrap_or(u32::MAX);
+        self.ctx.progress.begin(p.round, p.rank_offset..p.rank_offset.saturating_add(nproc), kept_count);
+        let envs = kept.iter().map(|s| (s.env.local_rank, s.vars(self.ctx.agent_env))).collect();
         if let Some(control) = &self.control {
             control.resume(p.round, &envs);
         }
         let mut started = Vec::new();
-        if !fresh.is_empty() {
+        if !new.is_empty() {
             // What the failed workers left running (children in their cgroup or left over from
             // their process group) goes first: a new worker in the same cgroup would go with it.
             if let Some(reaped) = self.reaped.take() {
                 let _ = tokio::time::timeout(Duration::from_secs(10), reaped).await;
             }
-            let exits = self.group_exits.clone().expect("a resumed group was started");
+            let starter = self.starter.clone().expect("a resumed group was started");
             let io = self.group_io(p.restart_count)?;
-            for spec in specs.iter().filter(|s| fresh.contains(&s.env.local_rank)) {
+            for spec in new {
                 let index = spec.env.local_rank;
                 info!(rank = spec.env.rank, local_rank = index, "starting a worker anew in place of the failed one");
-                let worker = crate::workers::WorkerGroup::start_fresh(
+                let worker = starter.start(
                     index as usize,
                     spec.clone(),
                     &self.config.program,
                     self.ctx.agent_env,
                     &io,
-                    self.ctx.containment,
                     self.ctx.warm,
-                    &exits,
                 );
                 match worker {
                     Ok(worker) => {
@@ -727,27 +727,16 @@ impl Io<'_> {
         Ok(())
     }
 
-    /// What the driver adds to every worker's environment: the control socket of workers that
-    /// keep their process (elastic).
-    fn overrides(&self) -> Vec<(&'static str, String)> {
-        self.control.iter().map(|c| c.worker_env()).collect()
+    /// What the pure worker specification reads of this node, with the agent's own variables.
+    fn view(&self) -> crate::spec::NodeView<'_> {
+        crate::spec::NodeView { agent_vars: &self.agent_vars, ..self.ctx.view() }
     }
 
-    /// The placement's worker specifications, with the driver's own variables.
-    fn specs(&self, p: &Placement, master: &HostPort) -> Vec<crate::spec::WorkerSpec> {
-        let mut specs = worker_specs(self.config, p, master, &self.ctx.view());
-        let overrides = self.overrides();
-        for spec in &mut specs {
-            spec.overrides.extend(overrides.iter().cloned());
-        }
-        specs
-    }
-
-    /// Warm workers for the round `p` gives (None: before any round), made as `specs` makes the
-    /// round's workers.
+    /// Warm workers for the round `p` gives (None: before any round), made as the round's
+    /// workers are.
     fn fill_warm(&self, p: Option<&Placement>) {
         if let Some(pool) = self.ctx.warm {
-            pool.fill(&warm_templates(self.config, p, &self.ctx.view(), &self.overrides()));
+            pool.fill(&warm_templates(self.config, p, &self.view()));
         }
     }
 

@@ -103,7 +103,7 @@ impl Ctx<'_> {
             },
             term_size: self.term_size,
             cpus: self.cpus.as_deref(),
-            snapshot_env: &self.snapshot_env,
+            agent_vars: &self.snapshot_env,
         }
     }
 }

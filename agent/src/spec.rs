@@ -81,8 +81,9 @@ pub struct NodeView<'a> {
     pub term_size: Option<(u16, u16)>,
     /// Each local rank's CPUs (`--numa-binding`).
     pub cpus: Option<&'a [libc::cpu_set_t]>,
-    /// What the snapshot store adds to every worker's environment.
-    pub snapshot_env: &'a [(&'static str, String)],
+    /// What the agent adds to every worker's environment: the snapshot store's socket, the
+    /// control socket of workers that keep their process (elastic).
+    pub agent_vars: &'a [(&'static str, String)],
 }
 
 /// `{root}/attempt_{n}/{local_rank}`: where one worker of one attempt keeps its files.
@@ -172,7 +173,7 @@ pub fn worker_specs(config: &AgentConfig, p: &Placement, master: &HostPort, node
                     } else {
                         Vec::new()
                     };
-                    o.extend(node.snapshot_env.iter().cloned());
+                    o.extend(node.agent_vars.iter().cloned());
                     o
                 },
                 dir,
@@ -185,25 +186,13 @@ pub fn worker_specs(config: &AgentConfig, p: &Placement, master: &HostPort, node
 
 /// What this node's warm workers are started with: each rank's terminal and CPUs as `p` (or,
 /// before any round, a first round of this node alone) gives them, and of the environment the
-/// part every round's worker of that rank gets, `overrides` included (the driver's own
-/// variables, as it adds them to the round's workers: a warm worker started without one would
-/// not fit the round's worker, and that rank would start cold).
-pub fn warm_templates(
-    config: &AgentConfig,
-    p: Option<&Placement>,
-    node: &NodeView<'_>,
-    overrides: &[(&'static str, String)],
-) -> Vec<Template> {
+/// part every round's worker of that rank gets (the agent's own variables included: a warm
+/// worker started without one would not fit the round's worker, and that rank would start cold).
+pub fn warm_templates(config: &AgentConfig, p: Option<&Placement>, node: &NodeView<'_>) -> Vec<Template> {
     let first = Placement::fixed(0, 1, config.nproc_per_node, None, None);
     let p = p.unwrap_or(&first);
     let master = HostPort::new("127.0.0.1", 0).expect("a loopback address is a valid host");
-    worker_specs(config, p, &master, node)
-        .into_iter()
-        .map(|mut spec| {
-            spec.overrides.extend(overrides.iter().cloned());
-            warm_template(&spec, node.agent_env)
-        })
-        .collect()
+    worker_specs(config, p, &master, node).iter().map(|spec| warm_template(spec, node.agent_env)).collect()
 }
 
 /// The warm worker a worker of `spec` can be made from: `spec`'s environment but for what
@@ -251,7 +240,7 @@ mod tests {
             stdin,
             term_size: tty.then_some((50, 100)),
             cpus: None,
-            snapshot_env: &[],
+            agent_vars: &[],
         }
     }
 
@@ -280,8 +269,8 @@ mod tests {
     #[test]
     fn a_workers_variables_are_torchruns_then_the_overrides_then_the_heartbeat_when_told() {
         let (config, env) = (AgentConfig::standalone(vec!["train".into()], 2), BTreeMap::new());
-        let snapshot_env = [("RLAUNCH_SNAPSHOT", "/run/s".to_string())];
-        let view = NodeView { snapshot_env: &snapshot_env, ..node(&env, Stdin::None, false) };
+        let agent_vars = [("RLAUNCH_SNAPSHOT", "/run/s".to_string())];
+        let view = NodeView { agent_vars: &agent_vars, ..node(&env, Stdin::None, false) };
         let mut spec = worker_specs(&config, &second_node(), &master(), &view).remove(0);
         let names = |spec: &WorkerSpec| spec.vars(&env).into_iter().map(|(k, _)| k).collect::<Vec<_>>();
         let vars = names(&spec);
@@ -322,9 +311,9 @@ mod tests {
     fn a_warm_template_leaves_out_what_changes_every_attempt_and_keeps_the_rest() {
         let env = BTreeMap::from([("PATH".to_string(), "/bin".to_string())]);
         let config = AgentConfig::standalone(vec!["train.py".into()], 2);
-        let snapshot_env = [("RLAUNCH_SNAPSHOT", "/run/s".to_string())];
-        let view = NodeView { snapshot_env: &snapshot_env, ..node(&env, Stdin::Inherited, false) };
-        let templates = warm_templates(&config, None, &view, &[]);
+        let agent_vars = [("RLAUNCH_SNAPSHOT", "/run/s".to_string())];
+        let view = NodeView { agent_vars: &agent_vars, ..node(&env, Stdin::Inherited, false) };
+        let templates = warm_templates(&config, None, &view);
         assert_eq!(templates.len(), 2);
         let t = &templates[0];
         let has = |k: &str| t.env.iter().any(|(n, _)| n == k);
@@ -338,21 +327,19 @@ mod tests {
         assert!(t.terminal.inherit_stdin && !templates[1].terminal.inherit_stdin);
     }
 
-    /// The round's workers carry the driver's own variables (the control socket of
+    /// The round's workers carry the agent's own variables (the control socket of
     /// `rlaunch.resilient` in an elastic job): the warm templates carry them too, so that the
     /// round's worker fits its warm interpreter. Without them every warm interpreter of an
     /// elastic job was discarded and its rank started cold.
     #[test]
-    fn a_warm_template_carries_the_round_s_overrides_so_the_round_s_worker_fits_it() {
+    fn a_warm_template_carries_the_agent_s_variables_so_the_round_s_worker_fits_it() {
         let env = BTreeMap::from([("PATH".to_string(), "/bin".to_string())]);
         let config = AgentConfig::standalone(vec!["train.py".into()], 2);
-        let view = node(&env, Stdin::Inherited, false);
         let control = [("RLAUNCH_CONTROL", "/run/control.sock".to_string())];
+        let view = NodeView { agent_vars: &control, ..node(&env, Stdin::Inherited, false) };
         let p = Placement::fixed(0, 1, 2, None, None);
-        let templates = warm_templates(&config, Some(&p), &view, &control);
+        let templates = warm_templates(&config, Some(&p), &view);
         for (spec, t) in worker_specs(&config, &p, &master(), &view).into_iter().zip(&templates) {
-            let mut spec = spec;
-            spec.overrides.extend(control.iter().cloned());
             assert_eq!(warm_template(&spec, &env).env, t.env, "local rank {}", t.local_rank);
         }
         assert!(templates[0].env.contains(&("RLAUNCH_CONTROL".to_string(), "/run/control.sock".to_string())));

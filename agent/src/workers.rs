@@ -75,9 +75,32 @@ impl Fresh {
     }
 }
 
-/// What starting a worker in an existing group needs: the group's exit channel.
+/// Starts workers in a running group in place of failed ones: the group's exit channel and
+/// containment.
 #[derive(Clone)]
-pub struct ExitSender(mpsc::UnboundedSender<ExitMsg>);
+pub struct Starter {
+    exits: mpsc::UnboundedSender<ExitMsg>,
+    containment: Arc<Containment>,
+}
+
+impl Starter {
+    /// Starts a worker for index `index` in place of one that failed: warm when a warm
+    /// interpreter fits, else cold. [`WorkerGroup::adopt`] hands it to the group; an exit of it
+    /// before that is held by the group until then.
+    pub fn start(
+        &self,
+        index: usize,
+        spec: WorkerSpec,
+        program: &[OsString],
+        agent_env: &BTreeMap<String, String>,
+        io: &GroupIo,
+        warm: Option<&crate::warm::WarmPool>,
+    ) -> Result<Fresh, AgentError> {
+        let how = How { program, agent_env, warm };
+        let (running, waiter) = WorkerGroup::spawn_one(&self.containment, index, spec, &how, io, self.exits.clone())?;
+        Ok(Fresh { index, running, waiter })
+    }
+}
 
 /// A worker's exit as its waiter reports it: its index, its pid (a worker started later in place
 /// of a failed one reports under the same index), the exit and when it was seen (Unix ms).
@@ -89,10 +112,9 @@ pub struct WorkerGroup {
     exits: mpsc::UnboundedReceiver<ExitMsg>,
     /// The exit channel's sender, for workers started later in place of failed ones.
     exit_tx: mpsc::UnboundedSender<ExitMsg>,
-    /// Exits of workers started in place of failed ones that came before the group adopted them.
-    early: Vec<ExitMsg>,
-    /// Exits to hand out before the channel's (an adopted worker's early exit).
-    ready: VecDeque<ExitMsg>,
+    /// Exits of workers started in place of failed ones that came before the group adopted
+    /// them: handed out once their worker is the group's.
+    held: Vec<ExitMsg>,
     waiters: Vec<JoinHandle<()>>,
     host: String,
     stdin: Option<StdinRouter>,
@@ -117,8 +139,7 @@ impl WorkerGroup {
             workers: Vec::new(),
             exits,
             exit_tx: tx.clone(),
-            early: Vec::new(),
-            ready: VecDeque::new(),
+            held: Vec::new(),
             waiters: Vec::new(),
             host: host.to_string(),
             stdin: io.stdin.clone(),
@@ -140,43 +161,18 @@ impl WorkerGroup {
         Ok(group)
     }
 
-    /// What starting a worker in this group later needs (see [`WorkerGroup::start_fresh`]).
-    pub fn exit_sender(&self) -> ExitSender {
-        ExitSender(self.exit_tx.clone())
-    }
-
-    /// Starts a worker for index `index` of a running group, in place of one that failed:
-    /// warm when a warm interpreter fits, else cold. [`WorkerGroup::adopt`] hands it to the
-    /// group; an exit of it before that is held by the group until then.
-    #[allow(clippy::too_many_arguments)]
-    pub fn start_fresh(
-        index: usize,
-        spec: WorkerSpec,
-        program: &[OsString],
-        agent_env: &BTreeMap<String, String>,
-        io: &GroupIo,
-        containment: &Containment,
-        warm: Option<&crate::warm::WarmPool>,
-        exits: &ExitSender,
-    ) -> Result<Fresh, AgentError> {
-        let how = How { program, agent_env, warm };
-        let (running, waiter) = Self::spawn_one(containment, index, spec, &how, io, exits.0.clone())?;
-        Ok(Fresh { index, running, waiter })
+    /// What starting workers in this group later, in place of failed ones, takes.
+    pub fn starter(&self) -> Starter {
+        Starter { exits: self.exit_tx.clone(), containment: self.containment.clone() }
     }
 
     /// Makes `fresh` the group's worker at its index (the failed one there was reaped with
-    /// [`WorkerGroup::reap_worker`]).
+    /// [`WorkerGroup::reap_worker`]); an exit of it that came before is handed out next.
     pub fn adopt(&mut self, fresh: Fresh) {
         let Fresh { index, running, waiter } = fresh;
-        let pid = running.pid;
         if let Some(slot) = self.workers.get_mut(index) {
             *slot = running;
             self.waiters.push(waiter);
-            // It may have died already: its exit is handed out next.
-            let (early, rest): (Vec<ExitMsg>, Vec<ExitMsg>) =
-                std::mem::take(&mut self.early).into_iter().partition(|m| m.0 == index && m.1 == pid);
-            self.early = rest;
-            self.ready.extend(early);
         } else {
             let _ = running.proc.signal_group(libc::SIGKILL);
             waiter.abort();
@@ -187,14 +183,14 @@ impl WorkerGroup {
     /// last output, while the group's other workers go on.
     pub async fn reap_worker(&mut self, index: usize) {
         let Some(w) = self.workers.get(index) else { return };
+        self.containment.watch_group(w.pid, false);
         match &*self.containment {
             Containment::Cgroup(_) => self.containment.kill_rest(&[w.spec.env.local_rank], &[]).await,
             Containment::ProcessGroups(_) => {
-                let _ = w.proc.signal_group(libc::SIGKILL);
-                self.containment.watch_group(w.pid, false);
-                // What is left of the failed worker's process group, orphaned to the agent: the
-                // other workers and their children (in their own groups) go on. A process of it
-                // that left the group is killed with the group's last stop, as before.
+                // Its leader is reaped (its exit was reported), so its number is not signalled;
+                // what is left of its process group was orphaned to the agent and is killed
+                // there: the other workers and their children (in their own groups) go on. A
+                // process of it that left the group is killed with the group's last stop.
                 let pgid = w.pid;
                 let _ = tokio::task::spawn_blocking(move || crate::process::kill_orphans_in_group(pgid)).await;
             }
@@ -359,7 +355,7 @@ impl WorkerGroup {
     /// waiter that never reports is not seen as one). Cancel-safe: it can sit in a `select!`.
     pub async fn next_exit(&mut self) -> Option<(usize, Exit, u64)> {
         loop {
-            if let Some(got) = self.try_ready() {
+            if let Some(got) = self.try_held() {
                 return Some(got);
             }
             let msg = self.exits.recv().await?;
@@ -372,7 +368,7 @@ impl WorkerGroup {
     /// An exit already noticed, without waiting.
     pub fn try_next_exit(&mut self) -> Option<(usize, Exit, u64)> {
         loop {
-            if let Some(got) = self.try_ready() {
+            if let Some(got) = self.try_held() {
                 return Some(got);
             }
             let msg = self.exits.try_recv().ok()?;
@@ -382,8 +378,11 @@ impl WorkerGroup {
         }
     }
 
-    fn try_ready(&mut self) -> Option<(usize, Exit, u64)> {
-        let msg = self.ready.pop_front()?;
+    /// A held exit whose worker the group has adopted since.
+    fn try_held(&mut self) -> Option<(usize, Exit, u64)> {
+        let workers = &self.workers;
+        let i = self.held.iter().position(|&(index, pid, ..)| workers.get(index).is_some_and(|w| w.pid == pid))?;
+        let msg = self.held.swap_remove(i);
         self.record(msg)
     }
 
@@ -396,7 +395,7 @@ impl WorkerGroup {
                 Some((index, exit, seen_at))
             }
             _ => {
-                self.early.push((index, pid, exit, seen_at));
+                self.held.push((index, pid, exit, seen_at));
                 None
             }
         }
@@ -511,7 +510,7 @@ impl WorkerGroup {
     /// Records exits until every worker has one or `deadline`; whether some are still running.
     async fn await_exits(&mut self, deadline: tokio::time::Instant) -> bool {
         while self.workers.iter().any(|w| w.exit.is_none()) {
-            if self.try_ready().is_some() {
+            if self.try_held().is_some() {
                 continue;
             }
             match tokio::time::timeout_at(deadline, self.exits.recv()).await {
@@ -613,8 +612,36 @@ mod tests {
     use crate::spec::{worker_specs, NodeView, Stdin};
     use rlaunch::contract::HostPort;
 
+    /// What starting two real workers of `script` (sh) as the driver starts them takes.
+    struct Parts {
+        program: Vec<OsString>,
+        env: BTreeMap<String, String>,
+        specs: Vec<WorkerSpec>,
+        io: GroupIo,
+        containment: Arc<Containment>,
+    }
+
+    impl Parts {
+        fn start(&self) -> WorkerGroup {
+            WorkerGroup::start(
+                &self.program,
+                self.specs.clone(),
+                &self.env,
+                &self.io,
+                "node0",
+                self.containment.clone(),
+                None,
+            )
+            .unwrap()
+        }
+    }
+
     /// Two real workers of `script` (sh), started as the driver starts them.
     fn group(script: &str, dir: &Path) -> WorkerGroup {
+        parts(script, dir).start()
+    }
+
+    fn parts(script: &str, dir: &Path) -> Parts {
         let root = Arc::new(crate::logdir::LogRoot::create_private(&dir.join("logs"), 0o700).unwrap());
         let env = BTreeMap::from([("PATH".to_string(), "/usr/bin:/bin".to_string())]);
         let program: Vec<OsString> = vec!["/bin/sh".into(), "-c".into(), script.into()];
@@ -628,13 +655,13 @@ mod tests {
             stdin: Stdin::None,
             term_size: None,
             cpus: None,
-            snapshot_env: &[],
+            agent_vars: &[],
         };
         let master = HostPort::new("127.0.0.1", 1).unwrap();
         let specs = worker_specs(&config, &Placement::fixed(0, 1, 2, None, None), &master, &view);
         let io = GroupIo { console: Console::start(), stdin: None, dup: [None, None], log_root: root };
         let containment = Arc::new(Containment::detect(2, Some("process-group")));
-        WorkerGroup::start(&program, specs, &env, &io, "node0", containment, None).unwrap()
+        Parts { program, env, specs, io, containment }
     }
 
     async fn exits(g: &mut WorkerGroup, n: usize) -> Vec<(usize, Exit, u64)> {
@@ -707,26 +734,8 @@ mod tests {
              if [ \"$LOCAL_RANK\" = 1 ]; then sleep 60 & echo $! > {d}/child; echo 'rank 1 gives up' >&2; exit 5; fi; \
              while :; do sleep 0.05; done"
         );
-        let root = Arc::new(crate::logdir::LogRoot::create_private(&dir.path().join("logs"), 0o700).unwrap());
-        let env = BTreeMap::from([("PATH".to_string(), "/usr/bin:/bin".to_string())]);
-        let program: Vec<OsString> = vec!["/bin/sh".into(), "-c".into(), script.into()];
-        let config = AgentConfig::standalone(program.clone(), 2);
-        let view = NodeView {
-            host: "node0",
-            log_root: root.path(),
-            agent_env: &env,
-            tty: false,
-            stderr_tty: false,
-            stdin: Stdin::None,
-            term_size: None,
-            cpus: None,
-            snapshot_env: &[],
-        };
-        let master = HostPort::new("127.0.0.1", 1).unwrap();
-        let specs = worker_specs(&config, &Placement::fixed(0, 1, 2, None, None), &master, &view);
-        let io = GroupIo { console: Console::start(), stdin: None, dup: [None, None], log_root: root };
-        let containment = Arc::new(Containment::detect(2, Some("process-group")));
-        let mut g = WorkerGroup::start(&program, specs.clone(), &env, &io, "node0", containment.clone(), None).unwrap();
+        let parts = parts(&script, dir.path());
+        let mut g = parts.start();
         let (index, exit, seen_at) = exits(&mut g, 1).await[0];
         assert_eq!((index, exit), (1, Exit::Code(5)));
         let t = std::time::Instant::now();
@@ -744,9 +753,7 @@ mod tests {
         assert!(g.any_running(), "worker 0 runs on");
         // Its replacement dies at once, before the group adopts it.
         std::fs::write(dir.path().join("second"), "").unwrap();
-        let fresh =
-            WorkerGroup::start_fresh(1, specs[1].clone(), &program, &env, &io, &containment, None, &g.exit_sender())
-                .unwrap();
+        let fresh = g.starter().start(1, parts.specs[1].clone(), &parts.program, &parts.env, &parts.io, None).unwrap();
         tokio::time::sleep(Duration::from_millis(500)).await;
         let early = g.try_next_exit();
         assert!(early.is_none(), "no exit of a worker the group has not adopted: {early:?}");

@@ -45,20 +45,21 @@ spec.loader.exec_module(node_loss)
 recovery, start_services, events = node_loss.recovery, node_loss.start_services, node_loss.events
 Net, wait_for = recovery.Net, recovery.wait_for
 # (label, launcher, mode, a spare waiting, the fault: "cut" host b's link cut then its processes
-# killed, "crash" one worker of host b killed and nothing else; the model under torch.compile)
+# killed, "crash" one worker of host b killed and nothing else; torch.compile: "on", "off", or
+# "own-cache", on with each host compiling into a cache of its own)
 ROWS = [
-    ("rlaunch, restart path, survivor alone", "rlaunch", "plain", False, "cut", True),
-    ("rlaunch, @rlaunch.resilient, survivor alone", "rlaunch", "resilient", False, "cut", True),
-    ("torchrun (c10d), survivor alone, disk checkpoint every 50 steps", "torchrun", "disk", False, "cut", True),
-    ("rlaunch, restart path, a spare waiting", "rlaunch", "plain", True, "cut", True),
-    ("rlaunch, @rlaunch.resilient, a spare waiting", "rlaunch", "resilient", True, "cut", True),
-    ("rlaunch, restart path, a worker of host b killed", "rlaunch", "plain", False, "crash", True),
-    ("rlaunch, @rlaunch.resilient, a worker of host b killed", "rlaunch", "resilient", False, "crash", True),
+    ("rlaunch, restart path, survivor alone", "rlaunch", "plain", False, "cut", "on"),
+    ("rlaunch, @rlaunch.resilient, survivor alone", "rlaunch", "resilient", False, "cut", "on"),
+    ("torchrun (c10d), survivor alone, disk checkpoint every 50 steps", "torchrun", "disk", False, "cut", "on"),
+    ("rlaunch, restart path, a spare waiting", "rlaunch", "plain", True, "cut", "on"),
+    ("rlaunch, @rlaunch.resilient, a spare waiting", "rlaunch", "resilient", True, "cut", "on"),
+    ("rlaunch, restart path, a worker of host b killed", "rlaunch", "plain", False, "crash", "on"),
+    ("rlaunch, @rlaunch.resilient, a worker of host b killed", "rlaunch", "resilient", False, "crash", "on"),
     ("torchrun (c10d), a worker of host b killed, disk checkpoint every 50 steps", "torchrun", "disk", False, "crash",
-     True),
-    ("rlaunch, restart path, a worker of host b killed, no torch.compile", "rlaunch", "plain", False, "crash", False),
+     "on"),
+    ("rlaunch, restart path, a worker of host b killed, no torch.compile", "rlaunch", "plain", False, "crash", "off"),
     ("rlaunch, @rlaunch.resilient, a worker of host b killed, no torch.compile", "rlaunch", "resilient", False,
-     "crash", False),
+     "crash", "off"),
     ("rlaunch, @rlaunch.resilient, a spare waiting, each host its own inductor cache", "rlaunch", "resilient", True,
      "cut", "own-cache"),
 ]
@@ -99,19 +100,19 @@ def verdict_seen(out, t0):
     return None
 
 
-def run(label, launcher, mode, spare, fault, compiled, args, net, root_ip):
+def run(label, launcher, mode, spare, fault, compile_mode, args, net, root_ip):
     out = tempfile.mkdtemp(prefix="rlaunch-bench-survivor-")
     os.chmod(out, 0o777)
     a, b, c = net.hosts
     env = dict(os.environ, RLAUNCH_LOG="info", PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="eth0", LOGLEVEL="INFO",
-               BENCH_COMPILE="1" if compiled else "0")
+               BENCH_COMPILE="0" if compile_mode == "off" else "1")
     script = [args.python, os.path.join(HERE, "train.py"), out, mode, str(args.steps)]
     cmd = node_loss.agent_command(args, launcher, script, "2" if spare else "1:2", f"bench-{mode}-{int(spare)}",
                                   root_ip, a)
     # "own-cache": each host compiles into a cache of its own, as hosts with local disks do (the
     # hosts here share /tmp, where inductor's cache is otherwise one for all).
     own = (lambda h: {"TORCHINDUCTOR_CACHE_DIR": os.path.join(out, f"inductor-{h['name']}")}) \
-        if compiled == "own-cache" else None
+        if compile_mode == "own-cache" else None
     agents = node_loss.Agents(net, out, cmd, env, own)
     start = agents.start
     try:
@@ -184,7 +185,7 @@ def main():
         raise SystemExit("run as root: the hosts are network namespaces")
     wanted = [int(x) for x in args.rows.split(",")]
     rows = []
-    for i, (label, launcher, mode, spare, fault, compiled) in enumerate(ROWS):
+    for i, (label, launcher, mode, spare, fault, compile_mode) in enumerate(ROWS):
         if i not in wanted:
             continue
         net = Net(3)
@@ -195,7 +196,7 @@ def main():
             r = None
             for attempt in range(2):
                 try:
-                    r = run(label, launcher, mode, spare, fault, compiled, args, net, root_ip)
+                    r = run(label, launcher, mode, spare, fault, compile_mode, args, net, root_ip)
                     break
                 except RuntimeError as e:
                     print(f"{label}: {e}; again", flush=True)

@@ -107,7 +107,35 @@ impl Job {
 
     /// The pid of `host`'s worker among `starts`.
     fn pid(starts: &[integration_tests::netns::Start], host: &str) -> i32 {
-        starts.iter().find(|s| s.host == host).map(|s| s.pid).expect("the host's worker")
+        Job::pid_at(starts, host, 0)
+    }
+
+    /// The pid of `host`'s local rank `local` among `starts`.
+    fn pid_at(starts: &[integration_tests::netns::Start], host: &str, local: u32) -> i32 {
+        let found = starts.iter().find(|s| s.host == host && s.local_rank == local);
+        found.map(|s| s.pid).unwrap_or_else(|| panic!("host {host}'s local rank {local} among {starts:#?}"))
+    }
+
+    /// A job of two ranks per host re-formed at restart count `restart`: host b's local rank 1
+    /// alone has a new process, the three others the ones they had in `before`. The group.
+    fn reformed_around_b1(&mut self, restart: u32, within: Duration) -> Vec<integration_tests::netns::Start> {
+        let out = self.dir.path();
+        integration_tests::wait_until("the group to re-form around host b's local rank 1", within, || {
+            integration_tests::netns::formed(out, &["a", "b"], 2)
+                .is_some_and(|g| g.iter().all(|s| s.restart == restart))
+        });
+        let after =
+            integration_tests::netns::wait_formed(out, &["a", "b"], 2, &mut self.agents, Duration::from_secs(5));
+        let before = &self.before;
+        for (host, local) in [("a", 0), ("a", 1), ("b", 0)] {
+            assert_eq!(
+                Job::pid_at(&after, host, local),
+                Job::pid_at(before, host, local),
+                "host {host}'s local rank {local} kept its process: {before:#?} -> {after:#?}"
+            );
+        }
+        assert_ne!(Job::pid_at(&after, "b", 1), Job::pid_at(before, "b", 1), "the failed worker was started anew");
+        after
     }
 }
 
@@ -160,29 +188,13 @@ fn a_worker_failing_on_another_host_is_restarted_there_and_the_survivor_keeps_it
 /// loader's worker process) is gone.
 #[test]
 fn a_worker_whose_own_rank_failed_is_started_anew_and_every_other_rank_keeps_its_process() {
-    use integration_tests::netns::{finish, wait_formed};
-
-    let Job { mut agents, before, dir, cluster: _hosts, .. } = Job::start_with("2", 2, "resilient-rank", 3);
-    let out = dir.path();
-    let pid_of = |starts: &[integration_tests::netns::Start], host: &str, local: u32| {
-        starts.iter().find(|s| s.host == host && s.local_rank == local).map(|s| s.pid).expect("the worker")
-    };
+    let mut job = Job::start_with("2", 2, "resilient-rank", 3);
+    let out = job.out().to_path_buf();
     let b1: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("env.b.1.1.json")).unwrap()).unwrap();
     let loader_of_b1 = b1["loader_pids"][0].as_i64().expect("host b's local rank 1 has a data loader worker");
     std::fs::write(out.join("crash_b.1"), b"").unwrap();
-    integration_tests::wait_until("the group to re-form after the failure", Duration::from_secs(60), || {
-        integration_tests::netns::formed(out, &["a", "b"], 2).is_some_and(|g| g.iter().all(|s| s.restart == 1))
-    });
-    let after = wait_formed(out, &["a", "b"], 2, &mut agents, Duration::from_secs(5));
-    for (host, local) in [("a", 0), ("a", 1), ("b", 0)] {
-        assert_eq!(
-            pid_of(&after, host, local),
-            pid_of(&before, host, local),
-            "host {host}'s local rank {local} kept its process: {before:#?} -> {after:#?}"
-        );
-    }
-    assert_ne!(pid_of(&after, "b", 1), pid_of(&before, "b", 1), "the failed worker was started anew");
+    job.reformed_around_b1(1, Duration::from_secs(60));
     // The kept ones ran the function a second time; the new one its first.
     let b0 = std::fs::read_to_string(out.join("env.b.0.2.json")).expect("host b's local rank 0 ran again");
     let b0: serde_json::Value = serde_json::from_str(&b0).unwrap();
@@ -195,7 +207,7 @@ fn a_worker_whose_own_rank_failed_is_started_anew_and_every_other_rank_keeps_its
     assert!(!running, "the failed worker's data loader process {loader_of_b1} still runs: {state}");
     let log = std::fs::read_to_string(out.join("rlaunch-b.log")).unwrap();
     assert!(log.contains("this node's other workers keep their processes"), "{log}");
-    finish(out, &mut agents);
+    integration_tests::netns::finish(&out, &mut job.agents);
 }
 
 /// Host b's local rank 1 fails, and its replacement fails again as it starts: each failure costs
@@ -203,26 +215,14 @@ fn a_worker_whose_own_rank_failed_is_started_anew_and_every_other_rank_keeps_its
 /// rank trains with them.
 #[test]
 fn a_replacement_that_fails_as_it_starts_is_started_anew_again_and_the_others_still_keep_their_processes() {
-    use integration_tests::netns::{finish, wait_formed};
-
-    let Job { mut agents, before, dir, cluster: _hosts, .. } = Job::start_with("2", 2, "resilient-rank-again", 3);
-    let out = dir.path();
-    let pid_of = |starts: &[integration_tests::netns::Start], host: &str, local: u32| {
-        starts.iter().find(|s| s.host == host && s.local_rank == local).map(|s| s.pid).expect("the worker")
-    };
+    let mut job = Job::start_with("2", 2, "resilient-rank-again", 3);
+    let out = job.out().to_path_buf();
     std::fs::write(out.join("crash_at_start_b.1"), b"2").unwrap();
     std::fs::write(out.join("crash_b.1"), b"").unwrap();
-    integration_tests::wait_until("the group to re-form after the two failures", Duration::from_secs(90), || {
-        integration_tests::netns::formed(out, &["a", "b"], 2).is_some_and(|g| g.iter().all(|s| s.restart == 2))
-    });
-    let after = wait_formed(out, &["a", "b"], 2, &mut agents, Duration::from_secs(5));
-    for (host, local) in [("a", 0), ("a", 1), ("b", 0)] {
-        assert_eq!(pid_of(&after, host, local), pid_of(&before, host, local), "host {host}'s local rank {local}");
-    }
-    assert_ne!(pid_of(&after, "b", 1), pid_of(&before, "b", 1));
+    job.reformed_around_b1(2, Duration::from_secs(90));
     let log = std::fs::read_to_string(out.join("rlaunch-b.log")).unwrap();
     assert_eq!(log.matches("this node's other workers keep their processes").count(), 2, "{log}");
-    finish(out, &mut agents);
+    integration_tests::netns::finish(&out, &mut job.agents);
 }
 
 /// Two hosts, one gloo rank each, the function under `@rlaunch.resilient`; host b's link is cut,

@@ -52,8 +52,23 @@ pub fn aborted() -> bool {
 }
 
 /// The count of [`abort_all`] calls so far.
-pub(crate) fn aborts() -> u64 {
+fn aborts() -> u64 {
     ABORTS.load(Ordering::SeqCst)
+}
+
+/// What was begun at one moment (a collective, a group, a bootstrap) knows by this whether
+/// [`abort_all`] ended it since: one called after, or one in force when it began (aborted for
+/// good, even if its first look comes after a clear).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct AbortMark(u64);
+
+impl AbortMark {
+    pub fn now() -> Self {
+        Self(if aborted() { u64::MAX } else { aborts() })
+    }
+    pub fn ended(&self) -> bool {
+        aborted() || aborts() != self.0
+    }
 }
 
 /// The count of failed collectives and bootstraps (and store connections of `rlaunch::worker`)
@@ -242,22 +257,20 @@ pub(crate) struct Deadline {
     pub at: Instant,
     pub timeout: Duration,
     pub op: &'static str,
-    /// [`aborts`] when the collective began.
-    aborts: u64,
+    /// When the collective began.
+    begun: AbortMark,
 }
 
 impl Deadline {
     pub fn new(timeout: Duration, op: &'static str) -> Self {
-        // Begun while aborted: aborted for good, even if its first look comes after a clear.
-        let aborts = if aborted() { u64::MAX } else { aborts() };
-        Self { at: Instant::now() + timeout, timeout, op, aborts }
+        Self { at: Instant::now() + timeout, timeout, op, begun: AbortMark::now() }
     }
     /// Whether the waiting must end: the time is up, or the collectives were aborted.
     pub fn expired(&self) -> bool {
         Instant::now() >= self.at || self.aborted()
     }
     pub fn aborted(&self) -> bool {
-        aborted() || aborts() != self.aborts
+        self.begun.ended()
     }
     /// The error of an expired deadline (waiting on `rank`).
     pub fn timeout_err(&self, rank: usize) -> CommError {
@@ -293,8 +306,8 @@ pub struct ProcessGroup {
     backend: Backend,
     backend_name: &'static str,
     poisoned: Option<String>,
-    /// [`aborts`] when the group was made: a later abort ends it.
-    aborts: u64,
+    /// When the group was made: a later abort ends it.
+    born: AbortMark,
 }
 
 impl std::fmt::Debug for ProcessGroup {
@@ -333,7 +346,7 @@ impl ProcessGroup {
             });
         }
         let deadline = Deadline::new(opts.timeout, "bootstrap");
-        let born = deadline.aborts;
+        let born = deadline.begun;
         // Publish which host this rank is on, then learn everyone's.
         store.set(&key(&opts.namespace, &format!("host/{rank}")), opts.group_rank.to_string().as_bytes())?;
         let mut group_of = Vec::with_capacity(world_size);
@@ -411,7 +424,7 @@ impl ProcessGroup {
             backend,
             backend_name,
             poisoned: None,
-            aborts: born,
+            born,
         })
     }
 
@@ -632,7 +645,7 @@ impl ProcessGroup {
     }
 
     fn check_poisoned(&mut self) -> Result<(), CommError> {
-        if self.poisoned.is_none() && (aborted() || aborts() != self.aborts) {
+        if self.poisoned.is_none() && self.born.ended() {
             let e = CommError::Aborted { op: "the process group" };
             note_failure();
             self.poisoned = Some(e.to_string());

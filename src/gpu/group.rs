@@ -51,8 +51,8 @@ pub struct NcclGroup {
     timeout: Duration,
     /// Operations enqueued since the last successful wait.
     pending: usize,
-    /// `rlaunch::comm`'s count of aborts when the group was made: a later one ends it.
-    aborts: u64,
+    /// When the group was made: a round's end since ends it.
+    born: crate::comm::AbortMark,
 }
 
 /// The store keys of one attempt of one job.
@@ -93,7 +93,8 @@ fn exchange(
     if world == 0 || rank >= world {
         return Err(GpuError::Invalid { op: "exchange_unique_id", reason: format!("rank {rank} of world {world}") });
     }
-    if crate::comm::aborted() {
+    let begun = crate::comm::AbortMark::now();
+    if begun.ended() {
         // Started after a round's end and before the next round cleared it: that round is over.
         return Err(GpuError::Interrupted { rank, op: "bootstrap" });
     }
@@ -107,8 +108,7 @@ fn exchange(
         let id = UniqueId::new().map_err(super::kerr("making the NCCL unique id"))?;
         store.set(&id_key, &id.internal).map_err(store_err("publish id", &id_key))?;
     }
-    let aborts = crate::comm::aborts();
-    wait_for_key(store, &id_key, rank, t, aborts).map_err(|e| e.keyed("wait for id", &id_key))?;
+    wait_for_key(store, &id_key, rank, t, begun).map_err(|e| e.keyed("wait for id", &id_key))?;
     let bytes = store.get(&id_key).map_err(store_err("read id", &id_key))?;
     let id = UniqueId::from_bytes(&bytes).ok_or_else(|| GpuError::Invalid {
         op: "exchange_unique_id",
@@ -120,7 +120,7 @@ fn exchange(
     if n == world as i64 {
         store.set(&ready_key, b"1").map_err(store_err("announce ready", &ready_key))?;
     }
-    wait_for_key(store, &ready_key, rank, t, aborts).map_err(|e| e.keyed("wait for every rank", &ready_key))?;
+    wait_for_key(store, &ready_key, rank, t, begun).map_err(|e| e.keyed("wait for every rank", &ready_key))?;
     Ok(id)
 }
 
@@ -147,17 +147,17 @@ const WAIT_SLICE: Duration = Duration::from_millis(250);
 
 /// Waits (at most `timeout`) until `key` is set, as the store's own waits in slices of
 /// [`WAIT_SLICE`] (one request per rank per slice, released by the store as the key is set);
-/// a round's end since `aborts` ends the wait.
+/// a round's end since `begun` ends the wait.
 fn wait_for_key(
     store: &mut StoreClient,
     key: &str,
     rank: usize,
     timeout: Duration,
-    aborts: u64,
+    begun: crate::comm::AbortMark,
 ) -> Result<(), KeyWait> {
     let deadline = Instant::now() + timeout;
     loop {
-        if crate::comm::aborted() || crate::comm::aborts() != aborts {
+        if begun.ended() {
             return Err(KeyWait::Interrupted { rank });
         }
         let now = Instant::now();
@@ -202,7 +202,7 @@ impl NcclGroup {
         ctx: &Arc<CudaContext>,
         opts: NcclGroupOptions,
     ) -> Result<Self, GpuError> {
-        let aborts = crate::comm::aborts();
+        let born = crate::comm::AbortMark::now();
         let id = exchange_unique_id(store, prefix, rank, world, opts.timeout)?;
         ctx.bind_to_thread().map_err(derr("binding the GPU context"))?;
         let stream = ctx.new_stream().map_err(derr("creating the NCCL stream"))?;
@@ -210,12 +210,12 @@ impl NcclGroup {
         // fails it when `rlaunch::resilient` shuts the round's connections down (NCCL's bootstrap
         // is TCP to the round's hosts), not on `abort_all` alone.
         let comm = counted(Comm::init_rank(&id, rank, world).map_err(super::kerr("ncclCommInitRank")))?;
-        Ok(Self { ctx: ctx.clone(), stream, comm, rank, world, timeout: opts.timeout, pending: 0, aborts })
+        Ok(Self { ctx: ctx.clone(), stream, comm, rank, world, timeout: opts.timeout, pending: 0, born })
     }
 
     /// Whether a round ended since the group was made (it is unusable then).
     fn round_ended(&self) -> bool {
-        crate::comm::aborted() || crate::comm::aborts() != self.aborts
+        self.born.ended()
     }
 
     /// The round ended: the communicator is aborted (no kernel stays stuck on a lost peer).

@@ -82,11 +82,8 @@ impl Core {
             rc.rank
         )));
         self.local_failure = Some(rc.clone());
-        self.park_without(placement, failed.clone(), now, out);
+        self.park_without(placement, failed.clone(), Some(rc.clone()), now, out);
         self.fresh = failed;
-        if let Phase::Parking { failure, .. } = &mut self.phase {
-            *failure = Some(rc.clone());
-        }
         let deadline = now.saturating_add(ms(self.join_timeout()));
         self.send(Report::Failure { round: placement.round, root_cause: Box::new(rc.bounded()) }, now, deadline, out);
     }
@@ -104,11 +101,19 @@ impl Core {
     /// The round of `placement` ended elsewhere: tell the workers, with the round's hosts (their
     /// connections to those hosts are what a gloo collective waits on).
     pub(super) fn park(&mut self, placement: &Placement, now: Millis, out: &mut Vec<Action>) {
-        self.park_without(placement, Vec::new(), now, out);
+        self.park_without(placement, Vec::new(), None, now, out);
     }
 
-    /// [`Core::park`], but for the workers at the local indices `failed`, which are gone.
-    fn park_without(&mut self, placement: &Placement, failed: Vec<u32>, now: Millis, out: &mut Vec<Action>) {
+    /// [`Core::park`], but for the workers at the local indices `failed`, which are gone, by
+    /// `failure` (this node's own, reported while the others park).
+    fn park_without(
+        &mut self,
+        placement: &Placement,
+        failed: Vec<u32>,
+        failure: Option<Box<RootCause>>,
+        now: Millis,
+        out: &mut Vec<Action>,
+    ) {
         let mut hosts: Vec<String> = placement.members.iter().map(|m| m.store_addr.host().to_owned()).collect();
         hosts.extend(placement.master.iter().map(|m| m.host().to_owned()));
         hosts.sort();
@@ -119,8 +124,7 @@ impl Core {
         // their own saves from the word on (`rlaunch.snapshot.save` answers False), so a step
         // "completed" on the garbage of an aborted NCCL reduction never commits.
         out.push(Action::Park { round: placement.round, hosts, failed });
-        self.phase =
-            Phase::Parking { round: placement.round, until: now.saturating_add(ms(PARK_WITHIN)), failure: None };
+        self.phase = Phase::Parking { round: placement.round, until: now.saturating_add(ms(PARK_WITHIN)), failure };
     }
 
     /// Every worker parked: join the next round with them.

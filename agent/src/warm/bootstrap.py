@@ -153,13 +153,21 @@ def _module_file(name, first, as_main=False):
     return spec.origin
 
 
-def _leading_imports(path):
-    """The absolute module names of the import statements `path` begins with (after its
-    docstring), up to its first other statement."""
+def _read(path):
+    """The bytes of the file at `path` (empty when it cannot be read)."""
     try:
         with open(path, "rb") as f:
-            tree = ast.parse(f.read(), filename=path)
-    except (OSError, SyntaxError, ValueError):
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _leading_imports(source, path):
+    """The absolute module names of the import statements `source` (the file at `path`) begins
+    with (after its docstring), up to its first other statement."""
+    try:
+        tree = ast.parse(source, filename=path)
+    except (SyntaxError, ValueError):
         return []
     names = []
     for i, node in enumerate(tree.body):
@@ -174,15 +182,6 @@ def _leading_imports(path):
         else:
             break
     return [n for n in dict.fromkeys(names) if n.split(".")[0] != "__future__"]
-
-
-def _names(path, text):
-    """Whether the file at `path` holds `text` (a call the program makes)."""
-    try:
-        with open(path, "rb") as f:
-            return text.encode() in f.read()
-    except OSError:
-        return False
 
 
 def _installed(where):
@@ -207,18 +206,17 @@ def _warm_up(own_dir, program_file, fd):
             where[top] = spec and (spec.origin or next(iter(spec.submodule_search_locations or []), ""))
         return where[top]
 
-    outside, files, seen, calls = [], [program_file], set(), set()
+    outside, files, seen, calls, configures = [], [program_file], set(), set(), False
     wanted = {call for uses in _LAZY_CALLS.values() for call, _ in uses}
     while files and len(seen) < _OWN_FILES:
         path = files.pop(0)
         if path in seen:
             continue
         seen.add(path)
-        calls |= {c for c in wanted if _names(path, c)}
-        if any(_names(path, t) for t in _LAZY_CALLS_UNLESS):
-            wanted = set()
-            calls = set()
-        for name in _leading_imports(path):
+        source = _read(path)
+        calls |= {c for c in wanted if c.encode() in source}
+        configures = configures or any(t.encode() in source for t in _LAZY_CALLS_UNLESS)
+        for name in _leading_imports(source, path):
             o = origin(name.split(".")[0])
             if not o:
                 continue
@@ -230,7 +228,8 @@ def _warm_up(own_dir, program_file, fd):
                 outside.append(name)
     tops = list(dict.fromkeys(n.split(".")[0] for n in outside))
     lazy = [m for top in tops for m in _LAZY.get(top, [])]
-    lazy += [m for top in tops for call, mods in _LAZY_CALLS.get(top, []) if call in calls for m in mods]
+    if not configures:
+        lazy += [m for top in tops for call, mods in _LAZY_CALLS.get(top, []) if call in calls for m in mods]
     plain = os.environ.__class__
     os.environ.__class__ = _Watched
     try:
