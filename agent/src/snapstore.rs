@@ -23,12 +23,12 @@ use crate::snapshots::NodeId;
 
 /// The Python package (`import rlaunch`), written beside the socket and put on the workers'
 /// `PYTHONPATH`, so a job started by an `rlaunch` installed any way finds it.
-/// The Python package `rlaunch`, as the workers import it (put on their PYTHONPATH).
-const PY_PACKAGE: [(&str, &str); 4] = [
+const PY_PACKAGE: [(&str, &str); 5] = [
     ("__init__.py", include_str!("../../python/rlaunch/__init__.py")),
     ("snapshot.py", include_str!("../../python/rlaunch/snapshot.py")),
     ("interrupt.py", include_str!("../../python/rlaunch/interrupt.py")),
     ("resilient.py", include_str!("../../python/rlaunch/resilient.py")),
+    ("compiled.py", include_str!("../../python/rlaunch/compiled.py")),
 ];
 
 /// The workers' socket, in the store's directory.

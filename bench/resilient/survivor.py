@@ -17,12 +17,13 @@ it killed 0.3 s later. Rows:
   8-9  as 5-6, the model not compiled
   10   as 4, each host with an inductor cache of its own (hosts with local disks; here the hosts
        otherwise share /tmp and so one cache): the spare compiles cold
+  11   as 10, the compiled code handed over with the snapshot (save/load with compiled=True)
 
 Measured: the fault → the first training step again; the verdict (host a's agent hears the
 round ended, its log) → that step; steps computed again; whether host a's ranks kept their
 processes.
 
-Usage (root): .venv/bin/python bench/resilient/survivor.py [--rows 0,1,2,3,4,5,6,7,8,9,10] [--out bench/resilient/RESULTS.md]
+Usage (root): .venv/bin/python bench/resilient/survivor.py [--rows 0,1,2,3,4,5,6,7,8,9,10,11] [--out bench/resilient/RESULTS.md]
 (the plot goes beside --out)
 """
 
@@ -46,7 +47,8 @@ recovery, start_services, events = node_loss.recovery, node_loss.start_services,
 Net, wait_for = recovery.Net, recovery.wait_for
 # (label, launcher, mode, a spare waiting, the fault: "cut" host b's link cut then its processes
 # killed, "crash" one worker of host b killed and nothing else; torch.compile: "on", "off", or
-# "own-cache", on with each host compiling into a cache of its own)
+# "own-cache", on with each host compiling into a cache of its own; "handover", own-cache with the
+# compiled code saved and loaded with the snapshot)
 ROWS = [
     ("rlaunch, restart path, survivor alone", "rlaunch", "plain", False, "cut", "on"),
     ("rlaunch, @rlaunch.resilient, survivor alone", "rlaunch", "resilient", False, "cut", "on"),
@@ -62,6 +64,8 @@ ROWS = [
      "crash", "off"),
     ("rlaunch, @rlaunch.resilient, a spare waiting, each host its own inductor cache", "rlaunch", "resilient", True,
      "cut", "own-cache"),
+    ("rlaunch, @rlaunch.resilient, a spare waiting, each host its own inductor cache, the compiled code handed over",
+     "rlaunch", "resilient", True, "cut", "handover"),
 ]
 
 
@@ -105,14 +109,15 @@ def run(label, launcher, mode, spare, fault, compile_mode, args, net, root_ip):
     os.chmod(out, 0o777)
     a, b, c = net.hosts
     env = dict(os.environ, RLAUNCH_LOG="info", PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="eth0", LOGLEVEL="INFO",
-               BENCH_COMPILE="0" if compile_mode == "off" else "1")
+               BENCH_COMPILE="0" if compile_mode == "off" else "1",
+               BENCH_HANDOVER="1" if compile_mode == "handover" else "0")
     script = [args.python, os.path.join(HERE, "train.py"), out, mode, str(args.steps)]
     cmd = node_loss.agent_command(args, launcher, script, "2" if spare else "1:2", f"bench-{mode}-{int(spare)}",
                                   root_ip, a)
     # "own-cache": each host compiles into a cache of its own, as hosts with local disks do (the
     # hosts here share /tmp, where inductor's cache is otherwise one for all).
     own = (lambda h: {"TORCHINDUCTOR_CACHE_DIR": os.path.join(out, f"inductor-{h['name']}")}) \
-        if compile_mode == "own-cache" else None
+        if compile_mode in ("own-cache", "handover") else None
     agents = node_loss.Agents(net, out, cmd, env, own)
     start = agents.start
     try:
@@ -178,7 +183,7 @@ def main():
     ap.add_argument("--torchrun", default=os.path.join(ROOT, ".venv/bin/torchrun"))
     ap.add_argument("--python", default=os.path.join(ROOT, ".venv/bin/python"))
     ap.add_argument("--keep", action="store_true")
-    ap.add_argument("--rows", default="0,1,2,3,4,5,6,7,8,9,10")
+    ap.add_argument("--rows", default="0,1,2,3,4,5,6,7,8,9,10,11")
     ap.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
     args = ap.parse_args()
     if os.geteuid() != 0:

@@ -24,6 +24,8 @@ OUT, MODE, STEPS = sys.argv[1], sys.argv[2], int(sys.argv[3])
 HOST = os.environ.get("BENCH_HOST", "?")
 COMPILE = os.environ.get("BENCH_COMPILE", "1") == "1"
 PAUSE = float(os.environ.get("BENCH_PAUSE", "0.08"))  # between steps (0: as fast as it goes)
+# The compiled code saved and loaded with each snapshot (compiled=True)
+HANDOVER = os.environ.get("BENCH_HANDOVER", "0") == "1"
 
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 16))
@@ -54,7 +56,7 @@ def train():
     if MODE in ("resilient", "plain"):
         import rlaunch
 
-        got = rlaunch.snapshot.load()
+        got = rlaunch.snapshot.load(compiled=HANDOVER)
         if got:
             step, state = got
             model.load_state_dict(state["model"])
@@ -75,7 +77,7 @@ def train():
         loss.backward()
         opt.step()
         if MODE != "disk":
-            rlaunch.snapshot.save(step, {"model": model.state_dict(), "optim": opt.state_dict()})
+            rlaunch.snapshot.save(step, {"model": model.state_dict(), "optim": opt.state_dict()}, compiled=HANDOVER)
         elif step % 50 == 49 and rank == 0:
             torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": step}, CKPT + ".tmp")
             os.replace(CKPT + ".tmp", CKPT)

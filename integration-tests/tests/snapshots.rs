@@ -509,3 +509,83 @@ fn load_runs_no_code_from_a_part_and_builds_other_classes_only_when_allowed_by_n
         "a class of the program's own is refused until allowed, and the error says how:\n{stdout}"
     );
 }
+
+/// `py/compiled_handover.py` in `mode` (`on`: `save`/`load` with `compiled=True`): what each rank
+/// of the restarted attempt printed, and how many C++ compiles each attempt ran.
+fn compiled_handover(mode: &str) -> (String, usize, usize) {
+    let out = tempdir();
+    let o = run_deadline(
+        Command::new(bin("rlaunch"))
+            .args(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1"])
+            .arg(venv_python())
+            .arg(integration_tests::repo_root().join("integration-tests/py/compiled_handover.py"))
+            .arg(out.path())
+            .arg(mode),
+        Duration::from_secs(300),
+    );
+    let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(o.status.success(), "{stdout}{}", stderr_of(&o));
+    let compiles = |attempt: u32| {
+        std::fs::read_to_string(out.path().join(format!("compiles.{attempt}"))).map(|s| s.lines().count()).unwrap_or(0)
+    };
+    (stdout, compiles(0), compiles(1))
+}
+
+#[test]
+fn a_restarted_worker_with_a_cold_cache_loads_the_compiled_code_saved_with_the_step() {
+    // Every attempt compiles into a cache of its own, as a new host would. With the compiled
+    // code handed over, the restarted ranks' first step hits inductor's and AOTAutograd's caches
+    // and runs no C++ compile at all (the kernels and the CPU probes came with the part); without
+    // it, the same first step compiles again.
+    let (with, first, again) = compiled_handover("on");
+    assert!(first > 0, "the first attempt compiled C++ kernels: {with}");
+    assert_eq!(again, 0, "the restarted attempt compiled nothing:\n{with}");
+    for rank in 0..2 {
+        assert!(
+            with.contains(&format!("rank {rank} hits=2 misses=0 aot_hits=1 installed=True")),
+            "rank {rank} loaded its graphs from the handed-over code:\n{with}"
+        );
+    }
+    let (without, _, again) = compiled_handover("off");
+    assert!(again > 0, "without the hand-over the restarted attempt compiles again:\n{without}");
+    for rank in 0..2 {
+        assert!(
+            without.contains(&format!("rank {rank} hits=0 misses=2 aot_hits=0 installed=False")),
+            "rank {rank} compiled cold:\n{without}"
+        );
+    }
+}
+
+#[test]
+fn compiled_code_from_a_part_is_checked_before_anything_of_it_is_written() {
+    // `py/compiled_untrusted.py`: a file name that escapes the cache, a header that lies about
+    // the length or is not JSON, another torch's code, kernels from a CPU with a feature this one
+    // lacks, a link at a kernel's name, a second blob in a process that already installed one.
+    let dir = tempdir();
+    let o = run_deadline(
+        Command::new(venv_python())
+            .arg(integration_tests::repo_root().join("integration-tests/py/compiled_untrusted.py"))
+            .arg(dir.path())
+            .env("PYTHONPATH", integration_tests::repo_root().join("python")),
+        Duration::from_secs(120),
+    );
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    let err = stderr_of(&o);
+    assert!(o.status.success() && stdout.trim_end().ends_with("ok"), "{stdout}{err}");
+    for (case, installed) in [
+        ("traversal", false),
+        ("absolute", false),
+        ("short", false),
+        ("not_json", false),
+        ("version", false),
+        ("cpu", true),
+        ("link", true),
+        ("good", true),
+        ("once", false),
+    ] {
+        assert!(stdout.contains(&format!("case {case}: installed={}", if installed { "True" } else { "False" })), "{case}:\n{stdout}{err}");
+    }
+    assert!(err.contains("it names a file '../../escaped.so' that is not a kernel of inductor's cache"), "{err}");
+    assert!(err.contains("it is torch 0.0.1's"), "{err}");
+    assert!(err.contains("this CPU lacks a_feature_no_cpu_has"), "{err}");
+}

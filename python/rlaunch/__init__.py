@@ -16,7 +16,7 @@ building block of survivors that keep their process across a re-formed round.
 re-forms (see ``rlaunch.resilient``'s module).
 """
 
-from . import interrupt, snapshot  # noqa: F401
+from . import compiled, interrupt, snapshot  # noqa: F401
 from .resilient import resilient  # noqa: F401
 
-__all__ = ["interrupt", "resilient", "snapshot"]
+__all__ = ["compiled", "interrupt", "resilient", "snapshot"]

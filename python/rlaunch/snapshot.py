@@ -39,8 +39,13 @@ import struct
 import sys
 import threading
 
+from . import compiled as _compiled
+
 SOCKET_ENV = "RLAUNCH_SNAPSHOT"
 _MAGIC = b"RLSNAPPY"
+# A part that carries the process's compiled code too (save(..., compiled=True)): after the
+# header's length, where those bytes start (from the data's start) and how many there are.
+_MAGIC_COMPILED = b"RLSNAPC1"
 _ALIGN = 64
 # Numpy scalars saved as their bytes: booleans, numbers, dates and durations, bytes and text.
 _RAW_SCALAR_KINDS = "biufcmMSU"
@@ -208,11 +213,17 @@ class _Pickler(pickle.Pickler):
         return at
 
 
-def save(step, state):
+def save(step, state, *, compiled=False):
     """Hands this rank's ``state`` for ``step`` to the agent. Returns True once the agent holds
     it; False outside rlaunch, or when the part does not fit in the node's snapshot memory
     (``--snapshot-memory``; said once, training goes on and the last committed step stays).
-    Raises SnapshotError when the agent cannot be reached or refuses otherwise."""
+    Raises SnapshotError when the agent cannot be reached or refuses otherwise.
+
+    ``compiled=True``: the part carries this process's ``torch.compile`` output too (inductor's
+    and AOTAutograd's graphs, the kernels they load; see ``rlaunch.compiled``), for a spare or a
+    replacement to load with ``load(compiled=True)`` instead of compiling again. Made again only
+    after something new was compiled; nothing when the process compiled nothing. It counts
+    against the node's snapshot memory with the rest of the part."""
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, not {step!r}")
     resilient = sys.modules.get(__package__ + ".resilient")
@@ -226,7 +237,13 @@ def save(step, state):
         p = _Pickler(buf)
         p.dump(state)
         header = buf.getvalue()
-        start = _align(16 + len(header))
+        code = _compiled.blob() if compiled else None
+        if code:
+            code_at = p._place(code, len(code), code)
+            prefix = _MAGIC_COMPILED + struct.pack("<QQQ", len(header), code_at, len(code))
+        else:
+            prefix = _MAGIC + struct.pack("<Q", len(header))
+        start = _align(len(prefix) + len(header))
         total = start + p.cursor
         rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
         try:
@@ -243,9 +260,11 @@ def save(step, state):
             mm = _mapping(fd, total)
         finally:
             os.close(fd)
-        _write(mm, 0, _MAGIC + struct.pack("<Q", len(header)) + header)
+        _write(mm, 0, prefix + header)
         for arr, nbytes, keep, at in p.arrays:
-            if nbytes:
+            if isinstance(keep, bytes):
+                _write(mm, start + at, keep)
+            elif nbytes:
                 _copy_into(mm, start + at, arr, nbytes, keep)
         _call(s, {"op": "commit", "step": step, "rank": rank})
         return True
@@ -470,7 +489,7 @@ def _uses_extensions(header):
     return any(op.name.startswith("EXT") for op, _, _ in pickletools.genops(header))
 
 
-def load(rank=None, *, allow=()):
+def load(rank=None, *, allow=(), compiled=False):
     """``(step, state)`` of the step this round restores, this rank's part (or ``rank``'s), or
     None when there is none, or outside rlaunch. Every rank of a round gets the same step.
 
@@ -478,7 +497,14 @@ def load(rank=None, *, allow=()):
     allows (see the top of this module), the classes and functions in ``allow`` (the objects, or
     their ``"module.qualname"`` names: allow only what you trust whoever saved the part with), and
     those given to ``torch.serialization.add_safe_globals``. A part naming anything else raises
-    ``GlobalNotAllowed`` (its ``name`` says what), with nothing of it run."""
+    ``GlobalNotAllowed`` (its ``name`` says what), with nothing of it run.
+
+    ``compiled=True``: when the part carries compiled code (``save(..., compiled=True)``) and
+    this process has compiled nothing yet (a spare's or a replacement's worker), that code is put
+    where ``torch.compile`` finds it first, so the first step loads the survivors' graphs and
+    kernels instead of compiling them. That code runs: ask for it only where whoever can save a
+    part (the job's own ranks) is trusted to. Parts of another torch version are not used (said
+    once)."""
     allowed = _allowed(allow)
     with _lock:
         s = _connection()
@@ -502,14 +528,29 @@ def load(rank=None, *, allow=()):
             os.close(fd)
     step = answer["step"]
     part = f"rank {rank}'s part of step {step}"
-    if mm[:8] != _MAGIC:
+    magic = mm[:8]
+    code = None
+    if magic == _MAGIC:
+        (hlen,) = struct.unpack("<Q", mm[8:16])
+        prefix = 16
+    elif magic == _MAGIC_COMPILED and len(mm) >= 32:
+        hlen, code_at, code_len = struct.unpack("<QQQ", mm[8:32])
+        prefix = 32
+        code = (code_at, code_len)
+    else:
         raise SnapshotError(f"{part} is not a Python snapshot")
-    (hlen,) = struct.unpack("<Q", mm[8:16])
-    header = mm[16:16 + hlen]
+    if prefix + hlen > len(mm):
+        raise SnapshotError(f"{part} cannot be read: it is shorter than its header says")
+    header = mm[prefix:prefix + hlen]
+    start = _align(prefix + hlen)
+    if code is not None:
+        code_at, code_len = code
+        if start + code_at + code_len > len(mm):
+            raise SnapshotError(f"{part} cannot be read: its compiled code lies past its end")
     try:
         if _uses_extensions(header):
             raise GlobalNotAllowed("copyreg extension codes", "copyreg extension codes")
-        state = _Unpickler(io.BytesIO(header), mm, _align(16 + hlen), allowed).load()
+        state = _Unpickler(io.BytesIO(header), mm, start, allowed).load()
     except GlobalNotAllowed as e:
         if _never(e.name):
             why = f"which load never allows (no global of {', '.join(_NEVER)} is)"
@@ -522,4 +563,6 @@ def load(rank=None, *, allow=()):
         raise SnapshotError(f"{part} cannot be read: {e}") from e
     except Exception as e:
         raise SnapshotError(f"{part} cannot be read: {type(e).__name__}: {e}") from e
+    if compiled and code is not None and code[1]:
+        _compiled.install(memoryview(mm)[start + code[0]:start + code[0] + code[1]])
     return step, state
