@@ -15,8 +15,8 @@ it killed 0.3 s later. Rows:
   4  rlaunch, @rlaunch.resilient, a spare waiting
   5-7  as 0-2, but the fault is one worker of host b killed (SIGKILL), no node lost
   8-9  as 5-6, the model not compiled
-  10   as 4, each host with an inductor cache of its own (hosts with local disks; here the hosts
-       otherwise share /tmp and so one cache): the spare compiles cold
+  10   as 4, each host with an inductor cache and a temporary directory of its own (hosts with
+       local disks; here the hosts otherwise share /tmp and so one cache): the spare compiles cold
   11   as 10, the compiled code handed over with the snapshot (save/load with compiled=True)
 
 Measured: the fault → the first training step again; the verdict (host a's agent hears the
@@ -115,9 +115,15 @@ def run(label, launcher, mode, spare, fault, compile_mode, args, net, root_ip):
     cmd = node_loss.agent_command(args, launcher, script, "2" if spare else "1:2", f"bench-{mode}-{int(spare)}",
                                   root_ip, a)
     # "own-cache": each host compiles into a cache of its own, as hosts with local disks do (the
-    # hosts here share /tmp, where inductor's cache is otherwise one for all).
-    own = (lambda h: {"TORCHINDUCTOR_CACHE_DIR": os.path.join(out, f"inductor-{h['name']}")}) \
-        if compile_mode in ("own-cache", "handover") else None
+    # hosts here share /tmp, where inductor's cache is otherwise one for all), and keeps its
+    # temporary files apart too (inductor's precompiled header is there, whatever its cache).
+    def own(h):
+        tmp = os.path.join(out, f"tmp-{h['name']}")
+        os.makedirs(tmp, mode=0o700, exist_ok=True)
+        return {"TORCHINDUCTOR_CACHE_DIR": os.path.join(out, f"inductor-{h['name']}"), "TMPDIR": tmp}
+
+    if compile_mode not in ("own-cache", "handover"):
+        own = None
     agents = node_loss.Agents(net, out, cmd, env, own)
     start = agents.start
     try:

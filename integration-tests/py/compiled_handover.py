@@ -4,7 +4,8 @@
     compiled_handover.py OUT MODE         MODE: on | off (the flag given to save and load)
 
 Every attempt of every rank compiles into an inductor cache of its own
-(OUT/cache.ATTEMPT.RANK), as a new host with a cold cache would, and with OUT/bin/g++ as its
+(OUT/cache.ATTEMPT.RANK) and a temporary directory of its own (OUT/tmp.ATTEMPT.RANK, where
+inductor keeps its precompiled header), as a new host would, and with OUT/bin/g++ as its
 C++ compiler: a wrapper that appends each compile (not a version query, not a preprocessing
 `-E`, which inductor runs to name its precompiled header) to OUT/compiles.ATTEMPT and runs the
 real g++.
@@ -39,6 +40,8 @@ if not os.path.exists(os.path.join(BIN, "g++")):
 os.environ["CXX"] = os.path.join(BIN, "g++")
 os.environ["RLAUNCH_TEST_ATTEMPT"] = str(ATTEMPT)
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(OUT, f"cache.{ATTEMPT}.{RANK}")
+os.environ["TMPDIR"] = os.path.join(OUT, f"tmp.{ATTEMPT}.{RANK}")
+os.makedirs(os.environ["TMPDIR"])
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -1,23 +1,21 @@
-"""`rlaunch.compiled.install` checks a blob before it writes anything (run outside rlaunch, with the
-package on PYTHONPATH).
+"""`rlaunch.compiled.install` checks a blob before it writes anything, and never raises (run outside
+rlaunch, with the package on PYTHONPATH).
 
     compiled_untrusted.py DIR
 
-Inductor's cache is DIR/cache. Each case prints `case NAME: installed=BOOL` and what it left; the
-last line is `ok`. Cases:
-- `traversal`: a file named `../../escaped.so` (and one named by an absolute path): refused whole,
-  nothing written anywhere, DIR/escaped.so absent;
-- `short`: a blob whose header promises more bytes than it has: refused;
-- `not_json`: a header that is not JSON: refused;
-- `version`: another torch's blob: not installed;
-- `cpu`: a blob from a CPU with a feature this one lacks: its kernel is not written (the graphs
-  would still be);
-- `link`: a valid blob whose kernel's name is already a link to DIR/target: the link is not
-  followed, DIR/target keeps its bytes;
-- `good`: a valid blob: its kernel is written whole where inductor looks, with its bytes;
-- `once`: a second valid blob in the same process: not installed (a process installs once).
+Inductor's cache is DIR/cache. Each case prints `case NAME: installed=BOOL`; the last line is
+`ok`. Refused whole, nothing written (asserted): a file named to escape the cache (`..`, an
+absolute path, a trailing newline, a directory that is not its hash's), a header that lies about
+the length, is not JSON or nests past Python's recursion limit, names a code cache that is not
+inductor's, another torch's code, a host that
+differs (a CPU feature, the compiler, flags unknown here), kernels for another vector instruction
+set, artifacts torch cannot read, a cache directory that cannot be written. Installed: a valid
+blob whose kernel's name is already a link (the link not followed, its target unchanged), a
+valid blob (its kernel written whole where inductor looks and entered in its code cache); then a second valid blob in the same
+process is not (a process installs once).
 """
 
+import copy
 import json
 import os
 import struct
@@ -27,51 +25,77 @@ DIR = sys.argv[1]
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(DIR, "cache")
 
 import torch  # noqa: E402
+from torch._inductor.cpu_vec_isa import pick_vec_isa  # noqa: E402
 
 from rlaunch import compiled  # noqa: E402
 
 KEY = "cabcdefghijklmnopqrstuvwxyz0123456789"
 REL = f"{KEY[1:3]}/{KEY}.so"
+CACHE = os.path.join(DIR, "cache")
+HOST = compiled._host_facts()
+ISA = str(pick_vec_isa())
 
 
-def blob(files, version=None, cpu=None, claim=None):
-    head = {"torch": version or torch.__version__, "cpu": compiled._cpu_flags() if cpu is None else cpu,
-            "artifacts": 0, "files": [[rel, len(data) if claim is None else claim] for rel, data in files]}
+def blob(files, version=None, host=None, isa=None, claim=None, artifacts=b"", cache="CppPythonBindingsCodeCache"):
+    head = {"torch": version or torch.__version__, "host": HOST if host is None else host,
+            "isa": ISA if isa is None else isa, "artifacts": len(artifacts), "probes": [],
+            "files": [[rel, len(data) if claim is None else claim, cache] for rel, data in files]}
     h = json.dumps(head).encode()
-    return compiled._MAGIC + struct.pack("<I", len(h)) + h + b"".join(d for _, d in files)
+    return compiled._MAGIC + struct.pack("<I", len(h)) + h + artifacts + b"".join(d for _, d in files)
 
 
-def fresh():
+def case(name, data, written=None):
     compiled._installed = False
-
-
-def case(name, data):
-    fresh()
     print(f"case {name}: installed={compiled.install(data)}", flush=True)
+    if written is not None:
+        assert not os.path.lexists(written), f"{name}: {written} was written"
 
 
-cache = os.path.join(DIR, "cache")
-case("traversal", blob([("../../escaped.so", b"x")]))
-assert not os.path.exists(os.path.join(DIR, "escaped.so"))
-case("absolute", blob([(os.path.join(DIR, "abs.so"), b"x")]))
-assert not os.path.exists(os.path.join(DIR, "abs.so"))
-case("short", blob([(REL, b"abc")], claim=10))
-bad = compiled._MAGIC + struct.pack("<I", 5) + b"{nope"
-case("not_json", bad)
-case("version", blob([(REL, b"abc")], version="0.0.1"))
-case("cpu", blob([(REL, b"abc")], cpu=compiled._cpu_flags() + ["a_feature_no_cpu_has"]))
-assert not os.path.exists(os.path.join(cache, REL)), "a kernel from another CPU was written"
-os.makedirs(os.path.join(cache, KEY[1:3]), exist_ok=True)
+def other(**changes):
+    h = copy.deepcopy(HOST)
+    h.update(changes)
+    return h
+
+
+kernel = os.path.join(CACHE, REL)
+case("traversal", blob([("../../escaped.so", b"x")]), os.path.join(DIR, "escaped.so"))
+case("absolute", blob([(os.path.join(DIR, "abs.so"), b"x")]), os.path.join(DIR, "abs.so"))
+case("newline", blob([(REL + "\n", b"x")]), kernel + "\n")
+case("wrong_dir", blob([(f"zz/{KEY}.so", b"x")]), os.path.join(CACHE, "zz"))
+case("short", blob([(REL, b"abc")], claim=10), kernel)
+case("cache_name", blob([(REL, b"abc")], cache="__builtins__"), kernel)
+case("not_json", compiled._MAGIC + struct.pack("<I", 5) + b"{nope")
+deep = b"[" * 100000 + b"]" * 100000
+case("deep", compiled._MAGIC + struct.pack("<I", len(deep)) + deep)
+case("version", blob([(REL, b"abc")], version="0.0.1"), kernel)
+case("cpu", blob([(REL, b"abc")], host=other(cpu=HOST["cpu"] + ["a_feature_no_cpu_has"])), kernel)
+case("compiler", blob([(REL, b"abc")], host=other(compiler="g++ 1.0")), kernel)
+compiled._host = other(cpu=[])  # as if this CPU's features were unknown
+case("unknown", blob([(REL, b"abc")], host=compiled._host), kernel)
+compiled._host = HOST
+case("isa", blob([(REL, b"abc")], isa="VecNONE9000"), kernel)
+case("artifacts", blob([], artifacts=b"not torch's artifacts"))
+os.makedirs(CACHE, exist_ok=True)
+with open(os.path.join(CACHE, KEY[1:3]), "w") as f:
+    f.write("a file where a directory would go")
+case("unwritable", blob([(REL, b"abc")]))
+os.unlink(os.path.join(CACHE, KEY[1:3]))
+os.makedirs(os.path.join(CACHE, KEY[1:3]))
 with open(os.path.join(DIR, "target"), "wb") as f:
     f.write(b"mine")
-os.symlink(os.path.join(DIR, "target"), os.path.join(cache, REL))
+os.symlink(os.path.join(DIR, "target"), kernel)
 case("link", blob([(REL, b"theirs")]))
 with open(os.path.join(DIR, "target"), "rb") as f:
     assert f.read() == b"mine", "the link was followed"
-os.unlink(os.path.join(cache, REL))
+os.unlink(kernel)
+from torch._inductor import codecache  # noqa: E402
+
+codecache.CppPythonBindingsCodeCache.cache.pop(KEY)  # as a fresh process (the link case entered it)
 case("good", blob([(REL, b"\x7fELF kernel")]))
-with open(os.path.join(cache, REL), "rb") as f:
+with open(kernel, "rb") as f:
     assert f.read() == b"\x7fELF kernel"
-assert not [n for n in os.listdir(os.path.join(cache, KEY[1:3])) if n.endswith(".tmp")]
+
+assert KEY in codecache.CppPythonBindingsCodeCache.cache, "the kernel was not entered under its key"
+assert not [n for n in os.listdir(os.path.join(CACHE, KEY[1:3])) if n.endswith(".tmp")]
 print(f"case once: installed={compiled.install(blob([(REL, b'other')]))}", flush=True)
 print("ok", flush=True)

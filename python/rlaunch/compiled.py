@@ -17,34 +17,48 @@ What travels:
   handed over is used only where the same source would be compiled the same way.
 - On the CPU, the small programs inductor compiles once per cache directory to learn which
   vector instructions the CPU has (6 of them, 5.5 s of a cold first step here). Only the
-  compiled probes travel, never their verdict: the new host still runs each on its own CPU.
+  compiled probes travel, never their verdict: the new host still loads each on its own CPU.
 
-Inductor compiles its C++ with ``-march=native``, which its file names do not tell apart: a
-kernel compiled on one CPU may use an instruction another lacks. The compiled files are
-installed only on a host whose CPU has every feature the saving host's had (``/proc/cpuinfo``'s
-flags); elsewhere only torch's artifacts are (said once), and the kernels are compiled there.
+Nothing is installed unless the two hosts would compile the same code the same way: inductor's
+file names hash the compiler command, which says ``-march=native`` on every CPU, and its graphs
+are written for the vector width it picked (an AVX-512 graph compiled for AVX2 computes half
+its lanes, silently). So the saver's machine, CPU features (``/proc/cpuinfo``; unknown is a
+mismatch), ``ATEN_CPU_CAPABILITY``, ``simdlen`` and C++ compiler (its ``-v``) must equal the
+loader's, and once the probes are in place the vector instruction set inductor picks here must
+be the saver's. Any difference: nothing installed, said once, the process compiles as without.
+
+The kernels are also entered in inductor's in-process code caches under the key they were
+compiled for: inductor builds its precompiled header (158 MB, 5 s here) for any kernel that is
+not there, before it looks whether the kernel's file exists, which on a new host would cost more
+than the kernels saved.
 
 Loaded only into a process that has compiled no graph yet, once: survivors keep what they have.
 The bytes are code. ``load(compiled=True)`` runs what a rank of the job compiled, which is why it
 is asked for by name and never done by ``load`` alone.
 
-Layout (little-endian): ``RLCOMP01``, a u32 length, that many bytes of JSON ``{"torch": version,
-"cpu": [flag, ...], "artifacts": n, "files": [[path, n], ...]}``, then the artifacts' bytes and
-each file's, in order.
+Layout (little-endian): ``RLCOMP02``, a u32 length, that many bytes of JSON ``{"torch": version,
+"host": {what must be equal}, "isa": the vector instruction set or "", "artifacts": n, "probes":
+[[path, n], ...], "files": [[path, n, code cache], ...]}``, then the artifacts' bytes, each
+probe's and each file's, in order.
 """
 
 import glob
 import json
 import os
+import platform
 import re
 import struct
 import sys
+import tempfile
+import threading
 
-_MAGIC = b"RLCOMP01"
+_MAGIC = b"RLCOMP02"
 # A kernel's path in inductor's cache directory: two characters of its hash, then the hash.
-_FILE = re.compile(r"^[a-z0-9_]{2}/[A-Za-z0-9_]{8,128}(\.main)?\.so$")
+_FILE = re.compile(r"([a-z0-9_]{2})/([A-Za-z0-9_]{8,128})(\.main)?\.so")
 
+_lock = threading.Lock()
 _last = None  # (what it was made from, the bytes)
+_host = None
 _installed = False
 _said = set()
 
@@ -55,10 +69,21 @@ def _say_once(what, line):
         print(f"rlaunch.snapshot: {line}", file=sys.stderr, flush=True)
 
 
+def _valid_name(rel):
+    m = _FILE.fullmatch(rel)
+    return bool(m) and m.group(1) == m.group(2)[1:3]
+
+
+# Inductor's in-process caches of compiled C++ (a key: a function that loads its library).
+_CODE_CACHES = ("CppCodeCache", "CppPythonBindingsCodeCache", "CppWrapperCodeCache")
+
+
 def _kernel_keys(codecache):
-    keys = set()
-    for name in ("CppCodeCache", "CppPythonBindingsCodeCache", "CppWrapperCodeCache"):
-        keys.update(getattr(getattr(codecache, name, None), "cache", {}) or {})
+    """{key: the name of the code cache that holds it}."""
+    keys = {}
+    for name in _CODE_CACHES:
+        for key in getattr(getattr(codecache, name, None), "cache", {}) or {}:
+            keys.setdefault(key, name)
     return keys
 
 
@@ -68,141 +93,234 @@ def _cpu_flags():
         with open("/proc/cpuinfo") as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key.strip() in ("flags", "Features"):
+                if key.strip().lower() in ("flags", "features"):
                     return sorted(set(value.split()))
     except OSError:
         pass
     return []
 
 
-def _compiled_graphs():
-    """How many graphs dynamo compiled in this process (0 when it never ran)."""
+def _host_facts():
+    """What must be the same on the saver's host and the loader's for its code to be used here."""
+    global _host
+    if _host is None:
+        from torch._inductor import config
+        from torch._inductor.cpp_builder import get_compiler_version_info, get_cpp_compiler
+
+        _host = {"machine": platform.machine(), "cpu": _cpu_flags(),
+                 "capability": os.environ.get("ATEN_CPU_CAPABILITY", ""),
+                 "simdlen": config.cpp.simdlen, "compiler": get_compiler_version_info(get_cpp_compiler())}
+    return _host
+
+
+def _compiled_anything():
+    """Whether this process compiled (or loaded) any graph or kernel: dynamo's count, inductor's
+    code caches, torch's record of cache artifacts (a count the program can clear is not enough)."""
     utils = sys.modules.get("torch._dynamo.utils")
-    if utils is None:
-        return 0
-    return int(utils.counters["stats"].get("unique_graphs", 0))
+    if utils is not None and utils.counters["stats"].get("unique_graphs", 0):
+        return True
+    codecache = sys.modules.get("torch._inductor.codecache")
+    if codecache is not None and _kernel_keys(codecache):
+        return True
+    cache = sys.modules.get("torch.compiler._cache")
+    return bool(cache is not None and getattr(cache.CacheArtifactManager, "_seen_artifacts", None))
 
 
 def blob():
-    """This process's compile output as one ``bytes``, or None when it compiled nothing. Made
-    again only when something new was compiled since the last call: otherwise the same bytes."""
-    global _last
-    if _compiled_graphs() == 0:
+    """This process's compile output as one ``bytes``, or None when it compiled nothing (or it
+    cannot be read: said once). Made again only when something new was compiled since the last
+    call: otherwise the same bytes."""
+    if not _compiled_anything():
         return None
+    try:
+        with _lock:
+            return _make()
+    except Exception as e:
+        _say_once("blob", f"the compiled code is not saved with the snapshot: {type(e).__name__}: {e}")
+        return None
+
+
+def _make():
+    global _last
     import torch
+    from torch._dynamo.utils import counters
     from torch._inductor import codecache
     from torch.compiler._cache import CacheArtifactManager
 
-    keys = frozenset(_kernel_keys(codecache))
-    made_from = (keys, _compiled_graphs())
+    keys = _kernel_keys(codecache)
+    made_from = (frozenset(keys.items()), counters["stats"].get("unique_graphs", 0))
     if _last is not None and _last[0] == made_from and not CacheArtifactManager.need_serialize():
         return _last[1]
     saved = torch.compiler.save_cache_artifacts()
     artifacts = saved[0] if saved else b""
     root = codecache.cache_dir()
-    wanted = {f"{key[1:3]}/{key}{ext}" for key in keys for ext in (".so", ".main.so")}
+    kernels = {f"{key[1:3]}/{key}{ext}": cache for key, cache in keys.items() for ext in (".so", ".main.so")}
     # The CPU probes: the kernels whose loading inductor marked as having worked on this CPU.
-    for marker in glob.glob(os.path.join(glob.escape(root), "*", "*.so.load_ok")):
-        wanted.add(os.path.relpath(marker[:-len(".load_ok")], root))
-    files = []
-    for rel in sorted(wanted):
-        if not _FILE.match(rel):
-            continue
-        try:
-            with open(os.path.join(root, rel), "rb") as f:
-                files.append((rel, f.read()))
-        except FileNotFoundError:
-            pass
-    head = json.dumps({"torch": torch.__version__, "cpu": _cpu_flags(), "artifacts": len(artifacts),
-                       "files": [[rel, len(data)] for rel, data in files]}).encode()
-    out = b"".join([_MAGIC, struct.pack("<I", len(head)), head, artifacts] + [d for _, d in files])
+    probes = {os.path.relpath(marker[:-len(".load_ok")], root): ""
+              for marker in glob.glob(os.path.join(glob.escape(root), "*", "*.so.load_ok"))}
+    isa = ""
+    if kernels:
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        isa = str(pick_vec_isa())
+
+    def read(names):
+        got = []
+        for rel, cache in sorted(names.items()):
+            if not _valid_name(rel):
+                continue
+            try:
+                with open(os.path.join(root, rel), "rb") as f:
+                    got.append((rel, f.read(), cache))
+            except FileNotFoundError:
+                pass
+        return got
+
+    kernels = read(kernels)
+    probes = read({rel: c for rel, c in probes.items() if rel not in kernels})
+    head = json.dumps({"torch": torch.__version__, "host": _host_facts(), "isa": isa,
+                       "artifacts": len(artifacts),
+                       "probes": [[rel, len(data)] for rel, data, _ in probes],
+                       "files": [[rel, len(data), cache] for rel, data, cache in kernels]}).encode()
+    out = b"".join([_MAGIC, struct.pack("<I", len(head)), head, artifacts]
+                   + [d for _, d, _ in probes] + [d for _, d, _ in kernels])
     _last = (made_from, out)
     return out
 
 
 def _parse(data):
-    """(torch version, CPU flags, artifacts, [(path, bytes)]) of a blob, or raises ValueError
-    naming why."""
+    """The header and the bytes of a blob, or raises ValueError naming why."""
     data = memoryview(data)
     if len(data) < 12 or bytes(data[:8]) != _MAGIC:
-        raise ValueError("not rlaunch's compiled bytes")
+        raise ValueError("not rlaunch's compiled bytes (or another rlaunch version's)")
     (hlen,) = struct.unpack("<I", data[8:12])
     if 12 + hlen > len(data):
         raise ValueError("shorter than its header says")
     try:
         head = json.loads(bytes(data[12:12 + hlen]))
-    except ValueError:
+    except (ValueError, RecursionError):
         raise ValueError("its header is not JSON") from None
     if not isinstance(head, dict):
         raise ValueError("its header is not an object")
-    version, n, files = head.get("torch"), head.get("artifacts"), head.get("files")
-    cpu = head.get("cpu")
-    if (not isinstance(version, str) or type(n) is not int or n < 0 or not isinstance(files, list)
-            or not isinstance(cpu, list) or not all(isinstance(c, str) for c in cpu)
-            or not all(isinstance(e, list) and len(e) == 2 and isinstance(e[0], str)
-                       and type(e[1]) is int and e[1] >= 0 for e in files)):
+    version, n, host, isa = head.get("torch"), head.get("artifacts"), head.get("host"), head.get("isa")
+
+    def listing(entries, caches):
+        return isinstance(entries, list) and all(
+            isinstance(e, list) and len(e) == 2 + bool(caches) and isinstance(e[0], str) and type(e[1]) is int
+            and e[1] >= 0 and (not caches or e[2] in caches) for e in entries)
+
+    probes, files = head.get("probes"), head.get("files")
+    if (not isinstance(version, str) or type(n) is not int or n < 0 or not isinstance(host, dict)
+            or not isinstance(isa, str) or not listing(probes, ()) or not listing(files, _CODE_CACHES)):
         raise ValueError("its header is not rlaunch's")
-    for rel, _ in files:
-        if not _FILE.match(rel):
+    for rel, *_ in probes + files:
+        if not _valid_name(rel):
             raise ValueError(f"it names a file {rel!r} that is not a kernel of inductor's cache")
     at = 12 + hlen
-    if at + n + sum(size for _, size in files) != len(data):
+    if at + n + sum(e[1] for e in probes + files) != len(data):
         raise ValueError("its length is not what its header says")
     artifacts = bytes(data[at:at + n])
     at += n
-    out = []
-    for rel, size in files:
-        out.append((rel, bytes(data[at:at + size])))
-        at += size
-    return version, cpu, artifacts, out
+
+    def take(entries):
+        nonlocal at
+        out = []
+        for rel, size, *cache in entries:
+            out.append((rel, bytes(data[at:at + size]), cache[0] if cache else ""))
+            at += size
+        return out
+
+    return {"torch": version, "host": host, "isa": isa, "artifacts": artifacts,
+            "probes": take(probes), "files": take(files)}
 
 
 def install(data):
     """Puts a blob's compile output where this process's ``torch.compile`` looks first. Does
-    nothing in a process that already compiled a graph or installed a blob. Returns whether it
-    installed; says once on stderr why not when the blob cannot be used."""
+    nothing in a process that already compiled or installed anything. Returns whether it
+    installed; says once on stderr why not when the blob cannot be used, and never raises."""
     global _installed
-    if _installed or _compiled_graphs() > 0:
-        return False
+    with _lock:
+        if _installed or _compiled_anything():
+            return False
+        try:
+            return _install(data)
+        except Exception as e:
+            _say_once("error", f"the compiled code that came with the snapshot is not used: "
+                      f"{type(e).__name__}: {e}")
+            return False
+
+
+def _not_used(what, why):
+    _say_once(what, f"the compiled code that came with the snapshot is not used: {why}")
+    return False
+
+
+def _install(data):
+    global _installed
     try:
-        version, cpu, artifacts, files = _parse(data)
+        got = _parse(data)
     except ValueError as e:
-        _say_once("bad", f"the compiled code that came with the snapshot is not used: {e}")
-        return False
+        return _not_used("bad", e)
     import torch
 
-    if version != torch.__version__:
-        _say_once("version", f"the compiled code that came with the snapshot is not used: it is "
-                  f"torch {version}'s, this process runs torch {torch.__version__}")
-        return False
+    if got["torch"] != torch.__version__:
+        return _not_used("version", f"it is torch {got['torch']}'s, this process runs torch {torch.__version__}")
+    mine = _host_facts()
+    if not mine["cpu"] or got["host"] != mine:
+        differ = sorted(k for k in set(mine) | set(got["host"]) if got["host"].get(k) != mine.get(k))
+        return _not_used("host", "it was compiled on a host that differs from this one in "
+                         f"{', '.join(differ) or 'cpu (unknown here)'}")
     from torch._inductor import codecache
 
-    lacking = sorted(set(cpu) - set(_cpu_flags())) if files else []
-    if lacking:
-        _say_once("cpu", "the kernels compiled with the snapshot are not used (this CPU lacks "
-                  f"{', '.join(lacking[:8])}{' …' if len(lacking) > 8 else ''}): they are compiled "
-                  "here, the graphs are still loaded")
-        files = []
     root = codecache.cache_dir()
-    for rel, content in files:
-        _write_absent(os.path.join(root, rel), content)
-    if artifacts:
-        torch.compiler.load_cache_artifacts(artifacts)
+    for rel, content, _ in got["probes"]:
+        _write_absent(root, rel, content)
+    if got["files"]:
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        isa = str(pick_vec_isa())
+        if isa != got["isa"]:
+            return _not_used("isa", f"its kernels are for {got['isa'] or 'no'} vector instructions, "
+                             f"inductor picks {isa} here")
+        for rel, content, _ in got["files"]:
+            _write_absent(root, rel, content)
+        for rel, _, cache in got["files"]:
+            _enter(getattr(codecache, cache), os.path.basename(rel).split(".")[0], os.path.join(root, rel))
+    if got["artifacts"] and torch.compiler.load_cache_artifacts(got["artifacts"]) is None:
+        return _not_used("artifacts", "torch could not read its cache artifacts")
     _installed = True
     return True
 
 
-def _write_absent(path, content):
-    """Writes a kernel where inductor would have compiled it, unless it is there: whole or not at
-    all (a temporary name, then a rename), never following a link at the name."""
+def _enter(cache, key, path):
+    """The kernel compiled for ``key`` in inductor's code cache, as inductor enters one it
+    compiled: a function that loads the library once. Not when the key is there already."""
+    if key in cache.cache:
+        return
+    lib = None
+
+    def load():
+        nonlocal lib
+        if lib is None:
+            lib = cache._load_library(path, key)
+        return lib
+
+    cache.cache[key] = load
+
+
+def _write_absent(root, rel, content):
+    """Writes a kernel where inductor would have compiled it, unless something is there: whole
+    or not at all (a temporary file of its own, then a rename that follows no link)."""
+    path = os.path.join(root, rel)
     if os.path.lexists(path):
         return
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.rlaunch-{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o755)
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".rlaunch-", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(content)
+        os.chmod(tmp, 0o755)
         os.replace(tmp, path)
     except BaseException:
         try:

@@ -530,7 +530,7 @@ def load(rank=None, *, allow=(), compiled=False):
     part = f"rank {rank}'s part of step {step}"
     magic = mm[:8]
     code = None
-    if magic == _MAGIC:
+    if magic == _MAGIC and len(mm) >= 16:
         (hlen,) = struct.unpack("<Q", mm[8:16])
         prefix = 16
     elif magic == _MAGIC_COMPILED and len(mm) >= 32:
