@@ -18,12 +18,13 @@ it killed 0.3 s later. Rows:
   10   as 4, each host with an inductor cache and a temporary directory of its own (hosts with
        local disks; here the hosts otherwise share /tmp and so one cache): the spare compiles cold
   11   as 10, the compiled code handed over with the snapshot (save/load with compiled=True)
+  12   as 6, the compiled code handed over with the snapshot
 
 Measured: the fault → the first training step again; the verdict (host a's agent hears the
 round ended, its log) → that step; steps computed again; whether host a's ranks kept their
 processes.
 
-Usage (root): .venv/bin/python bench/resilient/survivor.py [--rows 0,1,2,3,4,5,6,7,8,9,10,11] [--out bench/resilient/RESULTS.md]
+Usage (root): .venv/bin/python bench/resilient/survivor.py [--rows 0,1,2,3,4,5,6,7,8,9,10,11,12] [--out bench/resilient/RESULTS.md]
 (the plot goes beside --out)
 """
 
@@ -48,7 +49,8 @@ Net, wait_for = recovery.Net, recovery.wait_for
 # (label, launcher, mode, a spare waiting, the fault: "cut" host b's link cut then its processes
 # killed, "crash" one worker of host b killed and nothing else; torch.compile: "on", "off", or
 # "own-cache", on with each host compiling into a cache of its own; "handover", own-cache with the
-# compiled code saved and loaded with the snapshot)
+# compiled code saved and loaded with the snapshot; "handover-shared", the hand-over with the
+# hosts' one shared cache)
 ROWS = [
     ("rlaunch, restart path, survivor alone", "rlaunch", "plain", False, "cut", "on"),
     ("rlaunch, @rlaunch.resilient, survivor alone", "rlaunch", "resilient", False, "cut", "on"),
@@ -66,6 +68,8 @@ ROWS = [
      "cut", "own-cache"),
     ("rlaunch, @rlaunch.resilient, a spare waiting, each host its own inductor cache, the compiled code handed over",
      "rlaunch", "resilient", True, "cut", "handover"),
+    ("rlaunch, @rlaunch.resilient, a worker of host b killed, the compiled code handed over", "rlaunch", "resilient",
+     False, "crash", "handover-shared"),
 ]
 
 
@@ -110,7 +114,7 @@ def run(label, launcher, mode, spare, fault, compile_mode, args, net, root_ip):
     a, b, c = net.hosts
     env = dict(os.environ, RLAUNCH_LOG="info", PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="eth0", LOGLEVEL="INFO",
                BENCH_COMPILE="0" if compile_mode == "off" else "1",
-               BENCH_HANDOVER="1" if compile_mode == "handover" else "0")
+               BENCH_HANDOVER="1" if compile_mode.startswith("handover") else "0")
     script = [args.python, os.path.join(HERE, "train.py"), out, mode, str(args.steps)]
     cmd = node_loss.agent_command(args, launcher, script, "2" if spare else "1:2", f"bench-{mode}-{int(spare)}",
                                   root_ip, a)
@@ -189,7 +193,7 @@ def main():
     ap.add_argument("--torchrun", default=os.path.join(ROOT, ".venv/bin/torchrun"))
     ap.add_argument("--python", default=os.path.join(ROOT, ".venv/bin/python"))
     ap.add_argument("--keep", action="store_true")
-    ap.add_argument("--rows", default="0,1,2,3,4,5,6,7,8,9,10,11")
+    ap.add_argument("--rows", default="0,1,2,3,4,5,6,7,8,9,10,11,12")
     ap.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
     args = ap.parse_args()
     if os.geteuid() != 0:

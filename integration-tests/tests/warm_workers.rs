@@ -373,9 +373,11 @@ fn the_workers_of_an_elastic_job_start_warm() {
 }
 
 /// A program that calls `torch.compile` gets what that call imports (inductor, 0.9 s here) imported
-/// ahead by its warm worker, so a worker started anew does not pay it; one that does not call it
-/// gets nothing more imported; one that names inductor's settings (which inductor reads when
-/// imported, and which the program may set first) gets the import where a cold start makes it.
+/// ahead by its warm worker, and inductor's hashes of torch's and Triton's sources (0.4 s of the
+/// first compile) computed ahead, so a worker started anew does not pay them; one that does not
+/// call it gets nothing more imported; one that names inductor's settings (which inductor reads
+/// when imported, and which the program may set first) gets the import where a cold start makes
+/// it.
 #[test]
 fn a_program_that_calls_torch_compile_gets_inductor_imported_ahead_unless_it_names_its_settings() {
     const PROBE: &str = r#"
@@ -388,8 +390,17 @@ import torch
 WARM = b"rlaunch_warm.py" in open("/proc/self/cmdline", "rb").read()
 # (Spelt in two pieces: a program naming inductor's module gets nothing of it imported ahead.)
 AHEAD = "torch._ind" "uctor.compile_fx" in sys.modules
+CACHE = sys.modules.get("torch._ind" "uctor.codecache")
+
+
+def computed(key):
+    # A cached function's closure holds its value once computed (bytes, str), else a sentinel.
+    return any(isinstance(c.cell_contents, (bytes, str)) for c in getattr(CACHE, key).__closure__)
+
+
+KEYS = [computed("torch_key"), computed("triton_key")] if CACHE else [False, False]
 with open(os.path.join(os.environ["PROBE_DIR"], "rank0.json"), "w") as f:
-    json.dump({"warm": WARM, "inductor_ahead": AHEAD}, f)
+    json.dump({"warm": WARM, "inductor_ahead": AHEAD, "keys_ahead": KEYS}, f)
 "#;
     let cases = [
         ("compiles", "model = torch.compile(torch.nn.Linear(2, 2))\n", true),
@@ -416,5 +427,6 @@ with open(os.path.join(os.environ["PROBE_DIR"], "rank0.json"), "w") as f:
         let p = &read_probes(dir.path(), "", 1)[0];
         assert_eq!(p["warm"], true, "{name}: a warm interpreter became the worker: {p}");
         assert_eq!(p["inductor_ahead"], expected, "{name}: {p}");
+        assert_eq!(p["keys_ahead"], serde_json::json!([expected, expected]), "{name}: the source hashes: {p}");
     }
 }
