@@ -280,7 +280,10 @@ Hosts as network namespaces; etcd and `rlaunch-rendezvous --store etcd` in the r
 an MLP under `torch.compile`, a snapshot every step, about 8 steps a second, {steps} steps);
 in the spare rows host c waits. At step {cut}, host b's link is cut and 0.3 s later every
 process of it is killed; in the rows of a worker killed, only host b's local rank 1 is killed
-(SIGKILL), no node lost; the last two rows without `torch.compile`. "Verdict heard": host a's
+(SIGKILL), no node lost; two rows without `torch.compile`; in the rows of "each host its own
+inductor cache", each host has an inductor cache and a `$TMPDIR` of its own (elsewhere the hosts
+share `/tmp` and with it one warm cache); in the rows of "the compiled code handed over",
+`train.py` saves and loads its snapshot with `compiled=True`. "Verdict heard": host a's
 agent learns that the round ended (node TTL 2 s, heartbeats every 0.5 s). "Steps computed
 again": steps logged before the fault computed again after the resume. "Kept": the surviving
 ranks (host a's; with a worker killed, host b's other one too) that entered the training

@@ -6,15 +6,16 @@
 Every attempt of every rank compiles into an inductor cache of its own
 (OUT/cache.ATTEMPT.RANK) and a temporary directory of its own (OUT/tmp.ATTEMPT.RANK, where
 inductor keeps its precompiled header), as a new host would, and with OUT/bin/g++ as its
-C++ compiler: a wrapper that appends each compile (not a version query, not a preprocessing
-`-E`, which inductor runs to name its precompiled header) to OUT/compiles.ATTEMPT and runs the
-real g++.
+C++ compiler: a wrapper that appends each compile (not a version query, not a query of its
+target options, not a preprocessing `-E`, which inductor runs to name its precompiled header) to
+OUT/compiles.ATTEMPT and runs the real g++.
 
 The first attempt trains one step of an MLP under torch.compile, saves it, and exits 3 (all
-ranks, once every one has saved). The second (the agent's restart) loads it, trains one step and
-prints, per rank, `rank R hits=H misses=M aot_hits=A installed=I first_step=S` (inductor's FX
-graph cache, AOTAutograd's cache, whether compiled code was installed, the first step's
-seconds), then saves again, which must still work.
+ranks, once every one has saved). The second (the agent's restart) loads it, trains one step,
+saves it and exits 3 too; the third loads the second's and trains one step: the second hands on
+what it was handed. Each restarted attempt prints, per rank, `attempt A rank R hits=H misses=M
+aot_hits=A installed=I first_step=S` (inductor's FX graph cache, AOTAutograd's cache, whether
+compiled code was installed, the first step's seconds).
 """
 
 import os
@@ -31,7 +32,7 @@ if not os.path.exists(os.path.join(BIN, "g++")):
     with open(tmp, "w") as f:
         f.write(
             "#!/bin/sh\n"
-            'case " $* " in *" -v "*|*" --version "*|*" -dumpversion "*|*" -dumpfullversion "*|*" -E "*) ;;\n'
+            'case " $* " in *" -v "*|*" --version "*|*" -dumpversion "*|*" -dumpfullversion "*|*" -E "*|*" --help=target "*) ;;\n'
             f'  *) echo "$*" >> "{OUT}/compiles.$RLAUNCH_TEST_ATTEMPT" ;;\nesac\n'
             'exec g++ "$@"\n'
         )
@@ -72,18 +73,20 @@ if ATTEMPT == 0:
     sys.exit(3)
 
 got = rlaunch.snapshot.load(compiled=on)
-assert got is not None and got[0] == 0, got
+assert got is not None and got[0] == ATTEMPT - 1, got
 model.load_state_dict(got[1]["model"])
 installed = rlaunch.compiled._installed
 t = time.monotonic()
-step(1)
+step(ATTEMPT)
 first = time.monotonic() - t
 from torch._dynamo.utils import counters  # noqa: E402
 
-print(f"rank {RANK} hits={counters['inductor']['fxgraph_cache_hit']} "
+print(f"attempt {ATTEMPT} rank {RANK} hits={counters['inductor']['fxgraph_cache_hit']} "
       f"misses={counters['inductor']['fxgraph_cache_miss']} "
       f"aot_hits={counters['aot_autograd']['autograd_cache_hit']} installed={installed} "
       f"first_step={first:.2f}", flush=True)
-assert rlaunch.snapshot.save(1, {"model": model.state_dict()}, compiled=on)
+assert rlaunch.snapshot.save(ATTEMPT, {"model": model.state_dict()}, compiled=on)
 dist.barrier()
+if ATTEMPT == 1:
+    sys.exit(3)
 dist.destroy_process_group()

@@ -6,13 +6,14 @@ rlaunch, with the package on PYTHONPATH).
 Inductor's cache is DIR/cache. Each case prints `case NAME: installed=BOOL`; the last line is
 `ok`. Refused whole, nothing written (asserted): a file named to escape the cache (`..`, an
 absolute path, a trailing newline, a directory that is not its hash's), a header that lies about
-the length, is not JSON or nests past Python's recursion limit, names a code cache that is not
-inductor's, another torch's code, a host that
-differs (a CPU feature, the compiler, flags unknown here), kernels for another vector instruction
-set, artifacts torch cannot read, a cache directory that cannot be written. Installed: a valid
-blob whose kernel's name is already a link (the link not followed, its target unchanged), a
-valid blob (its kernel written whole where inductor looks and entered in its code cache); then a second valid blob in the same
-process is not (a process installs once).
+the length, is not JSON, nests past Python's recursion limit or names a code cache that is not
+inductor's, another torch's code, a host that differs (a CPU feature, the compiler, what
+-march=native means, the machine, features unknown here), graphs for other vector instructions
+or for none named, artifacts torch cannot read, a cache directory that cannot be written.
+Installed: a valid blob whose kernel's name is already a link (the link not followed, its target
+unchanged, the kernel not entered in inductor's code cache: what was there is inductor's to
+check), a valid blob (its kernel written whole where inductor looks and entered in its code
+cache); then a second valid blob in the same process is not (a process installs once).
 """
 
 import copy
@@ -32,13 +33,13 @@ from rlaunch import compiled  # noqa: E402
 KEY = "cabcdefghijklmnopqrstuvwxyz0123456789"
 REL = f"{KEY[1:3]}/{KEY}.so"
 CACHE = os.path.join(DIR, "cache")
-HOST = compiled._host_facts()
+HOST = compiled._host_facts(True)
 ISA = str(pick_vec_isa())
 
 
 def blob(files, version=None, host=None, isa=None, claim=None, artifacts=b"", cache="CppPythonBindingsCodeCache"):
     head = {"torch": version or torch.__version__, "host": HOST if host is None else host,
-            "isa": ISA if isa is None else isa, "artifacts": len(artifacts), "probes": [],
+            "isa": ISA if isa is None else isa, "artifacts": [len(artifacts)] if artifacts else [], "probes": [],
             "files": [[rel, len(data) if claim is None else claim, cache] for rel, data in files]}
     h = json.dumps(head).encode()
     return compiled._MAGIC + struct.pack("<I", len(h)) + h + artifacts + b"".join(d for _, d in files)
@@ -70,10 +71,14 @@ case("deep", compiled._MAGIC + struct.pack("<I", len(deep)) + deep)
 case("version", blob([(REL, b"abc")], version="0.0.1"), kernel)
 case("cpu", blob([(REL, b"abc")], host=other(cpu=HOST["cpu"] + ["a_feature_no_cpu_has"])), kernel)
 case("compiler", blob([(REL, b"abc")], host=other(compiler="g++ 1.0")), kernel)
-compiled._host = other(cpu=[])  # as if this CPU's features were unknown
-case("unknown", blob([(REL, b"abc")], host=compiled._host), kernel)
-compiled._host = HOST
+case("native", blob([(REL, b"abc")], host=other(native="another CPU's -march=native")), kernel)
+case("machine", blob([(REL, b"abc")], host=other(machine="riscv128")), kernel)
+cached = compiled._host
+compiled._host = dict(cached, cpu=[])  # as if this CPU's features were unknown
+case("unknown", blob([(REL, b"abc")], host=other(cpu=[])), kernel)
+compiled._host = cached
 case("isa", blob([(REL, b"abc")], isa="VecNONE9000"), kernel)
+case("no_isa", blob([(REL, b"abc")], isa=""), kernel)
 case("artifacts", blob([], artifacts=b"not torch's artifacts"))
 os.makedirs(CACHE, exist_ok=True)
 with open(os.path.join(CACHE, KEY[1:3]), "w") as f:
@@ -90,7 +95,7 @@ with open(os.path.join(DIR, "target"), "rb") as f:
 os.unlink(kernel)
 from torch._inductor import codecache  # noqa: E402
 
-codecache.CppPythonBindingsCodeCache.cache.pop(KEY)  # as a fresh process (the link case entered it)
+assert KEY not in codecache.CppPythonBindingsCodeCache.cache, "a kernel that was there already was entered"
 case("good", blob([(REL, b"\x7fELF kernel")]))
 with open(kernel, "rb") as f:
     assert f.read() == b"\x7fELF kernel"

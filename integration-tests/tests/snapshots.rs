@@ -511,12 +511,12 @@ fn load_runs_no_code_from_a_part_and_builds_other_classes_only_when_allowed_by_n
 }
 
 /// `py/compiled_handover.py` in `mode` (`on`: `save`/`load` with `compiled=True`): what each rank
-/// of the restarted attempt printed, and how many C++ compiles each attempt ran.
-fn compiled_handover(mode: &str) -> (String, usize, usize) {
+/// of the restarted attempts printed, and how many C++ compiles each of the three attempts ran.
+fn compiled_handover(mode: &str) -> (String, [usize; 3]) {
     let out = tempdir();
     let o = run_deadline(
         Command::new(bin("rlaunch"))
-            .args(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1"])
+            .args(["--standalone", "--nproc-per-node", "2", "--max-restarts", "2"])
             .arg(venv_python())
             .arg(integration_tests::repo_root().join("integration-tests/py/compiled_handover.py"))
             .arg(out.path())
@@ -528,29 +528,32 @@ fn compiled_handover(mode: &str) -> (String, usize, usize) {
     let compiles = |attempt: u32| {
         std::fs::read_to_string(out.path().join(format!("compiles.{attempt}"))).map(|s| s.lines().count()).unwrap_or(0)
     };
-    (stdout, compiles(0), compiles(1))
+    (stdout, [compiles(0), compiles(1), compiles(2)])
 }
 
 #[test]
 fn a_restarted_worker_with_a_cold_cache_loads_the_compiled_code_saved_with_the_step() {
-    // Every attempt compiles into a cache of its own, as a new host would. With the compiled
-    // code handed over, the restarted ranks' first step hits inductor's and AOTAutograd's caches
-    // and runs no C++ compile at all (the kernels and the CPU probes came with the part); without
-    // it, the same first step compiles again.
-    let (with, first, again) = compiled_handover("on");
-    assert!(first > 0, "the first attempt compiled C++ kernels: {with}");
-    assert_eq!(again, 0, "the restarted attempt compiled nothing:\n{with}");
-    for rank in 0..2 {
-        assert!(
-            with.contains(&format!("rank {rank} hits=2 misses=0 aot_hits=1 installed=True")),
-            "rank {rank} loaded its graphs from the handed-over code:\n{with}"
-        );
+    // Every attempt compiles into a cache and a temporary directory of its own, as a new host
+    // would. With the compiled code handed over, the restarted ranks' first step hits inductor's
+    // and AOTAutograd's caches and runs no C++ compile at all (the kernels and the CPU probes came
+    // with the part); a second restart gets the same from the first restart's part (what a
+    // replacement was handed, it hands on). Without the hand-over, each restart compiles again.
+    let (with, compiles) = compiled_handover("on");
+    assert!(compiles[0] > 0, "the first attempt compiled C++ kernels: {with}");
+    assert_eq!(compiles[1..], [0, 0], "the restarted attempts compiled nothing:\n{with}");
+    for attempt in 1..3 {
+        for rank in 0..2 {
+            assert!(
+                with.contains(&format!("attempt {attempt} rank {rank} hits=2 misses=0 aot_hits=1 installed=True")),
+                "attempt {attempt}, rank {rank} loaded its graphs from the handed-over code:\n{with}"
+            );
+        }
     }
-    let (without, _, again) = compiled_handover("off");
-    assert!(again > 0, "without the hand-over the restarted attempt compiles again:\n{without}");
+    let (without, compiles) = compiled_handover("off");
+    assert!(compiles[1] > 0 && compiles[2] > 0, "without the hand-over each restart compiles again:\n{without}");
     for rank in 0..2 {
         assert!(
-            without.contains(&format!("rank {rank} hits=0 misses=2 aot_hits=0 installed=False")),
+            without.contains(&format!("attempt 1 rank {rank} hits=0 misses=2 aot_hits=0 installed=False")),
             "rank {rank} compiled cold:\n{without}"
         );
     }
@@ -576,8 +579,25 @@ fn compiled_code_from_a_part_is_checked_before_anything_of_it_is_written() {
     let err = stderr_of(&o);
     assert!(o.status.success() && stdout.trim_end().ends_with("ok"), "{stdout}{err}");
     let refused = [
-        "traversal", "absolute", "newline", "wrong_dir", "short", "cache_name", "not_json", "deep", "version", "cpu", "compiler",
-        "unknown", "isa", "artifacts", "unwritable", "once",
+        "traversal",
+        "absolute",
+        "newline",
+        "wrong_dir",
+        "short",
+        "cache_name",
+        "not_json",
+        "deep",
+        "version",
+        "cpu",
+        "compiler",
+        "native",
+        "machine",
+        "unknown",
+        "isa",
+        "no_isa",
+        "artifacts",
+        "unwritable",
+        "once",
     ];
     for case in refused {
         assert!(stdout.contains(&format!("case {case}: installed=False")), "{case} refused:\n{stdout}{err}");
@@ -589,7 +609,7 @@ fn compiled_code_from_a_part_is_checked_before_anything_of_it_is_written() {
         "it names a file '../../escaped.so' that is not a kernel of inductor's cache",
         "it is torch 0.0.1's",
         "it was compiled on a host that differs from this one in cpu",
-        "its kernels are for VecNONE9000 vector instructions",
+        "its graphs are for VecNONE9000 vector instructions",
         "torch could not read its cache artifacts",
         "FileExistsError",
     ] {

@@ -17,29 +17,35 @@ What travels:
   handed over is used only where the same source would be compiled the same way.
 - On the CPU, the small programs inductor compiles once per cache directory to learn which
   vector instructions the CPU has (6 of them, 5.5 s of a cold first step here). Only the
-  compiled probes travel, never their verdict: the new host still loads each on its own CPU.
+  compiled probes travel, never their verdict: inductor on the new host loads each and checks
+  its own CPU's features itself.
+- The artifacts this process was handed itself: torch records an artifact when it writes a cache
+  entry, not when it hits one, so a replacement hands on what it got.
 
 Nothing is installed unless the two hosts would compile the same code the same way: inductor's
 file names hash the compiler command, which says ``-march=native`` on every CPU, and its graphs
 are written for the vector width it picked (an AVX-512 graph compiled for AVX2 computes half
-its lanes, silently). So the saver's machine, CPU features (``/proc/cpuinfo``; unknown is a
-mismatch), ``ATEN_CPU_CAPABILITY``, ``simdlen`` and C++ compiler (its ``-v``) must equal the
-loader's, and once the probes are in place the vector instruction set inductor picks here must
-be the saver's. Any difference: nothing installed, said once, the process compiles as without.
+its lanes, silently). So the machines must be the same and, where the code holds C++, the CPU's
+features (``/proc/cpuinfo``; unknown is a mismatch, and what ``-march=native`` means to the
+compiler), ``ATEN_CPU_CAPABILITY``, ``simdlen`` and the C++ compiler (its ``-v``); and once the
+probes are in place the vector instruction set inductor picks here must be the saver's. Any
+difference: nothing installed, said once, the process compiles as without. Code that holds no
+C++ (a GPU's Triton kernels) needs only the same machine, and no compiler.
 
-The kernels are also entered in inductor's in-process code caches under the key they were
-compiled for: inductor builds its precompiled header (158 MB, 5 s here) for any kernel that is
-not there, before it looks whether the kernel's file exists, which on a new host would cost more
-than the kernels saved.
+The kernels this process writes are also entered in inductor's in-process code caches under the
+key they were compiled for: inductor builds its precompiled header (158 MB, 5 s here) for any
+kernel that is not there, before it looks whether the kernel's file exists, which on a new host
+would cost more than the kernels saved. A kernel file that was there already is left to
+inductor. Torch's artifacts are loaded before any kernel is written or entered.
 
 Loaded only into a process that has compiled no graph yet, once: survivors keep what they have.
 The bytes are code. ``load(compiled=True)`` runs what a rank of the job compiled, which is why it
 is asked for by name and never done by ``load`` alone.
 
-Layout (little-endian): ``RLCOMP02``, a u32 length, that many bytes of JSON ``{"torch": version,
-"host": {what must be equal}, "isa": the vector instruction set or "", "artifacts": n, "probes":
-[[path, n], ...], "files": [[path, n, code cache], ...]}``, then the artifacts' bytes, each
-probe's and each file's, in order.
+Layout (little-endian): ``RLCOMP03``, a u32 length, that many bytes of JSON ``{"torch": version,
+"host": {what must be equal}, "isa": the vector instruction set or "", "artifacts": [n, ...],
+"probes": [[path, n], ...], "files": [[path, n, code cache], ...]}``, then each of torch's
+artifacts' bytes, each probe's and each file's, in order.
 """
 
 import glob
@@ -52,7 +58,7 @@ import sys
 import tempfile
 import threading
 
-_MAGIC = b"RLCOMP02"
+_MAGIC = b"RLCOMP03"
 # A kernel's path in inductor's cache directory: two characters of its hash, then the hash.
 _FILE = re.compile(r"([a-z0-9_]{2})/([A-Za-z0-9_]{8,128})(\.main)?\.so")
 
@@ -60,6 +66,7 @@ _lock = threading.Lock()
 _last = None  # (what it was made from, the bytes)
 _host = None
 _installed = False
+_received = []  # torch's artifacts this process installed, handed on with its own
 _said = set()
 
 
@@ -100,17 +107,34 @@ def _cpu_flags():
     return []
 
 
-def _host_facts():
-    """What must be the same on the saver's host and the loader's for its code to be used here."""
+def _native_target(compiler):
+    """What ``-march=native`` means to the compiler on this CPU (its target options, enabled or
+    not), hashed: the CPU's features as the compiler, not the kernel, sees them."""
+    import hashlib
+    import subprocess
+
+    out = subprocess.run([compiler, "-march=native", "-Q", "--help=target"], capture_output=True,
+                         timeout=30, check=True, env=dict(os.environ, LC_ALL="C")).stdout
+    return hashlib.sha256(out).hexdigest()
+
+
+def _host_facts(cpu_code):
+    """What must be the same on the saver's host and the loader's for its code to be used here:
+    the machine, and for code that holds C++ the CPU's features (the kernel's list and the
+    compiler's ``-march=native``), ``ATEN_CPU_CAPABILITY``, ``simdlen`` and the compiler."""
     global _host
+    facts = {"machine": platform.machine()}
+    if not cpu_code:
+        return facts
     if _host is None:
         from torch._inductor import config
         from torch._inductor.cpp_builder import get_compiler_version_info, get_cpp_compiler
 
-        _host = {"machine": platform.machine(), "cpu": _cpu_flags(),
-                 "capability": os.environ.get("ATEN_CPU_CAPABILITY", ""),
-                 "simdlen": config.cpp.simdlen, "compiler": get_compiler_version_info(get_cpp_compiler())}
-    return _host
+        compiler = get_cpp_compiler()
+        _host = {"cpu": _cpu_flags(), "capability": os.environ.get("ATEN_CPU_CAPABILITY", ""),
+                 "simdlen": config.cpp.simdlen, "compiler": get_compiler_version_info(compiler),
+                 "native": _native_target(compiler)}
+    return {**facts, **_host}
 
 
 def _compiled_anything():
@@ -148,23 +172,30 @@ def _make():
     from torch.compiler._cache import CacheArtifactManager
 
     keys = _kernel_keys(codecache)
-    made_from = (frozenset(keys.items()), counters["stats"].get("unique_graphs", 0))
+    made_from = (frozenset(keys.items()), counters["stats"].get("unique_graphs", 0),
+                 len(getattr(CacheArtifactManager, "_seen_artifacts", ())), len(_received))
     if _last is not None and _last[0] == made_from and not CacheArtifactManager.need_serialize():
         return _last[1]
     saved = torch.compiler.save_cache_artifacts()
-    artifacts = saved[0] if saved else b""
+    # Torch records an artifact when it writes a cache entry, not when it hits one: a process
+    # that was handed its graphs hands them on as it got them, beside what it compiled itself.
+    artifacts = list(_received) + ([saved[0]] if saved else [])
     root = codecache.cache_dir()
     kernels = {f"{key[1:3]}/{key}{ext}": cache for key, cache in keys.items() for ext in (".so", ".main.so")}
     # The CPU probes: the kernels whose loading inductor marked as having worked on this CPU.
     probes = {os.path.relpath(marker[:-len(".load_ok")], root): ""
               for marker in glob.glob(os.path.join(glob.escape(root), "*", "*.so.load_ok"))}
+    # Graphs of C++ code (the kernels they load are in the code caches) were written for the
+    # vector instructions inductor picked here: the loader must pick the same.
     isa = ""
-    if kernels:
+    if keys:
         from torch._inductor.cpu_vec_isa import pick_vec_isa
 
         isa = str(pick_vec_isa())
+    complete = True
 
     def read(names):
+        nonlocal complete
         got = []
         for rel, cache in sorted(names.items()):
             if not _valid_name(rel):
@@ -173,18 +204,19 @@ def _make():
                 with open(os.path.join(root, rel), "rb") as f:
                     got.append((rel, f.read(), cache))
             except FileNotFoundError:
-                pass
+                complete = complete and not rel.endswith(".main.so")
         return got
 
-    kernels = read(kernels)
     probes = read({rel: c for rel, c in probes.items() if rel not in kernels})
-    head = json.dumps({"torch": torch.__version__, "host": _host_facts(), "isa": isa,
-                       "artifacts": len(artifacts),
+    kernels = read(kernels)
+    head = json.dumps({"torch": torch.__version__, "host": _host_facts(bool(keys)), "isa": isa,
+                       "artifacts": [len(a) for a in artifacts],
                        "probes": [[rel, len(data)] for rel, data, _ in probes],
                        "files": [[rel, len(data), cache] for rel, data, cache in kernels]}).encode()
-    out = b"".join([_MAGIC, struct.pack("<I", len(head)), head, artifacts]
+    out = b"".join([_MAGIC, struct.pack("<I", len(head)), head] + artifacts
                    + [d for _, d, _ in probes] + [d for _, d, _ in kernels])
-    _last = (made_from, out)
+    # A kernel whose file was missing is looked for again at the next save.
+    _last = (made_from, out) if complete else None
     return out
 
 
@@ -202,7 +234,7 @@ def _parse(data):
         raise ValueError("its header is not JSON") from None
     if not isinstance(head, dict):
         raise ValueError("its header is not an object")
-    version, n, host, isa = head.get("torch"), head.get("artifacts"), head.get("host"), head.get("isa")
+    version, sizes, host, isa = head.get("torch"), head.get("artifacts"), head.get("host"), head.get("isa")
 
     def listing(entries, caches):
         return isinstance(entries, list) and all(
@@ -210,17 +242,20 @@ def _parse(data):
             and e[1] >= 0 and (not caches or e[2] in caches) for e in entries)
 
     probes, files = head.get("probes"), head.get("files")
-    if (not isinstance(version, str) or type(n) is not int or n < 0 or not isinstance(host, dict)
+    if (not isinstance(version, str) or not isinstance(sizes, list)
+            or not all(type(n) is int and n >= 0 for n in sizes) or not isinstance(host, dict)
             or not isinstance(isa, str) or not listing(probes, ()) or not listing(files, _CODE_CACHES)):
         raise ValueError("its header is not rlaunch's")
     for rel, *_ in probes + files:
         if not _valid_name(rel):
             raise ValueError(f"it names a file {rel!r} that is not a kernel of inductor's cache")
     at = 12 + hlen
-    if at + n + sum(e[1] for e in probes + files) != len(data):
+    if at + sum(sizes) + sum(e[1] for e in probes + files) != len(data):
         raise ValueError("its length is not what its header says")
-    artifacts = bytes(data[at:at + n])
-    at += n
+    artifacts = []
+    for n in sizes:
+        artifacts.append(bytes(data[at:at + n]))
+        at += n
 
     def take(entries):
         nonlocal at
@@ -238,7 +273,6 @@ def install(data):
     """Puts a blob's compile output where this process's ``torch.compile`` looks first. Does
     nothing in a process that already compiled or installed anything. Returns whether it
     installed; says once on stderr why not when the blob cannot be used, and never raises."""
-    global _installed
     with _lock:
         if _installed or _compiled_anything():
             return False
@@ -265,29 +299,37 @@ def _install(data):
 
     if got["torch"] != torch.__version__:
         return _not_used("version", f"it is torch {got['torch']}'s, this process runs torch {torch.__version__}")
-    mine = _host_facts()
-    if not mine["cpu"] or got["host"] != mine:
+    cpu_code = "cpu" in got["host"]
+    mine = _host_facts(cpu_code)
+    if (cpu_code and not mine["cpu"]) or got["host"] != mine:
         differ = sorted(k for k in set(mine) | set(got["host"]) if got["host"].get(k) != mine.get(k))
         return _not_used("host", "it was compiled on a host that differs from this one in "
                          f"{', '.join(differ) or 'cpu (unknown here)'}")
+    if cpu_code and not got["isa"]:
+        return _not_used("isa", "its graphs hold C++ code but it does not say for which vector instructions")
     from torch._inductor import codecache
 
     root = codecache.cache_dir()
-    for rel, content, _ in got["probes"]:
-        _write_absent(root, rel, content)
-    if got["files"]:
+    if got["isa"]:
+        # The probes first: inductor picks the vector instructions by them (and its own check of
+        # this CPU's features), loading each here; their verdicts are not handed over.
+        for rel, content, _ in got["probes"]:
+            _write_absent(root, rel, content)
         from torch._inductor.cpu_vec_isa import pick_vec_isa
 
         isa = str(pick_vec_isa())
         if isa != got["isa"]:
-            return _not_used("isa", f"its kernels are for {got['isa'] or 'no'} vector instructions, "
+            return _not_used("isa", f"its graphs are for {got['isa']} vector instructions, "
                              f"inductor picks {isa} here")
-        for rel, content, _ in got["files"]:
-            _write_absent(root, rel, content)
-        for rel, _, cache in got["files"]:
+    for artifacts in got["artifacts"]:
+        if torch.compiler.load_cache_artifacts(artifacts) is None:
+            return _not_used("artifacts", "torch could not read its cache artifacts")
+    for rel, content, cache in got["files"]:
+        if _write_absent(root, rel, content):
+            # Only a file written here, whole, is entered; one that was there already (another
+            # process's compile, maybe unfinished) is left to inductor, which locks and checks.
             _enter(getattr(codecache, cache), os.path.basename(rel).split(".")[0], os.path.join(root, rel))
-    if got["artifacts"] and torch.compiler.load_cache_artifacts(got["artifacts"]) is None:
-        return _not_used("artifacts", "torch could not read its cache artifacts")
+    _received.extend(got["artifacts"])
     _installed = True
     return True
 
@@ -310,10 +352,11 @@ def _enter(cache, key, path):
 
 def _write_absent(root, rel, content):
     """Writes a kernel where inductor would have compiled it, unless something is there: whole
-    or not at all (a temporary file of its own, then a rename that follows no link)."""
+    or not at all (a temporary file of its own, then a rename that follows no link). Returns
+    whether it wrote it."""
     path = os.path.join(root, rel)
     if os.path.lexists(path):
-        return
+        return False
     directory = os.path.dirname(path)
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".rlaunch-", suffix=".tmp")
@@ -322,6 +365,7 @@ def _write_absent(root, rel, content):
             f.write(content)
         os.chmod(tmp, 0o755)
         os.replace(tmp, path)
+        return True
     except BaseException:
         try:
             os.unlink(tmp)

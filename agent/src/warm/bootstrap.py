@@ -116,7 +116,8 @@ _LAZY_CALLS = {"torch": [("torch.compile(", ["torch._inductor.compile_fx"])]}
 # Functions of those modules called ahead too, once imported: what depends on the installation
 # alone and each process computes once. Inductor's cache keys hash the source files of torch and
 # Triton at a process's first compile (0.13 s and 0.3 s here, half of a replacement worker's first
-# step with the cache warm); neither touches a device.
+# step with the cache warm); neither touches a device. Not under TORCH_TRACE: their timing event
+# would open the process's trace file before the process group names its rank.
 _AHEAD_CALLS = {"torch._inductor.compile_fx": [("torch._inductor.codecache", "torch_key"),
                                                ("torch._inductor.codecache", "triton_key")]}
 # Inductor reads its settings from the environment when imported: a program whose files name
@@ -249,7 +250,8 @@ def _warm_up(own_dir, program_file, fd):
                 raise
             except BaseException:
                 pass
-        for name in lazy:
+        ahead = [] if os.environ.get("TORCH_TRACE") else lazy
+        for name in ahead:
             for module, function in _AHEAD_CALLS.get(name, []) if name in sys.modules else []:
                 if select.select([fd], [], [], 0)[0]:
                     return
