@@ -3,9 +3,9 @@
 
     compiled_handover.py OUT MODE         MODE: on | off (the flag given to save and load)
 
-Every attempt of every rank compiles into an inductor cache of its own
-(OUT/cache.ATTEMPT.RANK) and a temporary directory of its own (OUT/tmp.ATTEMPT.RANK, where
-inductor keeps its precompiled header), as a new host would, and with OUT/bin/g++ as its
+Every attempt compiles into an inductor cache of its own (OUT/cache.ATTEMPT, shared by its two
+ranks as a host's is) and a temporary directory of its own (OUT/tmp.ATTEMPT, where inductor
+keeps its precompiled header), as a new host would, and with OUT/bin/g++ as its
 C++ compiler: a wrapper that appends each compile (not a version query, not a query of its
 target options, not a preprocessing `-E`, which inductor runs to name its precompiled header) to
 OUT/compiles.ATTEMPT and runs the real g++.
@@ -40,9 +40,9 @@ if not os.path.exists(os.path.join(BIN, "g++")):
     os.replace(tmp, os.path.join(BIN, "g++"))
 os.environ["CXX"] = os.path.join(BIN, "g++")
 os.environ["RLAUNCH_TEST_ATTEMPT"] = str(ATTEMPT)
-os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(OUT, f"cache.{ATTEMPT}.{RANK}")
-os.environ["TMPDIR"] = os.path.join(OUT, f"tmp.{ATTEMPT}.{RANK}")
-os.makedirs(os.environ["TMPDIR"])
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(OUT, f"cache.{ATTEMPT}")
+os.environ["TMPDIR"] = os.path.join(OUT, f"tmp.{ATTEMPT}")
+os.makedirs(os.environ["TMPDIR"], exist_ok=True)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -13,7 +13,9 @@ or for none named, artifacts torch cannot read, a cache directory that cannot be
 Installed: a valid blob whose kernel's name is already a link (the link not followed, its target
 unchanged, the kernel not entered in inductor's code cache: what was there is inductor's to
 check), a valid blob (its kernel written whole where inductor looks and entered in its code
-cache); then a second valid blob in the same process is not (a process installs once).
+cache); then a second valid blob in the same process is not (a process installs once); in a
+fresh process's stead, a blob whose kernels are there already, one with the same bytes (entered)
+and one with others (left as it is, not entered).
 """
 
 import copy
@@ -103,4 +105,17 @@ with open(kernel, "rb") as f:
 assert KEY in codecache.CppPythonBindingsCodeCache.cache, "the kernel was not entered under its key"
 assert not [n for n in os.listdir(os.path.join(CACHE, KEY[1:3])) if n.endswith(".tmp")]
 print(f"case once: installed={compiled.install(blob([(REL, b'other')]))}", flush=True)
+# Another rank of the host, from the same part: the kernel is there with the same bytes (entered),
+# or with other bytes, say a compile not finished (left to inductor, not rewritten).
+codecache.CppPythonBindingsCodeCache.cache.pop(KEY)
+KEY2 = "czyxwvutsrqponmlkjihgfedcba9876543210"
+REL2 = f"{KEY2[1:3]}/{KEY2}.so"
+os.makedirs(os.path.join(CACHE, KEY2[1:3]), exist_ok=True)
+with open(os.path.join(CACHE, REL2), "wb") as f:
+    f.write(b"\x7fELF half")
+case("same_and_other", blob([(REL, b"\x7fELF kernel"), (REL2, b"\x7fELF whole")]))
+assert KEY in codecache.CppPythonBindingsCodeCache.cache, "a kernel with the same bytes was not entered"
+assert KEY2 not in codecache.CppPythonBindingsCodeCache.cache, "a kernel with other bytes was entered"
+with open(os.path.join(CACHE, REL2), "rb") as f:
+    assert f.read() == b"\x7fELF half", "a file at a kernel's name was rewritten"
 print("ok", flush=True)

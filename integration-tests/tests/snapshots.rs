@@ -602,7 +602,7 @@ fn compiled_code_from_a_part_is_checked_before_anything_of_it_is_written() {
     for case in refused {
         assert!(stdout.contains(&format!("case {case}: installed=False")), "{case} refused:\n{stdout}{err}");
     }
-    for case in ["link", "good"] {
+    for case in ["link", "good", "same_and_other"] {
         assert!(stdout.contains(&format!("case {case}: installed=True")), "{case} installed:\n{stdout}{err}");
     }
     for said in [

@@ -32,11 +32,11 @@ probes are in place the vector instruction set inductor picks here must be the s
 difference: nothing installed, said once, the process compiles as without. Code that holds no
 C++ (a GPU's Triton kernels) needs only the same machine, and no compiler.
 
-The kernels this process writes are also entered in inductor's in-process code caches under the
-key they were compiled for: inductor builds its precompiled header (158 MB, 5 s here) for any
+The kernels this process writes (or finds written whole, with the same bytes, by another rank
+of the host) are also entered in inductor's in-process code caches under the key they were
+compiled for: inductor builds its precompiled header (158 MB, 5 s here) for any
 kernel that is not there, before it looks whether the kernel's file exists, which on a new host
-would cost more than the kernels saved. A kernel file that was there already is left to
-inductor. Torch's artifacts are loaded before any kernel is written or entered.
+would cost more than the kernels saved. Any other file at a kernel's name is left to inductor. Torch's artifacts are loaded before any kernel is written or entered.
 
 Loaded only into a process that has compiled no graph yet, once: survivors keep what they have.
 The bytes are code. ``load(compiled=True)`` runs what a rank of the job compiled, which is why it
@@ -326,8 +326,9 @@ def _install(data):
             return _not_used("artifacts", "torch could not read its cache artifacts")
     for rel, content, cache in got["files"]:
         if _write_absent(root, rel, content):
-            # Only a file written here, whole, is entered; one that was there already (another
-            # process's compile, maybe unfinished) is left to inductor, which locks and checks.
+            # Only a file that holds these bytes whole is entered: written here, or by another
+            # rank of the host from the same part. Anything else at the name (a compile not
+            # finished, a link) is left to inductor, which locks and checks.
             _enter(getattr(codecache, cache), os.path.basename(rel).split(".")[0], os.path.join(root, rel))
     _received.extend(got["artifacts"])
     _installed = True
@@ -353,10 +354,15 @@ def _enter(cache, key, path):
 def _write_absent(root, rel, content):
     """Writes a kernel where inductor would have compiled it, unless something is there: whole
     or not at all (a temporary file of its own, then a rename that follows no link). Returns
-    whether it wrote it."""
+    whether the name now holds these bytes: written here, or a regular file equal to them."""
     path = os.path.join(root, rel)
     if os.path.lexists(path):
-        return False
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return False
+        with os.fdopen(fd, "rb") as f:
+            return f.read(len(content) + 1) == content
     directory = os.path.dirname(path)
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".rlaunch-", suffix=".tmp")
