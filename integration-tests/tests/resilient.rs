@@ -502,8 +502,10 @@ fn a_rust_survivor_keeps_its_process_through_a_loss_and_a_join() {
         Proc::spawn(c, &format!("rlaunch on host {}", h.name), &dir.path().join(log))
     };
     let mut a = agent(0, "rlaunch-a.log");
-    integration_tests::wait_until("host a to host the rendezvous server", Duration::from_secs(10), || {
-        netns::listening(&endpoint)
+    // Host a joins first, so its worker is rank 0 (the one that logs steps): started as soon as
+    // host a's server listened, host b once joined before host a itself did.
+    integration_tests::wait_until("host a to host the rendezvous server and join it", Duration::from_secs(10), || {
+        netns::listening(&endpoint) && a.output().contains("joined forming round 1")
     });
     let _b = agent(1, "rlaunch-b.log");
     let rounds = |out: &str| -> Vec<String> {

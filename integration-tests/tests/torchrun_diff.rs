@@ -789,7 +789,14 @@ fn launch(case: &Case, who: Launcher, p: &Paths) -> Observation {
                 })
                 .unwrap_or(0);
             if n >= workers {
-                unsafe { libc::kill(child.id() as i32, sig) };
+                // A moment later, a signal to a running job: torchrun starts further processes
+                // right after its workers record themselves, and a signal that lands inside that
+                // fork raises in Popen, past its handler, leaving its worker running (seen once,
+                // on a loaded machine).
+                std::thread::sleep(Duration::from_millis(500));
+                if child.try_wait().expect("try_wait").is_none() {
+                    unsafe { libc::kill(child.id() as i32, sig) };
+                }
                 break;
             }
             std::thread::sleep(Duration::from_millis(20));
