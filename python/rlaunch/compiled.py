@@ -181,7 +181,8 @@ def _make():
     # that was handed its graphs hands them on as it got them, beside what it compiled itself.
     artifacts = list(_received) + ([saved[0]] if saved else [])
     root = codecache.cache_dir()
-    kernels = {f"{key[1:3]}/{key}{ext}": cache for key, cache in keys.items() for ext in (".so", ".main.so")}
+    # Inductor links each key's library as `<key>.main.so` beside its `<key>.main.cpp`.
+    kernels = {f"{key[1:3]}/{key}.main.so": cache for key, cache in keys.items()}
     # The CPU probes: the kernels whose loading inductor marked as having worked on this CPU.
     probes = {os.path.relpath(marker[:-len(".load_ok")], root): ""
               for marker in glob.glob(os.path.join(glob.escape(root), "*", "*.so.load_ok"))}
@@ -204,7 +205,7 @@ def _make():
                 with open(os.path.join(root, rel), "rb") as f:
                     got.append((rel, f.read(), cache))
             except FileNotFoundError:
-                complete = complete and not rel.endswith(".main.so")
+                complete = complete and cache == ""  # a probe gone is no loss
         return got
 
     probes = read({rel: c for rel, c in probes.items() if rel not in kernels})

@@ -262,9 +262,7 @@ def save(step, state, *, compiled=False):
             os.close(fd)
         _write(mm, 0, prefix + header)
         for arr, nbytes, keep, at in p.arrays:
-            if isinstance(keep, bytes):
-                _write(mm, start + at, keep)
-            elif nbytes:
+            if nbytes:
                 _copy_into(mm, start + at, arr, nbytes, keep)
         _call(s, {"op": "commit", "step": step, "rank": rank})
         return True
@@ -299,7 +297,11 @@ def _write(mm, at, data):
 
 
 def _copy_into(mm, at, arr, nbytes, keep):
-    """One copy of an array's bytes into the mapping (CUDA tensors straight to host memory)."""
+    """One copy of an array's bytes into the mapping (CUDA tensors straight to host memory;
+    plain bytes, the compiled code, as they are)."""
+    if isinstance(keep, bytes):
+        _write(mm, at, keep)
+        return
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(keep, torch.Tensor):
         dst = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=at)
