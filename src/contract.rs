@@ -720,6 +720,28 @@ pub struct RoundInfo {
     /// How the round's nodes differ in their fingerprints (empty when they do not).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub fingerprint_diff: Vec<String>,
+    /// The members this node watches while the round runs, and how (absent: nobody watches
+    /// peers, as with a rendezvous older than peer watching or `peer_interval=0`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub watch: Option<PeerWatch>,
+}
+
+/// What a node watches of its peers during a round: a few other members' agents, pinged over
+/// UDP at their probe endpoints every `interval_ms`; silence or a refusal is reported to the
+/// rendezvous with the next (immediate) heartbeat. See the rendezvous' `detector` module.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeerWatch {
+    pub interval_ms: u64,
+    /// A node silent for less than this is never reported silent (a paused agent, a long GC).
+    pub stall_bound_ms: u64,
+    pub targets: Vec<WatchTarget>,
+}
+
+/// One member a node watches: its id and its agent's probe endpoint.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WatchTarget {
+    pub node_id: String,
+    pub addr: HostPort,
 }
 
 #[cfg(test)]

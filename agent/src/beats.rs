@@ -37,6 +37,8 @@ pub enum Event {
     BeatLost { seq: u64 },
     /// A probe's task ended without an outcome.
     ProbeLost { node_id: String },
+    /// What this node's peer watching reports changed: tell the rendezvous now.
+    Urgent,
 }
 
 /// A heartbeat that was not answered.
@@ -151,6 +153,7 @@ impl Beats {
                 self.probing.remove(&node_id);
                 false
             }
+            Event::Urgent => true,
         };
         if send_now && self.in_flight < MAX_IN_FLIGHT {
             self.seq += 1;

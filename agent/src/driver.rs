@@ -448,6 +448,7 @@ impl Io<'_> {
                 if flush_console {
                     self.ctx.console.flush();
                 }
+                self.watch_peers(None);
                 if let Some(snap) = self.ctx.snapshots {
                     snap.end_round();
                 }
@@ -577,8 +578,16 @@ impl Io<'_> {
         Ok(())
     }
 
+    /// Starts (or, with `None`, stops) watching the members the round gave this node.
+    fn watch_peers(&self, watch: Option<rlaunch::contract::PeerWatch>) {
+        if let Some(e) = &self.elastic {
+            e.watch.send_replace(watch);
+        }
+    }
+
     async fn start_workers(&mut self, p: Placement) -> Result<(), AgentError> {
         self.group = None;
+        self.watch_peers(p.watch.clone());
         let master = match &p.master {
             Some(m) => {
                 if self.fixed_store {
@@ -654,6 +663,7 @@ impl Io<'_> {
     /// workers at the local indices in `fresh` (their own rank failed) are started anew, warm
     /// where a warm interpreter waits.
     async fn resume_workers(&mut self, p: Placement, fresh: Vec<u32>) -> Result<(), AgentError> {
+        self.watch_peers(p.watch.clone());
         let master = p.master.clone().expect("an elastic round names its workers' store");
         log_round(
             &p,

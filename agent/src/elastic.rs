@@ -12,9 +12,9 @@ use tokio::sync::mpsc::UnboundedSender;
 use tokio::task::{JoinHandle, JoinSet};
 use tracing::{info, warn};
 
-use rlaunch::contract::{Host, HostPort, NodeInfo};
+use rlaunch::contract::{Host, HostPort, NodeInfo, PeerWatch};
 use rlaunch_rendezvous::api::{serve_with, AppState, ServeLimits};
-use rlaunch_rendezvous::detector::{ProbeReport, ProbeRequest};
+use rlaunch_rendezvous::detector::{PeerReport, ProbeReport, ProbeRequest};
 use rlaunch_rendezvous::{Backend, Beat, HeartbeatAnswer, RdzvError, Rendezvous, RendezvousClient};
 
 use crate::beats::{self, Beats, PROBE_ATTEMPTS};
@@ -22,6 +22,7 @@ use crate::config::{AgentConfig, DynamicBackend, DynamicRendezvous};
 use crate::core::{CallError, Cause, Event};
 use crate::error::AgentError;
 use crate::node::start_store;
+use crate::peers::{self, Peers};
 
 /// Aborts a background task when dropped (heartbeats, an agent-hosted server).
 struct AbortOnDrop(JoinHandle<()>);
@@ -47,6 +48,9 @@ pub(crate) struct ElasticSetup {
     /// Each local rank's wait in all-reduces, as the supervisor last read it; every heartbeat
     /// carries it (stragglers).
     pub steps: StepsShared,
+    /// The members this node watches in the running round (`None` between rounds).
+    pub watch: tokio::sync::watch::Sender<Option<PeerWatch>>,
+    _peers: AbortOnDrop,
 }
 
 /// What the supervisor shares with the heartbeat task.
@@ -134,6 +138,10 @@ pub(crate) async fn setup(
     let probe_within =
         job.probe_timeout.saturating_sub(job.heartbeat_interval).mul_f64(0.8).max(Duration::from_millis(200));
     let steps = StepsShared::default();
+    let (watch, watch_rx) = tokio::sync::watch::channel(None);
+    let reports = PeersShared::default();
+    let (urgent, urgent_rx) = tokio::sync::mpsc::unbounded_channel();
+    let peers = AbortOnDrop(tokio::spawn(peer_loop(watch_rx, reports.clone(), urgent)));
     let heartbeats = AbortOnDrop(tokio::spawn(heartbeat_loop(
         client.clone(),
         node.node_id.clone(),
@@ -141,6 +149,7 @@ pub(crate) async fn setup(
         probe_within,
         events,
         steps.clone(),
+        (reports, urgent_rx),
     )));
     Ok(ElasticSetup {
         client,
@@ -151,7 +160,124 @@ pub(crate) async fn setup(
         _probe: (probe, udp),
         hosted,
         steps,
+        watch,
+        _peers: peers,
     })
+}
+
+/// What this node's peer watching reports now, for every heartbeat to carry.
+type PeersShared = std::sync::Arc<std::sync::Mutex<Vec<PeerReport>>>;
+
+/// Carries out [`Peers`]' watching: pings each watched member's probe endpoint over UDP every
+/// interval from a socket of its own (connected, so that a host's "port unreachable" comes
+/// back as a refusal), feeds answers, refusals and ticks to the core, keeps `shared` current and
+/// asks for a heartbeat at once when what it reports changes.
+async fn peer_loop(
+    mut watch: tokio::sync::watch::Receiver<Option<PeerWatch>>,
+    shared: PeersShared,
+    urgent: tokio::sync::mpsc::UnboundedSender<()>,
+) {
+    let clock = tokio::time::Instant::now();
+    let now = move || u64::try_from(clock.elapsed().as_millis()).unwrap_or(u64::MAX);
+    let mut peers = Peers::default();
+    let (heard_tx, mut heard) = tokio::sync::mpsc::unbounded_channel::<peers::Event>();
+    let mut sockets: Vec<(String, std::sync::Arc<tokio::net::UdpSocket>)> = Vec::new();
+    let mut receivers: JoinSet<()> = JoinSet::new();
+    let mut tick = tokio::time::interval(Duration::from_secs(3600));
+    let mut nonce: u32 = crate::random::rand_u32();
+    loop {
+        let event = tokio::select! {
+            changed = watch.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+                let w = watch.borrow_and_update().clone();
+                receivers.abort_all();
+                sockets.clear();
+                if let Some(w) = &w {
+                    tick = tokio::time::interval(Duration::from_millis(w.interval_ms.max(10)));
+                    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                    for t in &w.targets {
+                        match connect_udp(&t.addr).await {
+                            Ok(socket) => {
+                                let socket = std::sync::Arc::new(socket);
+                                receivers.spawn(receive_echoes(t.node_id.clone(), socket.clone(), heard_tx.clone()));
+                                sockets.push((t.node_id.clone(), socket));
+                            }
+                            Err(e) => warn!(node = %t.node_id, addr = %t.addr, error = %e, "peer watching: cannot ping this member"),
+                        }
+                    }
+                }
+                peers::Event::Watch(w)
+            }
+            _ = tick.tick(), if !sockets.is_empty() => {
+                nonce = nonce.wrapping_add(1);
+                let mut datagram = rlaunch::store::PROBE_DATAGRAM.to_vec();
+                datagram.extend_from_slice(&nonce.to_le_bytes());
+                for (id, socket) in &sockets {
+                    if let Err(e) = socket.try_send(&datagram) {
+                        if e.kind() == std::io::ErrorKind::ConnectionRefused {
+                            let _ = heard_tx.send(peers::Event::Refused { node_id: id.clone() });
+                        }
+                    }
+                }
+                peers::Event::Tick
+            }
+            Some(event) = heard.recv() => event,
+        };
+        let t = now();
+        let actions = peers.step(event, t);
+        *shared.lock().unwrap_or_else(|p| p.into_inner()) = peers.reports(t);
+        for a in actions {
+            match a {
+                peers::Action::Urgent => {
+                    let _ = urgent.send(());
+                }
+                peers::Action::Info(m) => info!("{m}"),
+            }
+        }
+    }
+}
+
+/// A UDP socket connected to a watched member's probe endpoint.
+async fn connect_udp(addr: &HostPort) -> std::io::Result<tokio::net::UdpSocket> {
+    let target = tokio::net::lookup_host(addr.to_string())
+        .await?
+        .next()
+        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, format!("{addr} resolves to nothing")))?;
+    let socket = tokio::net::UdpSocket::bind(if target.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }).await?;
+    socket.connect(target).await?;
+    Ok(socket)
+}
+
+/// Tells of every echo from `node_id`'s endpoint, and of every refusal (ICMP port unreachable
+/// surfaces as an error of the next receive on a connected socket).
+async fn receive_echoes(
+    node_id: String,
+    socket: std::sync::Arc<tokio::net::UdpSocket>,
+    heard: tokio::sync::mpsc::UnboundedSender<peers::Event>,
+) {
+    let mut buf = [0u8; 64];
+    loop {
+        let event = match socket.recv(&mut buf).await {
+            Ok(n)
+                if n == rlaunch::store::PROBE_DATAGRAM.len() + 4 && buf.starts_with(rlaunch::store::PROBE_DATAGRAM) =>
+            {
+                peers::Event::Answered { node_id: node_id.clone() }
+            }
+            Ok(_) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                peers::Event::Refused { node_id: node_id.clone() }
+            }
+            Err(_) => {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        if heard.send(event).is_err() {
+            return;
+        }
+    }
 }
 
 /// The probe endpoint's store holds nothing: a set beyond this closes the connection.
@@ -178,6 +304,7 @@ async fn heartbeat_loop(
     probe_within: Duration,
     events: UnboundedSender<Event>,
     steps: StepsShared,
+    (peer_reports, mut urgent): (PeersShared, tokio::sync::mpsc::UnboundedReceiver<()>),
 ) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -190,6 +317,7 @@ async fn heartbeat_loop(
     loop {
         let event = tokio::select! {
             _ = tick.tick() => beats::Event::Tick,
+            Some(()) = urgent.recv() => beats::Event::Urgent,
             Some(done) = tasks.join_next_with_id() => {
                 let kind = kinds.remove(&match &done { Ok((id, _)) => *id, Err(e) => e.id() });
                 match (done, kind) {
@@ -219,7 +347,8 @@ async fn heartbeat_loop(
                 beats::Action::Send { sent, probes } => {
                     let steps = steps.lock().unwrap_or_else(|p| p.into_inner()).clone();
                     let seq = sent.seq;
-                    let beat = Beat { sent: Some(sent), probes, steps };
+                    let peers = peer_reports.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                    let beat = Beat { sent: Some(sent), probes, steps, peers };
                     let (client, node_id) = (client.clone(), node_id.clone());
                     let task = tasks.spawn(async move {
                         let started = tokio::time::Instant::now();

@@ -21,6 +21,7 @@ pub mod logdir;
 pub mod node;
 pub mod numa;
 pub mod output;
+pub mod peers;
 pub mod process;
 pub mod progress;
 mod random;

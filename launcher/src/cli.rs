@@ -59,7 +59,7 @@ pub struct Args {
     pub rdzv_token_file: Option<PathBuf>,
 
     /// Rendezvous settings `key=value,…` (join_timeout, last_call_timeout, heartbeat_interval,
-    /// node_ttl, probe_timeout in seconds; token).
+    /// node_ttl, probe_timeout, peer_interval (0: off), stall_bound in seconds; token).
     #[arg(long = "rdzv-conf", alias = "rdzv_conf", env = "PET_RDZV_CONF", default_value = "")]
     pub rdzv_conf: String,
 
@@ -388,6 +388,7 @@ pub fn parse_rdzv_conf(s: &str) -> Result<RdzvConf, UsageError> {
     };
     let t = &mut conf.settings;
     let mut probe_timeout_given = false;
+    let mut stall_bound_given = false;
     for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         let Some((k, v)) = part.split_once('=') else {
             return usage(format!("--rdzv-conf: `{part}` is not key=value"));
@@ -403,16 +404,28 @@ pub fn parse_rdzv_conf(s: &str) -> Result<RdzvConf, UsageError> {
                 t.probe_timeout = parse_seconds(&flag, v)?;
                 probe_timeout_given = true;
             }
+            "peer_interval" if v.trim() == "0" => t.peer_interval = Duration::ZERO,
+            "peer_interval" => t.peer_interval = parse_seconds(&flag, v)?,
+            "stall_bound" => {
+                t.stall_bound = parse_seconds(&flag, v)?;
+                stall_bound_given = true;
+            }
             "token" => conf.token = Some(v.to_string()),
             "tls_ca" if v.is_empty() => return usage("--rdzv-conf tls_ca: give the path of a PEM CA bundle"),
             "tls_ca" => conf.tls_ca = Some(PathBuf::from(v)),
             k if IGNORED_TORCHRUN_KEYS.contains(&k) => {}
             _ => {
                 return usage(format!(
-                    "--rdzv-conf: unknown key `{k}` (known: join_timeout, last_call_timeout, heartbeat_interval, node_ttl, probe_timeout, token, tls_ca)"
+                    "--rdzv-conf: unknown key `{k}` (known: join_timeout, last_call_timeout, heartbeat_interval, node_ttl, probe_timeout, peer_interval, stall_bound, token, tls_ca)"
                 ))
             }
         }
+    }
+    if !stall_bound_given {
+        // A short TTL (fast test setups) gets a stall bound within it, and pings within that.
+        let t = &mut conf.settings;
+        t.stall_bound = t.stall_bound.min(t.node_ttl / 2);
+        t.peer_interval = t.peer_interval.min(t.stall_bound / 4);
     }
     if !probe_timeout_given {
         // Probers hear of a suspicion with their next heartbeat's answer: slower heartbeats
@@ -987,6 +1000,11 @@ mod tests {
     #[test]
     fn rdzv_conf_reads_torchrun_keys_and_its_timeouts_must_nest() {
         assert!(parse_rdzv_conf("bogus=1").is_err());
+        let peers = parse_rdzv_conf("peer_interval=0.05,stall_bound=0.3").unwrap().settings;
+        assert_eq!((peers.peer_interval, peers.stall_bound), (Duration::from_millis(50), Duration::from_millis(300)));
+        assert_eq!(parse_rdzv_conf("peer_interval=0").unwrap().settings.peer_interval, Duration::ZERO);
+        assert!(parse_rdzv_conf("peer_interval=0.3,stall_bound=0.5").unwrap().settings.validate().is_err());
+        assert!(parse_rdzv_conf("stall_bound=5").unwrap().settings.validate().is_err(), "past the TTL");
         let c = parse_rdzv_conf("join_timeout=30,read_timeout=60,node_ttl=3,heartbeat_interval=1").unwrap();
         assert_eq!(c.settings.node_ttl, Duration::from_secs(3));
         assert!(c.settings.validate().is_ok());

@@ -365,10 +365,15 @@ mod tests {
         }
         let ms = |d: Duration| d.as_millis() as u64;
         let now = 10 + ms(Duration::from_secs(2));
-        job = apply(&job, Event::Heartbeat { node_id: "a".into(), sent: None, probes: vec![] }, now).0;
+        job = apply(&job, Event::Heartbeat { node_id: "a".into(), sent: None, probes: vec![], peers: vec![] }, now).0;
         job = apply(&job, Event::Tick, now).0;
         let report = rlaunch_rendezvous::detector::ProbeReport { node_id: "b".into(), reached: true };
-        job = apply(&job, Event::Heartbeat { node_id: "a".into(), sent: None, probes: vec![report] }, now + 100).0;
+        job = apply(
+            &job,
+            Event::Heartbeat { node_id: "a".into(), sent: None, probes: vec![report], peers: vec![] },
+            now + 100,
+        )
+        .0;
         let text = render(&job.status("j", now + 300));
         assert!(text.contains("hb loss  health"), "{text}");
         assert!(text.contains("SUSPECTED  b"), "{text}");

@@ -27,6 +27,8 @@ fn settings(n: u32) -> JobSettings {
         heartbeat_interval: Duration::from_secs(5),
         node_ttl: Duration::from_secs(30),
         probe_timeout: Duration::from_secs(10),
+        peer_interval: Duration::from_millis(100),
+        stall_bound: Duration::from_millis(500),
         max_restarts: 0,
         stop_grace: Duration::ZERO,
         hang_timeout: None,

@@ -18,6 +18,11 @@
 //!    lost whatever the probes say: its own agent has stopped its workers by then (it fences
 //!    after a TTL and 2 s without an answer, which is sooner for any TTL of 1 s or more).
 //!
+//! 3. **Peer watching** ([`peers`]), faster than both: members watch a few others over UDP and
+//!    report a silence or a vanished agent at once; every watcher agreeing, with the rendezvous'
+//!    own silence, is a verdict in well under a second. The two opinions above remain the
+//!    backstop.
+//!
 //! A heartbeat clears a suspicion. Heartbeats carry a sequence number and the sender's count of
 //! heartbeats whose answer came late (a retransmission: over TCP a lost packet shows as delay,
 //! not as a gap), so the rendezvous knows each node's heartbeat loss rate (shown in status and
@@ -53,6 +58,10 @@ pub struct Timing {
     pub ttl: Millis,
     /// How long a suspicion's probes may take before the verdict.
     pub probe_timeout: Millis,
+    /// How often watchers ping the members they watch (0: no peer watching).
+    pub peer_interval: Millis,
+    /// Silence (to every source) below which no node is lost through its watchers.
+    pub stall_bound: Millis,
 }
 
 impl Timing {
@@ -124,6 +133,10 @@ pub struct Health {
     pub probes_reached: u64,
     #[serde(default)]
     pub probes_missed: u64,
+    /// Each watcher's latest report on this node ([`peers`]). Never stored: a replica or a
+    /// restarted service starts without, and the watchers repeat what holds.
+    #[serde(skip)]
+    pub peers: std::collections::BTreeMap<String, peers::Evidence>,
 }
 
 /// One probe request for a member: reach `node_id` at `addr` and say whether it answered.
@@ -292,6 +305,9 @@ pub fn phi(elapsed: f64, mean: f64, std: f64) -> f64 {
     }
     -p_later.log10()
 }
+
+pub mod peers;
+pub use peers::PeerReport;
 
 #[cfg(test)]
 mod tests;

@@ -24,6 +24,8 @@ use crate::store::Store;
 
 /// The longest a long-poll may be asked to wait.
 pub const MAX_WAIT: Duration = Duration::from_secs(60);
+/// How long the service tries to reach a node a watcher reported gone before it believes it.
+pub const GONE_CHECK: Duration = Duration::from_millis(150);
 
 /// Wall-clock milliseconds: the clock every replica and agent shares ([`crate::clock`]).
 pub use crate::clock::now_ms;
@@ -52,10 +54,16 @@ struct JoinView {
 }
 
 impl JoinView {
-    fn of(job: &Job, node_id: &str, members: bool) -> Self {
+    /// `watching`: whether this store reads peer reports (else the round gives no one to watch).
+    fn of(job: &Job, node_id: &str, members: bool, watching: bool) -> Self {
         // Past the nodes snapshots support, no member list: it would make every answer O(N).
         let members = members && job.members.len() <= rlaunch::contract::MAX_SNAPSHOT_NODES;
-        let info = job.placement(node_id, members);
+        let mut info = job.placement(node_id, members);
+        if !watching {
+            if let Some(i) = &mut info {
+                i.watch = None;
+            }
+        }
         let terminal = Rendezvous::terminal_error(job);
         let tracked = info.is_some() || terminal.is_some() || job.is_member(node_id) || job.tracks(node_id);
         JoinView { version: job.version, round: job.round, state: job.phase.name(), info, terminal, tracked }
@@ -110,6 +118,9 @@ pub struct Beat {
     /// How long each local rank waits in all-reduces per step (ranks of the Rust runtime).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub steps: Vec<crate::stragglers::RankWait>,
+    /// What this node's watching says of the members it watches ([`crate::detector::peers`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub peers: Vec<crate::detector::PeerReport>,
 }
 
 /// Answer to one heartbeat: the probes the node is asked to make (reach each node directly and
@@ -331,6 +342,7 @@ impl Rendezvous {
         members: bool,
         wait: Duration,
     ) -> Result<Joined, RdzvError> {
+        let watching = matches!(self.store, Store::Memory(_));
         if let Some(p) = proposed {
             if p.len() != 2 * crate::identity::SECRET_BYTES || crate::identity::unhex(p).is_none() {
                 return Err(RdzvError::BadRequest {
@@ -353,7 +365,7 @@ impl Rendezvous {
         guard.minted = Some(proposed.map_or_else(crate::identity::mint, str::to_owned));
         let id = node.node_id.as_str();
         let joined = |job: &Job, guard: &Guard| {
-            (JoinView::of(job, id, members), crate::round::secret_after_join(job, id, guard))
+            (JoinView::of(job, id, members, watching), crate::round::secret_after_join(job, id, guard))
         };
         let (mut view, held) = match self
             .apply(run_id, Some(settings), Event::Join(node.clone()), &guard, |job| joined(job, &guard))
@@ -395,14 +407,14 @@ impl Rendezvous {
             self.store.wait_change(run_id, view.version, deadline).await?;
             view = self
                 .store
-                .view(run_id, |job| JoinView::of(job, id, members))
+                .view(run_id, |job| JoinView::of(job, id, members, watching))
                 .await?
                 .ok_or_else(|| RdzvError::UnknownJob { run_id: run_id.to_owned() })?;
             if !view.tracked && view.info.is_none() && view.terminal.is_none() {
                 // Dropped meanwhile (silent too long while waiting): join again.
                 view = self
                     .apply(run_id, Some(settings), Event::Join(node.clone()), &guard, |job| {
-                        JoinView::of(job, id, members)
+                        JoinView::of(job, id, members, watching)
                     })
                     .await?;
             }
@@ -423,7 +435,9 @@ impl Rendezvous {
         let (reached, missed) =
             beat.probes.iter().fold((0, 0), |(r, m), p| if p.reached { (r + 1, m) } else { (r, m + 1) });
         let guard = self.guard(secret);
-        let (d, probe) = self.store.heartbeat(run_id, node_id, beat.sent, beat.probes, &guard, now_ms()).await?;
+        let peers = self.confirm_gone(run_id, node_id, beat.peers).await;
+        let (d, probe) =
+            self.store.heartbeat(run_id, node_id, (beat.sent, beat.probes, peers), &guard, now_ms()).await?;
         self.observe(run_id, &d);
         match d.action {
             Action::Rejected(r) => Err(r.into()),
@@ -446,6 +460,50 @@ impl Rendezvous {
                 Ok(HeartbeatAnswer { probe })
             }
         }
+    }
+
+    /// Checks each report that a watched node's agent is gone before it counts: the service
+    /// reaches for the node's probe endpoint itself, and a node that answers within
+    /// [`GONE_CHECK`] was not gone (a watcher that lies, or mistook a stale answer) — the report
+    /// is dropped and logged. One that does not answer (refused, as a dead agent's host says, or
+    /// silent) keeps the report. Reports of a silence need no check: the rendezvous' own
+    /// silence must agree with them.
+    async fn confirm_gone(
+        &self,
+        run_id: &str,
+        watcher: &str,
+        mut peers: Vec<crate::detector::PeerReport>,
+    ) -> Vec<crate::detector::PeerReport> {
+        peers.truncate(crate::detector::peers::MAX_REPORTS);
+        let gone: Vec<String> = peers.iter().filter(|r| r.gone).map(|r| r.node_id.clone()).collect();
+        if gone.is_empty() {
+            return peers;
+        }
+        let addrs = self
+            .store
+            .view(run_id, |job| {
+                gone.iter()
+                    .filter(|id| job.watchers_of(id).contains(&watcher))
+                    .filter_map(|id| Some((id.clone(), job.addr_of(id)?.to_string())))
+                    .collect::<Vec<_>>()
+            })
+            .await
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        let mut answered = Vec::new();
+        for (id, addr) in addrs {
+            let nonce = rand::random::<u32>();
+            let udp = rlaunch::store::probe_udp(&addr, nonce, GONE_CHECK / 3, GONE_CHECK);
+            let tcp = rlaunch::store::probe(&addr, nonce.wrapping_add(1), GONE_CHECK);
+            let (udp, tcp) = tokio::join!(udp, tcp);
+            if udp.is_ok() || tcp.is_ok() {
+                warn!(run_id, watcher, node = %id, "a watcher reported the node's agent gone, but it answers: report dropped");
+                answered.push(id);
+            }
+        }
+        peers.retain(|r| !(r.gone && answered.contains(&r.node_id)));
+        peers
     }
 
     /// Waits up to `wait` for job `run_id` to leave round `after_round` or end. A watch for a

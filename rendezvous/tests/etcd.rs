@@ -186,6 +186,8 @@ fn settings(min: u32, max: u32) -> JobSettings {
         heartbeat_interval: Duration::from_millis(300),
         node_ttl: Duration::from_secs(2),
         probe_timeout: Duration::from_secs(1),
+        peer_interval: Duration::from_millis(100),
+        stall_bound: Duration::from_millis(500),
         max_restarts: 3,
         stop_grace: Duration::ZERO,
         hang_timeout: None,

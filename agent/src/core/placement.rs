@@ -23,6 +23,8 @@ pub struct Placement {
     pub fingerprint_diff: Vec<String>,
     /// The round's members (elastic, when the join asked for them: snapshots).
     pub members: Vec<rlaunch::contract::Member>,
+    /// The members this node watches while the round runs (elastic).
+    pub watch: Option<rlaunch::contract::PeerWatch>,
 }
 
 impl Placement {
@@ -46,6 +48,7 @@ impl Placement {
             hang_timeout,
             fingerprint_diff: Vec::new(),
             members: Vec::new(),
+            watch: None,
         }
     }
 
@@ -62,6 +65,7 @@ impl Placement {
             hang_timeout: r.hang_timeout,
             fingerprint_diff: r.fingerprint_diff.clone(),
             members: r.members.clone(),
+            watch: r.watch.clone(),
         }
     }
 }

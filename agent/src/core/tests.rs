@@ -36,6 +36,7 @@ fn fixed(max_restarts: u32) -> Core {
         hang_timeout: None,
         fingerprint_diff: Vec::new(),
         members: Vec::new(),
+        watch: None,
     };
     Core::new(Membership::Fixed { placement, max_restarts })
 }
@@ -66,6 +67,7 @@ fn round(n: u64, restart_count: u32) -> RoundInfo {
         local_world_size: 4,
         hang_timeout: None,
         fingerprint_diff: Vec::new(),
+        watch: None,
     }
 }
 

@@ -2,7 +2,7 @@
 
 use super::*;
 
-const T: Timing = Timing { interval: 500, ttl: 2000, probe_timeout: 1000 };
+const T: Timing = Timing { interval: 500, ttl: 2000, probe_timeout: 1000, peer_interval: 100, stall_bound: 500 };
 
 /// A node heartbeating every `every` ms (sequence numbers 0, 1, …) until `until`.
 fn steady(every: Millis, until: Millis) -> (Health, Millis) {
@@ -202,7 +202,7 @@ fn phi_never_reaches_the_threshold_within_two_and_a_half_intervals() {
         x
     };
     for interval in [10, 100, 500, 5000] {
-        let t = Timing { interval, ttl: interval * 4, probe_timeout: 1000 };
+        let t = Timing { interval, ttl: interval * 4, probe_timeout: 1000, ..T };
         for _ in 0..200 {
             let mut h = Health::default();
             let mut at = 0;
@@ -235,6 +235,6 @@ fn without_arrival_times_a_silent_node_is_suspected_a_probe_timeout_before_its_t
     }
     assert!(!seen.suspect_due(Some(4500), 4500 + 1250, &T), "the early rule is for nodes without arrivals");
     // A TTL shorter than the probes' time: 2.5 intervals still.
-    let short = Timing { interval: 500, ttl: 1500, probe_timeout: 1000 };
+    let short = Timing { interval: 500, ttl: 1500, probe_timeout: 1000, ..T };
     assert_eq!(short.early_suspicion(), 1250);
 }

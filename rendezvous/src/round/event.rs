@@ -91,14 +91,18 @@ pub enum Rejection {
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum Event {
     Join(NodeInfo),
-    /// A sign of life, with the sender's count of heartbeats and the outcomes of the probes it
-    /// was asked for.
+    /// A sign of life, with the sender's count of heartbeats, the outcomes of the probes it
+    /// was asked for and its reports on the members it watches.
     Heartbeat {
         node_id: String,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         sent: Option<Sent>,
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         probes: Vec<ProbeReport>,
+        /// What the sender's watching says of the members it watches
+        /// ([`crate::detector::peers`]).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        peers: Vec<crate::detector::PeerReport>,
     },
     /// Time passed: check heartbeats, the last call and the join timeout.
     Tick,

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use super::recovery::Accounting;
 use super::settings::{JobSettings, Millis, MAX_NODES, SCALE_UP_TTLS};
 use crate::detector::{self, Health, ProbeRequest, Timing, Verdict};
-use rlaunch::contract::{HostPort, Member, NodeInfo, RootCause, RoundInfo};
+use rlaunch::contract::{HostPort, Member, NodeInfo, PeerWatch, RootCause, RoundInfo, WatchTarget};
 
 /// Group ranks by node id for [`Job::member`], and the round's world size; equal to any other
 /// (it is a cache).
@@ -379,6 +379,8 @@ impl JobSettings {
             interval: Self::ms(self.heartbeat_interval),
             ttl: Self::ms(self.node_ttl),
             probe_timeout: Self::ms(self.probe_timeout),
+            peer_interval: Self::ms(self.peer_interval),
+            stall_bound: Self::ms(self.stall_bound),
         }
     }
 }
@@ -569,7 +571,57 @@ impl Job {
             local_world_size: me.local_world_size,
             hang_timeout: self.settings.hang_timeout,
             fingerprint_diff: self.fingerprint_diff.clone(),
+            watch: self.watch_of(me.group_rank as usize),
         })
+    }
+
+    /// What the member at `index` (its group rank) watches in the running round
+    /// ([`detector::peers::watch_offsets`]); `None` with peer watching off.
+    fn watch_of(&self, index: usize) -> Option<PeerWatch> {
+        if self.settings.peer_interval.is_zero() {
+            return None;
+        }
+        let n = self.members.len();
+        let targets = detector::peers::watch_offsets(n)
+            .into_iter()
+            .filter_map(|o| self.members.get((index + o) % n))
+            .map(|m| WatchTarget {
+                node_id: m.node_id.clone(),
+                addr: m.probe_addr.clone().unwrap_or(m.store_addr.clone()),
+            })
+            .collect();
+        Some(PeerWatch {
+            interval_ms: JobSettings::ms(self.settings.peer_interval),
+            stall_bound_ms: JobSettings::ms(self.settings.stall_bound),
+            targets,
+        })
+    }
+
+    /// The members assigned to watch `target` in the running round (none when it is no member,
+    /// the round is not running, or peer watching is off).
+    pub fn watchers_of(&self, target: &str) -> Vec<&str> {
+        if self.settings.peer_interval.is_zero() || !matches!(self.phase, Phase::Running { .. }) {
+            return Vec::new();
+        }
+        let Some(t) = self.member(target).map(|m| m.group_rank as usize) else { return Vec::new() };
+        let n = self.members.len();
+        detector::peers::watch_offsets(n)
+            .into_iter()
+            .filter_map(|o| self.members.get((t + n - o) % n))
+            .map(|m| m.node_id.as_str())
+            .filter(|id| *id != target)
+            .collect()
+    }
+
+    /// The watchers of `target` whose reports count now: assigned, not suspected themselves,
+    /// and heard from by the rendezvous recently ([`Timing::watcher_silence`]).
+    pub fn trusted_watchers(&self, target: &str, now: Millis) -> Vec<&str> {
+        let t = self.settings.timing();
+        self.watchers_of(target)
+            .into_iter()
+            .filter(|w| self.health.get(*w).is_none_or(|h| h.suspicion.is_none()))
+            .filter(|w| self.last_seen.get(*w).is_some_and(|s| now.saturating_sub(*s) < t.watcher_silence()))
+            .collect()
     }
 
     /// Whether the failure detector holds `node_id` lost at `now`. A node that succeeded may go
@@ -582,6 +634,9 @@ impl Job {
         }
         let t = self.settings.timing();
         match self.health.get(node_id) {
+            Some(h) if !h.peers.is_empty() && h.lost_to_peers(&self.trusted_watchers(node_id, now), last, now, &t) => {
+                true
+            }
             Some(h) => h.verdict(last, now, &t) == Verdict::Lost,
             // Not yet seen by a tick: suspected at most, never lost without probes.
             None => false,
@@ -636,7 +691,7 @@ impl Job {
 
     /// Where `node_id`'s agent answers probes: its probe endpoint, else its store (the one it
     /// joined with last: a pending node's newer details first).
-    fn addr_of(&self, node_id: &str) -> Option<&HostPort> {
+    pub fn addr_of(&self, node_id: &str) -> Option<&HostPort> {
         self.pending.get(node_id).map(|p| p.node.probe_addr.as_ref().unwrap_or(&p.node.store_addr)).or_else(|| {
             let m = self.member(node_id)?;
             Some(m.probe_addr.as_ref().unwrap_or(&m.store_addr))
@@ -719,6 +774,14 @@ impl Job {
             .last_seen
             .get(node_id)
             .map_or_else(|| "never heard from".to_owned(), |l| format!("silent for {} ms", now.saturating_sub(*l)));
+        let t = self.settings.timing();
+        if let Some(h) = self.health.get(node_id) {
+            let last = self.last_seen.get(node_id).copied();
+            if !h.peers.is_empty() && h.lost_to_peers(&self.trusted_watchers(node_id, now), last, now, &t) {
+                let peers = h.peer_detail(now).unwrap_or_default();
+                return format!("{node_id} ({silence}; its watchers: {peers})");
+            }
+        }
         match self.health.get(node_id).and_then(|h| h.suspicion.as_ref()) {
             Some(s) if s.reached_by.is_some() => format!("{node_id} ({silence}, past the silence limit)"),
             Some(s) if !s.missed_by.is_empty() => {

@@ -84,16 +84,20 @@ pub fn stale(silence: Duration, ttl: Duration) -> bool {
 }
 
 /// When the earliest of `nodes` was last heard from, on either store: its last heartbeat held in
-/// the job (`last_seen`), else when the process that let its record lapse last heard from it
+/// the job (`last_seen`) or, if later, when one of its watchers last heard it, else when the process that let its record lapse last heard from it
 /// (`lapsed_heard`, etcd), else one TTL before `now` (a node is suspected a TTL into its silence
 /// at the latest).
 pub fn last_heard(job: &Job, nodes: &[String], now: Millis) -> Millis {
     let ttl = JobSettings::ms(job.settings.node_ttl);
     nodes
         .iter()
-        .filter_map(|id| job.last_seen.get(id).or_else(|| job.lapsed_heard.get(id)))
+        .filter_map(|id| {
+            let heard = job.last_seen.get(id).or_else(|| job.lapsed_heard.get(id)).copied();
+            // A watcher that heard the node after the rendezvous did knows better.
+            let peer = job.health.get(id).and_then(|h| h.last_peer_sign());
+            heard.max(peer.filter(|p| *p <= now))
+        })
         .min()
-        .copied()
         .unwrap_or(now.saturating_sub(ttl))
 }
 

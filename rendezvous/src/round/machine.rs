@@ -9,7 +9,8 @@ use super::job::{FailureKind, Job, MemberIndex, Pending, Phase};
 use super::node::{fingerprint_digest, fingerprint_summary, validate_node, MAX_FINGERPRINTS};
 use super::recovery::{MarkKind, NAMED_NODES};
 use super::settings::{JobSettings, Millis, SCALE_UP_TTLS};
-use crate::detector::{ProbeReport, Sent};
+use crate::detector::peers::MAX_REPORTS;
+use crate::detector::{PeerReport, ProbeReport, Sent};
 use rlaunch::contract::{Member, NodeInfo, NodeProgress, RootCause, SnapshotSet};
 
 /// Applies one event to a job at time `now`. Pure: the same inputs give the same outputs.
@@ -34,7 +35,7 @@ pub fn apply_in_place(job: &mut Job, ev: Event, now: Millis) -> Decision {
     let keeps_reason = matches!(ev, Event::ReportStacks { .. } | Event::Progress { .. });
     let decision = match ev {
         Event::Join(node) => join(next, node, now),
-        Event::Heartbeat { node_id, sent, probes } => heartbeat(next, &node_id, sent, &probes, now),
+        Event::Heartbeat { node_id, sent, probes, peers } => heartbeat(next, &node_id, sent, &probes, &peers, now),
         Event::Tick => tick(next, now),
         Event::ReportFailure { node_id, round, root_cause } => report_failure(next, &node_id, round, *root_cause, now),
         Event::NodeSucceeded { node_id, round } => node_succeeded(next, &node_id, round, now),
@@ -187,7 +188,14 @@ fn join(job: &mut Job, mut node: NodeInfo, now: Millis) -> Decision {
     evaluate_forming(job, now, base)
 }
 
-fn heartbeat(job: &mut Job, node_id: &str, sent: Option<Sent>, probes: &[ProbeReport], now: Millis) -> Decision {
+fn heartbeat(
+    job: &mut Job,
+    node_id: &str,
+    sent: Option<Sent>,
+    probes: &[ProbeReport],
+    peers: &[PeerReport],
+    now: Millis,
+) -> Decision {
     if let Some(r) = job.rejection_if_terminal() {
         return reject(r);
     }
@@ -206,11 +214,41 @@ fn heartbeat(job: &mut Job, node_id: &str, sent: Option<Sent>, probes: &[ProbeRe
             notes.push(format!("{node_id} {how} suspected node {}", p.node_id));
         }
     }
+    if let Some(d) = peer_reports(job, node_id, peers, now) {
+        return d;
+    }
     if notes.is_empty() {
         decide(Action::HeartbeatRecorded, format!("heartbeat from {node_id}"))
     } else {
         decide(Action::Updated, format!("probe: {}", notes.join("; ")))
     }
+}
+
+/// Takes `watcher`'s reports on the members it watches (any other report is ignored: no node
+/// speaks of one it was not given), and ends the round at once for those its watchers now find
+/// lost ([`crate::detector::peers`]), without waiting for the tick.
+fn peer_reports(job: &mut Job, watcher: &str, peers: &[PeerReport], now: Millis) -> Option<Decision> {
+    if peers.is_empty() || !matches!(job.phase, Phase::Running { .. }) {
+        return None;
+    }
+    let mut reported = Vec::new();
+    for r in peers.iter().take(MAX_REPORTS) {
+        if r.node_id == watcher || !job.watchers_of(&r.node_id).contains(&watcher) {
+            continue;
+        }
+        if let Some(h) = job.health.get_mut(&r.node_id) {
+            h.reported(watcher, r, now);
+            reported.push(r.node_id.clone());
+        }
+    }
+    let lost: Vec<String> =
+        reported.into_iter().filter(|id| !job.succeeded.contains(id) && job.lapsed(id, now)).collect();
+    if lost.is_empty() {
+        return None;
+    }
+    let details: Vec<String> = lost.iter().map(|id| job.loss_detail(id, now)).collect();
+    let reason = format!("node(s) {} of round {} lost: node loss", details.join(", "), job.round);
+    Some(open_round(job, now, RoundCause::NodeLost { nodes: lost.clone() }, &lost, reason))
 }
 
 fn tick(job: &mut Job, now: Millis) -> Decision {

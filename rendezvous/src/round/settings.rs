@@ -50,6 +50,18 @@ pub struct JobSettings {
     /// lost. Detection of a dead node therefore takes at most TTL + this.
     #[serde(rename = "probe_timeout_ms", with = "duration_ms", default = "default_probe_timeout")]
     pub probe_timeout: Duration,
+    /// How often each agent pings the few members it watches during a round (UDP, at their
+    /// probe endpoints), so that a silent node is noticed within about a second and an agent
+    /// that died on a live host within a ping (see [`crate::detector`]'s peer watching).
+    /// Zero: no peer watching (the heartbeats and probes alone, about 2.3 s).
+    #[serde(rename = "peer_interval_ms", with = "duration_ms", default = "default_peer_interval")]
+    pub peer_interval: Duration,
+    /// A node silent for less than this, to its watchers and to the rendezvous alike, is never
+    /// lost through peer watching: the longest pause (a stopped agent, a saturated CPU, a long
+    /// GC) a node may take without being replaced. Its watchers report it silent only after
+    /// this plus a ping interval, and later under loss.
+    #[serde(rename = "stall_bound_ms", with = "duration_ms", default = "default_stall_bound")]
+    pub stall_bound: Duration,
     /// Global restart budget: how many reported failures the job survives.
     pub max_restarts: u32,
     /// How long an agent may take to stop its workers (`--shutdown-timeout`). A forming round
@@ -72,6 +84,14 @@ fn default_probe_timeout() -> Duration {
     Duration::from_secs(1)
 }
 
+fn default_peer_interval() -> Duration {
+    Duration::from_millis(100)
+}
+
+fn default_stall_bound() -> Duration {
+    Duration::from_millis(500)
+}
+
 impl Default for JobSettings {
     /// A dead node is lost within 3 s of its last heartbeat (suspected after about 1.3 s on a
     /// clean link, at the latest at the 2 s TTL, then 1 s of probes): heartbeat 0.5 s, TTL 2 s,
@@ -85,6 +105,8 @@ impl Default for JobSettings {
             heartbeat_interval: Duration::from_millis(500),
             node_ttl: Duration::from_secs(2),
             probe_timeout: default_probe_timeout(),
+            peer_interval: default_peer_interval(),
+            stall_bound: default_stall_bound(),
             max_restarts: 0,
             stop_grace: Duration::ZERO,
             hang_timeout: None,
@@ -179,6 +201,22 @@ impl JobSettings {
                 ("node_ttl", self.node_ttl),
                 ("--shutdown-timeout", self.stop_grace),
                 ("join_timeout", self.join_timeout),
+            ])?;
+        }
+        if !self.peer_interval.is_zero() {
+            // Pings of at least 10 ms; a stall bound of at least two pings (one late echo is not
+            // a silence) and below the TTL (the heartbeats' own verdict comes after it).
+            if self.peer_interval < MIN_HEARTBEAT {
+                return Err(SettingsError::OutOfRange {
+                    name: "peer_interval",
+                    value: self.peer_interval,
+                    bound: "0 (off) or at least 10 ms",
+                });
+            }
+            check_nesting(&[
+                ("2 x peer_interval", self.peer_interval.saturating_mul(2)),
+                ("stall_bound", self.stall_bound + Duration::from_millis(1)),
+                ("node_ttl", self.node_ttl + Duration::from_millis(1)),
             ])?;
         }
         check_nesting(&[("last_call_timeout", self.last_call_timeout), ("join_timeout", self.join_timeout)])

@@ -22,6 +22,8 @@ pub(crate) fn settings(min: u32, max: u32) -> JobSettings {
         heartbeat_interval: Duration::from_millis(500),
         node_ttl: Duration::from_secs(2),
         probe_timeout: Duration::from_secs(1),
+        peer_interval: Duration::from_millis(100),
+        stall_bound: Duration::from_millis(500),
         max_restarts: 2,
         stop_grace: Duration::ZERO,
         hang_timeout: None,
@@ -65,7 +67,8 @@ fn join(job: &Job, id: &str, now: Millis) -> (Job, Decision) {
 }
 
 fn hb(job: &Job, id: &str, now: Millis) -> Job {
-    let (j, d) = step(job, Event::Heartbeat { node_id: id.to_owned(), sent: None, probes: Vec::new() }, now);
+    let (j, d) =
+        step(job, Event::Heartbeat { node_id: id.to_owned(), sent: None, probes: Vec::new(), peers: Vec::new() }, now);
     assert_eq!(d.action, Action::HeartbeatRecorded, "{d:?}");
     j
 }
@@ -125,6 +128,17 @@ fn rejects_timeouts_that_do_not_nest() {
     let mut s = settings(1, 1);
     s.last_call_timeout = Duration::from_secs(61);
     assert!(matches!(s.validate(), Err(SettingsError::NotNested { smaller: "last_call_timeout", .. })));
+
+    // Peer watching: pings well within the stall bound, the stall bound within the TTL.
+    let mut s = settings(1, 1);
+    s.stall_bound = s.node_ttl;
+    assert!(matches!(s.validate(), Err(SettingsError::NotNested { smaller: "stall_bound", .. })));
+    s.stall_bound = Duration::from_millis(150);
+    assert!(matches!(s.validate(), Err(SettingsError::NotNested { smaller: "2 x peer_interval", .. })));
+    s.peer_interval = Duration::from_millis(5);
+    assert!(matches!(s.validate(), Err(SettingsError::OutOfRange { name: "peer_interval", .. })));
+    s.peer_interval = Duration::ZERO;
+    assert_eq!(s.validate(), Ok(()), "off: the stall bound is not used");
 
     assert!(matches!(settings(0, 1).validate(), Err(SettingsError::MinNodesZero { .. })));
     assert!(matches!(settings(3, 2).validate(), Err(SettingsError::MinAboveMax { min: 3, max: 2 })));
@@ -285,7 +299,8 @@ fn join_with_bad_details_is_rejected_and_leaves_the_job_untouched() {
 #[test]
 fn heartbeat_from_an_unknown_node_is_rejected() {
     let job = running(&["a"], settings(1, 1));
-    let (after, d) = step(&job, Event::Heartbeat { node_id: "zz".into(), sent: None, probes: Vec::new() }, 10);
+    let (after, d) =
+        step(&job, Event::Heartbeat { node_id: "zz".into(), sent: None, probes: Vec::new(), peers: Vec::new() }, 10);
     assert_eq!(d.action, Action::Rejected(Rejection::UnknownNode { node_id: "zz".into() }));
     assert_eq!(after, job);
 }
@@ -323,7 +338,8 @@ fn node_loss_opens_a_new_round_with_the_survivors() {
     assert_eq!(job.previous, ["a", "c"]);
     assert!(!job.last_seen.contains_key("b"));
     // The lost node learns it is unknown and must rejoin.
-    let (_, d) = step(&job, Event::Heartbeat { node_id: "b".into(), sent: None, probes: Vec::new() }, 3200);
+    let (_, d) =
+        step(&job, Event::Heartbeat { node_id: "b".into(), sent: None, probes: Vec::new(), peers: Vec::new() }, 3200);
     assert!(matches!(d.action, Action::Rejected(Rejection::UnknownNode { .. })));
     // Survivors come back: the last call is skipped; ranks keep the old order.
     let (job, _) = join(&job, "c", 3300);
@@ -557,7 +573,7 @@ fn beating(job: &Job, ids: &[&str], from: Millis, to: Millis) -> (Job, Vec<Decis
     let mut t = from;
     while t < to {
         for id in ids {
-            let ev = Event::Heartbeat { node_id: (*id).to_owned(), sent: None, probes: Vec::new() };
+            let ev = Event::Heartbeat { node_id: (*id).to_owned(), sent: None, probes: Vec::new(), peers: Vec::new() };
             let (next, d) = step(&job, ev, t);
             assert!(matches!(d.action, Action::HeartbeatRecorded | Action::Updated), "{id} at {t}: {d:?}");
             job = next;
@@ -875,7 +891,8 @@ fn terminal_jobs_reject_heartbeats_and_ignore_ticks() {
     s.max_restarts = 0;
     let job = running(&["a"], s);
     let (job, _) = step(&job, Event::ReportFailure { node_id: "a".into(), round: 1, root_cause: rc(json!(1)) }, 1500);
-    let (_, d) = step(&job, Event::Heartbeat { node_id: "a".into(), sent: None, probes: Vec::new() }, 1600);
+    let (_, d) =
+        step(&job, Event::Heartbeat { node_id: "a".into(), sent: None, probes: Vec::new(), peers: Vec::new() }, 1600);
     assert!(matches!(d.action, Action::Rejected(Rejection::JobFailed { .. })));
     let (after, d) = tick(&job, 1_000_000);
     assert_eq!(d.action, Action::Nothing);
@@ -968,7 +985,12 @@ fn random_event_sequences_keep_the_invariants() {
                             reached: rng.below(2) == 0,
                         })
                         .collect();
-                    Event::Heartbeat { node_id: id, sent: Some(Sent { seq: step_no as u64, slow: 0 }), probes }
+                    Event::Heartbeat {
+                        node_id: id,
+                        sent: Some(Sent { seq: step_no as u64, slow: 0 }),
+                        probes,
+                        peers: Vec::new(),
+                    }
                 }
                 6 => Event::Tick,
                 7 => Event::ReportFailure {
@@ -1178,7 +1200,7 @@ fn the_first_nodes_hang_timeout_is_the_jobs_and_reaches_every_member() {
 fn beat(job: &Job, id: &str, seq: Option<u64>, probes: &[(&str, bool)], now: Millis) -> (Job, Decision) {
     let probes = probes.iter().map(|(n, r)| ProbeReport { node_id: (*n).to_owned(), reached: *r }).collect();
     let sent = seq.map(|seq| Sent { seq, slow: 0 });
-    step(job, Event::Heartbeat { node_id: id.to_owned(), sent, probes }, now)
+    step(job, Event::Heartbeat { node_id: id.to_owned(), sent, probes, peers: Vec::new() }, now)
 }
 
 /// Round 1 running with a, b, c; a and c heartbeat every 500 ms from 0 to `until`, b went silent
@@ -1375,7 +1397,7 @@ fn only_the_holder_of_a_nodes_secret_speaks_for_it() {
     let forged = [
         Event::Join(moved.clone()),
         Event::Join(node("a")),
-        Event::Heartbeat { node_id: "a".into(), sent: None, probes: vec![] },
+        Event::Heartbeat { node_id: "a".into(), sent: None, probes: vec![], peers: vec![] },
         Event::ReportFailure { node_id: "a".into(), round: 1, root_cause: rc("forged") },
         Event::NodeSucceeded { node_id: "a".into(), round: 1 },
         Event::Leave { node_id: "a".into() },
@@ -1421,9 +1443,14 @@ fn a_lost_or_departed_node_gives_up_its_id_and_key() {
     let mut lost = false;
     while now < 10_000 && !lost {
         now += 250;
-        job =
-            guarded(&job, Event::Heartbeat { node_id: "b".into(), sent: None, probes: vec![] }, Some("sb"), None, now)
-                .0;
+        job = guarded(
+            &job,
+            Event::Heartbeat { node_id: "b".into(), sent: None, probes: vec![], peers: vec![] },
+            Some("sb"),
+            None,
+            now,
+        )
+        .0;
         let (next, d) = tick(&job, now);
         lost = matches!(d.action, Action::RoundOpened { cause: RoundCause::NodeLost { .. }, .. });
         job = next;
@@ -2330,3 +2357,5 @@ fn the_pending_and_survivor_indexes_answer_as_a_scan_of_their_lists_would_throug
         }
     }
 }
+
+mod peers;

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::detector::{ProbeReport, ProbeRequest, Sent};
+use crate::detector::{PeerReport, ProbeReport, ProbeRequest, Sent};
 use crate::error::RdzvError;
 use crate::round::{Decision, Event, Guard, Job, JobSettings, Millis};
 
@@ -178,16 +178,17 @@ impl Store {
         &self,
         run_id: &str,
         node_id: &str,
-        sent: Option<Sent>,
-        probes: Vec<ProbeReport>,
+        (sent, probes, peers): (Option<Sent>, Vec<ProbeReport>, Vec<PeerReport>),
         guard: &Guard,
         now: Millis,
     ) -> Result<(Decision, Vec<ProbeRequest>), RdzvError> {
         match self {
             Store::Memory(m) => {
-                let ev = Event::Heartbeat { node_id: node_id.to_owned(), sent, probes };
+                let ev = Event::Heartbeat { node_id: node_id.to_owned(), sent, probes, peers };
                 m.apply_view(run_id, None, ev, guard, now, |job| job.probes_for(node_id)).map(|(probes, d)| (d, probes))
             }
+            // Peer reports are not read on etcd yet: its replicas keep no heartbeat times to
+            // check them against (the leases and probes decide there).
             Store::Etcd(e) => e.heartbeat(run_id, node_id, probes, guard, now).await,
         }
     }

@@ -449,7 +449,7 @@ impl EtcdStore {
             probes.into_iter().filter(|p| owed.iter().any(|r| r.node_id == p.node_id)).collect();
         owed.retain(|r| !relevant.iter().any(|p| p.node_id == r.node_id));
         if !relevant.is_empty() {
-            let ev = Event::Heartbeat { node_id: node_id.to_owned(), sent: None, probes: relevant };
+            let ev = Event::Heartbeat { node_id: node_id.to_owned(), sent: None, probes: relevant, peers: Vec::new() };
             match self.apply(run_id, None, ev, guard.clone(), now).await {
                 Ok((_, d)) if d.action == Action::Updated => decision = d,
                 Ok(_) => {}
