@@ -180,7 +180,7 @@ async fn peer_loop(
     let clock = tokio::time::Instant::now();
     let now = move || u64::try_from(clock.elapsed().as_millis()).unwrap_or(u64::MAX);
     let mut peers = Peers::default();
-    let (heard_tx, mut heard) = tokio::sync::mpsc::unbounded_channel::<peers::Event>();
+    let (mut heard_tx, mut heard) = tokio::sync::mpsc::unbounded_channel::<peers::Event>();
     let mut sockets: Vec<(String, std::sync::Arc<tokio::net::UdpSocket>)> = Vec::new();
     let mut receivers: JoinSet<()> = JoinSet::new();
     let mut tick = tokio::time::interval(Duration::from_secs(3600));
@@ -192,8 +192,11 @@ async fn peer_loop(
                     return;
                 }
                 let w = watch.borrow_and_update().clone();
-                receivers.abort_all();
+                // The last watch's sockets, receivers and whatever they queued go: a refusal
+                // heard for the last round's target says nothing of this round's.
+                receivers.shutdown().await;
                 sockets.clear();
+                (heard_tx, heard) = tokio::sync::mpsc::unbounded_channel();
                 if let Some(w) = &w {
                     tick = tokio::time::interval(Duration::from_millis(w.interval_ms.max(10)));
                     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

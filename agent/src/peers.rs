@@ -8,13 +8,18 @@
 //! give the link's loss. A target is reported
 //!
 //! - **gone** when its host answered that nothing listens at its probe endpoint (ICMP port
-//!   unreachable): its agent is dead while the host lives — reported at once;
+//!   unreachable) after it had answered pings: its agent is dead while the host lives —
+//!   reported at once;
 //! - **silent** when it has not answered for its threshold: the stall bound plus a ping, or
 //!   longer, as long as a run of misses that long is less likely than [`FALSE_SILENCE`] under the
-//!   loss measured on that link (10 % of pings lost: 0.6 s; 28 %: 1.1 s; 51 %: 2.1 s).
+//!   loss measured on that link, taken two standard errors high (over 100 pings: 10 % of pings
+//!   lost, 0.8 s; 28 %, 1.4 s; 51 %, 2.8 s). Until a few pings are measured the threshold is
+//!   high (2 s or more): a round's first second trusts the heartbeats.
 //!
-//! A target that never answered (UDP filtered on the path) is never reported: this node cannot
-//! watch it, and says so once. When this node's own ticks come late (its agent was stopped or
+//! A report ends when the target answers again, and for a while after this node says so with
+//! every heartbeat (the rendezvous takes the earlier report back). A target that never answered
+//! (UDP filtered or rejected on the path) is never reported: this node cannot watch it, and says
+//! so once. When this node's own ticks come late (its agent was stopped or
 //! starved), the silence that gap caused is forgiven: a watcher that was not running has seen
 //! nothing.
 
@@ -31,8 +36,13 @@ pub type Millis = u64;
 pub const FALSE_SILENCE: f64 = 1e-6;
 /// Ping windows remembered for the loss estimate (10 s at 100 ms).
 pub const WINDOW: usize = 100;
-/// Answers a target must have given before its silence is reported.
+/// Answers a target must have given before its silence or a refusal is reported (one that
+/// never answered may sit behind a firewall that rejects UDP: refusals say nothing of it).
 pub const MIN_ANSWERS: u32 = 3;
+/// How long after a report ends (the target answered again) this node still says so with
+/// every heartbeat: its earlier report is taken back at the rendezvous, however the
+/// heartbeats in flight arrive.
+pub const RETRACT_FOR: Millis = 2_000;
 
 #[derive(Debug, Clone)]
 struct Target {
@@ -46,16 +56,22 @@ struct Target {
     /// Refused since its last answer.
     gone: bool,
     said_unwatchable: bool,
+    /// When a report of it last ended (it answered again), while that is still said.
+    retracted_at: Option<Millis>,
 }
 
 impl Target {
     /// The share of recent pings not answered, with one phantom miss and one phantom answer (so
-    /// a clean history is not taken for a perfect link), up to the last answer: the silence
-    /// under way is what is judged, not part of the link's measure.
+    /// a clean history is not taken for a perfect link), up to the last answer (the silence
+    /// under way is what is judged, not part of the link's measure), raised by two standard
+    /// errors: a hundred pings measure the loss only roughly, and the threshold must hold for
+    /// the link as it may be, not only as it looked.
     fn loss(&self) -> f64 {
         let judged = self.outcomes.iter().rposition(|ok| *ok).map_or(0, |i| i + 1);
         let misses = self.outcomes.iter().take(judged).filter(|ok| !**ok).count();
-        (misses as f64 + 1.0) / (judged as f64 + 2.0)
+        let n = judged as f64 + 2.0;
+        let p = (misses as f64 + 1.0) / n;
+        (p + 2.0 * (p * (1.0 - p) / n).sqrt()).min(0.99)
     }
 }
 
@@ -111,6 +127,7 @@ impl Peers {
                             outcomes: VecDeque::new(),
                             gone: false,
                             said_unwatchable: false,
+                            retracted_at: None,
                         };
                         self.targets.insert(t.node_id, kept.unwrap_or(fresh));
                     }
@@ -126,7 +143,7 @@ impl Peers {
                 }
             }
             Event::Refused { node_id } => {
-                if let Some(t) = self.targets.get_mut(&node_id) {
+                if let Some(t) = self.targets.get_mut(&node_id).filter(|t| t.answers >= MIN_ANSWERS) {
                     t.gone = true;
                 }
             }
@@ -156,7 +173,7 @@ impl Peers {
                 }
             }
         }
-        let now_reported: Vec<(String, bool)> = self.reports(now).into_iter().map(|r| (r.node_id, r.gone)).collect();
+        let now_reported: Vec<(String, bool)> = self.judged(now).into_iter().map(|(id, gone, _)| (id, gone)).collect();
         if now_reported != self.reported {
             for (id, gone) in &now_reported {
                 if !self.reported.contains(&(id.clone(), *gone)) {
@@ -164,10 +181,37 @@ impl Peers {
                     out.push(Action::Info(format!("peer watching: {id} {what}; telling the rendezvous")));
                 }
             }
+            for (id, _) in &self.reported {
+                if !now_reported.iter().any(|(n, _)| n == id) {
+                    if let Some(t) = self.targets.get_mut(id) {
+                        t.retracted_at = Some(now);
+                        out.push(Action::Info(format!("peer watching: {id} answers again; telling the rendezvous")));
+                    }
+                }
+            }
             self.reported = now_reported;
             out.push(Action::Urgent);
         }
         out
+    }
+
+    /// Whether this node's own ticks stopped coming (its agent was stopped or starved): the
+    /// silence of its targets since then is its own doing.
+    fn paused(&self, now: Millis) -> bool {
+        self.last_tick.is_some_and(|l| now.saturating_sub(l) > self.interval.saturating_mul(3))
+    }
+
+    /// The targets found silent or gone now: (id, gone, silent for).
+    fn judged(&self, now: Millis) -> Vec<(String, bool, Millis)> {
+        let paused = self.paused(now);
+        self.targets
+            .iter()
+            .filter_map(|(id, t)| {
+                let silent_ms = now.saturating_sub(t.last_answer.unwrap_or(t.since));
+                let silent = !paused && t.answers >= MIN_ANSWERS && silent_ms >= self.threshold(t);
+                (t.gone || silent).then(|| (id.clone(), t.gone, silent_ms))
+            })
+            .collect()
     }
 
     /// How long `t` must be silent before it is reported: the stall bound plus a ping, or the
@@ -182,16 +226,22 @@ impl Peers {
     }
 
     /// What this node says now of the members it watches: each one gone or silent, with how
-    /// long ago it last answered.
+    /// long ago it last answered; and, for [`RETRACT_FOR`] after such a report ended, that it
+    /// answers again (a report with the short silence since its last answer).
     pub fn reports(&self, now: Millis) -> Vec<PeerReport> {
-        self.targets
-            .iter()
-            .filter_map(|(id, t)| {
+        let mut out: Vec<PeerReport> = self
+            .judged(now)
+            .into_iter()
+            .map(|(node_id, gone, silent_ms)| PeerReport { node_id, silent_ms, gone })
+            .collect();
+        for (id, t) in &self.targets {
+            let retracting = t.retracted_at.is_some_and(|r| now.saturating_sub(r) < RETRACT_FOR);
+            if retracting && !out.iter().any(|r| &r.node_id == id) {
                 let silent_ms = now.saturating_sub(t.last_answer.unwrap_or(t.since));
-                let silent = t.answers >= MIN_ANSWERS && silent_ms >= self.threshold(t);
-                (t.gone || silent).then(|| PeerReport { node_id: id.clone(), silent_ms, gone: t.gone })
-            })
-            .collect()
+                out.push(PeerReport { node_id: id.clone(), silent_ms, gone: false });
+            }
+        }
+        out
     }
 
     /// The members watched now, with their addresses (the shell pings these).

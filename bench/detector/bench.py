@@ -28,7 +28,9 @@ run a UDP echo probe (udp_probe.py; the image has no ping) checks the rules: wit
 way a round trip is lost with probability 1 - (1 - P)^2.
 
 Launchers (--launchers): `rlaunch` (heartbeat 0.5 s, TTL 2 s: --rdzv-conf
-heartbeat_interval=0.5,node_ttl=2,last_call_timeout=1,join_timeout=60 --shutdown-timeout 3),
+heartbeat_interval=0.5,node_ttl=2,last_call_timeout=1,join_timeout=60 --shutdown-timeout 3; peer
+watching at its defaults, 0.1 s pings and a 0.5 s stall bound), `rlaunch-nopeer` (the same with
+peer_interval=0: the detector as it was before peer watching),
 `torchrun-15s` (c10d defaults: keep_alive_interval=5, keep_alive_max_attempt=3),
 `torchrun-3s` (keep_alive_interval=1, keep_alive_max_attempt=3). last_call_timeout=1 for all
 (torchrun's default 30 s would be in every re-rendezvous); --max-restarts 10 for all (so that
@@ -76,7 +78,12 @@ CONFIGS = {
     "rlaunch": {
         "kind": "rlaunch",
         "conf": "heartbeat_interval=0.5,node_ttl=2,last_call_timeout=1,join_timeout=60",
-        "label": "rlaunch (heartbeat 0.5 s, TTL 2 s)",
+        "label": "rlaunch (peer watching 0.1 s, stall bound 0.5 s; heartbeat 0.5 s, TTL 2 s)",
+    },
+    "rlaunch-nopeer": {
+        "kind": "rlaunch",
+        "conf": "heartbeat_interval=0.5,node_ttl=2,last_call_timeout=1,join_timeout=60,peer_interval=0",
+        "label": "rlaunch without peer watching (heartbeat 0.5 s, TTL 2 s; before 2026-11-29)",
     },
     "torchrun-15s": {
         "kind": "torchrun",

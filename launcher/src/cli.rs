@@ -389,6 +389,7 @@ pub fn parse_rdzv_conf(s: &str) -> Result<RdzvConf, UsageError> {
     let t = &mut conf.settings;
     let mut probe_timeout_given = false;
     let mut stall_bound_given = false;
+    let mut peer_interval_given = false;
     for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         let Some((k, v)) = part.split_once('=') else {
             return usage(format!("--rdzv-conf: `{part}` is not key=value"));
@@ -404,8 +405,10 @@ pub fn parse_rdzv_conf(s: &str) -> Result<RdzvConf, UsageError> {
                 t.probe_timeout = parse_seconds(&flag, v)?;
                 probe_timeout_given = true;
             }
-            "peer_interval" if v.trim() == "0" => t.peer_interval = Duration::ZERO,
-            "peer_interval" => t.peer_interval = parse_seconds(&flag, v)?,
+            "peer_interval" => {
+                t.peer_interval = if v == "0" { Duration::ZERO } else { parse_seconds(&flag, v)? };
+                peer_interval_given = true;
+            }
             "stall_bound" => {
                 t.stall_bound = parse_seconds(&flag, v)?;
                 stall_bound_given = true;
@@ -425,7 +428,9 @@ pub fn parse_rdzv_conf(s: &str) -> Result<RdzvConf, UsageError> {
         // A short TTL (fast test setups) gets a stall bound within it, and pings within that.
         let t = &mut conf.settings;
         t.stall_bound = t.stall_bound.min(t.node_ttl / 2);
-        t.peer_interval = t.peer_interval.min(t.stall_bound / 4);
+        if !peer_interval_given {
+            t.peer_interval = t.peer_interval.min(t.stall_bound / 4);
+        }
     }
     if !probe_timeout_given {
         // Probers hear of a suspicion with their next heartbeat's answer: slower heartbeats

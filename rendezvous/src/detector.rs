@@ -133,9 +133,8 @@ pub struct Health {
     pub probes_reached: u64,
     #[serde(default)]
     pub probes_missed: u64,
-    /// Each watcher's latest report on this node ([`peers`]). Never stored: a replica or a
-    /// restarted service starts without, and the watchers repeat what holds.
-    #[serde(skip)]
+    /// Each watcher's latest report on this node ([`peers`]), while fresh.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub peers: std::collections::BTreeMap<String, peers::Evidence>,
 }
 

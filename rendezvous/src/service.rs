@@ -54,16 +54,10 @@ struct JoinView {
 }
 
 impl JoinView {
-    /// `watching`: whether this store reads peer reports (else the round gives no one to watch).
-    fn of(job: &Job, node_id: &str, members: bool, watching: bool) -> Self {
+    fn of(job: &Job, node_id: &str, members: bool) -> Self {
         // Past the nodes snapshots support, no member list: it would make every answer O(N).
         let members = members && job.members.len() <= rlaunch::contract::MAX_SNAPSHOT_NODES;
-        let mut info = job.placement(node_id, members);
-        if !watching {
-            if let Some(i) = &mut info {
-                i.watch = None;
-            }
-        }
+        let info = job.placement(node_id, members);
         let terminal = Rendezvous::terminal_error(job);
         let tracked = info.is_some() || terminal.is_some() || job.is_member(node_id) || job.tracks(node_id);
         JoinView { version: job.version, round: job.round, state: job.phase.name(), info, terminal, tracked }
@@ -342,7 +336,6 @@ impl Rendezvous {
         members: bool,
         wait: Duration,
     ) -> Result<Joined, RdzvError> {
-        let watching = matches!(self.store, Store::Memory(_));
         if let Some(p) = proposed {
             if p.len() != 2 * crate::identity::SECRET_BYTES || crate::identity::unhex(p).is_none() {
                 return Err(RdzvError::BadRequest {
@@ -365,7 +358,7 @@ impl Rendezvous {
         guard.minted = Some(proposed.map_or_else(crate::identity::mint, str::to_owned));
         let id = node.node_id.as_str();
         let joined = |job: &Job, guard: &Guard| {
-            (JoinView::of(job, id, members, watching), crate::round::secret_after_join(job, id, guard))
+            (JoinView::of(job, id, members), crate::round::secret_after_join(job, id, guard))
         };
         let (mut view, held) = match self
             .apply(run_id, Some(settings), Event::Join(node.clone()), &guard, |job| joined(job, &guard))
@@ -407,14 +400,14 @@ impl Rendezvous {
             self.store.wait_change(run_id, view.version, deadline).await?;
             view = self
                 .store
-                .view(run_id, |job| JoinView::of(job, id, members, watching))
+                .view(run_id, |job| JoinView::of(job, id, members))
                 .await?
                 .ok_or_else(|| RdzvError::UnknownJob { run_id: run_id.to_owned() })?;
             if !view.tracked && view.info.is_none() && view.terminal.is_none() {
                 // Dropped meanwhile (silent too long while waiting): join again.
                 view = self
                     .apply(run_id, Some(settings), Event::Join(node.clone()), &guard, |job| {
-                        JoinView::of(job, id, members, watching)
+                        JoinView::of(job, id, members)
                     })
                     .await?;
             }
@@ -435,9 +428,21 @@ impl Rendezvous {
         let (reached, missed) =
             beat.probes.iter().fold((0, 0), |(r, m), p| if p.reached { (r + 1, m) } else { (r, m + 1) });
         let guard = self.guard(secret);
-        let peers = self.confirm_gone(run_id, node_id, beat.peers).await;
-        let (d, probe) =
+        // Reports that a node's agent is gone are checked by the service itself, and only once
+        // the heartbeat proved its sender (the first update checks the node's secret).
+        let (gone, peers): (Vec<_>, Vec<_>) = beat.peers.into_iter().partition(|r| r.gone);
+        let (mut d, probe) =
             self.store.heartbeat(run_id, node_id, (beat.sent, beat.probes, peers), &guard, now_ms()).await?;
+        if !gone.is_empty() && !matches!(d.action, Action::Rejected(_)) {
+            let confirmed = self.confirm_gone(run_id, node_id, gone).await;
+            if !confirmed.is_empty() {
+                let (then, _) =
+                    self.store.heartbeat(run_id, node_id, (None, Vec::new(), confirmed), &guard, now_ms()).await?;
+                if !matches!(then.action, Action::HeartbeatRecorded | Action::Nothing | Action::Rejected(_)) {
+                    d = then;
+                }
+            }
+        }
         self.observe(run_id, &d);
         match d.action {
             Action::Rejected(r) => Err(r.into()),
@@ -463,11 +468,11 @@ impl Rendezvous {
     }
 
     /// Checks each report that a watched node's agent is gone before it counts: the service
-    /// reaches for the node's probe endpoint itself, and a node that answers within
-    /// [`GONE_CHECK`] was not gone (a watcher that lies, or mistook a stale answer) — the report
-    /// is dropped and logged. One that does not answer (refused, as a dead agent's host says, or
-    /// silent) keeps the report. Reports of a silence need no check: the rendezvous' own
-    /// silence must agree with them.
+    /// reaches for the node's probe endpoint itself (TCP and UDP, [`GONE_CHECK`]) and keeps the
+    /// report only when the node's host refuses it too and nothing answers; otherwise (a watcher
+    /// that lies or mistook a firewall's rejection, a lossy path) the report is dropped and
+    /// logged. Reports of a silence need no check: the rendezvous' own silence must agree
+    /// with them.
     async fn confirm_gone(
         &self,
         run_id: &str,
@@ -475,6 +480,8 @@ impl Rendezvous {
         mut peers: Vec<crate::detector::PeerReport>,
     ) -> Vec<crate::detector::PeerReport> {
         peers.truncate(crate::detector::peers::MAX_REPORTS);
+        peers.sort_by(|a, b| a.node_id.cmp(&b.node_id));
+        peers.dedup_by(|a, b| a.node_id == b.node_id);
         let gone: Vec<String> = peers.iter().filter(|r| r.gone).map(|r| r.node_id.clone()).collect();
         if gone.is_empty() {
             return peers;
@@ -491,18 +498,21 @@ impl Rendezvous {
             .ok()
             .flatten()
             .unwrap_or_default();
-        let mut answered = Vec::new();
+        let refused =
+            |r: &std::io::Result<Duration>| matches!(r, Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused);
+        let mut confirmed = Vec::new();
         for (id, addr) in addrs {
             let nonce = rand::random::<u32>();
             let udp = rlaunch::store::probe_udp(&addr, nonce, GONE_CHECK / 3, GONE_CHECK);
             let tcp = rlaunch::store::probe(&addr, nonce.wrapping_add(1), GONE_CHECK);
             let (udp, tcp) = tokio::join!(udp, tcp);
-            if udp.is_ok() || tcp.is_ok() {
-                warn!(run_id, watcher, node = %id, "a watcher reported the node's agent gone, but it answers: report dropped");
-                answered.push(id);
+            if udp.is_ok() || tcp.is_ok() || !(refused(&udp) || refused(&tcp)) {
+                warn!(run_id, watcher, node = %id, "a watcher reported the node's agent gone, but the service was not refused there: report dropped");
+            } else {
+                confirmed.push(id);
             }
         }
-        peers.retain(|r| !(r.gone && answered.contains(&r.node_id)));
+        peers.retain(|r| r.gone && confirmed.contains(&r.node_id));
         peers
     }
 

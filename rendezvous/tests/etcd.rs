@@ -956,3 +956,47 @@ async fn etcd_history_older_than_the_kept_window_is_compacted() {
     let st = rdzv.status("compacted").await.expect("status");
     assert_eq!(st.round, 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_etcd_a_watchers_report_of_a_gone_agent_is_checked_then_ends_the_round_before_the_lease_lapses() {
+    use rlaunch_rendezvous::detector::PeerReport;
+    use rlaunch_rendezvous::Beat;
+    let etcd = Etcd::start().await;
+    // b's agent answers at its store while it lives; a and b each run the machine on etcd in a
+    // process of their own, as two replicas would.
+    let b_store = rlaunch::store::StoreServer::start("127.0.0.1:0".parse().unwrap()).await.expect("b's store");
+    let mut b_node = node("bb");
+    b_node.store_addr = b_store.local_addr().to_string().parse().unwrap();
+    let a = etcd_client(&etcd, "peers", settings(2, 2)).await;
+    let b = etcd_client(&etcd, "peers", settings(2, 2)).await;
+    let (ra, rb) = within("joins", async { tokio::join!(a.join(node("a")), b.join(b_node.clone())) }).await;
+    let (ra, _rb) = (ra.expect("a joins"), rb.expect("b joins"));
+    let watch = ra.watch.clone().expect("the round gives a someone to watch");
+    assert_eq!(watch.targets.iter().map(|t| t.node_id.as_str()).collect::<Vec<_>>(), ["bb"]);
+    assert_eq!(watch.targets[0].addr, b_node.store_addr, "b's endpoint (no probe endpoint: its store)");
+    let b_beats = beat(&b, "bb");
+    let gone =
+        || Beat { peers: vec![PeerReport { node_id: "bb".into(), silent_ms: 50, gone: true }], ..Default::default() };
+    // A report that b's agent is gone while it answers (a watcher that lies or is mistaken):
+    // the service reaches b itself and drops the report; so is a silence its heartbeats refute.
+    for _ in 0..5 {
+        a.heartbeat("a", gone()).await.expect("a's heartbeat");
+        let silent = vec![PeerReport { node_id: "bb".into(), silent_ms: 3000, gone: false }];
+        a.heartbeat("a", Beat { peers: silent, ..Default::default() }).await.expect("a's heartbeat");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let st = a.status().await.expect("status");
+    assert_eq!((st.round, st.members.len()), (ra.round, 2), "nobody lost: {}", st.last_reason);
+    // b's agent dies: no heartbeats, nothing listens at its address. a reports it at once.
+    b_beats.abort();
+    drop(b_store);
+    let died = Instant::now();
+    a.heartbeat("a", gone()).await.expect("a's heartbeat");
+    let ev = next_event(&a, ra.round).await;
+    assert!(matches!(ev, WatchEvent::NewRound(r) if r > ra.round), "{ev:?}");
+    let took = died.elapsed();
+    let st = a.status().await.expect("status");
+    assert!(st.last_reason.contains("its watchers: a: its agent gone"), "{}", st.last_reason);
+    // The lease (TTL 2 s) had not lapsed: the watcher's report decided.
+    assert!(took < Duration::from_secs(2), "the round ended {took:?} after b died");
+}

@@ -84,15 +84,24 @@ fn a_target_that_stops_answering_is_reported_silent_after_the_stall_bound_and_a_
     assert!((STALL + PING..STALL + 2 * PING).contains(&(at - last)), "reported {} ms after its last answer", at - last);
     let r = p.reports(at);
     assert_eq!(r, vec![PeerReport { node_id: "b".into(), silent_ms: at - last, gone: false }]);
-    // An answer takes it back, and that is news too.
-    assert_eq!(p.step(Event::Answered { node_id: "b".into() }, at + 10), vec![Action::Urgent]);
-    assert!(p.reports(at + 10).is_empty());
+    // An answer takes it back, and that is news too: for a while every heartbeat says that b
+    // answers again (a silence of 0 ms), so the rendezvous drops the earlier report whatever
+    // order the heartbeats arrive in.
+    assert!(p.step(Event::Answered { node_id: "b".into() }, at + 10).contains(&Action::Urgent));
+    assert_eq!(p.reports(at + 10), vec![PeerReport { node_id: "b".into(), silent_ms: 0, gone: false }]);
+    assert_eq!(p.reports(at + 10 + RETRACT_FOR - 1).len(), 1);
+    assert!(p.reports(at + 10 + RETRACT_FOR).is_empty());
 }
 
 #[test]
 fn a_refused_ping_reports_the_target_gone_at_once() {
     let mut p = Peers::default();
     p.step(watch(&["b", "c"]), 0);
+    // A refusal from a target that never answered says nothing (a firewall rejecting UDP).
+    assert!(!p.step(Event::Refused { node_id: "c".into() }, 10).contains(&Action::Urgent));
+    for i in 0..3 {
+        p.step(Event::Answered { node_id: "c".into() }, 20 + i);
+    }
     run(&mut p, "b", &mut Link::new(2, 0.0), 0, 1_000);
     let actions = p.step(Event::Refused { node_id: "c".into() }, 1_020);
     assert!(actions.contains(&Action::Urgent), "{actions:?}");
@@ -114,7 +123,7 @@ fn lossy_links_raise_the_threshold_and_a_minute_of_loss_reports_nothing() {
         let th = p.threshold_of("b").unwrap();
         let expect = (FALSE_SILENCE.ln() / loss.ln()).ceil() as Millis * PING;
         assert!(th >= (STALL + PING).max(expect.saturating_sub(3 * PING)), "loss {loss}: threshold {th} ms");
-        assert!(th <= 3_000, "loss {loss}: threshold {th} ms");
+        assert!(th <= 4_000, "loss {loss}: threshold {th} ms");
     }
 }
 
@@ -126,10 +135,17 @@ fn many_minutes_under_heavy_loss_stay_within_the_promised_false_silence_rate() {
     for seed in 0..20 {
         let mut p = Peers::default();
         p.step(watch(&["b"]), 0);
-        let (seen, _) = run(&mut p, "b", &mut Link::new(100 + seed, 0.51), 0, 180_000);
-        reports += seen.len();
+        let mut link = Link::new(100 + seed, 0.51);
+        for tick in 1..=1_800u64 {
+            let now = tick * PING;
+            let said = p.step(Event::Tick, now);
+            reports += said.iter().filter(|a| matches!(a, Action::Info(m) if m.contains("silent; telling"))).count();
+            if link.answers() {
+                p.step(Event::Answered { node_id: "b".into() }, now + 5);
+            }
+        }
     }
-    assert!(reports <= 20, "{reports} silent reports in an hour of 51 % loss");
+    assert!(reports <= 1, "{reports} silences reported in an hour of 51 % loss");
 }
 
 #[test]
@@ -137,10 +153,15 @@ fn a_paused_watcher_forgives_the_silence_its_own_pause_made() {
     let mut p = Peers::default();
     p.step(watch(&["b"]), 0);
     let (_, now) = run(&mut p, "b", &mut Link::new(3, 0.0), 0, 2_000);
-    // This agent was stopped for 5 s: its next tick comes late, before the queued echoes.
+    // This agent was stopped for 5 s: its next tick comes late, before the queued echoes, or
+    // after one of them (another target's) was taken first.
+    let mut other = p.clone();
     let actions = p.step(Event::Tick, now + 5_000);
     assert!(!actions.contains(&Action::Urgent), "{actions:?}");
     assert!(p.reports(now + 5_000).is_empty());
+    assert!(other.step(Event::Answered { node_id: "zz".into() }, now + 5_000).is_empty());
+    assert!(other.reports(now + 5_000).is_empty());
+    assert!(!other.step(Event::Tick, now + 5_001).contains(&Action::Urgent));
     // But a target that stays silent after it is reported in time.
     let mut t = now + 5_000;
     while p.reports(t).is_empty() {
@@ -190,10 +211,15 @@ fn a_target_that_never_answered_is_not_reported_but_said_once() {
 fn a_new_round_keeps_the_history_of_a_link_it_keeps_and_drops_the_rest() {
     let mut p = Peers::default();
     p.step(watch(&["b", "c"]), 0);
-    run(&mut p, "b", &mut Link::new(9, 0.0), 0, 1_000);
-    p.step(watch(&["b"]), 1_000);
-    assert_eq!(p.targets().map(|(id, _)| id.to_owned()).collect::<Vec<_>>(), vec!["b".to_owned()]);
-    assert!(p.reports(1_000).is_empty());
+    // b's link lost 28 % of the echoes: its threshold is well above the floor.
+    run(&mut p, "b", &mut Link::new(9, 0.28), 0, 10_000);
+    let lossy = p.threshold_of("b").unwrap();
+    assert!(lossy >= 900, "{lossy}");
+    p.step(watch(&["b", "d"]), 10_000);
+    assert_eq!(p.targets().map(|(id, _)| id.to_owned()).collect::<Vec<_>>(), ["b", "d"]);
+    assert_eq!(p.threshold_of("b"), Some(lossy), "b's link is measured as before");
+    assert!(p.threshold_of("d").unwrap() >= 2_000, "d's is new: nothing measured, a high threshold");
+    assert!(p.reports(10_000).is_empty());
     // Ended round: nothing watched, nothing reported, no news.
     assert_eq!(p.step(Event::Watch(None), 1_100), Vec::<Action>::new());
     assert_eq!(p.targets().count(), 0);

@@ -35,8 +35,9 @@ pub struct PeerReport {
 /// Most reports one heartbeat may carry that are read (a node watches at most two).
 pub const MAX_REPORTS: usize = 4;
 
-/// One watcher's latest report, on the rendezvous' clock.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// One watcher's latest report, on the rendezvous' clock (stored with the job on etcd, so that
+/// the replica that ticks, or hears the second watcher, sees it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Evidence {
     /// When the watcher last heard the node (the report's arrival less its silence: transit
     /// only makes the silence look shorter than it was).
@@ -44,6 +45,10 @@ pub struct Evidence {
     pub gone: bool,
     /// When the report arrived.
     pub at: Millis,
+    /// The number of the heartbeat that carried it, when known: an older heartbeat arriving
+    /// late does not undo a newer report (a watcher taking its report back).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seq: Option<u64>,
 }
 
 /// Where, after a member in the ring of a round's members (group-rank order), the members it
@@ -82,9 +87,15 @@ impl Timing {
 }
 
 impl Health {
-    /// Takes `watcher`'s report at `now` (the caller checked that it watches this node).
-    pub fn reported(&mut self, watcher: &str, r: &PeerReport, now: Millis) {
-        let e = Evidence { last_sign: now.saturating_sub(r.silent_ms), gone: r.gone, at: now };
+    /// Takes `watcher`'s report at `now`, carried by its heartbeat `seq` (the caller checked
+    /// that it watches this node); a report from an older heartbeat than the one held is
+    /// ignored.
+    pub fn reported(&mut self, watcher: &str, r: &PeerReport, seq: Option<u64>, now: Millis) {
+        let held = self.peers.get(watcher).and_then(|e| e.seq);
+        if held.zip(seq).is_some_and(|(held, seq)| seq < held) {
+            return;
+        }
+        let e = Evidence { last_sign: now.saturating_sub(r.silent_ms), gone: r.gone, at: now, seq };
         self.peers.insert(watcher.to_owned(), e);
     }
 
@@ -108,6 +119,11 @@ impl Health {
         }
         let own = last.is_none_or(|l| now.saturating_sub(l) >= t.overdue());
         gone || (own && now.saturating_sub(sign) >= t.stall_bound)
+    }
+
+    /// Forgets reports no longer fresh at `now`.
+    pub fn forget_stale_reports(&mut self, now: Millis, t: &Timing) {
+        self.peers.retain(|_, e| now.saturating_sub(e.at) <= t.evidence_fresh());
     }
 
     /// The latest sign of life a watcher reported (a loss is dated from the latest of this and
@@ -140,7 +156,7 @@ mod tests {
     const T: Timing = Timing { interval: 500, ttl: 2000, probe_timeout: 1000, peer_interval: 100, stall_bound: 500 };
 
     fn said(h: &mut Health, watcher: &str, silent_ms: u64, gone: bool, now: Millis) {
-        h.reported(watcher, &PeerReport { node_id: "t".into(), silent_ms, gone }, now);
+        h.reported(watcher, &PeerReport { node_id: "t".into(), silent_ms, gone }, None, now);
     }
 
     #[test]
@@ -177,9 +193,17 @@ mod tests {
     fn a_gone_agent_needs_no_silence_but_a_report_newer_than_the_last_heartbeat() {
         let mut h = Health::default();
         said(&mut h, "w", 40, true, 1020);
-        assert!(h.lost_to_peers(&["w"], Some(1000), 1020, &T));
-        assert!(!h.lost_to_peers(&["w"], Some(1030), 1040, &T), "heard after the report");
         let d = h.peer_detail(1020).unwrap();
         assert!(d.contains("w: its agent gone, last answered 40 ms ago"), "{d}");
+        assert!(h.lost_to_peers(&["w"], Some(1000), 1020, &T));
+        assert!(!h.lost_to_peers(&["w"], Some(1030), 1040, &T), "heard after the report");
+        // A watcher's newer heartbeat said it hears the node again; an older one arriving late
+        // does not bring the report back.
+        let r = |silent_ms, gone| PeerReport { node_id: "t".into(), silent_ms, gone };
+        h.reported("w", &r(0, false), Some(9), 1100);
+        h.reported("w", &r(900, true), Some(8), 1110);
+        assert!(!h.peers["w"].gone && h.peers["w"].last_sign == 1100, "{:?}", h.peers["w"]);
+        h.reported("w", &r(100, true), Some(10), 1200);
+        assert!(h.peers["w"].gone);
     }
 }

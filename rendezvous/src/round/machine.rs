@@ -49,6 +49,10 @@ pub fn apply_in_place(job: &mut Job, ev: Event, now: Millis) -> Decision {
     }
     if ticked && !next.phase.is_terminal() {
         next.prune_health();
+        let t = next.settings.timing();
+        for h in next.health.values_mut().filter(|h| !h.peers.is_empty()) {
+            h.forget_stale_reports(now, &t);
+        }
     }
     match decision.action {
         Action::Rejected(_) | Action::Nothing | Action::HeartbeatRecorded => {}
@@ -214,7 +218,7 @@ fn heartbeat(
             notes.push(format!("{node_id} {how} suspected node {}", p.node_id));
         }
     }
-    if let Some(d) = peer_reports(job, node_id, peers, now) {
+    if let Some(d) = peer_reports(job, node_id, peers, sent.map(|s| s.seq), now) {
         return d;
     }
     if notes.is_empty() {
@@ -227,19 +231,18 @@ fn heartbeat(
 /// Takes `watcher`'s reports on the members it watches (any other report is ignored: no node
 /// speaks of one it was not given), and ends the round at once for those its watchers now find
 /// lost ([`crate::detector::peers`]), without waiting for the tick.
-fn peer_reports(job: &mut Job, watcher: &str, peers: &[PeerReport], now: Millis) -> Option<Decision> {
+fn peer_reports(job: &mut Job, watcher: &str, peers: &[PeerReport], seq: Option<u64>, now: Millis) -> Option<Decision> {
     if peers.is_empty() || !matches!(job.phase, Phase::Running { .. }) {
         return None;
     }
-    let mut reported = Vec::new();
+    let mut reported: Vec<String> = Vec::new();
     for r in peers.iter().take(MAX_REPORTS) {
-        if r.node_id == watcher || !job.watchers_of(&r.node_id).contains(&watcher) {
+        if reported.contains(&r.node_id) || !job.watchers_of(&r.node_id).contains(&watcher) {
             continue;
         }
-        if let Some(h) = job.health.get_mut(&r.node_id) {
-            h.reported(watcher, r, now);
-            reported.push(r.node_id.clone());
-        }
+        // On etcd a member's health exists only while there is something to remember.
+        job.health.entry(r.node_id.clone()).or_default().reported(watcher, r, seq, now);
+        reported.push(r.node_id.clone());
     }
     let lost: Vec<String> =
         reported.into_iter().filter(|id| !job.succeeded.contains(id) && job.lapsed(id, now)).collect();
@@ -503,6 +506,11 @@ pub(super) fn open_round(job: &mut Job, now: Millis, cause: RoundCause, gone: &[
     for id in gone {
         job.last_seen.remove(id);
         job.health.remove(id);
+    }
+    // Reports are about a round's members as its watchers saw them: the next round's watchers
+    // start afresh.
+    for h in job.health.values_mut() {
+        h.peers.clear();
     }
     job.phase = Phase::Waiting { since: now };
     job.prune_last_seen();

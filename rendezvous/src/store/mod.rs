@@ -187,9 +187,7 @@ impl Store {
                 let ev = Event::Heartbeat { node_id: node_id.to_owned(), sent, probes, peers };
                 m.apply_view(run_id, None, ev, guard, now, |job| job.probes_for(node_id)).map(|(probes, d)| (d, probes))
             }
-            // Peer reports are not read on etcd yet: its replicas keep no heartbeat times to
-            // check them against (the leases and probes decide there).
-            Store::Etcd(e) => e.heartbeat(run_id, node_id, probes, guard, now).await,
+            Store::Etcd(e) => e.heartbeat(run_id, node_id, probes, peers, guard, now).await,
         }
     }
 

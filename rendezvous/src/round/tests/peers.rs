@@ -102,7 +102,7 @@ fn only_the_assigned_watchers_speak_of_a_node_and_all_of_them_must() {
     let (job, d) = report(&job, "d", "b", 1000, false, 2110);
     assert!(lost(&d), "{d:?}");
     assert_eq!(job.members.len(), 4, "members change when the next round closes");
-    // A node never speaks of itself.
+    // A node is never its own watcher.
     let job = beating(&["a", "b"], 2000, &[], 0);
     let (_, d) = report(&job, "b", "b", 5000, true, 2100);
     assert!(!lost(&d), "{d:?}");
@@ -128,6 +128,7 @@ fn a_gone_agent_is_lost_at_once_unless_it_was_heard_after_the_report() {
     stale.health.get_mut("b").unwrap().reported(
         "a",
         &PeerReport { node_id: "b".into(), silent_ms: 0, gone: true },
+        None,
         1990,
     );
     let (_, d) = tick(&stale, 2100);
@@ -144,6 +145,43 @@ fn reports_go_stale_unless_repeated() {
     // alone decides, which waits for the TTL and the probes.
     let (_, d) = tick(&job, 3100);
     assert!(!lost(&d), "{d:?}");
+    // The same report repeated is fresh: b is lost at once.
+    let (_, d) = report(&job, "a", "b", 1400, false, 3100);
+    assert!(lost(&d), "{d:?}");
+}
+
+#[test]
+fn a_watcher_that_hears_the_node_again_takes_its_report_back() {
+    // b's link dropped everything for 0.7 s: a reported it silent, then heard it again; b's own
+    // heartbeat is held up by a retransmission and comes late.
+    let job = beating(&["a", "b"], 2000, &["b"], 1500);
+    let job = hb(&job, "b", 2000);
+    let beat = |job: &Job, seq: u64, silent_ms: u64, now: Millis| {
+        let peers = vec![PeerReport { node_id: "b".into(), silent_ms, gone: false }];
+        let sent = Some(Sent { seq, slow: 0 });
+        step(job, Event::Heartbeat { node_id: "a".into(), sent, probes: Vec::new(), peers }, now)
+    };
+    let (job, d) = beat(&job, 10, 600, 2650);
+    assert!(!lost(&d), "{d:?}");
+    let (job, d) = beat(&job, 11, 0, 2700);
+    assert!(!lost(&d), "{d:?}");
+    // The heartbeat carrying the first report arrives again late (a retransmission): ignored.
+    let (job, d) = beat(&job, 10, 650, 2710);
+    assert!(!lost(&d), "{d:?}");
+    // Past the overdue mark, b's heartbeat still late: a heard it at 2700, so b stays.
+    let (_, d) = tick(&job, 2800);
+    assert!(!lost(&d), "{d:?}");
+    assert_eq!(job.health["b"].peers["a"].last_sign, 2700);
+}
+
+#[test]
+fn a_new_round_starts_without_the_last_rounds_reports() {
+    let job = beating(&["a", "b", "c"], 2000, &[], 0);
+    let (job, _) = report(&job, "a", "c", 100, false, 2010);
+    assert!(!job.health["c"].peers.is_empty());
+    let (job, d) = step(&job, Event::Leave { node_id: "b".into() }, 2020);
+    assert!(matches!(d.action, Action::RoundOpened { .. }), "{d:?}");
+    assert!(job.health.values().all(|h| h.peers.is_empty()), "{:?}", job.health);
 }
 
 #[test]
@@ -159,8 +197,10 @@ fn with_peer_watching_off_reports_are_ignored() {
 
 #[test]
 fn reports_while_no_round_runs_are_ignored() {
-    let mut job = Job::new(settings(2, 2), 0);
+    let mut job = Job::new(settings(3, 3), 0);
     job = join(&job, "a", 0).0;
-    let (_, d) = report(&job, "a", "b", 1000, true, 100);
+    job = join(&job, "b", 10).0;
+    let (job, d) = report(&job, "a", "b", 1000, true, 100);
     assert!(!lost(&d), "{d:?}");
+    assert!(job.health.get("b").is_none_or(|h| h.peers.is_empty()), "nothing kept while forming");
 }

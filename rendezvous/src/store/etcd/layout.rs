@@ -135,8 +135,9 @@ pub(super) fn stored(job: &Job) -> Job {
     for h in j.health.values_mut() {
         h.arrivals.clear();
     }
-    // Only what the detector must remember across processes: suspicions and probe counts.
-    j.health.retain(|_, h| h.suspicion.is_some() || h.probes_reached + h.probes_missed > 0);
+    // Only what the detector must remember across processes: suspicions, probe counts and the
+    // watchers' fresh reports.
+    j.health.retain(|_, h| h.suspicion.is_some() || h.probes_reached + h.probes_missed > 0 || !h.peers.is_empty());
     j
 }
 

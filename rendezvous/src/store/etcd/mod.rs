@@ -41,7 +41,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
-use crate::detector::{ProbeReport, ProbeRequest};
+use crate::detector::{PeerReport, ProbeReport, ProbeRequest};
 use crate::endpoint::Endpoint;
 use crate::error::RdzvError;
 use crate::round::liveness::{self, Signs};
@@ -419,6 +419,7 @@ impl EtcdStore {
         run_id: &str,
         node_id: &str,
         probes: Vec<ProbeReport>,
+        peers: Vec<PeerReport>,
         guard: &Guard,
         now: Millis,
     ) -> Result<(Decision, Vec<ProbeRequest>), RdzvError> {
@@ -448,10 +449,16 @@ impl EtcdStore {
         let relevant: Vec<ProbeReport> =
             probes.into_iter().filter(|p| owed.iter().any(|r| r.node_id == p.node_id)).collect();
         owed.retain(|r| !relevant.iter().any(|p| p.node_id == r.node_id));
-        if !relevant.is_empty() {
-            let ev = Event::Heartbeat { node_id: node_id.to_owned(), sent: None, probes: relevant, peers: Vec::new() };
+        // The reports of its watching go through the machine too (written only when they
+        // change something: a report kept, a round opened).
+        if !relevant.is_empty() || !peers.is_empty() {
+            let ev = Event::Heartbeat { node_id: node_id.to_owned(), sent: None, probes: relevant, peers };
             match self.apply(run_id, None, ev, guard.clone(), now).await {
-                Ok((_, d)) if d.action == Action::Updated => decision = d,
+                Ok((_, d))
+                    if !matches!(d.action, Action::HeartbeatRecorded | Action::Nothing | Action::Rejected(_)) =>
+                {
+                    decision = d
+                }
                 Ok(_) => {}
                 Err(error) => debug!(run_id, node_id, error = %error, "probe outcomes not recorded"),
             }
