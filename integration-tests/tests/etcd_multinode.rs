@@ -1,7 +1,8 @@
 //! Multi-node jobs across network namespaces on etcd (Debian's `etcd-server`, started here in the
 //! root namespace on the bridge address, one member or three): agents running the rendezvous
-//! directly on etcd, two `rlaunch-rendezvous --store etcd` replicas with one killed mid-job, and
-//! one etcd member of three killed mid-job. A missing `etcd` binary fails these tests loudly.
+//! directly on etcd, two `rlaunch-rendezvous --store etcd` replicas with one killed mid-job (and
+//! then a node lost, found by its watcher's report through the other replica), and one etcd
+//! member of three killed mid-job. A missing `etcd` binary fails these tests loudly.
 //!
 //! Run as root, after `cargo build --workspace --bins --examples`:
 //! `cargo test -p integration-tests --test etcd_multinode -- --test-threads 1`.
@@ -274,6 +275,14 @@ fn the_job_carries_on_through_the_other_server_replica_when_one_is_killed() {
     // The job is still elastic through the other replica: a node loss is handled.
     let took = lose_host(&cluster, 1, dir.path(), &["a"], &mut agents[..1]);
     eprintln!("replica killed, then node loss: host a running alone after {took:.2} s");
+    // Found by peer watching through the etcd-backed replica: host a, b's watcher, reported b's
+    // agent gone (its host refused the ping), and the replica, refused there too, believed it.
+    let log = std::fs::read_to_string(dir.path().join("replica1.log")).unwrap_or_default();
+    assert!(
+        log.contains("its watchers: a-") && log.contains("its agent gone"),
+        "the surviving replica names the watcher's report:\n{}",
+        &log[log.len().saturating_sub(3000)..]
+    );
     finish(dir.path(), &mut agents[..1]);
 }
 

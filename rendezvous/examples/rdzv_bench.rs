@@ -4,7 +4,7 @@
 //! given); also the bytes of each agent's answer and the service's memory.
 //!
 //! `cargo build --release -p rlaunch-launcher --bins && cargo build --release -p rlaunch-rendezvous --examples &&
-//!  target/release/examples/rdzv_bench --agents 100,1000,3000,10000 [--etcd URL [--no-memory]] [--snapshots]`
+//!  target/release/examples/rdzv_bench --agents 100,1000,3000,10000 [--etcd URL [--no-memory]] [--snapshots] [--no-peers]`
 //!
 //! `BENCH_TRACE=1` prints each status poll while the agents join and, after the last join, how
 //! many joins were answered every 2 s (this inflates the measured time); `BENCH_JOIN_WAIT_S`
@@ -27,7 +27,12 @@ fn settings(n: u32) -> JobSettings {
         heartbeat_interval: Duration::from_secs(5),
         node_ttl: Duration::from_secs(30),
         probe_timeout: Duration::from_secs(10),
-        peer_interval: Duration::from_millis(100),
+        // Peer watching at its default unless `--no-peers` (each answer then names no targets).
+        peer_interval: if std::env::var_os("RDZV_BENCH_NO_PEERS").is_some() {
+            Duration::ZERO
+        } else {
+            Duration::from_millis(100)
+        },
         stall_bound: Duration::from_millis(500),
         max_restarts: 0,
         stop_grace: Duration::ZERO,
@@ -202,6 +207,8 @@ async fn main() -> Result<()> {
             "--no-memory" => memory = false,
             // Agents with snapshots: keys in every join, the member list in every answer.
             "--snapshots" => snapshots = true,
+            // Jobs without peer watching (answers without whom to watch), to compare.
+            "--no-peers" => std::env::set_var("RDZV_BENCH_NO_PEERS", "1"),
             other => bail!("unknown argument {other}"),
         }
     }
