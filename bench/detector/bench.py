@@ -77,7 +77,7 @@ LOSS_COMMENT = f"rlaunch-detector-loss pid={os.getpid()}"
 CONFIGS = {
     "rlaunch": {
         "kind": "rlaunch",
-        "conf": "heartbeat_interval=0.5,node_ttl=2,last_call_timeout=1,join_timeout=60",
+        "conf": "heartbeat_interval=0.5,node_ttl=2,last_call_timeout=1,join_timeout=60,peer_interval=0.1",
         "label": "rlaunch (peer watching 0.1 s, stall bound 0.5 s; heartbeat 0.5 s, TTL 2 s)",
     },
     "rlaunch-nopeer": {

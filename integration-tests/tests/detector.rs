@@ -18,7 +18,8 @@ use integration_tests::{bin, pid_alive, tempdir, wait_until};
 
 const NPROC: u32 = 2;
 /// rlaunch's default timing, spelled out: heartbeat 0.5 s, TTL 2 s, probes 1 s.
-const CONF: &str = "heartbeat_interval=0.5,node_ttl=2,probe_timeout=1,last_call_timeout=1,join_timeout=30";
+const CONF: &str =
+    "heartbeat_interval=0.5,node_ttl=2,probe_timeout=1,last_call_timeout=1,join_timeout=30,peer_interval=0.1";
 const RDZV_PORT: u16 = 29400;
 const FORM: Duration = Duration::from_secs(20);
 /// From the fault to the survivor's workers running again: detection (at most 3 s with the

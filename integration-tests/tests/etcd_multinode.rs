@@ -265,7 +265,10 @@ fn the_job_carries_on_through_the_other_server_replica_when_one_is_killed() {
             http_get(l, "/healthz").is_some()
         });
     }
-    let args = agent_args("rlaunch", "1:2", &listens.join(","), "replicas", dir.path());
+    let mut args = agent_args("rlaunch", "1:2", &listens.join(","), "replicas", dir.path());
+    // Peer watching on (off by default for now).
+    let at = args.iter().position(|a| a == CONF).expect("the conf argument");
+    args[at] = format!("{CONF},peer_interval=0.1");
     let mut agents: Vec<Proc> = cluster.hosts().iter().map(|h| h.rlaunch(dir.path(), &args)).collect();
     let group = wait_formed(dir.path(), &["a", "b"], &mut agents, FORM);
 

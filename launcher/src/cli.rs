@@ -1009,7 +1009,10 @@ mod tests {
         assert_eq!((peers.peer_interval, peers.stall_bound), (Duration::from_millis(50), Duration::from_millis(300)));
         assert_eq!(parse_rdzv_conf("peer_interval=0").unwrap().settings.peer_interval, Duration::ZERO);
         assert!(parse_rdzv_conf("peer_interval=0.3,stall_bound=0.5").unwrap().settings.validate().is_err());
-        assert!(parse_rdzv_conf("stall_bound=5").unwrap().settings.validate().is_err(), "past the TTL");
+        assert!(
+            parse_rdzv_conf("peer_interval=0.1,stall_bound=5").unwrap().settings.validate().is_err(),
+            "past the TTL"
+        );
         let c = parse_rdzv_conf("join_timeout=30,read_timeout=60,node_ttl=3,heartbeat_interval=1").unwrap();
         assert_eq!(c.settings.node_ttl, Duration::from_secs(3));
         assert!(c.settings.validate().is_ok());
