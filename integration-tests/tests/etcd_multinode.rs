@@ -266,7 +266,7 @@ fn the_job_carries_on_through_the_other_server_replica_when_one_is_killed() {
         });
     }
     let mut args = agent_args("rlaunch", "1:2", &listens.join(","), "replicas", dir.path());
-    // Peer watching on (off by default for now).
+    // Peer watching on (the default; said here so that the test does not depend on it).
     let at = args.iter().position(|a| a == CONF).expect("the conf argument");
     args[at] = format!("{CONF},peer_interval=0.1");
     let mut agents: Vec<Proc> = cluster.hosts().iter().map(|h| h.rlaunch(dir.path(), &args)).collect();

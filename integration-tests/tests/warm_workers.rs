@@ -426,9 +426,11 @@ with open(os.path.join(os.environ["PROBE_DIR"], "rank0.json"), "w") as f:
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let endpoint = format!("127.0.0.1:{port}");
         let mut r = std::process::Command::new(bin("rlaunch"));
-        // The round closes 10 s after the node joined: time for the warm worker's imports.
+        // The round closes 30 s after the node joined: time for the warm worker's imports and
+        // hashes (about 10 s here; a round that closes before they end starts the worker with
+        // what was imported by then, as it should, and this test would see less than it asks).
         r.args(["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "rlaunch", "--rdzv-endpoint", &endpoint])
-            .args(["--rdzv-id", "warm-compile", "--rdzv-conf", "last_call_timeout=10"])
+            .args(["--rdzv-id", "warm-compile", "--rdzv-conf", "last_call_timeout=30"])
             .arg(&program);
         let mut cmd = clean(r, dir.path());
         if traced {
@@ -437,10 +439,11 @@ with open(os.path.join(os.environ["PROBE_DIR"], "rank0.json"), "w") as f:
         let o = run_deadline(&mut cmd, DEADLINE);
         assert!(o.status.success(), "{name}: {}\n{}", stdout_of(&o), stderr_of(&o));
         let p = &read_probes(dir.path(), "", 1)[0];
-        assert_eq!(p["warm"], true, "{name}: a warm interpreter became the worker: {p}");
-        assert_eq!(p["inductor_ahead"], expected, "{name}: {p}");
+        let log = stderr_of(&o);
+        assert_eq!(p["warm"], true, "{name}: a warm interpreter became the worker: {p}\n{log}");
+        assert_eq!(p["inductor_ahead"], expected, "{name}: {p}\n{log}");
         // Triton's hash is a value only where Triton is installed (it is, with torch's CUDA wheels).
         let triton = keys && p["triton"] == true;
-        assert_eq!(p["keys_ahead"], serde_json::json!([keys, triton]), "{name}: the source hashes: {p}");
+        assert_eq!(p["keys_ahead"], serde_json::json!([keys, triton]), "{name}: the source hashes: {p}\n{log}");
     }
 }
