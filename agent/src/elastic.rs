@@ -201,7 +201,7 @@ async fn peer_loop(
                     tick = tokio::time::interval(Duration::from_millis(w.interval_ms.max(10)));
                     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                     for t in &w.targets {
-                        match connect_udp(&t.addr).await {
+                        match rlaunch::store::connect_udp(&t.addr.to_string()).await {
                             Ok(socket) => {
                                 let socket = std::sync::Arc::new(socket);
                                 receivers.spawn(receive_echoes(t.node_id.clone(), socket.clone(), heard_tx.clone()));
@@ -240,17 +240,6 @@ async fn peer_loop(
             }
         }
     }
-}
-
-/// A UDP socket connected to a watched member's probe endpoint.
-async fn connect_udp(addr: &HostPort) -> std::io::Result<tokio::net::UdpSocket> {
-    let target = tokio::net::lookup_host(addr.to_string())
-        .await?
-        .next()
-        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, format!("{addr} resolves to nothing")))?;
-    let socket = tokio::net::UdpSocket::bind(if target.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }).await?;
-    socket.connect(target).await?;
-    Ok(socket)
 }
 
 /// Tells of every echo from `node_id`'s endpoint, and of every refusal (ICMP port unreachable

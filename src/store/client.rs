@@ -505,17 +505,23 @@ pub async fn serve_udp_probes(socket: tokio::net::UdpSocket) {
     }
 }
 
-/// Whether a probe endpoint echoes within `timeout` over UDP: a datagram every `every`, the
-/// first echo of this nonce wins.
-pub async fn probe_udp(addr: &str, nonce: u32, every: Duration, timeout: Duration) -> io::Result<Duration> {
-    let started = tokio::time::Instant::now();
+/// A UDP socket connected to `addr` (its first address), bound to any local port of its family:
+/// a refusal (ICMP port unreachable) then surfaces as an error of a later send or receive.
+pub async fn connect_udp(addr: &str) -> io::Result<tokio::net::UdpSocket> {
     let target = tokio::net::lookup_host(addr)
         .await?
         .next()
         .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, format!("{addr} resolves to nothing")))?;
-    let bind = if target.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" };
-    let socket = tokio::net::UdpSocket::bind(bind).await?;
+    let socket = tokio::net::UdpSocket::bind(if target.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }).await?;
     socket.connect(target).await?;
+    Ok(socket)
+}
+
+/// Whether a probe endpoint echoes within `timeout` over UDP: a datagram every `every`, the
+/// first echo of this nonce wins.
+pub async fn probe_udp(addr: &str, nonce: u32, every: Duration, timeout: Duration) -> io::Result<Duration> {
+    let started = tokio::time::Instant::now();
+    let socket = connect_udp(addr).await?;
     let mut datagram = PROBE_DATAGRAM.to_vec();
     datagram.extend_from_slice(&nonce.to_le_bytes());
     let attempt = async {

@@ -20,7 +20,7 @@ pub mod state;
 
 use std::time::Duration;
 
-pub use client::{probe, probe_udp, serve_udp_probes, PrefixStore, StoreClient, PROBE_DATAGRAM};
+pub use client::{connect_udp, probe, probe_udp, serve_udp_probes, PrefixStore, StoreClient, PROBE_DATAGRAM};
 pub use protocol::Limits;
 pub use server::{
     admit, bind, default_max_connections, Admission, ServerConfig, StoreHandle, StoreServer, DEFAULT_MAX_TOTAL_BYTES,

@@ -12,7 +12,7 @@ use tokio::time::Instant;
 use tracing::{debug, warn};
 
 use super::layout::{alive_key, lapsed_key_of, state_key};
-use super::leases::{renew_every, renewed_within, ttl_seconds, SharedLease, Touch};
+use super::leases::{may_confirm, renew_every, renewed_within, ttl_seconds, SharedLease, Touch};
 use super::{EtcdStore, Inner, OP_TIMEOUT};
 use crate::error::RdzvError;
 use crate::round::liveness;
@@ -21,6 +21,9 @@ use crate::round::{Action, Decision};
 /// How long the notes of silent nodes' last heartbeats stay at least (a lease of their own,
 /// three TTLs and 10 s when that is longer): the machine acts on a loss well within it.
 const LAPSED_TTL_S: i64 = 30;
+
+/// How long a confirmation of a lease on fresh connections may take: a heartbeat waits for it.
+const CONFIRM_WITHIN: Duration = Duration::from_secs(1);
 
 /// Attempts at putting a node's alive key back, and at holding one, before giving up on a key
 /// that keeps changing under them (`RdzvError::Contention`).
@@ -211,9 +214,12 @@ impl EtcdStore {
         match self.touch(&key) {
             Touch::Answered => return Ok(recorded()),
             Touch::Unconfirmed => {
+                if self.confirm_lease(&key).await {
+                    return Ok(recorded());
+                }
                 return Err(RdzvError::Store {
                     message: "this replica's etcd lease was not confirmed recently (etcd unreachable?)".to_owned(),
-                })
+                });
             }
             Touch::Read => {}
         }
@@ -223,6 +229,73 @@ impl EtcdStore {
         match self.hold(run_id, node_id, ttl, false, true).await? {
             Hold::Absent | Hold::Elsewhere => Err(RdzvError::UnknownNode { node_id: node_id.to_owned() }),
             Hold::Created | Hold::Held => Ok(recorded()),
+        }
+    }
+
+    /// Confirms the lease `key` is held on when its keep-alive stream has not been answered
+    /// lately: that stream rides one HTTP/2 connection per member, and a connection in TCP
+    /// back-off (a lossy link) holds every request on it for seconds while a new connection would
+    /// get through. So a keep-alive goes on a fresh connection to every member at once, within
+    /// [`CONFIRM_WITHIN`]; the first answer with a TTL renews the lease here. One confirmation at
+    /// a time: heartbeats that come meanwhile wait for its outcome, and for
+    /// [`leases::CONFIRM_AGAIN_AFTER`] after a failed one they are answered "unconfirmed" at once.
+    async fn confirm_lease(&self, key: &str) -> bool {
+        let mut last_failed = self.inner.confirming.lock().await;
+        match self.touch(key) {
+            Touch::Answered => return true,
+            Touch::Read => return false,
+            Touch::Unconfirmed => {}
+        }
+        let lease = self.inner.leases.lock().unwrap_or_else(|p| p.into_inner()).lease_of(key);
+        let Some((id, ttl_s)) = lease else { return false };
+        if !may_confirm(*last_failed, Instant::now()) {
+            return false;
+        }
+        let mut tries = tokio::task::JoinSet::new();
+        for endpoint in &self.inner.endpoints {
+            let (endpoint, options) = (endpoint.clone(), self.inner.options.clone());
+            tries.spawn(async move {
+                let mut client = etcd_client::Client::connect([endpoint], Some(options)).await?;
+                let (mut keeper, mut answers) = client.lease_keep_alive(id).await?;
+                keeper.keep_alive().await?;
+                Ok::<_, etcd_client::Error>(answers.message().await?.map(|r| r.ttl()))
+            });
+        }
+        let answer = tokio::time::timeout(CONFIRM_WITHIN, async {
+            while let Some(joined) = tries.join_next().await {
+                match joined {
+                    Ok(Ok(Some(ttl))) => return Some(ttl),
+                    Ok(Err(error)) => debug!(lease = id, %error, "a keep-alive on a fresh connection failed"),
+                    Ok(Ok(None)) | Err(_) => {}
+                }
+            }
+            None
+        })
+        .await;
+        // (Dropping the set ends the tries still under way.)
+        drop(tries);
+        match answer {
+            Ok(Some(ttl)) if ttl > 0 => {
+                let mut leases = self.inner.leases.lock().unwrap_or_else(|p| p.into_inner());
+                if leases.confirmed(ttl_s, id, Instant::now()) {
+                    *last_failed = None;
+                    debug!(lease = id, "lease confirmed on a fresh connection (its keep-alive stream is stuck)");
+                    return true;
+                }
+                false
+            }
+            Ok(Some(_)) => {
+                let keys = self.inner.leases.lock().unwrap_or_else(|p| p.into_inner()).drop_lease(id);
+                warn!(
+                    lease = id,
+                    keys, "this replica's etcd lease lapsed; its nodes take new keys with their next heartbeat"
+                );
+                false
+            }
+            Ok(None) | Err(_) => {
+                *last_failed = Some(Instant::now());
+                false
+            }
         }
     }
 

@@ -27,6 +27,11 @@ pub(super) fn renewed_within(ttl_s: i64) -> Duration {
     renew_every(ttl_s) + Duration::from_millis(500)
 }
 
+/// After a confirmation of a lease on fresh connections failed, heartbeats are answered
+/// "unconfirmed" at once for this long before another is tried (10,000 heartbeats waiting on one
+/// must not each try in turn).
+pub(super) const CONFIRM_AGAIN_AFTER: Duration = Duration::from_millis(250);
+
 /// Idle leases (no key held) are revoked after this long, so TTLs that nobody uses any more (or
 /// refused joins) leave no lease behind.
 pub(super) const LEASE_IDLE: Duration = Duration::from_secs(2);
@@ -115,6 +120,26 @@ impl Leases {
             Touch::Answered
         } else {
             Touch::Unconfirmed
+        }
+    }
+
+    /// The lease `key` is held on and its TTL in seconds, while the key is held, verified, on the
+    /// current lease for its TTL: what a confirmation of that lease ([`Touch::Unconfirmed`]) renews.
+    pub(super) fn lease_of(&self, key: &str) -> Option<(i64, i64)> {
+        let h = self.held.get(key).filter(|h| h.verified)?;
+        let ttl_s = ttl_seconds(h.ttl);
+        self.by_ttl.get(&ttl_s).filter(|l| l.id == h.lease).map(|l| (l.id, ttl_s))
+    }
+
+    /// etcd confirmed lease `id` (for `ttl_s`), by a keep-alive answered at `now`; false when it is
+    /// no longer this process's lease for that TTL.
+    pub(super) fn confirmed(&mut self, ttl_s: i64, id: i64, now: Instant) -> bool {
+        match self.by_ttl.get_mut(&ttl_s) {
+            Some(l) if l.id == id => {
+                l.renewed = l.renewed.max(now);
+                true
+            }
+            _ => false,
         }
     }
 
@@ -214,6 +239,12 @@ impl Leases {
     }
 }
 
+/// Whether a lease whose keep-alive stream has not been answered lately is confirmed on fresh
+/// connections now: unless the last such try failed within [`CONFIRM_AGAIN_AFTER`].
+pub(super) fn may_confirm(last_failed: Option<Instant>, now: Instant) -> bool {
+    last_failed.is_none_or(|t| now.saturating_duration_since(t) >= CONFIRM_AGAIN_AFTER)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -238,6 +269,32 @@ mod tests {
         let late = t0 + Duration::from_secs(2);
         assert_eq!(l.touch("k", late), Touch::Unconfirmed);
         assert!(l.sweep(late + TTL - Duration::from_millis(1)).0.is_empty());
+    }
+
+    #[test]
+    fn an_unconfirmed_lease_confirmed_anew_answers_again_and_a_failed_try_waits_before_the_next() {
+        let t0 = Instant::now();
+        let mut l = with_lease(7, t0);
+        assert_eq!(l.lease_of("k"), None, "not held");
+        assert!(l.note_held("k", 7, TTL, 10, t0));
+        let late = t0 + Duration::from_secs(2);
+        assert_eq!(l.touch("k", late), Touch::Unconfirmed);
+        assert_eq!(l.lease_of("k"), Some((7, 3)));
+        // A keep-alive on a fresh connection answered: heartbeats are answered from memory again.
+        assert!(l.confirmed(3, 7, late));
+        assert_eq!(l.touch("k", late + Duration::from_millis(100)), Touch::Answered);
+        // A stale confirmation never moves the lease's renewal back, and one of another lease
+        // (replaced meanwhile) confirms nothing.
+        assert!(l.confirmed(3, 7, t0));
+        assert_eq!(l.touch("k", late + Duration::from_millis(200)), Touch::Answered);
+        assert!(!l.confirmed(3, 8, late));
+        // An unverified key is read from etcd, not confirmed.
+        l.on_watch_start(false);
+        assert_eq!(l.lease_of("k"), None);
+        // After a failed try, the next waits a while (the heartbeats meanwhile fail at once).
+        assert!(may_confirm(None, t0));
+        assert!(!may_confirm(Some(t0), t0 + CONFIRM_AGAIN_AFTER - Duration::from_millis(1)));
+        assert!(may_confirm(Some(t0), t0 + CONFIRM_AGAIN_AFTER));
     }
 
     #[test]

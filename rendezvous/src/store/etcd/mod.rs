@@ -79,6 +79,12 @@ struct Inner {
     /// One client per endpoint: etcd-client's balanced channel keeps routing to a dead member,
     /// so failover between members is done here.
     clients: Vec<Client>,
+    /// The members' endpoints and the options they were connected with: a lease whose keep-alive
+    /// stream went unanswered is confirmed on fresh connections ([`alive`]).
+    endpoints: Vec<String>,
+    options: ConnectOptions,
+    /// One such confirmation at a time, and when the last one failed.
+    confirming: tokio::sync::Mutex<Option<Instant>>,
     /// The client that answered last; tried first.
     current: AtomicUsize,
     /// Bumped on every change under the prefix (and after a watch reconnect).
@@ -182,8 +188,9 @@ impl EtcdStore {
             // serving stale data, so the request moves on to a member that has a leader.
             .with_require_leader(true);
         let mut clients = Vec::new();
-        for e in endpoints {
-            let fut = Client::connect([e.to_string()], Some(options.clone()));
+        let endpoints: Vec<String> = endpoints.iter().map(ToString::to_string).collect();
+        for e in &endpoints {
+            let fut = Client::connect([e.clone()], Some(options.clone()));
             match tokio::time::timeout(OP_TIMEOUT, fut).await {
                 Ok(r) => clients.push(r.map_err(RdzvError::etcd("connect"))?),
                 Err(_) => return Err(timed_out("connect")),
@@ -207,6 +214,9 @@ impl EtcdStore {
         ));
         let inner = Arc::new_cyclic(|weak| Inner {
             clients,
+            endpoints,
+            options,
+            confirming: tokio::sync::Mutex::new(None),
             current: AtomicUsize::new(0),
             changes,
             expired,
