@@ -12,7 +12,7 @@ use tokio::time::Instant;
 use tracing::{debug, warn};
 
 use super::layout::{alive_key, lapsed_key_of, state_key};
-use super::leases::{may_confirm, renew_every, renewed_within, ttl_seconds, SharedLease, Touch};
+use super::leases::{may_confirm, renew_every, renewed_within, ttl_seconds, ConfirmTry, SharedLease, Touch};
 use super::{EtcdStore, Inner, OP_TIMEOUT};
 use crate::error::RdzvError;
 use crate::round::liveness;
@@ -35,6 +35,12 @@ fn lease_gone(e: &RdzvError) -> bool {
     matches!(e, RdzvError::Etcd { source, .. } if source.to_string().contains("lease not found"))
 }
 
+/// Whether opening a keep-alive failed because etcd answered the lease's TTL as 0 (it lapsed or
+/// was revoked): etcd-client reads the first answer and says so with this error.
+fn lapsed(e: &etcd_client::Error) -> bool {
+    matches!(e, etcd_client::Error::LeaseKeepAliveError(m) if m.contains("lease not found"))
+}
+
 /// Keeps `id` alive for as long as the store lives and the lease is in use; when etcd says it is
 /// gone, forgets it and every key held on it (those keys went with it).
 async fn keep_lease(inner: std::sync::Weak<Inner>, ttl_s: i64, id: i64) {
@@ -50,6 +56,15 @@ async fn keep_lease(inner: std::sync::Weak<Inner>, ttl_s: i64, id: i64) {
             let mut client = inner.clients[member % inner.clients.len()].clone();
             match tokio::time::timeout(patience, client.lease_keep_alive(id)).await {
                 Ok(Ok(s)) => stream = Some(s),
+                // (etcd-client reads the first answer: a TTL of 0 is this error.)
+                Ok(Err(error)) if lapsed(&error) => {
+                    let keys = inner.leases.lock().unwrap_or_else(|p| p.into_inner()).drop_lease(id);
+                    warn!(
+                        lease = id,
+                        keys, "this replica's etcd lease lapsed; its nodes take new keys with their next heartbeat"
+                    );
+                    return;
+                }
                 Ok(Err(error)) => {
                     debug!(lease = id, error = %error, "could not open a keep-alive stream; next member");
                     member += 1;
@@ -213,14 +228,16 @@ impl EtcdStore {
         let recorded = || Decision { action: Action::HeartbeatRecorded, reason: format!("{node_id} heard from") };
         match self.touch(&key) {
             Touch::Answered => return Ok(recorded()),
-            Touch::Unconfirmed => {
-                if self.confirm_lease(&key).await {
-                    return Ok(recorded());
+            Touch::Unconfirmed => match self.confirm_lease(&key).await {
+                Touch::Answered => return Ok(recorded()),
+                Touch::Unconfirmed => {
+                    return Err(RdzvError::Store {
+                        message: "this replica's etcd lease was not confirmed recently (etcd unreachable?)".to_owned(),
+                    })
                 }
-                return Err(RdzvError::Store {
-                    message: "this replica's etcd lease was not confirmed recently (etcd unreachable?)".to_owned(),
-                });
-            }
+                // The key went meanwhile (its lease lapsed, a watch event): read as below.
+                Touch::Read => {}
+            },
             Touch::Read => {}
         }
         let Some(ttl) = self.view(run_id, None, |job| job.settings.node_ttl).await? else {
@@ -234,68 +251,72 @@ impl EtcdStore {
 
     /// Confirms the lease `key` is held on when its keep-alive stream has not been answered
     /// lately: that stream rides one HTTP/2 connection per member, and a connection in TCP
-    /// back-off (a lossy link) holds every request on it for seconds while a new connection would
-    /// get through. So a keep-alive goes on a fresh connection to every member at once, within
-    /// [`CONFIRM_WITHIN`]; the first answer with a TTL renews the lease here. One confirmation at
-    /// a time: heartbeats that come meanwhile wait for its outcome, and for
-    /// [`leases::CONFIRM_AGAIN_AFTER`] after a failed one they are answered "unconfirmed" at once.
-    async fn confirm_lease(&self, key: &str) -> bool {
-        let mut last_failed = self.inner.confirming.lock().await;
-        match self.touch(key) {
-            Touch::Answered => return true,
-            Touch::Read => return false,
-            Touch::Unconfirmed => {}
+    /// back-off (a lossy link) holds every request on it for seconds (until the connection's own
+    /// keep-alive replaces it, about 3 s) while a new connection would get through. So a
+    /// keep-alive goes on a fresh connection to every member at once, within [`CONFIRM_WITHIN`];
+    /// the first answer renews the lease here, dated from before the tries began. Then the key is
+    /// looked at again ([`Touch`]: it may have gone meanwhile). One confirmation at a time:
+    /// heartbeats that come meanwhile wait for its outcome; after a failed (or abandoned) one the
+    /// next waits [`super::leases::confirm_wait`] (0.25 s, doubling to 4 s), the heartbeats meanwhile
+    /// answered "unconfirmed" at once.
+    async fn confirm_lease(&self, key: &str) -> Touch {
+        let mut tried = self.inner.confirming.lock().await;
+        let touch = self.touch(key);
+        if touch != Touch::Unconfirmed {
+            return touch;
         }
         let lease = self.inner.leases.lock().unwrap_or_else(|p| p.into_inner()).lease_of(key);
-        let Some((id, ttl_s)) = lease else { return false };
-        if !may_confirm(*last_failed, Instant::now()) {
-            return false;
+        let Some((id, ttl_s)) = lease else { return Touch::Read };
+        let started = Instant::now();
+        if !may_confirm(*tried, started) {
+            return Touch::Unconfirmed;
         }
+        // Counted as failed until it succeeds: a heartbeat dropped mid-try abandons it.
+        *tried = Some(ConfirmTry { at: started, failures: tried.map_or(1, |t| t.failures.saturating_add(1)) });
         let mut tries = tokio::task::JoinSet::new();
         for endpoint in &self.inner.endpoints {
             let (endpoint, options) = (endpoint.clone(), self.inner.options.clone());
             tries.spawn(async move {
                 let mut client = etcd_client::Client::connect([endpoint], Some(options)).await?;
-                let (mut keeper, mut answers) = client.lease_keep_alive(id).await?;
-                keeper.keep_alive().await?;
-                Ok::<_, etcd_client::Error>(answers.message().await?.map(|r| r.ttl()))
+                // Answered with a TTL above 0, or the "lease not found" error.
+                client.lease_keep_alive(id).await.map(|_| ())
             });
         }
-        let answer = tokio::time::timeout(CONFIRM_WITHIN, async {
+        let lapsed_seen = tokio::time::timeout(CONFIRM_WITHIN, async {
             while let Some(joined) = tries.join_next().await {
                 match joined {
-                    Ok(Ok(Some(ttl))) => return Some(ttl),
+                    Ok(Ok(())) => return Ok(()),
+                    Ok(Err(error)) if lapsed(&error) => return Err(true),
                     Ok(Err(error)) => debug!(lease = id, %error, "a keep-alive on a fresh connection failed"),
-                    Ok(Ok(None)) | Err(_) => {}
+                    Err(_) => {}
                 }
             }
-            None
+            Err(false)
         })
-        .await;
-        // (Dropping the set ends the tries still under way.)
+        .await
+        .unwrap_or(Err(false));
+        // (Dropping the set ends the tries still under way, and their connections.)
         drop(tries);
-        match answer {
-            Ok(Some(ttl)) if ttl > 0 => {
-                let mut leases = self.inner.leases.lock().unwrap_or_else(|p| p.into_inner());
-                if leases.confirmed(ttl_s, id, Instant::now()) {
-                    *last_failed = None;
+        match lapsed_seen {
+            Ok(()) => {
+                let confirmed =
+                    self.inner.leases.lock().unwrap_or_else(|p| p.into_inner()).confirmed(ttl_s, id, started);
+                if confirmed {
+                    *tried = None;
                     debug!(lease = id, "lease confirmed on a fresh connection (its keep-alive stream is stuck)");
-                    return true;
                 }
-                false
+                self.touch(key)
             }
-            Ok(Some(_)) => {
+            Err(true) => {
                 let keys = self.inner.leases.lock().unwrap_or_else(|p| p.into_inner()).drop_lease(id);
                 warn!(
                     lease = id,
                     keys, "this replica's etcd lease lapsed; its nodes take new keys with their next heartbeat"
                 );
-                false
+                *tried = None;
+                Touch::Read
             }
-            Ok(None) | Err(_) => {
-                *last_failed = Some(Instant::now());
-                false
-            }
+            Err(false) => Touch::Unconfirmed,
         }
     }
 

@@ -27,10 +27,13 @@ pub(super) fn renewed_within(ttl_s: i64) -> Duration {
     renew_every(ttl_s) + Duration::from_millis(500)
 }
 
-/// After a confirmation of a lease on fresh connections failed, heartbeats are answered
-/// "unconfirmed" at once for this long before another is tried (10,000 heartbeats waiting on one
-/// must not each try in turn).
-pub(super) const CONFIRM_AGAIN_AFTER: Duration = Duration::from_millis(250);
+/// A confirmation of a lease on fresh connections that did not succeed (failed, or abandoned by
+/// its caller): when it began, and how many in a row.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct ConfirmTry {
+    pub(super) at: Instant,
+    pub(super) failures: u32,
+}
 
 /// Idle leases (no key held) are revoked after this long, so TTLs that nobody uses any more (or
 /// refused joins) leave no lease behind.
@@ -239,10 +242,18 @@ impl Leases {
     }
 }
 
+/// How long after a confirmation that did not succeed the next may begin: 0.25 s after the first,
+/// doubling with each failure in a row up to 4 s (heartbeats meanwhile are answered
+/// "unconfirmed" at once: 10,000 of them waiting on one must not each try in turn, and an etcd
+/// that is down is not dialled ever faster).
+pub(super) fn confirm_wait(failures: u32) -> Duration {
+    Duration::from_millis(250) * 2u32.pow(failures.saturating_sub(1).min(4))
+}
+
 /// Whether a lease whose keep-alive stream has not been answered lately is confirmed on fresh
-/// connections now: unless the last such try failed within [`CONFIRM_AGAIN_AFTER`].
-pub(super) fn may_confirm(last_failed: Option<Instant>, now: Instant) -> bool {
-    last_failed.is_none_or(|t| now.saturating_duration_since(t) >= CONFIRM_AGAIN_AFTER)
+/// connections now, after `last` (the last try that did not succeed, if any).
+pub(super) fn may_confirm(last: Option<ConfirmTry>, now: Instant) -> bool {
+    last.is_none_or(|t| now.saturating_duration_since(t.at) >= confirm_wait(t.failures))
 }
 
 #[cfg(test)]
@@ -291,10 +302,17 @@ mod tests {
         // An unverified key is read from etcd, not confirmed.
         l.on_watch_start(false);
         assert_eq!(l.lease_of("k"), None);
-        // After a failed try, the next waits a while (the heartbeats meanwhile fail at once).
+        // After a try that did not succeed, the next waits a while (the heartbeats meanwhile fail
+        // at once), longer after each failure in a row, never more than 4 s.
         assert!(may_confirm(None, t0));
-        assert!(!may_confirm(Some(t0), t0 + CONFIRM_AGAIN_AFTER - Duration::from_millis(1)));
-        assert!(may_confirm(Some(t0), t0 + CONFIRM_AGAIN_AFTER));
+        let ms = Duration::from_millis;
+        let after = |failures| Some(ConfirmTry { at: t0, failures });
+        assert!(!may_confirm(after(1), t0 + ms(249)));
+        assert!(may_confirm(after(1), t0 + ms(250)));
+        assert!(!may_confirm(after(2), t0 + ms(499)));
+        assert!(may_confirm(after(3), t0 + ms(1000)));
+        assert!(!may_confirm(after(40), t0 + ms(3999)));
+        assert!(may_confirm(after(u32::MAX), t0 + ms(4000)));
     }
 
     #[test]

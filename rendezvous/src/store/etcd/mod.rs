@@ -83,8 +83,8 @@ struct Inner {
     /// stream went unanswered is confirmed on fresh connections ([`alive`]).
     endpoints: Vec<String>,
     options: ConnectOptions,
-    /// One such confirmation at a time, and when the last one failed.
-    confirming: tokio::sync::Mutex<Option<Instant>>,
+    /// One such confirmation at a time, and the last one that did not succeed.
+    confirming: tokio::sync::Mutex<Option<leases::ConfirmTry>>,
     /// The client that answered last; tried first.
     current: AtomicUsize,
     /// Bumped on every change under the prefix (and after a watch reconnect).
