@@ -1,7 +1,8 @@
 //! Benchmark: time from the last join to every agent holding the closed round, for N simulated
 //! agents (tokio tasks in this process, one HTTP client pool) talking to an `rlaunch-rendezvous`
 //! service started as its own process (memory store, and etcd when `--etcd http://host:2379` is
-//! given); also the bytes of each agent's answer and the service's memory.
+//! given); also the bytes of each agent's answer, the service's memory, and its CPU time (the
+//! whole run, and the close alone).
 //!
 //! `cargo build --release -p rlaunch-launcher --bins && cargo build --release -p rlaunch-rendezvous --examples &&
 //!  target/release/examples/rdzv_bench --agents 100,1000,3000,10000 [--etcd URL [--no-memory]] [--snapshots] [--no-peers]`
@@ -87,6 +88,17 @@ impl Service {
             .and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok())
             .map_or(0.0, |kib| kib / 1024.0)
     }
+
+    /// CPU time the service has used so far (user and system), in ms.
+    fn cpu_ms(&self) -> f64 {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).unwrap_or_default();
+        // The fields after the command's closing parenthesis: utime and stime are the 12th and 13th.
+        let fields: Vec<&str> = stat.rsplit_once(')').map_or("", |(_, rest)| rest).split_whitespace().collect();
+        let ticks: f64 = [11, 12].iter().filter_map(|&i| fields.get(i)?.parse::<f64>().ok()).sum();
+        // SAFETY: sysconf reads a constant of the system.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+        ticks * 1e3 / hz
+    }
 }
 
 impl Drop for Service {
@@ -100,6 +112,10 @@ struct Run {
     took: Duration,
     answer_bytes: usize,
     rss_mib: f64,
+    /// The service's CPU time from its start (the joins included) to all answers, and from the
+    /// last join to all answers.
+    cpu_ms: f64,
+    close_cpu_ms: f64,
 }
 
 async fn one(service: &Service, n: u32, run_id: &str, snapshots: bool) -> Result<Run> {
@@ -160,6 +176,7 @@ async fn one(service: &Service, n: u32, run_id: &str, snapshots: bool) -> Result
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let t0 = Instant::now();
+    let cpu_at_last_join = service.cpu_ms();
     let last = client.join(node(n - 1)).await.context("last join")?;
     if std::env::var("BENCH_TRACE").is_ok() {
         eprintln!("last join answered after {:?}", t0.elapsed());
@@ -180,6 +197,8 @@ async fn one(service: &Service, n: u32, run_id: &str, snapshots: bool) -> Result
     }
     let took = t0.elapsed();
     let rss_mib = service.rss_mib();
+    let cpu_ms = service.cpu_ms();
+    let close_cpu_ms = cpu_ms - cpu_at_last_join;
     // Every agent leaves at once, as at the end of a job.
     let mut leaves = tokio::task::JoinSet::new();
     for i in 0..n {
@@ -187,7 +206,7 @@ async fn one(service: &Service, n: u32, run_id: &str, snapshots: bool) -> Result
         leaves.spawn(async move { c.leave(&node(i).node_id).await });
     }
     while leaves.join_next().await.is_some() {}
-    Ok(Run { took, answer_bytes, rss_mib })
+    Ok(Run { took, answer_bytes, rss_mib, cpu_ms, close_cpu_ms })
 }
 
 #[tokio::main]
@@ -214,7 +233,9 @@ async fn main() -> Result<()> {
     }
     // 10,000 agents hold 10,000 connections.
     rlaunch::store::raise_open_files().context("raising the open-file limit")?;
-    println!("store\tagents\tlast_join_to_all_closed_ms\tper_agent_us\tanswer_bytes\tservice_rss_mib");
+    println!(
+        "store\tagents\tlast_join_to_all_closed_ms\tper_agent_us\tanswer_bytes\tservice_rss_mib\tservice_cpu_ms\tclose_cpu_ms"
+    );
     let mut stores: Vec<(&str, Option<&str>)> = if memory { vec![("memory", None)] } else { Vec::new() };
     if let Some(url) = etcd.as_deref() {
         stores.push(("etcd", Some(url)));
@@ -226,11 +247,13 @@ async fn main() -> Result<()> {
             let service = Service::start(url)?;
             let run = one(&service, n, &format!("bench-{name}-{n}-{stamp}"), snapshots).await?;
             println!(
-                "{name}\t{n}\t{:.1}\t{:.1}\t{}\t{:.1}",
+                "{name}\t{n}\t{:.1}\t{:.1}\t{}\t{:.1}\t{:.0}\t{:.0}",
                 run.took.as_secs_f64() * 1e3,
                 run.took.as_secs_f64() * 1e6 / f64::from(n),
                 run.answer_bytes,
-                run.rss_mib
+                run.rss_mib,
+                run.cpu_ms,
+                run.close_cpu_ms
             );
         }
     }
