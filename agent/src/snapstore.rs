@@ -23,8 +23,9 @@ use crate::snapshots::NodeId;
 
 /// The Python package (`import rlaunch`), written beside the socket and put on the workers'
 /// `PYTHONPATH`, so a job started by an `rlaunch` installed any way finds it.
-const PY_PACKAGE: [(&str, &str); 5] = [
+const PY_PACKAGE: [(&str, &str); 6] = [
     ("__init__.py", include_str!("../../python/rlaunch/__init__.py")),
+    ("dcp.py", include_str!("../../python/rlaunch/dcp.py")),
     ("snapshot.py", include_str!("../../python/rlaunch/snapshot.py")),
     ("interrupt.py", include_str!("../../python/rlaunch/interrupt.py")),
     ("resilient.py", include_str!("../../python/rlaunch/resilient.py")),

@@ -14,7 +14,10 @@ earlier resume): SNAP_EXIT_AT="rank:step" exits 3 before saving that step; SNAP_
 "rank:step" dies (SIGKILL) in the middle of writing that step's snapshot. SNAP_SLEEP (seconds per
 step, default 0.05) paces the run; SNAP_PAD_MB adds that many MiB of state per rank. SNAP_RESHARD=1: after a resume with a world other than the
 saved one, every rank reads every saved rank's part with load(rank=k) and logs
-`reshard parts=N steps=S`.
+`reshard parts=N steps=S`. SNAP_DCP=1: the state goes through torch.distributed.checkpoint
+(dcp.save with rlaunch.dcp.Writer, dcp.load with rlaunch.dcp.Reader, the model's and optimizer's
+state from torch.distributed.checkpoint.state_dict), the same lines logged; SNAP_DCP=async: with
+dcp.async_save.
 """
 
 import hashlib
@@ -64,8 +67,28 @@ opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 # SNAP_PAD_MB: that many MiB more state per rank (the memory cap's test).
 PAD = torch.zeros(int(float(os.environ.get("SNAP_PAD_MB", "0")) * (1 << 18)))
+DCP = os.environ.get("SNAP_DCP") in ("1", "async")
+if DCP:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import rlaunch.dcp
+
+    def dcp_state():
+        model_sd, optim_sd = get_state_dict(model, opt)
+        return {"model": model_sd, "optim": optim_sd, "world": WORLD, "rank": RANK, "pad": PAD}
+
+    def dcp_load():
+        step = rlaunch.dcp.restored_step()
+        if step is None:
+            return None
+        state = dcp_state()
+        dcp.load(state, storage_reader=rlaunch.dcp.Reader())
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        return step, {"model": model.state_dict(), "optim": opt.state_dict(), "world": state["world"], "rank": state["rank"]}
+
 start = 0
-got = rlaunch.snapshot.load()
+got = dcp_load() if DCP else rlaunch.snapshot.load()
 loaded_at = time.time()
 resumed = got is not None
 if got is not None:
@@ -99,8 +122,19 @@ for step in range(start, STEPS):
             os.kill(os.getpid(), signal.SIGKILL)
 
         snap._copy_into = die_after_the_first_array
-    state = {"model": model.state_dict(), "optim": opt.state_dict(), "world": WORLD, "rank": RANK, "pad": PAD}
-    if rlaunch.snapshot.save(step, state):
+    if DCP:
+        writer = rlaunch.dcp.Writer(step)
+        if os.environ["SNAP_DCP"] == "async":
+            # Staged to the CPU, then written by a thread of DCP's; waited for here, so that the
+            # step is held before the next one starts (a program may wait later).
+            dcp.async_save(dcp_state(), storage_writer=writer).result()
+        else:
+            dcp.save(dcp_state(), storage_writer=writer)
+        saved = writer.saved
+    else:
+        state = {"model": model.state_dict(), "optim": opt.state_dict(), "world": WORLD, "rank": RANK, "pad": PAD}
+        saved = rlaunch.snapshot.save(step, state)
+    if saved:
         log(f"saved step={step} t={time.time()!r}")
     time.sleep(SLEEP)
 

@@ -616,3 +616,119 @@ fn compiled_code_from_a_part_is_checked_before_anything_of_it_is_written() {
         assert!(err.contains(said), "said: {said}\n{err}");
     }
 }
+
+/// Issue 36: `torch.distributed.checkpoint` into the agents' memory (`rlaunch.dcp.Writer` and
+/// `Reader`, `SNAP_DCP=1` in `py/snapshot_train.py`: the model's and optimizer's state from
+/// `torch.distributed.checkpoint.state_dict`). A worker that exits resumes from the last step DCP
+/// saved, with the uninterrupted run's bytes and losses.
+#[test]
+fn dcp_saves_in_the_agents_memory_and_a_worker_that_exits_resumes_from_the_last_step() {
+    let reference = reference(2);
+    let out = tempdir();
+    let env = [("SNAP_DCP", "1"), ("SNAP_EXIT_AT", "1:12")];
+    let o = standalone(out.path(), 2, &["--max-restarts", "1"], &env);
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    let step = assert_resumed_as_reference(out.path(), 2, &reference);
+    assert_eq!(step, 11, "rank 1 exited before saving step 12: step 11 is the last whole one");
+}
+
+/// The same with `dcp.async_save` (the state staged to the CPU, then written from DCP's thread).
+#[test]
+fn dcp_async_save_keeps_steps_alike_and_a_worker_that_exits_resumes_from_the_last_one() {
+    let reference = reference(2);
+    let out = tempdir();
+    let env = [("SNAP_DCP", "async"), ("SNAP_EXIT_AT", "0:7")];
+    let o = standalone(out.path(), 2, &["--max-restarts", "1"], &env);
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    let step = assert_resumed_as_reference(out.path(), 2, &reference);
+    assert_eq!(step, 6, "rank 0 exited before saving step 7: step 6 is the last whole one");
+}
+
+/// The coordinator (rank 0) killed while its part of step 9 (DCP's metadata with it) is half
+/// written: rank 1's part of step 9 is held, but the step is not whole, so step 8 is restored.
+#[test]
+fn dcp_a_coordinator_killed_inside_its_save_leaves_the_previous_step_never_half_of_one() {
+    let reference = reference(2);
+    let out = tempdir();
+    let env = [("SNAP_DCP", "1"), ("SNAP_DIE_IN_SAVE", "0:9")];
+    let o = standalone(out.path(), 2, &["--max-restarts", "1"], &env);
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    let step = assert_resumed_as_reference(out.path(), 2, &reference);
+    assert_eq!(step, 8, "rank 0's part of step 9 was never whole: step 8 is restored");
+}
+
+/// A DCP save past the node's snapshot memory is refused (`Writer.saved` False, said once),
+/// training goes on, and the last committed step is what a restart loads.
+#[test]
+fn dcp_a_save_over_the_memory_cap_is_refused_and_the_last_committed_step_stays() {
+    let out = tempdir();
+    // DCP writes a replicated tensor once (from one rank): 0.6 MiB of padding and the model's
+    // state, about 0.75 MiB a step in all, so step 0 fits in 1 MiB and no later step beside it.
+    let env = [("SNAP_DCP", "1"), ("SNAP_EXIT_AT", "0:20"), ("SNAP_PAD_MB", "0.6")];
+    let o = standalone(out.path(), 2, &["--max-restarts", "1", "--snapshot-memory", "1"], &env);
+    let err = stderr_of(&o);
+    assert!(o.status.success(), "a full snapshot memory never stops training:\n{err}");
+    assert!(err.contains("does not fit in this node's snapshot memory (--snapshot-memory 1 MiB"), "{err}");
+    let logs = logs(out.path());
+    assert!(logs.values().all(|l| l.last().is_some_and(|x| x.starts_with("final "))), "both ranks finished");
+    for (rank, lines) in &logs {
+        assert_eq!(
+            resumes(lines).iter().map(|x| x.0).collect::<Vec<_>>(),
+            vec![0],
+            "rank {rank}:\n{}",
+            lines.join("\n")
+        );
+    }
+}
+
+/// Outside rlaunch, `Writer` saves nothing (`saved` False, said once by `rlaunch.snapshot`),
+/// `restored_step` is None and `Reader` says why it has nothing to read.
+#[test]
+fn dcp_outside_rlaunch_saves_nothing_and_says_so_once() {
+    let program = "import torch, torch.distributed.checkpoint as dcp, rlaunch.dcp\n\
+        w = rlaunch.dcp.Writer(1)\n\
+        dcp.save({'x': torch.ones(3)}, storage_writer=w)\n\
+        assert w.saved is False\n\
+        dcp.save({'x': torch.ones(3)}, storage_writer=rlaunch.dcp.Writer(2))\n\
+        assert rlaunch.dcp.restored_step() is None\n\
+        try:\n    dcp.load({'x': torch.zeros(3)}, storage_reader=rlaunch.dcp.Reader())\nexcept BaseException as e:  # DCP raises CheckpointException, a BaseException\n    assert 'no step to load' in str(e), e\nelse:\n    raise SystemExit('loaded outside rlaunch')\n\
+        print('ok')";
+    let o = run_deadline(
+        Command::new(venv_python())
+            .args(["-c", program])
+            .env("PYTHONPATH", integration_tests::repo_root().join("python"))
+            .env_remove("RLAUNCH_SNAPSHOT"),
+        Duration::from_secs(120),
+    );
+    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("ok"), "{}", stderr_of(&o));
+    assert_eq!(stderr_of(&o).matches("not started by rlaunch").count(), 1, "said once: {}", stderr_of(&o));
+}
+
+/// A world of another size loads a DCP step saved by four ranks on two: DCP's planner wrote each
+/// replicated tensor once (from one rank's part), so each new rank reads the items of every
+/// saved rank's part that holds what it needs, and its model is the saved one, byte for byte.
+#[test]
+fn dcp_a_smaller_world_loads_what_every_saved_rank_wrote() {
+    let out = tempdir();
+    let job = Job::new(2, out.path());
+    let env = [("SNAP_DCP", "1")];
+    let mut a = job.agent(0, "1:2", "dcp-reshard", out.path(), &env);
+    let _b = job.agent(1, "1:2", "dcp-reshard", out.path(), &env);
+    job.wait_step(out.path(), 4, 12);
+    job.lose(1);
+    wait_ok(&mut [&mut a]);
+    let logs = logs(out.path());
+    for rank in [0, 1] {
+        let lines = &logs[&rank];
+        let (step, line) = resumes(lines).pop().unwrap_or_else(|| panic!("rank {rank} resumed:\n{}", lines.join("\n")));
+        assert!(line.contains("world=2 saved_world=4"), "{line}");
+        // The digest rank 0 logged after that step in the first round (rank 0's log holds both).
+        let saved = per_step(&logs[&0], "digest");
+        assert_eq!(
+            field(&line, "digest"),
+            saved.get(&step).map(String::as_str),
+            "rank {rank}'s restored model: {line}"
+        );
+        assert!(lines.last().is_some_and(|l| l.starts_with("final ")), "rank {rank} finished:\n{}", lines.join("\n"));
+    }
+}

@@ -12,6 +12,9 @@ are; any other class only when named, ``load(allow=[MyClass])`` (see ``rlaunch.s
 that will never answer (a frozen or cut-off host), from another thread of the same process: the
 building block of survivors that keep their process across a re-formed round.
 
+``rlaunch.dcp.Writer(step)`` and ``rlaunch.dcp.Reader()`` keep ``torch.distributed.checkpoint``'s
+saves in the same memory (see ``rlaunch.dcp``).
+
 ``@rlaunch.resilient`` marks the function that runs again, in the same process, when the job
 re-forms (see ``rlaunch.resilient``'s module).
 """
@@ -19,4 +22,13 @@ re-forms (see ``rlaunch.resilient``'s module).
 from . import compiled, interrupt, snapshot  # noqa: F401
 from .resilient import resilient  # noqa: F401
 
-__all__ = ["compiled", "interrupt", "resilient", "snapshot"]
+__all__ = ["compiled", "dcp", "interrupt", "resilient", "snapshot"]
+
+
+def __getattr__(name):
+    # rlaunch.dcp imports torch.distributed.checkpoint: only when asked for.
+    if name == "dcp":
+        import importlib
+
+        return importlib.import_module(".dcp", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
