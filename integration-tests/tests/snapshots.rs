@@ -732,3 +732,25 @@ fn dcp_a_smaller_world_loads_what_every_saved_rank_wrote() {
         assert!(lines.last().is_some_and(|l| l.starts_with("final ")), "rank {rank} finished:\n{}", lines.join("\n"));
     }
 }
+
+/// A saved object that names a function (its unpickling would run a shell command) is refused
+/// by `Reader` before DCP's planner unpickles it, and nothing of it runs; a `Writer` serves one
+/// save only (a second, as an `async_save` still writing the first would, is refused).
+#[test]
+fn dcp_a_saved_object_that_would_run_code_is_refused_and_a_writer_serves_one_save() {
+    let out = tempdir();
+    let script = integration_tests::repo_root().join("integration-tests/py/dcp_untrusted.py");
+    let o = run_deadline(
+        Command::new(bin("rlaunch"))
+            .args(["--standalone", "--nproc-per-node", "1", "--max-restarts", "1"])
+            .arg(venv_python())
+            .arg(&script)
+            .arg(out.path()),
+        Duration::from_secs(180),
+    );
+    let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(o.status.success(), "{stdout}\n{}", stderr_of(&o));
+    assert!(stdout.contains("reuse refused"), "{stdout}");
+    assert!(stdout.contains("refused ran=False"), "{stdout}\n{}", stderr_of(&o));
+    assert!(!out.path().join("ran").exists(), "the object's command ran");
+}

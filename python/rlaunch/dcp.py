@@ -19,7 +19,17 @@ Tensor bytes travel raw (no pickle); the metadata is kept as plain containers, r
 
 ``Reader`` reads each item from the part of the rank that wrote it (``rlaunch.snapshot.load(rank=k)``,
 copy-on-write views of the agents' buffers), so a world of another size loads with DCP's own
-resharding: sharded tensors (DTensor, FSDP2) keep their shards and DCP's planner narrows them.
+resharding (tested with replicated state; sharded state, DTensor and FSDP2, not yet). Each rank
+reads rank 0's part (the metadata) and the parts holding the items it loads: a node must have
+room in its snapshot memory for what its ranks read of other nodes.
+
+Objects saved beside the tensors (a step counter, an optimizer's param_groups) are what DCP's
+planner loads with ``torch.load``: ``Reader`` first checks each with ``torch.load(weights_only=
+True)`` (and the classes named in ``allow``), so that a part runs no code in the ranks that load
+it; ``Reader(trust_objects=True)`` leaves them to DCP as DCP leaves its files.
+
+One ``Writer`` per save, one ``Reader`` per load; both need DCP's collectives (the default
+``use_collectives=True``).
 
 Outside rlaunch ``Writer`` saves nothing and ``restored_step`` answers None (said once by
 ``rlaunch.snapshot``); ``Reader`` then raises ``SnapshotError``. When a part does not fit in the
@@ -126,10 +136,11 @@ def _step_of(checkpoint_id):
 
 
 class Writer(StorageWriter):
-    """A ``StorageWriter`` that keeps ``step`` in the agents' memory (see the module). One
-    ``dcp.save`` per writer, or ``dcp.save(..., checkpoint_id=step)`` for each new step.
-    ``saved`` says afterwards whether this rank's part is held (False outside rlaunch, or when
-    it did not fit in the node's snapshot memory)."""
+    """A ``StorageWriter`` that keeps ``step`` in the agents' memory (see the module), for one
+    ``dcp.save`` (or ``dcp.async_save``): a new one for each step (``Writer(step)``, or
+    ``dcp.save(..., checkpoint_id=step, storage_writer=Writer())``). ``saved`` says afterwards
+    whether this rank's part is held (False outside rlaunch, or when it did not fit in the node's
+    snapshot memory)."""
 
     def __init__(self, step=None):
         super().__init__()
@@ -137,14 +148,32 @@ class Writer(StorageWriter):
         self.saved = False
         self._coordinator = False
         self._items = None
+        self._used = False
+
+    def _once(self):
+        # A second save through the same writer (an async_save still writing the first, in
+        # another thread) would mix the two steps.
+        if self._used:
+            raise ValueError("rlaunch.dcp.Writer: one writer per save (make a new Writer(step) for each)")
 
     def reset(self, checkpoint_id=None):
+        # (DCP calls this as a save begins only when given a checkpoint_id.)
+        self._once()
         if checkpoint_id is not None:
-            self.step = _step_of(checkpoint_id)
-        self.saved = False
-        self._items = None
+            step = _step_of(checkpoint_id)
+            if self.step is not None and step != self.step:
+                raise ValueError(f"rlaunch.dcp.Writer({self.step}) given checkpoint_id={checkpoint_id!r}")
+            self.step = step
 
     def set_up_storage_writer(self, is_coordinator, *args, **kwargs):
+        # (DCP calls this as every save begins.)
+        self._once()
+        self._used = True
+        if kwargs.get("use_collectives") is False:
+            raise ValueError(
+                "rlaunch.dcp.Writer needs DCP's collectives (use_collectives=True): the coordinator's "
+                "metadata must describe every rank's items"
+            )
         self._coordinator = is_coordinator
 
     def prepare_local_plan(self, plan):
@@ -195,19 +224,24 @@ class Writer(StorageWriter):
 
 
 class Reader(StorageReader):
-    """A ``StorageReader`` for the step this round restores (see the module). ``allow``: classes
-    that DCP's planner data may name, as for ``rlaunch.snapshot.load`` (the default planner's
-    needs none)."""
+    """A ``StorageReader`` for the step this round restores (see the module), for one
+    ``dcp.load``. ``allow``: classes that DCP's planner data and the saved objects may name, as
+    for ``rlaunch.snapshot.load`` (the default planner's need none). ``trust_objects=True``: the
+    saved objects go to DCP's planner unchecked (it unpickles them, running what they name)."""
 
-    def __init__(self, *, allow=()):
+    def __init__(self, *, allow=(), trust_objects=False):
         super().__init__()
         self._allow = allow
+        self._trust = trust_objects
         self._parts = {}
+        self._wanted = None
         self.step = None
         self.storage_data = {}
 
     def reset(self, checkpoint_id=None):
         self._parts = {}
+        self.step = None
+        self._wanted = None if checkpoint_id is None else _step_of(checkpoint_id)
 
     def _part(self, rank):
         if rank not in self._parts:
@@ -228,6 +262,15 @@ class Reader(StorageReader):
         return self._parts[rank]
 
     def read_metadata(self, *args, **kwargs):
+        if kwargs.get("rank") is not None:
+            # DCP's fallback to rank-local metadata, after the collective read failed on this
+            # rank: the others took the collective path, so this one must fail, not go on alone.
+            raise SnapshotError("rlaunch.dcp: no rank-local metadata (the read of rank 0's part failed)")
+        # Not a previous load's parts or step (a Reader kept across rounds).
+        self._parts, self.step = {}, None
+        self._part(0)
+        if self._wanted is not None and self.step != self._wanted:
+            raise SnapshotError(f"rlaunch.dcp: this round restores step {self.step}, not {self._wanted}")
         rank = 0
         while True:
             part = self._part(rank)
@@ -240,6 +283,8 @@ class Reader(StorageReader):
             rank += 1
 
     def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs):
+        if kwargs.get("use_collectives") is False:
+            raise ValueError("rlaunch.dcp.Reader needs DCP's collectives (use_collectives=True)")
         self.storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan):
@@ -259,7 +304,10 @@ class Reader(StorageReader):
                 raise SnapshotError(f"rlaunch.dcp: rank {rank}'s part of step {self.step} lacks item {key}")
             value = part["items"][key]
             if req.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(req, io.BytesIO(bytes(value)))
+                value = bytes(value)
+                if not self._trust:
+                    self._check_object(req.storage_index.fqn, rank, value)
+                planner.load_bytes(req, io.BytesIO(value))
                 continue
             src = value
             for dim, (offset, length) in enumerate(zip(req.storage_offsets, req.lengths)):
@@ -274,6 +322,21 @@ class Reader(StorageReader):
             target.copy_(src)
             planner.commit_tensor(req, target)
         return _done(None)
+
+    def _check_object(self, fqn, rank, value):
+        """Refuses a saved object that ``torch.load(weights_only=True)`` would not build (with
+        the classes in ``allow``), before DCP's planner unpickles it."""
+        allowed = [a for a in self._allow if not isinstance(a, str)]
+        try:
+            with torch.serialization.safe_globals(allowed):
+                torch.load(io.BytesIO(value), weights_only=True)
+        except Exception as e:
+            raise snapshot.GlobalNotAllowed(
+                f"rlaunch.dcp: {fqn!r} in rank {rank}'s part of step {self.step} is an object that "
+                f"torch.load(weights_only=True) refuses ({e}); nothing of it was run. If you trust "
+                "whoever saved it, allow its classes (Reader(allow=[...])) or Reader(trust_objects=True)",
+                fqn,
+            ) from None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id):
