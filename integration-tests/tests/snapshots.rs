@@ -254,6 +254,19 @@ impl Job {
     }
 
     fn agent(&self, host: usize, nnodes: &str, run_id: &str, out: &Path, env: &[(&str, &str)]) -> Proc {
+        self.agent_running(&script(), host, nnodes, run_id, out, env)
+    }
+
+    /// An agent on `host` running `program` (a Python script given OUT and the step count).
+    fn agent_running(
+        &self,
+        program: &str,
+        host: usize,
+        nnodes: &str,
+        run_id: &str,
+        out: &Path,
+        env: &[(&str, &str)],
+    ) -> Proc {
         let args: Vec<String> = [
             "--nnodes",
             nnodes,
@@ -272,7 +285,7 @@ impl Job {
         ]
         .iter()
         .map(|s| s.to_string())
-        .chain([venv_python().display().to_string(), script(), out.display().to_string(), STEPS.to_string()])
+        .chain([venv_python().display().to_string(), program.to_owned(), out.display().to_string(), STEPS.to_string()])
         .collect();
         let h = self.cluster.host(host);
         let mut c = h.command(bin("rlaunch"));
@@ -753,4 +766,35 @@ fn dcp_a_saved_object_that_would_run_code_is_refused_and_a_writer_serves_one_sav
     assert!(stdout.contains("reuse refused"), "{stdout}");
     assert!(stdout.contains("refused ran=False"), "{stdout}\n{}", stderr_of(&o));
     assert!(!out.path().join("ran").exists(), "the object's command ran");
+}
+
+/// FSDP2 (CPU, gloo): four ranks on two hosts shard the model and the optimizer's state and save
+/// each step through DCP into the agents' memory (and, the same state, to DCP's files on disk).
+/// Host b lost, the two ranks left load the last step from memory at world 2 (DCP reshards: each
+/// of their shards is narrowed from the four saved ranks' chunks): the whole state is the one
+/// saved, and the one DCP loads from its own files.
+#[test]
+fn dcp_an_fsdp2_job_of_four_ranks_resumes_on_two_from_memory_as_dcp_from_its_files() {
+    let out = tempdir();
+    let job = Job::new(2, out.path());
+    let program = integration_tests::repo_root().join("integration-tests/py/dcp_fsdp.py").display().to_string();
+    let mut a = job.agent_running(&program, 0, "1:2", "dcp-fsdp", out.path(), &[]);
+    let _b = job.agent_running(&program, 1, "1:2", "dcp-fsdp", out.path(), &[]);
+    job.wait_step(out.path(), 4, 6);
+    job.lose(1);
+    wait_ok(&mut [&mut a]);
+    let logs = logs(out.path());
+    let saved = per_step(&logs[&0], "digest");
+    for rank in [0, 1] {
+        let lines = &logs[&rank];
+        let (step, line) = resumes(lines).pop().unwrap_or_else(|| panic!("rank {rank} resumed:\n{}", lines.join("\n")));
+        assert!(line.contains("world=2 saved_world=4"), "{line}");
+        assert_eq!(
+            field(&line, "mem"),
+            saved.get(&step).map(String::as_str),
+            "rank {rank}: the state saved at step {step}: {line}"
+        );
+        assert_eq!(field(&line, "mem"), field(&line, "disk"), "rank {rank}: as DCP loads it from its files: {line}");
+        assert!(lines.last().is_some_and(|l| l == "final"), "rank {rank} finished:\n{}", lines.join("\n"));
+    }
 }

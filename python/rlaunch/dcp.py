@@ -19,7 +19,7 @@ Tensor bytes travel raw (no pickle); the metadata is kept as plain containers, r
 
 ``Reader`` reads each item from the part of the rank that wrote it (``rlaunch.snapshot.load(rank=k)``,
 copy-on-write views of the agents' buffers), so a world of another size loads with DCP's own
-resharding (tested with replicated state; sharded state, DTensor and FSDP2, not yet). Each rank
+resharding (tested with DDP's replicated state and FSDP2's sharded state, four ranks to two). Each rank
 reads rank 0's part (the metadata) and the parts holding the items it loads: a node must have
 room in its snapshot memory for what its ranks read of other nodes.
 
