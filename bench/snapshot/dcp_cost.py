@@ -21,6 +21,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 SHM = "/dev/shm"
+sys.path.insert(0, HERE)
+from cost import state_of  # noqa: E402  (the same state as bench/snapshot/cost.py's)
 
 
 def timed(fn, reps):
@@ -30,14 +32,6 @@ def timed(fn, reps):
         fn(i)
         ts.append(time.perf_counter() - t)
     return statistics.median(ts)
-
-
-def state_of(mib):
-    import torch
-    n = 16
-    per = mib * (1 << 20) // 4 // n
-    g = torch.Generator().manual_seed(0)
-    return {f"layer{i}.weight": torch.randn(per, generator=g) for i in range(n)}
 
 
 def child(out, mib, reps, disk):

@@ -158,40 +158,27 @@ fn assert_resumed_as_reference(out: &Path, world: u32, reference: &Reference) ->
     steps.into_iter().next().expect("one step")
 }
 
-#[test]
-fn a_worker_that_exits_resumes_from_the_last_step_with_the_same_state() {
+/// Two ranks on one node with a fault (`env`) and one restart: the step they resumed from, after
+/// checking that they resumed as the uninterrupted run (`assert_resumed_as_reference`). Answers
+/// the run's stderr too.
+fn resumed_after_a_fault(env: &[(&str, &str)]) -> (u32, String) {
     let reference = reference(2);
     let out = tempdir();
-    let o = standalone(out.path(), 2, &["--max-restarts", "1"], &[("SNAP_EXIT_AT", "1:12")]);
+    let o = standalone(out.path(), 2, &["--max-restarts", "1"], env);
     assert!(o.status.success(), "{}", stderr_of(&o));
-    let step = assert_resumed_as_reference(out.path(), 2, &reference);
-    assert_eq!(step, 11, "rank 1 exited before saving step 12: step 11 is the last whole one");
+    (assert_resumed_as_reference(out.path(), 2, &reference), stderr_of(&o))
 }
 
-#[test]
-fn a_worker_killed_inside_save_leaves_the_previous_step_never_half_of_one() {
-    let reference = reference(2);
+/// A save past the node's snapshot memory (1 MiB) is refused and said once, training goes on,
+/// and step 0, the last committed, is what the restart loads on both ranks.
+fn assert_over_the_cap_step_0_stays(env: &[(&str, &str)]) {
     let out = tempdir();
-    let o = standalone(out.path(), 2, &["--max-restarts", "1"], &[("SNAP_DIE_IN_SAVE", "0:9")]);
-    assert!(o.status.success(), "{}", stderr_of(&o));
-    let step = assert_resumed_as_reference(out.path(), 2, &reference);
-    assert_eq!(step, 8, "rank 0's part of step 9 was never whole: step 8 is restored");
-    assert!(stderr_of(&o).contains("a worker went while saving its snapshot"), "{}", stderr_of(&o));
-}
-
-#[test]
-fn a_part_over_the_memory_cap_is_refused_and_the_last_committed_step_stays() {
-    // About 0.45 MiB per rank and step: step 0 of both ranks fits in 1 MiB, and no later step
-    // fits beside it.
-    let out = tempdir();
-    let env = [("SNAP_EXIT_AT", "0:20"), ("SNAP_PAD_MB", "0.3")];
-    let o = standalone(out.path(), 2, &["--max-restarts", "1", "--snapshot-memory", "1"], &env);
+    let o = standalone(out.path(), 2, &["--max-restarts", "1", "--snapshot-memory", "1"], env);
     let err = stderr_of(&o);
     assert!(o.status.success(), "a full snapshot memory never stops training:\n{err}");
     assert!(err.contains("does not fit in this node's snapshot memory (--snapshot-memory 1 MiB"), "{err}");
     let logs = logs(out.path());
     assert!(logs.values().all(|l| l.last().is_some_and(|x| x.starts_with("final "))), "both ranks finished");
-    // Step 0, the last committed, is restored alike on both ranks.
     for (rank, lines) in &logs {
         assert_eq!(
             resumes(lines).iter().map(|x| x.0).collect::<Vec<_>>(),
@@ -200,6 +187,26 @@ fn a_part_over_the_memory_cap_is_refused_and_the_last_committed_step_stays() {
             lines.join("\n")
         );
     }
+}
+
+#[test]
+fn a_worker_that_exits_resumes_from_the_last_step_with_the_same_state() {
+    let (step, _) = resumed_after_a_fault(&[("SNAP_EXIT_AT", "1:12")]);
+    assert_eq!(step, 11, "rank 1 exited before saving step 12: step 11 is the last whole one");
+}
+
+#[test]
+fn a_worker_killed_inside_save_leaves_the_previous_step_never_half_of_one() {
+    let (step, err) = resumed_after_a_fault(&[("SNAP_DIE_IN_SAVE", "0:9")]);
+    assert_eq!(step, 8, "rank 0's part of step 9 was never whole: step 8 is restored");
+    assert!(err.contains("a worker went while saving its snapshot"), "{err}");
+}
+
+#[test]
+fn a_part_over_the_memory_cap_is_refused_and_the_last_committed_step_stays() {
+    // About 0.45 MiB per rank and step: step 0 of both ranks fits in 1 MiB, and no later step
+    // fits beside it.
+    assert_over_the_cap_step_0_stays(&[("SNAP_EXIT_AT", "0:20"), ("SNAP_PAD_MB", "0.3")]);
 }
 
 #[test]
@@ -636,24 +643,14 @@ fn compiled_code_from_a_part_is_checked_before_anything_of_it_is_written() {
 /// saved, with the uninterrupted run's bytes and losses.
 #[test]
 fn dcp_saves_in_the_agents_memory_and_a_worker_that_exits_resumes_from_the_last_step() {
-    let reference = reference(2);
-    let out = tempdir();
-    let env = [("SNAP_DCP", "1"), ("SNAP_EXIT_AT", "1:12")];
-    let o = standalone(out.path(), 2, &["--max-restarts", "1"], &env);
-    assert!(o.status.success(), "{}", stderr_of(&o));
-    let step = assert_resumed_as_reference(out.path(), 2, &reference);
+    let (step, _) = resumed_after_a_fault(&[("SNAP_DCP", "1"), ("SNAP_EXIT_AT", "1:12")]);
     assert_eq!(step, 11, "rank 1 exited before saving step 12: step 11 is the last whole one");
 }
 
 /// The same with `dcp.async_save` (the state staged to the CPU, then written from DCP's thread).
 #[test]
 fn dcp_async_save_keeps_steps_alike_and_a_worker_that_exits_resumes_from_the_last_one() {
-    let reference = reference(2);
-    let out = tempdir();
-    let env = [("SNAP_DCP", "async"), ("SNAP_EXIT_AT", "0:7")];
-    let o = standalone(out.path(), 2, &["--max-restarts", "1"], &env);
-    assert!(o.status.success(), "{}", stderr_of(&o));
-    let step = assert_resumed_as_reference(out.path(), 2, &reference);
+    let (step, _) = resumed_after_a_fault(&[("SNAP_DCP", "async"), ("SNAP_EXIT_AT", "0:7")]);
     assert_eq!(step, 6, "rank 0 exited before saving step 7: step 6 is the last whole one");
 }
 
@@ -661,12 +658,7 @@ fn dcp_async_save_keeps_steps_alike_and_a_worker_that_exits_resumes_from_the_las
 /// written: rank 1's part of step 9 is held, but the step is not whole, so step 8 is restored.
 #[test]
 fn dcp_a_coordinator_killed_inside_its_save_leaves_the_previous_step_never_half_of_one() {
-    let reference = reference(2);
-    let out = tempdir();
-    let env = [("SNAP_DCP", "1"), ("SNAP_DIE_IN_SAVE", "0:9")];
-    let o = standalone(out.path(), 2, &["--max-restarts", "1"], &env);
-    assert!(o.status.success(), "{}", stderr_of(&o));
-    let step = assert_resumed_as_reference(out.path(), 2, &reference);
+    let (step, _) = resumed_after_a_fault(&[("SNAP_DCP", "1"), ("SNAP_DIE_IN_SAVE", "0:9")]);
     assert_eq!(step, 8, "rank 0's part of step 9 was never whole: step 8 is restored");
 }
 
@@ -674,24 +666,9 @@ fn dcp_a_coordinator_killed_inside_its_save_leaves_the_previous_step_never_half_
 /// training goes on, and the last committed step is what a restart loads.
 #[test]
 fn dcp_a_save_over_the_memory_cap_is_refused_and_the_last_committed_step_stays() {
-    let out = tempdir();
     // DCP writes a replicated tensor once (from one rank): 0.6 MiB of padding and the model's
     // state, about 0.75 MiB a step in all, so step 0 fits in 1 MiB and no later step beside it.
-    let env = [("SNAP_DCP", "1"), ("SNAP_EXIT_AT", "0:20"), ("SNAP_PAD_MB", "0.6")];
-    let o = standalone(out.path(), 2, &["--max-restarts", "1", "--snapshot-memory", "1"], &env);
-    let err = stderr_of(&o);
-    assert!(o.status.success(), "a full snapshot memory never stops training:\n{err}");
-    assert!(err.contains("does not fit in this node's snapshot memory (--snapshot-memory 1 MiB"), "{err}");
-    let logs = logs(out.path());
-    assert!(logs.values().all(|l| l.last().is_some_and(|x| x.starts_with("final "))), "both ranks finished");
-    for (rank, lines) in &logs {
-        assert_eq!(
-            resumes(lines).iter().map(|x| x.0).collect::<Vec<_>>(),
-            vec![0],
-            "rank {rank}:\n{}",
-            lines.join("\n")
-        );
-    }
+    assert_over_the_cap_step_0_stays(&[("SNAP_DCP", "1"), ("SNAP_EXIT_AT", "0:20"), ("SNAP_PAD_MB", "0.6")]);
 }
 
 /// Outside rlaunch, `Writer` saves nothing (`saved` False, said once by `rlaunch.snapshot`),
