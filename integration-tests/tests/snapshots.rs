@@ -24,9 +24,12 @@ fn script() -> String {
     integration_tests::repo_root().join("integration-tests/py/snapshot_train.py").display().to_string()
 }
 
+/// Per rank, its log's lines.
+type Logs = BTreeMap<u32, Vec<String>>;
+
 /// What the ranks wrote: per rank, its log's whole lines (read while ranks append to them, a
 /// last line half-written would parse as a step without its value, or a shorter number).
-fn logs(out: &Path) -> BTreeMap<u32, Vec<String>> {
+fn logs(out: &Path) -> Logs {
     let mut m = BTreeMap::new();
     for e in std::fs::read_dir(out).expect("the output dir") {
         let name = e.expect("an entry").file_name().to_string_lossy().into_owned();
@@ -376,6 +379,35 @@ impl Job {
     }
 }
 
+/// Four ranks on two hosts (`program`, `env`), host b lost once every rank logged step 12 (6
+/// with FSDP's slower steps): the logs, and the last resume of each of the two ranks left,
+/// checked to be at world 2 from a saved world of 4.
+fn resumed_on_two_of_four(
+    run_id: &str,
+    program: &str,
+    env: &[(&str, &str)],
+    step: u32,
+    out: &Path,
+) -> (Logs, Vec<(u32, String)>) {
+    let job = Job::new(2, out);
+    let mut a = job.agent_running(program, 0, "1:2", run_id, out, env);
+    let _b = job.agent_running(program, 1, "1:2", run_id, out, env);
+    job.wait_step(out, 4, step);
+    job.lose(1);
+    wait_ok(&mut [&mut a]);
+    let logs = logs(out);
+    let resumed = [0, 1]
+        .map(|rank| {
+            let lines = &logs[&rank];
+            let (step, line) =
+                resumes(lines).pop().unwrap_or_else(|| panic!("rank {rank} resumed:\n{}", lines.join("\n")));
+            assert!(line.contains("world=2 saved_world=4"), "{line}");
+            (step, line)
+        })
+        .to_vec();
+    (logs, resumed)
+}
+
 fn wait_ok(agents: &mut [&mut Proc]) {
     for a in agents.iter_mut() {
         let s = a.wait(Duration::from_secs(150));
@@ -420,19 +452,9 @@ fn a_replacement_started_after_the_loss_fetches_the_lost_nodes_parts_from_its_bu
 #[test]
 fn a_smaller_world_reads_every_saved_ranks_part_to_reshard() {
     let out = tempdir();
-    let job = Job::new(2, out.path());
-    let env = [("SNAP_RESHARD", "1")];
-    let mut a = job.agent(0, "1:2", "reshard", out.path(), &env);
-    let _b = job.agent(1, "1:2", "reshard", out.path(), &env);
-    job.wait_step(out.path(), 4, 12);
-    job.lose(1);
-    wait_ok(&mut [&mut a]);
-    let logs = logs(out.path());
-    for rank in [0, 1] {
-        let lines = &logs[&rank];
-        let (step, line) = resumes(lines).pop().unwrap_or_else(|| panic!("rank {rank} resumed:\n{}", lines.join("\n")));
-        assert!(line.contains("world=2 saved_world=4"), "{line}");
-        let reshard = lines.iter().rev().find(|l| l.starts_with("reshard ")).expect("a reshard line");
+    let (logs, resumed) = resumed_on_two_of_four("reshard", &script(), &[("SNAP_RESHARD", "1")], 12, out.path());
+    for (rank, (step, _)) in [0u32, 1].into_iter().zip(resumed) {
+        let reshard = logs[&rank].iter().rev().find(|l| l.starts_with("reshard ")).expect("a reshard line");
         assert_eq!(
             reshard,
             &format!("reshard parts=4 steps={step} ranks=0,1,2,3"),
@@ -700,26 +722,16 @@ fn dcp_outside_rlaunch_saves_nothing_and_says_so_once() {
 #[test]
 fn dcp_a_smaller_world_loads_what_every_saved_rank_wrote() {
     let out = tempdir();
-    let job = Job::new(2, out.path());
-    let env = [("SNAP_DCP", "1")];
-    let mut a = job.agent(0, "1:2", "dcp-reshard", out.path(), &env);
-    let _b = job.agent(1, "1:2", "dcp-reshard", out.path(), &env);
-    job.wait_step(out.path(), 4, 12);
-    job.lose(1);
-    wait_ok(&mut [&mut a]);
-    let logs = logs(out.path());
-    for rank in [0, 1] {
-        let lines = &logs[&rank];
-        let (step, line) = resumes(lines).pop().unwrap_or_else(|| panic!("rank {rank} resumed:\n{}", lines.join("\n")));
-        assert!(line.contains("world=2 saved_world=4"), "{line}");
-        // The digest rank 0 logged after that step in the first round (rank 0's log holds both).
-        let saved = per_step(&logs[&0], "digest");
+    let (logs, resumed) = resumed_on_two_of_four("dcp-reshard", &script(), &[("SNAP_DCP", "1")], 12, out.path());
+    // The digest rank 0 logged after that step in the first round (rank 0's log holds both).
+    let saved = per_step(&logs[&0], "digest");
+    for (rank, (step, line)) in [0u32, 1].into_iter().zip(resumed) {
         assert_eq!(
             field(&line, "digest"),
             saved.get(&step).map(String::as_str),
             "rank {rank}'s restored model: {line}"
         );
-        assert!(lines.last().is_some_and(|l| l.starts_with("final ")), "rank {rank} finished:\n{}", lines.join("\n"));
+        assert!(logs[&rank].last().is_some_and(|l| l.starts_with("final ")), "rank {rank} finished");
     }
 }
 
@@ -753,25 +765,16 @@ fn dcp_a_saved_object_that_would_run_code_is_refused_and_a_writer_serves_one_sav
 #[test]
 fn dcp_an_fsdp2_job_of_four_ranks_resumes_on_two_from_memory_as_dcp_from_its_files() {
     let out = tempdir();
-    let job = Job::new(2, out.path());
     let program = integration_tests::repo_root().join("integration-tests/py/dcp_fsdp.py").display().to_string();
-    let mut a = job.agent_running(&program, 0, "1:2", "dcp-fsdp", out.path(), &[]);
-    let _b = job.agent_running(&program, 1, "1:2", "dcp-fsdp", out.path(), &[]);
-    job.wait_step(out.path(), 4, 6);
-    job.lose(1);
-    wait_ok(&mut [&mut a]);
-    let logs = logs(out.path());
+    let (logs, resumed) = resumed_on_two_of_four("dcp-fsdp", &program, &[], 6, out.path());
     let saved = per_step(&logs[&0], "digest");
-    for rank in [0, 1] {
-        let lines = &logs[&rank];
-        let (step, line) = resumes(lines).pop().unwrap_or_else(|| panic!("rank {rank} resumed:\n{}", lines.join("\n")));
-        assert!(line.contains("world=2 saved_world=4"), "{line}");
+    for (rank, (step, line)) in [0u32, 1].into_iter().zip(resumed) {
         assert_eq!(
             field(&line, "mem"),
             saved.get(&step).map(String::as_str),
             "rank {rank}: the state saved at step {step}: {line}"
         );
         assert_eq!(field(&line, "mem"), field(&line, "disk"), "rank {rank}: as DCP loads it from its files: {line}");
-        assert!(lines.last().is_some_and(|l| l == "final"), "rank {rank} finished:\n{}", lines.join("\n"));
+        assert!(logs[&rank].last().is_some_and(|l| l == "final"), "rank {rank} finished:\n{}", logs[&rank].join("\n"));
     }
 }

@@ -41,6 +41,12 @@ fn lapsed(e: &etcd_client::Error) -> bool {
     matches!(e, etcd_client::Error::LeaseKeepAliveError(m) if m.contains("lease not found"))
 }
 
+/// Forgets lease `id`, which etcd says lapsed (or was revoked), and the keys held on it.
+fn forget_lapsed(inner: &Inner, id: i64) {
+    let keys = inner.leases.lock().unwrap_or_else(|p| p.into_inner()).drop_lease(id);
+    warn!(lease = id, keys, "this replica's etcd lease lapsed; its nodes take new keys with their next heartbeat");
+}
+
 /// Keeps `id` alive for as long as the store lives and the lease is in use; when etcd says it is
 /// gone, forgets it and every key held on it (those keys went with it).
 async fn keep_lease(inner: std::sync::Weak<Inner>, ttl_s: i64, id: i64) {
@@ -58,11 +64,7 @@ async fn keep_lease(inner: std::sync::Weak<Inner>, ttl_s: i64, id: i64) {
                 Ok(Ok(s)) => stream = Some(s),
                 // (etcd-client reads the first answer: a TTL of 0 is this error.)
                 Ok(Err(error)) if lapsed(&error) => {
-                    let keys = inner.leases.lock().unwrap_or_else(|p| p.into_inner()).drop_lease(id);
-                    warn!(
-                        lease = id,
-                        keys, "this replica's etcd lease lapsed; its nodes take new keys with their next heartbeat"
-                    );
+                    forget_lapsed(&inner, id);
                     return;
                 }
                 Ok(Err(error)) => {
@@ -92,11 +94,7 @@ async fn keep_lease(inner: std::sync::Weak<Inner>, ttl_s: i64, id: i64) {
                 }
             }
             Ok(Ok(Some(_))) => {
-                let keys = inner.leases.lock().unwrap_or_else(|p| p.into_inner()).drop_lease(id);
-                warn!(
-                    lease = id,
-                    keys, "this replica's etcd lease lapsed; its nodes take new keys with their next heartbeat"
-                );
+                forget_lapsed(&inner, id);
                 return;
             }
             Ok(Ok(None)) | Ok(Err(_)) | Err(_) => {
@@ -308,11 +306,7 @@ impl EtcdStore {
                 self.touch(key)
             }
             Err(true) => {
-                let keys = self.inner.leases.lock().unwrap_or_else(|p| p.into_inner()).drop_lease(id);
-                warn!(
-                    lease = id,
-                    keys, "this replica's etcd lease lapsed; its nodes take new keys with their next heartbeat"
-                );
+                forget_lapsed(&self.inner, id);
                 *tried = None;
                 Touch::Read
             }
