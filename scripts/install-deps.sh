@@ -5,7 +5,8 @@
 #                                     types (etcd-client's build script compiles etcd's protos)
 #   scripts/install-deps.sh           the above, plus what the tests need: etcd (the etcd
 #                                     backend), iproute2 (network-namespace hosts) and a Python
-#                                     virtualenv with PyTorch from PyPI (the interop peer) and
+#                                     virtualenv with PyTorch from PyPI (the interop peer), Lightning,
+#                                     transformers and torchdata (the trainers' snapshot tests), and
 #                                     py-spy (stacks of hung ranks) and maturin (the wheel) in .venv/,
 #                                     chromium (the status page's browser test), and Slurm with
 #                                     munge (the Slurm test runs a controller and one slurmd per
@@ -44,6 +45,12 @@ if ! "$VENV/bin/python" -c 'import torch, numpy, tqdm' 2>/dev/null; then
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip
   "$VENV/bin/pip" install -q torch numpy matplotlib tqdm
+fi
+# Lightning, the Hugging Face Trainer (transformers, accelerate) and torchdata's resumable data
+# loader: the interop tests of rlaunch.lightning and rlaunch.hf
+if ! "$VENV/bin/python" -c 'import lightning, transformers, accelerate, torchdata' 2>/dev/null; then
+  echo "install-deps: installing lightning, transformers, accelerate and torchdata into $VENV"
+  "$VENV/bin/pip" install -q lightning transformers accelerate torchdata
 fi
 # py-spy: where each Python rank stands when a job hangs or fails (--hang-timeout)
 if [ ! -x "$VENV/bin/py-spy" ]; then

@@ -23,9 +23,11 @@ use crate::snapshots::NodeId;
 
 /// The Python package (`import rlaunch`), written beside the socket and put on the workers'
 /// `PYTHONPATH`, so a job started by an `rlaunch` installed any way finds it.
-const PY_PACKAGE: [(&str, &str); 6] = [
+const PY_PACKAGE: [(&str, &str); 8] = [
     ("__init__.py", include_str!("../../python/rlaunch/__init__.py")),
     ("dcp.py", include_str!("../../python/rlaunch/dcp.py")),
+    ("hf.py", include_str!("../../python/rlaunch/hf.py")),
+    ("lightning.py", include_str!("../../python/rlaunch/lightning.py")),
     ("snapshot.py", include_str!("../../python/rlaunch/snapshot.py")),
     ("interrupt.py", include_str!("../../python/rlaunch/interrupt.py")),
     ("resilient.py", include_str!("../../python/rlaunch/resilient.py")),

@@ -84,12 +84,18 @@ fn computed_again(lines: &[String]) -> u32 {
     before.max().map_or(0, |last| last.saturating_sub(resumed))
 }
 
-fn standalone(out: &Path, nproc: u32, rlaunch_flags: &[&str], env: &[(&str, &str)]) -> std::process::Output {
+fn standalone(
+    program: &str,
+    out: &Path,
+    nproc: u32,
+    rlaunch_flags: &[&str],
+    env: &[(&str, &str)],
+) -> std::process::Output {
     let mut cmd = Command::new(bin("rlaunch"));
     cmd.args(["--standalone", "--nproc-per-node", &nproc.to_string()])
         .args(rlaunch_flags)
         .arg(venv_python())
-        .args([script(), out.display().to_string(), STEPS.to_string()])
+        .args([program.to_owned(), out.display().to_string(), STEPS.to_string()])
         .env("RLAUNCH_LOG", "info");
     for (k, v) in env {
         cmd.env(k, v);
@@ -104,9 +110,9 @@ struct Reference {
     digests: BTreeMap<u32, String>,
 }
 
-fn reference(world: u32) -> Reference {
+fn reference(program: &str, world: u32) -> Reference {
     let out = tempdir();
-    let o = standalone(out.path(), world, &[], &[]);
+    let o = standalone(program, out.path(), world, &[], &[]);
     assert!(o.status.success(), "the reference run failed:\n{}", stderr_of(&o));
     let logs = logs(out.path());
     Reference { losses: logs.iter().map(|(r, l)| (*r, losses(l))).collect(), digests: digests(&logs[&0]) }
@@ -164,10 +170,10 @@ fn assert_resumed_as_reference(out: &Path, world: u32, reference: &Reference) ->
 /// Two ranks on one node with a fault (`env`) and one restart: the step they resumed from, after
 /// checking that they resumed as the uninterrupted run (`assert_resumed_as_reference`). Answers
 /// the run's stderr too.
-fn resumed_after_a_fault(env: &[(&str, &str)]) -> (u32, String) {
-    let reference = reference(2);
+fn resumed_after_a_fault(program: &str, env: &[(&str, &str)]) -> (u32, String) {
+    let reference = reference(program, 2);
     let out = tempdir();
-    let o = standalone(out.path(), 2, &["--max-restarts", "1"], env);
+    let o = standalone(program, out.path(), 2, &["--max-restarts", "1"], env);
     assert!(o.status.success(), "{}", stderr_of(&o));
     (assert_resumed_as_reference(out.path(), 2, &reference), stderr_of(&o))
 }
@@ -176,7 +182,7 @@ fn resumed_after_a_fault(env: &[(&str, &str)]) -> (u32, String) {
 /// and step 0, the last committed, is what the restart loads on both ranks.
 fn assert_over_the_cap_step_0_stays(env: &[(&str, &str)]) {
     let out = tempdir();
-    let o = standalone(out.path(), 2, &["--max-restarts", "1", "--snapshot-memory", "1"], env);
+    let o = standalone(&script(), out.path(), 2, &["--max-restarts", "1", "--snapshot-memory", "1"], env);
     let err = stderr_of(&o);
     assert!(o.status.success(), "a full snapshot memory never stops training:\n{err}");
     assert!(err.contains("does not fit in this node's snapshot memory (--snapshot-memory 1 MiB"), "{err}");
@@ -194,13 +200,13 @@ fn assert_over_the_cap_step_0_stays(env: &[(&str, &str)]) {
 
 #[test]
 fn a_worker_that_exits_resumes_from_the_last_step_with_the_same_state() {
-    let (step, _) = resumed_after_a_fault(&[("SNAP_EXIT_AT", "1:12")]);
+    let (step, _) = resumed_after_a_fault(&script(), &[("SNAP_EXIT_AT", "1:12")]);
     assert_eq!(step, 11, "rank 1 exited before saving step 12: step 11 is the last whole one");
 }
 
 #[test]
 fn a_worker_killed_inside_save_leaves_the_previous_step_never_half_of_one() {
-    let (step, err) = resumed_after_a_fault(&[("SNAP_DIE_IN_SAVE", "0:9")]);
+    let (step, err) = resumed_after_a_fault(&script(), &[("SNAP_DIE_IN_SAVE", "0:9")]);
     assert_eq!(step, 8, "rank 0's part of step 9 was never whole: step 8 is restored");
     assert!(err.contains("a worker went while saving its snapshot"), "{err}");
 }
@@ -227,7 +233,7 @@ fn outside_rlaunch_save_and_load_do_nothing_and_say_so_once_and_snapshots_can_be
     assert_eq!(stderr_of(&o).matches("not started by rlaunch").count(), 1, "said once: {}", stderr_of(&o));
     // `--snapshot-memory 0`: the workers get no socket and the program runs as outside.
     let out = tempdir();
-    let o = standalone(out.path(), 1, &["--snapshot-memory", "0"], &[]);
+    let o = standalone(&script(), out.path(), 1, &["--snapshot-memory", "0"], &[]);
     assert!(o.status.success(), "{}", stderr_of(&o));
     assert!(stderr_of(&o).contains("not started by rlaunch"), "{}", stderr_of(&o));
     // A program that never saves runs under rlaunch as before, with the package importable.
@@ -415,26 +421,34 @@ fn wait_ok(agents: &mut [&mut Proc]) {
     }
 }
 
-#[test]
-fn a_node_lost_with_a_spare_waiting_resumes_every_rank_from_the_last_step() {
-    let reference = reference(4);
+/// Two hosts of two ranks running `program` and a third waiting as a spare; host b lost (link
+/// cut, then killed) once every rank logged step 12: the spare takes its place and every rank
+/// resumes as the uninterrupted run of four (`assert_resumed_as_reference`), and the service's
+/// account of the recovery agrees with the ranks' logs.
+fn a_spare_takes_over(program: &str, run_id: &str) {
+    let reference = reference(program, 4);
     let out = tempdir();
     let job = Job::new(3, out.path());
-    let mut a = job.agent(0, "2", "spare", out.path(), &[]);
-    let _b = job.agent(1, "2", "spare", out.path(), &[]);
+    let mut a = job.agent_running(program, 0, "2", run_id, out.path(), &[]);
+    let _b = job.agent_running(program, 1, "2", run_id, out.path(), &[]);
     job.wait_step(out.path(), 4, 3);
     // The spare waits as a standby of a round at its maximum.
-    let mut c = job.agent(2, "2", "spare", out.path(), &[]);
+    let mut c = job.agent_running(program, 2, "2", run_id, out.path(), &[]);
     job.wait_step(out.path(), 4, 12);
     let cut = job.lose(1);
     wait_ok(&mut [&mut a, &mut c]);
     assert_resumed_as_reference(out.path(), 4, &reference);
-    job.check_accounting("spare", out.path(), cut);
+    job.check_accounting(run_id, out.path(), cut);
+}
+
+#[test]
+fn a_node_lost_with_a_spare_waiting_resumes_every_rank_from_the_last_step() {
+    a_spare_takes_over(&script(), "spare");
 }
 
 #[test]
 fn a_replacement_started_after_the_loss_fetches_the_lost_nodes_parts_from_its_buddy() {
-    let reference = reference(4);
+    let reference = reference(&script(), 4);
     let out = tempdir();
     let job = Job::new(3, out.path());
     let mut a = job.agent(0, "2", "replace", out.path(), &[]);
@@ -665,14 +679,14 @@ fn compiled_code_from_a_part_is_checked_before_anything_of_it_is_written() {
 /// saved, with the uninterrupted run's bytes and losses.
 #[test]
 fn dcp_saves_in_the_agents_memory_and_a_worker_that_exits_resumes_from_the_last_step() {
-    let (step, _) = resumed_after_a_fault(&[("SNAP_DCP", "1"), ("SNAP_EXIT_AT", "1:12")]);
+    let (step, _) = resumed_after_a_fault(&script(), &[("SNAP_DCP", "1"), ("SNAP_EXIT_AT", "1:12")]);
     assert_eq!(step, 11, "rank 1 exited before saving step 12: step 11 is the last whole one");
 }
 
 /// The same with `dcp.async_save` (the state staged to the CPU, then written from DCP's thread).
 #[test]
 fn dcp_async_save_keeps_steps_alike_and_a_worker_that_exits_resumes_from_the_last_one() {
-    let (step, _) = resumed_after_a_fault(&[("SNAP_DCP", "async"), ("SNAP_EXIT_AT", "0:7")]);
+    let (step, _) = resumed_after_a_fault(&script(), &[("SNAP_DCP", "async"), ("SNAP_EXIT_AT", "0:7")]);
     assert_eq!(step, 6, "rank 0 exited before saving step 7: step 6 is the last whole one");
 }
 
@@ -680,7 +694,7 @@ fn dcp_async_save_keeps_steps_alike_and_a_worker_that_exits_resumes_from_the_las
 /// written: rank 1's part of step 9 is held, but the step is not whole, so step 8 is restored.
 #[test]
 fn dcp_a_coordinator_killed_inside_its_save_leaves_the_previous_step_never_half_of_one() {
-    let (step, _) = resumed_after_a_fault(&[("SNAP_DCP", "1"), ("SNAP_DIE_IN_SAVE", "0:9")]);
+    let (step, _) = resumed_after_a_fault(&script(), &[("SNAP_DCP", "1"), ("SNAP_DIE_IN_SAVE", "0:9")]);
     assert_eq!(step, 8, "rank 0's part of step 9 was never whole: step 8 is restored");
 }
 
@@ -777,4 +791,55 @@ fn dcp_an_fsdp2_job_of_four_ranks_resumes_on_two_from_memory_as_dcp_from_its_fil
         assert_eq!(field(&line, "mem"), field(&line, "disk"), "rank {rank}: as DCP loads it from its files: {line}");
         assert!(logs[&rank].last().is_some_and(|l| l == "final"), "rank {rank} finished:\n{}", logs[&rank].join("\n"));
     }
+}
+
+fn py(name: &str) -> String {
+    integration_tests::repo_root().join("integration-tests/py").join(name).display().to_string()
+}
+
+/// Issue 36: a Lightning job (`py/lightning_train.py`: DDP, gloo, `rlaunch.lightning.Snapshots`
+/// and `ckpt_path=rlaunch.lightning.ckpt_path()`, a resumable data loader) whose worker exits
+/// resumes through Lightning's own restore from the last step in memory, past an epoch's end,
+/// with the uninterrupted run's bytes and losses.
+#[test]
+fn lightning_a_worker_that_exits_resumes_from_the_last_step_with_the_same_losses() {
+    let (step, _) = resumed_after_a_fault(&py("lightning_train.py"), &[("SNAP_EXIT_AT", "1:25")]);
+    assert_eq!(step, 24, "rank 1 exited before computing step 25: step 24 is the last whole one");
+}
+
+/// The issue's Lightning goal: 2 hosts of 2 ranks, one lost with a spare waiting: at most one
+/// step computed again, the losses after the resume those of an uninterrupted run.
+#[test]
+fn lightning_a_node_lost_with_a_spare_waiting_resumes_every_rank_from_the_last_step() {
+    a_spare_takes_over(&py("lightning_train.py"), "lightning-spare");
+}
+
+/// Issue 36: a Hugging Face Trainer job (`py/hf_train.py`: DDP, gloo, `rlaunch.hf.Snapshots` and
+/// `resume_from_checkpoint=rlaunch.hf.checkpoint()`) whose worker exits resumes through the
+/// Trainer's own resume (it skips the epoch's batches already trained) from the last step in
+/// memory, past an epoch's end, with the uninterrupted run's bytes and losses; the checkpoint
+/// directory written for it is gone afterwards.
+#[test]
+fn hf_a_worker_that_exits_resumes_from_the_last_step_with_the_same_losses() {
+    let shm = |_: ()| -> Vec<String> {
+        std::fs::read_dir("/dev/shm")
+            .map(|d| {
+                d.filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
+                    .filter(|n| n.starts_with("rlaunch-hf-"))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let before = shm(());
+    let (step, _) = resumed_after_a_fault(&py("hf_train.py"), &[("SNAP_EXIT_AT", "1:25")]);
+    assert_eq!(step, 24, "rank 1 exited before computing step 25: step 24 is the last whole one");
+    let left: Vec<String> = shm(()).into_iter().filter(|n| !before.contains(n)).collect();
+    assert!(left.is_empty(), "the resumed checkpoint directories were removed: {left:?}");
+}
+
+/// The issue's Hugging Face goal: 2 hosts of 2 ranks, one lost with a spare waiting: at most one
+/// step computed again, the losses after the resume those of an uninterrupted run.
+#[test]
+fn hf_a_node_lost_with_a_spare_waiting_resumes_every_rank_from_the_last_step() {
+    a_spare_takes_over(&py("hf_train.py"), "hf-spare");
 }

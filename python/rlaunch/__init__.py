@@ -13,7 +13,8 @@ that will never answer (a frozen or cut-off host), from another thread of the sa
 building block of survivors that keep their process across a re-formed round.
 
 ``rlaunch.dcp.Writer(step)`` and ``rlaunch.dcp.Reader()`` keep ``torch.distributed.checkpoint``'s
-saves in the same memory (see ``rlaunch.dcp``).
+saves in the same memory (see ``rlaunch.dcp``); ``rlaunch.lightning.Snapshots`` and
+``rlaunch.hf.Snapshots`` keep Lightning's and the Hugging Face Trainer's checkpoints there.
 
 ``@rlaunch.resilient`` marks the function that runs again, in the same process, when the job
 re-forms (see ``rlaunch.resilient``'s module).
@@ -22,12 +23,13 @@ re-forms (see ``rlaunch.resilient``'s module).
 from . import compiled, interrupt, snapshot  # noqa: F401
 from .resilient import resilient  # noqa: F401
 
-__all__ = ["compiled", "dcp", "interrupt", "resilient", "snapshot"]
+__all__ = ["compiled", "dcp", "hf", "interrupt", "lightning", "resilient", "snapshot"]
 
 
 def __getattr__(name):
-    # rlaunch.dcp imports torch.distributed.checkpoint: only when asked for.
-    if name == "dcp":
+    # rlaunch.dcp imports torch.distributed.checkpoint, rlaunch.lightning Lightning and
+    # rlaunch.hf transformers: only when asked for.
+    if name in ("dcp", "hf", "lightning"):
         import importlib
 
         return importlib.import_module(".dcp", __name__)
