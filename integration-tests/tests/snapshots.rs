@@ -843,3 +843,45 @@ fn hf_a_worker_that_exits_resumes_from_the_last_step_with_the_same_losses() {
 fn hf_a_node_lost_with_a_spare_waiting_resumes_every_rank_from_the_last_step() {
     a_spare_takes_over(&py("hf_train.py"), "hf-spare");
 }
+
+/// The runnable examples (`examples/lightning_snapshots.py`, `examples/hf_snapshots.py`) as their
+/// docstrings say to try them: under rlaunch with two workers, one killed while it trains; the
+/// workers restart and resume from the step last saved, not from the start.
+#[test]
+fn the_lightning_and_hf_examples_resume_after_a_worker_is_killed() {
+    for example in ["lightning_snapshots.py", "hf_snapshots.py"] {
+        let out = tempdir();
+        let path = integration_tests::repo_root().join("examples").join(example);
+        let mut cmd = Command::new(bin("rlaunch"));
+        cmd.args(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1"])
+            .arg(venv_python())
+            .arg(&path)
+            .env("STEPS", "150");
+        let mut job = Proc::spawn(cmd, example, &out.path().join("job.log"));
+        wait_until(&format!("{example} at step 40"), Duration::from_secs(150), || {
+            job.output().contains("[default0]:step 40")
+        });
+        // A training worker: the oldest Python process running the example (the younger ones are
+        // the agent's warm interpreters, waiting for a restart).
+        let listed = Command::new("pgrep").args(["-f", &path.display().to_string()]).output().expect("pgrep");
+        let worker = String::from_utf8_lossy(&listed.stdout)
+            .lines()
+            .filter_map(|l| l.trim().parse::<u32>().ok())
+            .filter(|pid| {
+                let argv = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+                argv.split(|b| *b == 0).next().is_some_and(|a0| a0.ends_with(b"python"))
+            })
+            .min()
+            .unwrap_or_else(|| panic!("a worker of {example} runs"));
+        let killed = Command::new("kill").args(["-KILL", &worker.to_string()]).status();
+        assert!(killed.is_ok_and(|s| s.success()), "worker {worker} of {example} killed");
+        let s = job.wait(Duration::from_secs(150));
+        let log = job.output();
+        assert!(s.success(), "{example} finished after its restart:\n{}", job.log_tail(4000));
+        let resumed: u32 = log
+            .lines()
+            .find_map(|l| l.strip_prefix("[default0]:resumed at step ")?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{example} resumed from a snapshot:\n{}", job.log_tail(4000)));
+        assert!(resumed >= 40, "{example} resumed at step {resumed}, after step 40 was reached");
+    }
+}
