@@ -885,3 +885,26 @@ fn the_lightning_and_hf_examples_resume_after_a_worker_is_killed() {
         assert!(resumed >= 40, "{example} resumed at step {resumed}, after step 40 was reached");
     }
 }
+
+/// `rlaunch.lightning` and `rlaunch.hf` outside rlaunch: nothing saved, the resume paths None
+/// (said once, by `rlaunch.snapshot`), a Lightning fit trains as without them; FSDP (Lightning's
+/// strategy, the Trainer's `fsdp` argument) refused with the way that works named; a bad
+/// `every_n_steps` refused (`py/trainers_outside.py`).
+#[test]
+fn lightning_and_hf_outside_rlaunch_save_nothing_and_refuse_what_they_cannot_hold() {
+    let dir = tempdir();
+    let o = run_deadline(
+        Command::new(venv_python())
+            .arg(py("trainers_outside.py"))
+            .current_dir(dir.path())
+            .env("PYTHONPATH", integration_tests::repo_root().join("python"))
+            .env_remove("RLAUNCH_SNAPSHOT"),
+        Duration::from_secs(180),
+    );
+    let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(o.status.success(), "{stdout}\n{}", stderr_of(&o));
+    for said in ["fsdp refused", "hf fsdp refused", "ok"] {
+        assert!(stdout.lines().any(|l| l == said), "{said}:\n{stdout}");
+    }
+    assert_eq!(stderr_of(&o).matches("not started by rlaunch").count(), 1, "said once: {}", stderr_of(&o));
+}

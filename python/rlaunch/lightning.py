@@ -1,5 +1,6 @@
 """Lightning's checkpoints in the agents' memory: a ``Trainer`` saves every N steps into
-``rlaunch.snapshot`` and resumes from it after a restart, a node loss or a change of world size.
+``rlaunch.snapshot`` and resumes from it after a restart or a node loss (a spare or a replacement
+taking its place).
 
     import rlaunch.lightning
 
@@ -21,7 +22,12 @@ rank 0 when its own only says so or the saved world had no such rank (a larger w
 
 As with Lightning's own checkpoints, a resume in the middle of an epoch repeats no batch only
 when the data loader is resumable (it has ``state_dict``/``load_state_dict``, as torchdata's
-``StatefulDataLoader``); otherwise Lightning warns and that epoch's data starts again.
+``StatefulDataLoader``); otherwise Lightning warns and that epoch's data starts again. Every rank
+restores rank 0's loops and loader state (Lightning writes rank 0's checkpoint only): right for
+loaders whose place is the same on every rank (a ``DistributedSampler``'s). In a world of another
+size the module and the optimizers are restored, and the loader's place is rank 0's, counted for
+the old world. The step is saved after the optimizer step, before a validation due at that step:
+a resume from it does not run that validation again.
 
 The strategies that write their checkpoints themselves (FSDP, DeepSpeed, model-parallel, XLA)
 are refused at ``fit``: save those with ``torch.distributed.checkpoint`` into ``rlaunch.dcp``.
@@ -50,6 +56,8 @@ _SCHEME = "rlaunch-snapshot://step-"
 # What ckpt_path() loaded, handed to the load that follows it in fit: (step, part).
 _held = None
 _ALLOW = (AttributeDict,)
+# The classes every Snapshots made in this process allows (ckpt_path() loads with them too).
+_allowed = []
 
 
 def _path(step):
@@ -65,10 +73,10 @@ def _step_of(path):
 
 def ckpt_path(*, allow=()):
     """The ``ckpt_path`` for ``trainer.fit`` that resumes from the step this round restores, or
-    None when there is none (the first round, or outside rlaunch). ``allow``: as for
-    ``Snapshots``."""
+    None when there is none (the first round, or outside rlaunch). It loads with the classes
+    every ``Snapshots`` made so far allows, and ``allow``."""
     global _held
-    got = snapshot.load(allow=_ALLOW + tuple(allow))
+    got = snapshot.load(allow=_ALLOW + tuple(_allowed) + tuple(allow))
     if got is None:
         _held = None
         return None
@@ -119,10 +127,13 @@ class Snapshots(Callback):
             raise ValueError(f"rlaunch.lightning.Snapshots: every_n_steps is a whole number >= 1, not {every_n_steps!r}")
         self.every_n_steps = every_n_steps
         self.allow = _ALLOW + tuple(allow)
+        _allowed.extend(a for a in allow if a not in _allowed)
         self.saved = False
         self.restored_step = None
         self.restored_at = None
-        self._last = None
+        # As ModelCheckpoint: never step 0 (no optimizer step yet; with gradient accumulation,
+        # a half-accumulated batch).
+        self._last = 0
         self._held_here = False
 
     def setup(self, trainer, pl_module, stage):
@@ -133,7 +144,10 @@ class Snapshots(Callback):
                 "not through a CheckpointIO; save its sharded state with torch.distributed.checkpoint into "
                 "rlaunch.dcp.Writer(step) instead"
             )
-        if not isinstance(strategy.checkpoint_io, _SnapshotIO):
+        if isinstance(strategy.checkpoint_io, _SnapshotIO):
+            # Left by a fit that raised (no teardown): this callback owns it now.
+            strategy.checkpoint_io.owner = self
+        else:
             strategy.checkpoint_io = _SnapshotIO(strategy.checkpoint_io, self)
 
     def teardown(self, trainer, pl_module, stage):
