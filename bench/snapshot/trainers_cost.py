@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -21,18 +20,11 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-SHM = "/dev/shm"
+sys.path.insert(0, HERE)
+from dcp_cost import SHM, timed  # noqa: E402  (the same timing as bench/snapshot/dcp_cost.py's)
+
 # 8 layers of 2048 x 2048 float32 and SGD's momentum: 256 MiB of state.
 LAYERS, WIDTH = 8, 2048
-
-
-def timed(fn, reps):
-    ts = []
-    for i in range(reps):
-        t = time.perf_counter()
-        fn(i)
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
 
 
 def net():

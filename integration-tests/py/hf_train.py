@@ -15,10 +15,8 @@ Steps are numbered as the snapshots are, by the trainer's global step after it (
 SNAP_SLEEP (seconds per step, default 0.05) paces the run.
 """
 
-import hashlib
 import json
 import os
-import sys
 import time
 import warnings
 
@@ -27,37 +25,17 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.utils import logging as hf_logging
 
 import rlaunch.hf
+from steplog import HOST, OUT, RANK, RESTART, SLEEP, STEPS, WORLD, Data, digest, fault, log, saved_world
 
-OUT, STEPS = sys.argv[1], int(sys.argv[2])
-RANK = int(os.environ["RANK"])
-WORLD = int(os.environ["WORLD_SIZE"])
-RESTART = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-HOST = os.environ.get("RL_HOST", os.uname().nodename)
-SLEEP = float(os.environ.get("SNAP_SLEEP", "0.05"))
 warnings.filterwarnings("ignore")
 hf_logging.set_verbosity_error()
 
 
-def log(line):
-    with open(os.path.join(OUT, f"r{RANK}.log"), "a") as f:
-        f.write(line + "\n")
-
-
-def digest(tensors):
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-class Data(torch.utils.data.Dataset):
-    # 10 steps of 32 per rank and epoch at world 4: the resumes fall inside epochs.
-    def __len__(self):
-        return 1280
-
+class Samples(Data):
+    # The Trainer hands the model its batches as keyword arguments.
     def __getitem__(self, i):
-        g = torch.Generator().manual_seed(i)
-        return {"x": torch.randn(64, generator=g), "labels": torch.randint(0, 4, (), generator=g)}
+        x, y = super().__getitem__(i)
+        return {"x": x, "labels": y}
 
 
 class Model(torch.nn.Module):
@@ -77,11 +55,8 @@ class Log(TrainerCallback):
         self.resuming = resuming
 
     def on_step_begin(self, args, state, control, **kw):
-        spec = os.environ.get("SNAP_EXIT_AT")
-        if spec and RESTART == 0 and not self.resuming:
-            rank, at = (int(x) for x in spec.split(":"))
-            if rank == RANK and at == state.global_step + 1:
-                os._exit(3)
+        if fault("SNAP_EXIT_AT", state.global_step + 1, self.resuming):
+            os._exit(3)
 
     def on_step_end(self, args, state, control, model=None, **kw):
         # After rlaunch.hf.Snapshots saved the step (callbacks run in the order given).
@@ -119,8 +94,8 @@ if resume is not None:
     with open(os.path.join(resume, "trainer_state.json")) as f:
         step = json.load(f)["global_step"]
     weights = torch.load(os.path.join(resume, "pytorch_model.bin"), weights_only=True).values()
-    log(f"resume step={step} world={WORLD} digest={digest(weights)} restart={RESTART} host={HOST} t={t!r}")
-trainer = Trainer(model=model, args=args, train_dataset=Data(), optimizers=(opt, None), callbacks=[SNAP, Log(resume is not None)])
+    log(f"resume step={step} world={WORLD} saved_world={saved_world()} digest={digest(weights)} restart={RESTART} host={HOST} t={t!r}")
+trainer = Trainer(model=model, args=args, train_dataset=Samples(), optimizers=(opt, None), callbacks=[SNAP, Log(resume is not None)])
 trainer.train(resume_from_checkpoint=resume)
 torch.distributed.barrier()
 log(f"final digest={digest(model.parameters())}")

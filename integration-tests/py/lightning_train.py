@@ -13,12 +13,13 @@ restored step S (the model's digest as restored), `loss step=S value=V digest=D`
 `saved step=S t=T` once the step's part was held, `final digest=D`.
 
 Steps are numbered as the snapshots are, by the trainer's global step after it (the first is
-1). SNAP_EXIT_AT="rank:step" (first process of the rank only) exits 3 before computing that step. SNAP_SLEEP (seconds per step, default 0.05) paces the run.
+1). SNAP_EXIT_AT="rank:step" (first process of the rank only) exits 3 before computing that step.
+LT_HPARAMS=1: the module's hparams hold a class of this script's (Cfg), allowed by
+Snapshots(allow=[Cfg]). SNAP_SLEEP (seconds per step, default 0.05) paces the run.
 """
 
-import hashlib
+import dataclasses
 import os
-import sys
 import time
 import warnings
 
@@ -28,51 +29,29 @@ from lightning.pytorch.strategies import DDPStrategy
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import rlaunch.lightning
+from steplog import HOST, LOCAL, RANK, RESTART, SLEEP, STEPS, WORLD, Data, digest, fault, log, saved_world
 
-OUT, STEPS = sys.argv[1], int(sys.argv[2])
-RANK = int(os.environ["RANK"])
-WORLD = int(os.environ["WORLD_SIZE"])
-LOCAL = int(os.environ["LOCAL_WORLD_SIZE"])
-RESTART = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-HOST = os.environ.get("RL_HOST", os.uname().nodename)
-SLEEP = float(os.environ.get("SNAP_SLEEP", "0.05"))
 warnings.filterwarnings("ignore")
+HPARAMS = os.environ.get("LT_HPARAMS") == "1"
 
 
-def log(line):
-    with open(os.path.join(OUT, f"r{RANK}.log"), "a") as f:
-        f.write(line + "\n")
-
-
-def digest(tensors):
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-class Data(torch.utils.data.Dataset):
-    # 10 steps of 32 per rank and epoch at world 4: the resumes fall inside epochs.
-    def __len__(self):
-        return 1280
-
-    def __getitem__(self, i):
-        g = torch.Generator().manual_seed(i)
-        return torch.randn(64, generator=g), torch.randint(0, 4, (), generator=g)
+@dataclasses.dataclass
+class Cfg:
+    # LT_HPARAMS=1: the module's hparams hold this class, which loading must be allowed to build.
+    width: int = 256
 
 
 class Model(L.LightningModule):
     def __init__(self):
         super().__init__()
+        if HPARAMS:
+            self.save_hyperparameters({"cfg": Cfg()})
         self.net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
         self.resumed = False
 
     def training_step(self, batch, batch_idx):
-        spec = os.environ.get("SNAP_EXIT_AT")
-        if spec and RESTART == 0 and not self.resumed:
-            rank, at = (int(x) for x in spec.split(":"))
-            if rank == RANK and at == self.trainer.global_step + 1:
-                os._exit(3)
+        if fault("SNAP_EXIT_AT", self.trainer.global_step + 1, self.resumed):
+            os._exit(3)
         x, y = batch
         return torch.nn.functional.cross_entropy(self.net(x), y)
 
@@ -84,20 +63,20 @@ class Model(L.LightningModule):
         self.resumed = True
         step = checkpoint["global_step"]
         d = digest(checkpoint["state_dict"].values())
-        log(f"resume step={step} world={WORLD} digest={d} restart={RESTART} host={HOST} t={time.time()!r}")
+        log(f"resume step={step} world={WORLD} saved_world={saved_world()} digest={d} restart={RESTART} host={HOST} t={time.time()!r}")
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         # After the step and after rlaunch.lightning.Snapshots saved it (callbacks run first).
         step = self.trainer.global_step
         log(f"loss step={step} value={outputs['loss'].item()!r} digest={digest(self.parameters())}")
-        if SNAP.saved and SNAP._last == step:
+        if SNAP.saved:
             log(f"saved step={step} t={time.time()!r}")
         time.sleep(SLEEP)
 
 
 torch.manual_seed(0)
 model = Model()
-SNAP = rlaunch.lightning.Snapshots(every_n_steps=1)
+SNAP = rlaunch.lightning.Snapshots(every_n_steps=1, allow=[Cfg] if HPARAMS else [])
 trainer = L.Trainer(
     accelerator="cpu",
     devices=LOCAL,

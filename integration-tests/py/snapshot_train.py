@@ -20,43 +20,20 @@ state from torch.distributed.checkpoint.state_dict), the same lines logged; SNAP
 dcp.async_save.
 """
 
-import hashlib
 import os
 import signal
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
 import rlaunch
-
-OUT, STEPS = sys.argv[1], int(sys.argv[2])
-RANK = int(os.environ["RANK"])
-WORLD = int(os.environ["WORLD_SIZE"])
-RESTART = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-HOST = os.environ.get("RL_HOST", os.uname().nodename)
-SLEEP = float(os.environ.get("SNAP_SLEEP", "0.05"))
-
-
-def log(line):
-    with open(os.path.join(OUT, f"r{RANK}.log"), "a") as f:
-        f.write(line + "\n")
-
-
-def fault(name, step, resumed):
-    spec = os.environ.get(name)
-    if not spec or RESTART != 0 or resumed:
-        return False
-    rank, at = (int(x) for x in spec.split(":"))
-    return rank == RANK and at == step
+from steplog import HOST, RANK, RESTART, SLEEP, STEPS, WORLD, fault, log
+from steplog import digest as digest_of
 
 
 def digest(model):
-    h = hashlib.sha256()
-    for p in model.parameters():
-        h.update(p.detach().numpy().tobytes())
-    return h.hexdigest()[:16]
+    return digest_of(model.parameters())
 
 
 dist.init_process_group("gloo")

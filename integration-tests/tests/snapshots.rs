@@ -735,9 +735,14 @@ fn dcp_outside_rlaunch_saves_nothing_and_says_so_once() {
 /// saved rank's part that holds what it needs, and its model is the saved one, byte for byte.
 #[test]
 fn dcp_a_smaller_world_loads_what_every_saved_rank_wrote() {
+    two_of_four_restore_the_model_saved("dcp-reshard", &script(), &[("SNAP_DCP", "1")]);
+}
+
+/// `resumed_on_two_of_four`, then each of the two ranks left restored the model rank 0 logged
+/// after that step in the first round (rank 0's log holds both rounds) and finished.
+fn two_of_four_restore_the_model_saved(run_id: &str, program: &str, env: &[(&str, &str)]) {
     let out = tempdir();
-    let (logs, resumed) = resumed_on_two_of_four("dcp-reshard", &script(), &[("SNAP_DCP", "1")], 12, out.path());
-    // The digest rank 0 logged after that step in the first round (rank 0's log holds both).
+    let (logs, resumed) = resumed_on_two_of_four(run_id, program, env, 12, out.path());
     let saved = per_step(&logs[&0], "digest");
     for (rank, (step, line)) in [0u32, 1].into_iter().zip(resumed) {
         assert_eq!(
@@ -807,11 +812,28 @@ fn lightning_a_worker_that_exits_resumes_from_the_last_step_with_the_same_losses
     assert_eq!(step, 24, "rank 1 exited before computing step 25: step 24 is the last whole one");
 }
 
+/// A module whose hparams hold a class of the program's: the class named in
+/// `Snapshots(allow=[...])` is what every load of the resume builds, `ckpt_path()`'s too (rank 0
+/// loads its whole checkpoint there), so the job resumes rather than failing at each restart.
+#[test]
+fn lightning_classes_allowed_to_snapshots_are_allowed_to_every_load_of_the_resume() {
+    let (step, _) = resumed_after_a_fault(&py("lightning_train.py"), &[("SNAP_EXIT_AT", "1:9"), ("LT_HPARAMS", "1")]);
+    assert_eq!(step, 8, "rank 1 exited before computing step 9: step 8 is the last whole one");
+}
+
 /// The issue's Lightning goal: 2 hosts of 2 ranks, one lost with a spare waiting: at most one
 /// step computed again, the losses after the resume those of an uninterrupted run.
 #[test]
 fn lightning_a_node_lost_with_a_spare_waiting_resumes_every_rank_from_the_last_step() {
     a_spare_takes_over(&py("lightning_train.py"), "lightning-spare");
+}
+
+/// The issue's scale change for Lightning: four ranks on two hosts, host b lost and no spare: the
+/// two left resume at world 2 from the step all four saved (rank 0's checkpoint, read by both),
+/// with the model saved at that step, and finish.
+#[test]
+fn lightning_a_smaller_world_resumes_from_the_step_four_ranks_saved() {
+    two_of_four_restore_the_model_saved("lightning-shrink", &py("lightning_train.py"), &[]);
 }
 
 /// Issue 36: a Hugging Face Trainer job (`py/hf_train.py`: DDP, gloo, `rlaunch.hf.Snapshots` and
@@ -842,6 +864,12 @@ fn hf_a_worker_that_exits_resumes_from_the_last_step_with_the_same_losses() {
 #[test]
 fn hf_a_node_lost_with_a_spare_waiting_resumes_every_rank_from_the_last_step() {
     a_spare_takes_over(&py("hf_train.py"), "hf-spare");
+}
+
+/// The issue's scale change for the Hugging Face Trainer, as for Lightning above.
+#[test]
+fn hf_a_smaller_world_resumes_from_the_step_four_ranks_saved() {
+    two_of_four_restore_the_model_saved("hf-shrink", &py("hf_train.py"), &[]);
 }
 
 /// The runnable examples (`examples/lightning_snapshots.py`, `examples/hf_snapshots.py`) as their

@@ -39,8 +39,6 @@ Lightning's ``AttributeDict`` (the module's ``hparams``) is; others are named in
 Outside rlaunch ``Snapshots`` saves nothing and ``ckpt_path()`` answers None (said once).
 """
 
-import time
-
 from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import CheckpointIO
@@ -56,8 +54,13 @@ _SCHEME = "rlaunch-snapshot://step-"
 # What ckpt_path() loaded, handed to the load that follows it in fit: (step, part).
 _held = None
 _ALLOW = (AttributeDict,)
-# The classes every Snapshots made in this process allows (ckpt_path() loads with them too).
-_allowed = []
+# The classes allowed to the loads of this process: every Snapshots' and ckpt_path()'s allow.
+_allowed = list(_ALLOW)
+
+
+def _allow(more=()):
+    _allowed.extend(a for a in more if a not in _allowed)
+    return tuple(_allowed)
 
 
 def _path(step):
@@ -76,7 +79,7 @@ def ckpt_path(*, allow=()):
     None when there is none (the first round, or outside rlaunch). It loads with the classes
     every ``Snapshots`` made so far allows, and ``allow``."""
     global _held
-    got = snapshot.load(allow=_ALLOW + tuple(_allowed) + tuple(allow))
+    got = snapshot.load(allow=_allow(allow))
     if got is None:
         _held = None
         return None
@@ -126,11 +129,8 @@ class Snapshots(Callback):
         if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1:
             raise ValueError(f"rlaunch.lightning.Snapshots: every_n_steps is a whole number >= 1, not {every_n_steps!r}")
         self.every_n_steps = every_n_steps
-        self.allow = _ALLOW + tuple(allow)
-        _allowed.extend(a for a in allow if a not in _allowed)
+        _allow(allow)
         self.saved = False
-        self.restored_step = None
-        self.restored_at = None
         # As ModelCheckpoint: never step 0 (no optimizer step yet; with gradient accumulation,
         # a half-accumulated batch).
         self._last = 0
@@ -175,7 +175,7 @@ class Snapshots(Callback):
         global _held
         got, _held = _held, None
         if got is None or got[0] != step:
-            got = snapshot.load(allow=self.allow)
+            got = snapshot.load(allow=_allow())
         if got is None:
             raise SnapshotError(f"rlaunch.lightning: no step is held for this round (ckpt_path asked for step {step})")
         held, part = got
@@ -184,11 +184,9 @@ class Snapshots(Callback):
         if not (isinstance(part, dict) and part.get("holder")):
             # This rank's part only says that it was not written here, or the saved world had no
             # such rank: rank 0's holds the whole checkpoint.
-            got = snapshot.load(rank=0, allow=self.allow)
+            got = snapshot.load(rank=0, allow=_allow())
             part = None if got is None else got[1]
         if not (isinstance(part, dict) and part.get(_MARK) == 1 and "checkpoint" in part):
             raise SnapshotError(f"rlaunch.lightning: step {step} was not saved by rlaunch.lightning.Snapshots")
-        self.restored_step = step
-        self.restored_at = time.time()
         self._last = step
         return part["checkpoint"]
